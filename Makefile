@@ -1,0 +1,33 @@
+# The README's two commands: `make demo` and `make test`.
+VENV ?= $(HOME)/.cache/omnistage/venv
+export OMNISTAGE_VENV := $(VENV)
+PY := $(VENV)/bin/python
+
+.PHONY: setup test test-unit test-engine test-cluster demo lint crd golden k8s-bins cluster-up cluster-down e2e-kind
+
+setup:
+	bash hack/setup.sh
+
+# Every tier that can run here: unit, engine (CPU), cluster (local control plane started by the fixture).
+test: setup
+	$(PY) -m pytest tests
+
+test-unit: setup
+	$(PY) -m pytest tests/unit
+
+test-engine: setup
+	$(PY) -m pytest tests/engine
+
+test-cluster: setup
+	$(PY) -m pytest tests/cluster
+
+lint: setup
+	$(VENV)/bin/ruff check operator engine_patches tests
+
+# Regenerate the committed CRD from the API models.
+crd: setup
+	$(VENV)/bin/omnistage crd > crds/omnistage.serving.omnistage.io.yaml
+
+# Regenerate the rendering golden files (review the diff before committing).
+golden: setup
+	OMNISTAGE_UPDATE_GOLDEN=1 $(PY) -m pytest tests/unit/test_render_golden.py -q
