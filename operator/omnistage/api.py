@@ -1,0 +1,252 @@
+"""The OmniStage API (group serving.omnistage.io, version v1alpha1) as pydantic models.
+
+The CRD in crds/ is generated from these models (see crd.py), so a field's description here
+is what `kubectl explain` prints, and a rule's message here is what the API server answers.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "serving.omnistage.io"
+VERSION = "v1alpha1"
+KIND = "OmniStage"
+PLURAL = "omnistages"
+SINGULAR = "omnistage"
+SHORT_NAMES = ["ost"]
+
+# Quantity strings as Kubernetes writes them (e.g. 16Gi, 512Mi, 1G).
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|K|M|G|T|P)?$"
+
+# Flags the operator owns on the engine command line; a user setting them would break membership.
+OPERATOR_OWNED_FLAGS = [
+    "--omni-master-address", "--omni-master-port", "--stage-id", "--headless", "--deploy-config",
+    "--omni-replica-address", "--omni-dp-size-local", "--port", "--api-server-count",
+]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", use_enum_values=True,
+        validate_default=True,
+    )
+
+
+class CacheMode(StrEnum):
+    AUTO = "auto"
+    PROCESSOR_ONLY = "processor-only"
+    LRU = "lru"
+    SHM = "shm"
+    DISABLED = "disabled"
+
+
+class EffectiveCacheMode(StrEnum):
+    PROCESSOR_ONLY = "processor-only"
+    LRU = "lru"
+    SHM = "shm"
+    DISABLED = "disabled"
+    NOT_APPLICABLE = "not-applicable"  # text-only models have no multimodal cache
+
+
+class Membership(StrEnum):
+    DYNAMIC = "dynamic"
+    STATIC = "static"
+
+
+class ModelKind(StrEnum):
+    MULTIMODAL = "multimodal"
+    TEXT_ONLY = "text-only"
+
+
+class CacheSpec(_Model):
+    """The stage-0 multimodal processor cache."""
+
+    mode: CacheMode = Field(
+        CacheMode.AUTO,
+        description=(
+            "Frontend multimodal cache. auto: processor-only whenever replicas can join or leave "
+            "(membership dynamic or replicas > 1), else lru. processor-only: the frontend keeps processed "
+            "items and always sends full tensors to the replica. lru/shm: vLLM's sender caches, which omit "
+            "tensors the frontend believes the replica holds; only valid for membership static with 1 replica "
+            "(shm is same-host only). disabled: no frontend cache."
+        ),
+    )
+    size_gib: float = Field(
+        4, ge=0, alias="sizeGiB", description="Cache size in GiB per process (mm_processor_cache_gb). 0 disables the cache."
+    )
+
+
+class EnvVar(_Model):
+    name: str = Field(min_length=1, description="Environment variable name.")
+    value: str = Field("", description="Environment variable value.")
+
+
+class EngineSpec(_Model):
+    """How the vllm-omni engine runs in the head and replica pods."""
+
+    image: str = Field(
+        "ghcr.io/omnistage/omnistage-engine:0.1.0",
+        min_length=1,
+        description="Engine image with vllm 0.30.0, vllm-omni 0.30.0 and this project's engine_patches plugin.",
+    )
+    image_pull_policy: str | None = Field(
+        None, pattern="^(Always|IfNotPresent|Never)$", description="Image pull policy of the engine containers."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine replica (stage-0 tensor_parallel_size).")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Fraction of each GPU's memory vLLM may use (0 < x <= 1)."
+    )
+    max_num_seqs: int | None = Field(None, ge=1, description="Maximum concurrent sequences per replica.")
+    max_model_len: int | None = Field(None, ge=1, description="Maximum model context length.")
+    enable_prefix_caching: bool | None = Field(None, description="Enable vLLM prefix caching (unset: vLLM default).")
+    log_stats: bool = Field(True, description="Record engine statistics (per-replica Prometheus series on the head).")
+    http_port: int = Field(8000, ge=1, le=65535, description="Port of the head's OpenAI API and membership endpoint.")
+    master_port: int = Field(
+        25000, ge=1, le=65535, description="Port of the head's replica registration socket (--omni-master-port)."
+    )
+    drain_timeout_seconds: int = Field(
+        30, ge=0, le=3600,
+        description="How long a leaving replica may finish in-flight requests before it is detached and deleted.",
+    )
+    startup_timeout_seconds: int = Field(
+        1800, ge=60, description="How long the head may take to load the model before its startup probe fails."
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, max_length=64,
+        description="Extra arguments for `vllm serve` on head and replicas. Flags the operator sets are refused.",
+    )
+    env: list[EnvVar] = Field(default_factory=list, max_length=128, description="Extra environment variables for the engine.")
+    stage_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Extra keys merged into stage 0 of the rendered vllm-omni deploy config (e.g. max_num_batched_tokens). "
+            "Cache and replica keys are owned by the operator."
+        ),
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+class GpuSpec(_Model):
+    """The GPUs each engine pod requests and the nodes that have them."""
+
+    resource: str = Field("nvidia.com/gpu", min_length=1, description="Extended resource name of the GPU.")
+    count: int = Field(1, ge=1, description="GPUs per engine pod; at least engine.tensorParallelSize.")
+    product: str = Field("NVIDIA-H200", min_length=1, description="GPU product the pods must run on.")
+    product_label: str = Field(
+        "nvidia.com/gpu.product", min_length=1,
+        description="Node label that carries the GPU product (set by NVIDIA GPU feature discovery).",
+    )
+
+
+class PlacementSpec(_Model):
+    """Extra scheduling constraints for every engine pod."""
+
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Extra node labels; merged with the GPU product selector."
+    )
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Extra tolerations (core/v1 Toleration); a toleration for the GPU resource taint is always added.",
+        json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+    )
+    affinity: dict[str, Any] | None = Field(
+        None, description="Pod affinity (core/v1 Affinity).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+    priority_class_name: str | None = Field(None, description="PriorityClass of the engine pods.")
+    scheduler_name: str | None = Field(None, description="Scheduler of the engine pods.")
+
+
+class PvcSource(_Model):
+    claim_name: str = Field(min_length=1, description="PersistentVolumeClaim holding the model weights.")
+    read_only: bool = Field(True, description="Mount the claim read-only.")
+
+
+class HostPathSource(_Model):
+    path: str = Field(min_length=1, pattern="^/", description="Absolute directory on the node with the weights.")
+
+
+class ModelVolumeSpec(_Model):
+    """Where the weights come from. Without it the engine downloads into an emptyDir."""
+
+    mount_path: str = Field("/models", pattern="^/", description="Where the weights are mounted in the engine pods.")
+    pvc: PvcSource | None = Field(None, description="Mount a PersistentVolumeClaim.")
+    host_path: HostPathSource | None = Field(None, description="Mount a directory of the node.")
+
+
+class OmniStageSpec(_Model):
+    """Desired state of an OmniStage: one head pod plus replicas-1 headless stage-0 replica pods."""
+
+    model: str = Field(min_length=1, description="Model name or path served by `vllm serve` (e.g. Qwen/Qwen3-Omni-30B-A3B-Instruct).")
+    pipeline: str | None = Field(
+        None, description="vllm-omni pipeline registry key written into the deploy config (e.g. qwen3_omni_moe_thinker_only)."
+    )
+    model_kind: ModelKind = Field(
+        ModelKind.MULTIMODAL, description="multimodal (has a multimodal processor cache) or text-only (no cache to manage)."
+    )
+    replicas: int = Field(
+        1, ge=1, le=256,
+        description="Stage-0 engine replicas, head included (the head pod carries one). Change with `kubectl scale`.",
+    )
+    membership: Membership = Field(
+        Membership.DYNAMIC,
+        description="dynamic: replicas may join and leave at run time (kubectl scale, HPA). static: a fixed set.",
+    )
+    cache: CacheSpec = Field(default_factory=CacheSpec, json_schema_extra={"default": {}}, description="Stage-0 multimodal processor cache.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, json_schema_extra={"default": {}}, description="Engine image, parallelism and arguments.")
+    gpu: GpuSpec = Field(default_factory=GpuSpec, json_schema_extra={"default": {}}, description="GPUs per engine pod and the nodes that have them.")
+    placement: PlacementSpec = Field(default_factory=PlacementSpec, json_schema_extra={"default": {}}, description="Extra scheduling constraints.")
+    shm_size: str = Field(
+        "16Gi", pattern=QUANTITY_PATTERN, description="Size of the /dev/shm memory volume of each engine pod."
+    )
+    model_volume: ModelVolumeSpec | None = Field(None, description="Where the model weights come from.")
+
+
+# Child names are NAME-head, NAME-replica-N, NAME-config...; they must stay valid label values.
+MAX_NAME_LENGTH = 40
+
+
+class Condition(_Model):
+    type: str = Field(description="Condition type.")
+    status: str = Field(description="True, False or Unknown.")
+    reason: str = Field("", description="Machine-readable reason code.")
+    message: str = Field("", description="Human-readable explanation.")
+    observed_generation: int | None = Field(None, description="Generation the condition was computed for.")
+    last_transition_time: str | None = Field(None, description="When the status last changed (RFC 3339).")
+
+
+class HeadStatus(_Model):
+    pod: str | None = Field(None, description="Head pod name.")
+    uid: str | None = Field(None, description="Head pod UID; a change means every replica must be rolled.")
+    ip: str | None = Field(None, description="Head pod IP (the engine's master address).")
+    boot_id: str | None = Field(None, description="The engine's boot id as reported by the membership endpoint.")
+
+
+class MemberStatus(_Model):
+    pod: str = Field(description="Replica pod name.")
+    ip: str | None = Field(None, description="Replica pod IP.")
+    replica_id: int | None = Field(None, description="Replica id the head assigned (never reused).")
+    state: str = Field(description="Pending, Joining, Joined, Leaving or Left.")
+
+
+class OmniStageStatus(_Model):
+    """Observed state, written only by the operator."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    observed_generation: int | None = Field(None, description="Spec generation the status describes.")
+    replicas: int = Field(0, description="Stage-0 engine pods that exist (head included).")
+    ready_replicas: int = Field(0, description="Engine pods that are Ready.")
+    registered_replicas: int = Field(0, description="Engine replicas the head acknowledged (head included).")
+    updated_replicas: int = Field(0, description="Engine pods running the current config and pod template.")
+    selector: str = Field("", description="Label selector of the counted pods (scale subresource).")
+    effective_cache_mode: EffectiveCacheMode | None = Field(None, description="The resolved stage-0 cache mode.")
+    config_hash: str | None = Field(None, description="Hash of the rendered engine config and pod template.")
+    head: HeadStatus | None = Field(None, description="The head pod.")
+    membership_epoch: int | None = Field(None, description="Membership epoch last acknowledged by the head.")
+    members: list[MemberStatus] = Field(default_factory=list, description="Replica pods and their membership.")
+    conditions: list[Condition] = Field(default_factory=list, description="Ready, HeadReady, ReplicasAvailable, MembershipSynced, ConfigRendered, Progressing, ReplicaFailure.")

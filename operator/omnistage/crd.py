@@ -1,0 +1,136 @@
+"""Generate the OmniStage CustomResourceDefinition from the API models.
+
+Kubernetes wants a structural OpenAPI v3 schema: every node typed, no $ref, no anyOf for
+optional fields. Pydantic's JSON schema is close; `structural` closes the gap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import api
+from .validation import NAME_RULE_CEL, NAME_RULE_MESSAGE, SPEC_RULES
+from .yamlio import dump
+
+_DROP = {"title"}
+
+
+def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """Inline $refs, collapse Optional[...] and drop what Kubernetes rejects."""
+    if "$ref" in schema:
+        target = defs[schema["$ref"].rsplit("/", 1)[-1]]
+        merged = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+        return structural(merged, defs)
+    if "anyOf" in schema:
+        options = [o for o in schema["anyOf"] if o.get("type") != "null"]
+        if len(options) != 1:
+            raise ValueError(f"cannot express anyOf {schema['anyOf']} structurally")
+        rest = {k: v for k, v in schema.items() if k != "anyOf"}
+        return structural({**options[0], **rest}, defs)
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _DROP or (key == "default" and value is None):
+            continue
+        if key == "additionalProperties" and value is False:
+            continue  # Kubernetes forbids it beside properties; unknown fields are pruned anyway
+        if key == "exclusiveMinimum":  # JSON Schema 2020 number -> OpenAPI v3.0 boolean form
+            out["minimum"], out["exclusiveMinimum"] = value, True
+            continue
+        if key == "properties":
+            out[key] = {name: structural(sub, defs) for name, sub in value.items()}
+        elif key in ("items", "additionalProperties") and isinstance(value, dict):
+            out[key] = structural(value, defs)
+        else:
+            out[key] = value
+    if out.get("x-kubernetes-preserve-unknown-fields") and out.get("type") == "object":
+        out.pop("additionalProperties", None)
+    if out.get("type") == "object" and out.get("additionalProperties") is True:
+        out.pop("additionalProperties")
+        out["x-kubernetes-preserve-unknown-fields"] = True
+    return out
+
+
+def _schema_of(model: type[api.BaseModel]) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, mode="serialization")
+    defs = raw.pop("$defs", {})
+    return structural(raw, defs)
+
+
+def _sort_enum_defaults(schema: dict[str, Any]) -> None:
+    """Enum defaults come out as members; Kubernetes wants the plain string."""
+    if "default" in schema and hasattr(schema["default"], "value"):
+        schema["default"] = schema["default"].value
+    for sub in schema.get("properties", {}).values():
+        _sort_enum_defaults(sub)
+    if isinstance(schema.get("items"), dict):
+        _sort_enum_defaults(schema["items"])
+
+
+def build_crd() -> dict[str, Any]:
+    spec_schema = _schema_of(api.OmniStageSpec)
+    spec_schema["x-kubernetes-validations"] = [
+        {"rule": r.cel, "message": r.message, "fieldPath": r.field} for r in SPEC_RULES
+    ]
+    status_schema = _schema_of(api.OmniStageStatus)
+    for schema in (spec_schema, status_schema):
+        _sort_enum_defaults(schema)
+    root = {
+        "type": "object",
+        "description": "OmniStage runs vllm-omni with a replicated, elastic stage 0 on GPU nodes and keeps its "
+        "multimodal caches consistent while replicas join and leave.",
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema,
+            "status": status_schema,
+        },
+        "required": ["spec"],
+        "x-kubernetes-validations": [{"rule": NAME_RULE_CEL, "message": NAME_RULE_MESSAGE}],
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{api.PLURAL}.{api.GROUP}"},
+        "spec": {
+            "group": api.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": api.KIND,
+                "listKind": f"{api.KIND}List",
+                "plural": api.PLURAL,
+                "singular": api.SINGULAR,
+                "shortNames": api.SHORT_NAMES,
+                "categories": ["all"],
+            },
+            "versions": [{
+                "name": api.VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {
+                    "status": {},
+                    "scale": {
+                        "specReplicasPath": ".spec.replicas",
+                        "statusReplicasPath": ".status.replicas",
+                        "labelSelectorPath": ".status.selector",
+                    },
+                },
+                "additionalPrinterColumns": [
+                    {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas",
+                     "description": "Stage-0 engine replicas wanted (head included)"},
+                    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas",
+                     "description": "Engine pods that are Ready"},
+                    {"name": "Registered", "type": "integer", "jsonPath": ".status.registeredReplicas",
+                     "description": "Replicas the engine head acknowledged"},
+                    {"name": "Cache", "type": "string", "jsonPath": ".status.effectiveCacheMode",
+                     "description": "Resolved stage-0 frontend cache mode"},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+                "schema": {"openAPIV3Schema": root},
+            }],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    return dump(build_crd())

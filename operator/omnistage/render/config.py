@@ -1,0 +1,71 @@
+"""The vllm-omni deploy config: one YAML for head and replicas, as vllm-omni requires
+(a headless replica resolves the same file locally; the head's plan stays authoritative)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from ..api import EffectiveCacheMode
+from .common import Target, config_hash, metadata
+
+CONFIG_KEY = "deploy.yaml"
+CONFIG_DIR = "/etc/omnistage"
+CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
+
+
+def _cache_keys(mode: str, size_gib: float) -> dict[str, Any]:
+    """Stage-0 cache settings. processor-only has no vLLM 0.30.0 knob: the config keeps an lru
+    size (the processor-only cache and the replicas' receiver caches are sized by it) and the
+    engine plugin swaps the frontend to MultiModalProcessorOnlyCache (OMNISTAGE_FRONTEND_CACHE)."""
+    if mode == EffectiveCacheMode.NOT_APPLICABLE:
+        return {}
+    if mode == EffectiveCacheMode.DISABLED or size_gib == 0:
+        return {"mm_processor_cache_gb": 0}
+    sender = "shm" if mode == EffectiveCacheMode.SHM else "lru"
+    return {"mm_processor_cache_gb": size_gib, "mm_processor_cache_type": sender}
+
+
+def render_deploy_config(t: Target) -> dict[str, Any]:
+    e = t.spec.engine
+    stage0: dict[str, Any] = {
+        "stage_id": 0,
+        # The head's own replica; headless replicas join through registration, so the head
+        # never waits for them at startup and kubectl scale needs no config change.
+        "num_replicas": 1,
+        "devices": ",".join(str(i) for i in range(t.spec.gpu.count)),
+        "tensor_parallel_size": e.tensor_parallel_size,
+        "gpu_memory_utilization": e.gpu_memory_utilization,
+    }
+    if e.max_num_seqs is not None:
+        stage0["max_num_seqs"] = e.max_num_seqs
+    if e.max_model_len is not None:
+        stage0["max_model_len"] = e.max_model_len
+    stage0.update(_cache_keys(t.cache.mode, t.spec.cache.size_gib))
+    stage0.update(e.stage_overrides)
+    config: dict[str, Any] = {}
+    if t.spec.pipeline:
+        config["pipeline"] = t.spec.pipeline
+    config["distributed_executor_backend"] = "mp"
+    if e.enable_prefix_caching is not None:
+        config["enable_prefix_caching"] = e.enable_prefix_caching
+    config["stages"] = [stage0]
+    return config
+
+
+def deploy_yaml(t: Target) -> str:
+    return yaml.safe_dump(render_deploy_config(t), sort_keys=False)
+
+
+def render_configmap(t: Target) -> dict[str, Any]:
+    text = deploy_yaml(t)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(t, t.child_name("config"), annotations={
+            "serving.omnistage.io/config-hash": config_hash(text),
+            "serving.omnistage.io/effective-cache-mode": str(t.cache.mode),
+        }),
+        "data": {CONFIG_KEY: text},
+    }

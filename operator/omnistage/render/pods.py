@@ -1,0 +1,164 @@
+"""Head and replica pods. Operator-managed pods (not a StatefulSet) so the operator picks which
+replica leaves and tells the engine before deleting it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .common import (
+    A_CONFIG_HASH, A_HEAD_UID, A_REPLICA_INDEX, A_TEMPLATE_HASH, ROLE_HEAD, ROLE_REPLICA, Target, config_hash,
+    content_hash, metadata,
+)
+from .config import CONFIG_DIR, CONFIG_PATH, deploy_yaml
+
+TOKEN_DIR = "/var/run/secrets/omnistage"
+TOKEN_KEY = "token"
+CACHE_DIR = "/root/.cache"
+# vLLM loads only allow-listed plugins when VLLM_PLUGINS is set; vllm-omni's own entry must stay in.
+VLLM_PLUGINS = "vllm_omni_register_models,omnistage_engine_patches,omnistage_membership"
+
+
+def head_pod_name(t: Target) -> str:
+    return t.child_name("head")
+
+
+def replica_pod_name(t: Target, index: int) -> str:
+    return t.child_name(f"replica-{index}")
+
+
+def _env(t: Target, role: str) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        # vLLM otherwise finds its address with a UDP route probe; the pod IP is the right answer.
+        {"name": "VLLM_HOST_IP", "value": "$(POD_IP)"},
+        {"name": "VLLM_PLUGINS", "value": VLLM_PLUGINS},
+        {"name": "VLLM_CACHE_ROOT", "value": f"{CACHE_DIR}/vllm"},
+    ]
+    if role == ROLE_HEAD:
+        env += [
+            {"name": "OMNISTAGE_MEMBERSHIP_TOKEN_FILE", "value": f"{TOKEN_DIR}/{TOKEN_KEY}"},
+            # Tells the engine plugin the mode the operator resolved, in addition to its own detection.
+            {"name": "OMNISTAGE_FRONTEND_CACHE", "value": str(t.cache.mode)},
+            {"name": "VLLM_ENGINE_READY_TIMEOUT_S", "value": str(t.spec.engine.startup_timeout_seconds)},
+        ]
+    env += [{"name": v.name, "value": v.value} for v in t.spec.engine.env]
+    return env
+
+
+def _head_args(t: Target) -> list[str]:
+    e = t.spec.engine
+    args = ["serve", t.spec.model, "--omni", "--deploy-config", CONFIG_PATH, "--host", "0.0.0.0",
+            "--port", str(e.http_port)]
+    if t.distributed:
+        args += ["--stage-id", "0", "--omni-master-address", "$(POD_IP)", "--omni-master-port", str(e.master_port),
+                 "--stage-init-timeout", str(e.startup_timeout_seconds),
+                 "--init-timeout", str(e.startup_timeout_seconds)]
+    if not e.log_stats:
+        args.append("--disable-log-stats")
+    return args + list(e.extra_args)
+
+
+def _replica_args(t: Target, head_ip: str) -> list[str]:
+    e = t.spec.engine
+    return ["serve", t.spec.model, "--omni", "--headless", "--deploy-config", CONFIG_PATH,
+            "--stage-id", "0", "--omni-master-address", head_ip, "--omni-master-port", str(e.master_port),
+            "--omni-replica-address", "$(POD_IP)", "--worker-backend", "multi_process"] + list(e.extra_args)
+
+
+def _volumes(t: Target, role: str) -> tuple[list[dict], list[dict]]:
+    volumes = [
+        {"name": "config", "configMap": {"name": t.child_name("config")}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": t.spec.shm_size}},
+        {"name": "cache", "emptyDir": {}},
+    ]
+    mounts = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "cache", "mountPath": CACHE_DIR},
+    ]
+    if role == ROLE_HEAD:
+        volumes.append({"name": "membership-token", "secret": {"secretName": t.child_name("membership")}})
+        mounts.append({"name": "membership-token", "mountPath": TOKEN_DIR, "readOnly": True})
+    mv = t.spec.model_volume
+    if mv is not None:
+        if mv.pvc is not None:
+            volumes.append({"name": "model", "persistentVolumeClaim": {
+                "claimName": mv.pvc.claim_name, "readOnly": mv.pvc.read_only}})
+        else:
+            volumes.append({"name": "model", "hostPath": {"path": mv.host_path.path, "type": "Directory"}})
+        mounts.append({"name": "model", "mountPath": mv.mount_path, "readOnly": True})
+    return volumes, mounts
+
+
+def _pod_spec(t: Target, role: str, args: list[str]) -> dict[str, Any]:
+    s = t.spec
+    volumes, mounts = _volumes(t, role)
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": s.engine.image,
+        "command": ["vllm"],
+        "args": args,
+        "env": _env(t, role),
+        "resources": {"limits": {s.gpu.resource: str(s.gpu.count)}},
+        "volumeMounts": mounts,
+    }
+    if s.engine.image_pull_policy:
+        container["imagePullPolicy"] = s.engine.image_pull_policy
+    if role == ROLE_HEAD:
+        port = s.engine.http_port
+        container["ports"] = [
+            {"name": "http", "containerPort": port, "protocol": "TCP"},
+            {"name": "master", "containerPort": s.engine.master_port, "protocol": "TCP"},
+        ]
+        # /health is 503 while any stage has no live replica: fine for readiness, fatal as liveness
+        # (restarting the head restarts every replica), so liveness only checks the socket.
+        container["startupProbe"] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+                                     "failureThreshold": max(1, s.engine.startup_timeout_seconds // 10)}
+        container["readinessProbe"] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
+                                       "failureThreshold": 3}
+        container["livenessProbe"] = {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 6}
+    tolerations = [{"key": s.gpu.resource, "operator": "Exists", "effect": "NoSchedule"}]
+    tolerations += s.placement.tolerations
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never" if role == ROLE_REPLICA else "Always",
+        "containers": [container],
+        "volumes": volumes,
+        "nodeSelector": {s.gpu.product_label: s.gpu.product, **s.placement.node_selector},
+        "tolerations": tolerations,
+        # Room for vLLM's own drain after the operator's leave has already drained the replica.
+        "terminationGracePeriodSeconds": s.engine.drain_timeout_seconds + 30,
+        "enableServiceLinks": False,
+    }
+    if s.placement.affinity:
+        spec["affinity"] = s.placement.affinity
+    if s.placement.priority_class_name:
+        spec["priorityClassName"] = s.placement.priority_class_name
+    if s.placement.scheduler_name:
+        spec["schedulerName"] = s.placement.scheduler_name
+    return spec
+
+
+def _pod(t: Target, name: str, role: str, spec: dict[str, Any], extra: dict[str, str]) -> dict[str, Any]:
+    annotations = {
+        A_CONFIG_HASH: config_hash(deploy_yaml(t)),
+        # One hash over the config and the pod spec: any change means the pod must be rolled.
+        A_TEMPLATE_HASH: content_hash({"config": deploy_yaml(t), "spec": spec, "extra": extra}),
+        **extra,
+    }
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata(t, name, role, annotations), "spec": spec}
+
+
+def render_head_pod(t: Target) -> dict[str, Any]:
+    return _pod(t, head_pod_name(t), ROLE_HEAD, _pod_spec(t, ROLE_HEAD, _head_args(t)), {})
+
+
+def render_replica_pod(t: Target, index: int, head_ip: str, head_uid: str) -> dict[str, Any]:
+    """A headless stage-0 replica. Replicas never re-register after a head restart, so each one
+    is bound to one head incarnation (its IP in the args, its UID in an annotation)."""
+    if not t.distributed:
+        raise ValueError("a static single-replica OmniStage has no replica pods")
+    spec = _pod_spec(t, ROLE_REPLICA, _replica_args(t, head_ip))
+    return _pod(t, replica_pod_name(t, index), ROLE_REPLICA, spec,
+                {A_HEAD_UID: head_uid, A_REPLICA_INDEX: str(index)})
+
