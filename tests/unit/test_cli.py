@@ -1,0 +1,39 @@
+"""`omnistage` as a user runs it."""
+
+import subprocess
+import sys
+
+import yaml
+
+from .conftest import ROOT
+
+
+def omnistage(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "omnistage", *args], capture_output=True, text=True,
+                          input=stdin, cwd=ROOT, timeout=60)
+
+
+def test_crd_command_prints_the_committed_crd():
+    out = omnistage("crd")
+    assert out.returncode == 0
+    assert out.stdout == (ROOT / "crds/omnistage.serving.omnistage.io.yaml").read_text()
+
+
+def test_render_sample():
+    out = omnistage("render", "-f", "manifests/samples/omnistage.yaml")
+    assert out.returncode == 0, out.stderr
+    kinds = [d["kind"] for d in yaml.safe_load_all(out.stdout)]
+    assert kinds == ["ConfigMap", "Secret", "Service", "Service", "NetworkPolicy", "Pod", "Pod"]
+    assert "effective stage-0 cache mode processor-only" in out.stderr
+
+
+def test_render_invalid_file_names_field_and_fix():
+    bad = (ROOT / "manifests/samples/omnistage.yaml").read_text().replace("mode: auto", "mode: lru")
+    out = omnistage("render", "-f", "-", stdin=bad)
+    assert out.returncode == 2 and out.stdout == ""
+    assert "spec.cache.mode" in out.stderr and "Use cache.mode auto or processor-only" in out.stderr
+
+
+def test_render_wrong_kind():
+    out = omnistage("render", "-f", "-", stdin="apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
+    assert out.returncode == 2 and "holds no OmniStage" in out.stderr

@@ -1,0 +1,121 @@
+"""Invariants of the rendered children that every scenario must keep."""
+
+import copy
+
+import pytest
+import yaml
+
+from omnistage.render import render_children, render_head_pod, render_replica_pod, selector, target_from
+from omnistage.render.common import A_HEAD_UID, A_TEMPLATE_HASH
+
+from .conftest import SAMPLE
+
+HEAD_IP, HEAD_UID = "127.77.0.10", "uid-1"
+
+
+def target(**spec):
+    obj = copy.deepcopy(SAMPLE)
+    obj["spec"].update(spec)
+    obj["metadata"].update(namespace="serving", uid="ost-uid")
+    return target_from(obj)
+
+
+def args_of(pod):
+    return pod["spec"]["containers"][0]["args"]
+
+
+def flag(args, name):
+    return args[args.index(name) + 1]
+
+
+def test_engine_pods_request_h200_gpus_and_shm():
+    t = target(replicas=3)
+    for pod in [render_head_pod(t), render_replica_pod(t, 1, HEAD_IP, HEAD_UID)]:
+        spec = pod["spec"]
+        assert spec["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+        assert spec["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-H200"
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in spec["containers"][0]["volumeMounts"]
+        assert pod["metadata"]["ownerReferences"][0]["uid"] == "ost-uid"
+
+
+def test_head_binds_master_on_its_pod_ip_and_replicas_dial_it():
+    t = target(replicas=2)
+    head_args = args_of(render_head_pod(t))
+    assert flag(head_args, "--omni-master-address") == "$(POD_IP)"
+    assert flag(head_args, "--stage-id") == "0" and "--headless" not in head_args
+    replica = render_replica_pod(t, 1, HEAD_IP, HEAD_UID)
+    r_args = args_of(replica)
+    assert "--headless" in r_args
+    assert flag(r_args, "--omni-master-address") == HEAD_IP
+    assert flag(r_args, "--omni-master-port") == flag(head_args, "--omni-master-port")
+    assert flag(r_args, "--deploy-config") == flag(head_args, "--deploy-config")
+    assert replica["metadata"]["annotations"][A_HEAD_UID] == HEAD_UID
+
+
+def test_static_single_replica_runs_a_local_runtime():
+    t = target(replicas=1, membership="static")
+    assert "--stage-id" not in args_of(render_head_pod(t))
+    assert render_children(t, "tok", HEAD_IP, HEAD_UID).replicas == []
+    with pytest.raises(ValueError):
+        render_replica_pod(t, 1, HEAD_IP, HEAD_UID)
+
+
+def test_one_replica_pod_per_extra_replica():
+    children = render_children(target(replicas=4), "tok", HEAD_IP, HEAD_UID)
+    assert [p["metadata"]["name"] for p in children.replicas] == [
+        "qwen3-omni-replica-1", "qwen3-omni-replica-2", "qwen3-omni-replica-3"]
+
+
+def test_selector_matches_head_and_replicas_only():
+    t = target(replicas=2)
+    wanted = dict(kv.split("=") for kv in selector(t).split(","))
+    children = render_children(t, "tok", HEAD_IP, HEAD_UID)
+    for pod in [children.head, *children.replicas]:
+        assert wanted.items() <= pod["metadata"]["labels"].items()
+    for other in [children.configmap, children.api_service, children.secret]:
+        assert not wanted.items() <= other["metadata"]["labels"].items()
+
+
+def test_config_change_changes_every_pod_hash():
+    before, after = target(replicas=2), target(replicas=2, cache={"mode": "disabled"})
+    for render in (render_head_pod, lambda t: render_replica_pod(t, 1, HEAD_IP, HEAD_UID)):
+        assert render(before)["metadata"]["annotations"][A_TEMPLATE_HASH] != \
+            render(after)["metadata"]["annotations"][A_TEMPLATE_HASH]
+
+
+def test_scaling_does_not_change_pod_hashes():
+    """kubectl scale must add or remove replicas, not roll the ones that serve."""
+    two, five = target(replicas=2), target(replicas=5)
+    assert render_head_pod(two)["metadata"]["annotations"] == render_head_pod(five)["metadata"]["annotations"]
+    assert render_replica_pod(two, 1, HEAD_IP, HEAD_UID) == render_replica_pod(five, 1, HEAD_IP, HEAD_UID)
+
+
+def test_new_head_rolls_replicas():
+    t = target(replicas=2)
+    a = render_replica_pod(t, 1, HEAD_IP, HEAD_UID)["metadata"]["annotations"][A_TEMPLATE_HASH]
+    b = render_replica_pod(t, 1, "127.77.0.11", "uid-2")["metadata"]["annotations"][A_TEMPLATE_HASH]
+    assert a != b
+
+
+def test_processor_only_is_rendered_for_the_engine_plugin():
+    t = target(replicas=2)
+    cm = render_children(t, "tok", HEAD_IP, HEAD_UID).configmap
+    stage0 = yaml.safe_load(cm["data"]["deploy.yaml"])["stages"][0]
+    assert stage0["mm_processor_cache_gb"] == 4 and stage0["num_replicas"] == 1
+    env = {e["name"]: e.get("value") for e in render_head_pod(t)["spec"]["containers"][0]["env"]}
+    assert env["OMNISTAGE_FRONTEND_CACHE"] == "processor-only"
+    assert "vllm_omni_register_models" in env["VLLM_PLUGINS"].split(",")
+
+
+def test_network_policy_admits_only_own_replicas_to_engine_ports():
+    np = render_children(target(replicas=2), "tok", HEAD_IP, HEAD_UID).network_policy
+    engine_rule, http_rule = np["spec"]["ingress"]
+    assert engine_rule["from"][0]["podSelector"]["matchLabels"]["serving.omnistage.io/role"] == "replica"
+    assert engine_rule["from"][0]["podSelector"]["matchLabels"]["serving.omnistage.io/omnistage"] == "qwen3-omni"
+    assert "from" not in http_rule and http_rule["ports"] == [{"port": 8000, "protocol": "TCP"}]
+
+
+def test_master_service_publishes_not_ready_head():
+    svc = render_children(target(replicas=2), "tok", HEAD_IP, HEAD_UID).master_service
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
