@@ -10,9 +10,9 @@ import yaml
 
 from . import api
 from .crd import crd_yaml
-from .yamlio import dump_all
 from .render import render_children, target_from
 from .validation import InvalidSpec
+from .yamlio import dump_all
 
 PLACEHOLDER_HEAD_IP = "HEAD_POD_IP"
 PLACEHOLDER_HEAD_UID = "HEAD_POD_UID"
@@ -23,8 +23,8 @@ def _load_omnistages(path: str) -> list[dict]:
         docs = [d for d in yaml.safe_load_all(f) if d]
     found = [d for d in docs if d.get("kind") == api.KIND]
     if not found:
-        raise InvalidSpec([("kind", f"{path} holds no {api.KIND} (expected apiVersion {api.GROUP}/{api.VERSION}, "
-                                    f"kind {api.KIND})")])
+        expected = f"expected apiVersion {api.GROUP}/{api.VERSION}, kind {api.KIND}"
+        raise InvalidSpec([("kind", f"{path} holds no {api.KIND} ({expected})")])
     for d in found:
         if d.get("apiVersion") != f"{api.GROUP}/{api.VERSION}":
             raise InvalidSpec([("apiVersion", f"is {d.get('apiVersion')!r}; expected {api.GROUP}/{api.VERSION}")])
@@ -61,7 +61,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from .operator_main import run  # kopf is imported only when the operator runs
 
-    return run(namespaces=args.namespace, metrics_port=args.metrics_port, probe_port=args.probe_port)
+    return run(namespaces=args.namespace, metrics_port=args.metrics_port, probe_port=args.probe_port,
+               bind=args.bind_address)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="watch only this namespace (repeatable); default: all namespaces")
     run.add_argument("--metrics-port", type=int, default=8080, help="Prometheus /metrics port (0: off)")
     run.add_argument("--probe-port", type=int, default=8081, help="liveness/readiness probe port (0: off)")
+    run.add_argument("--bind-address", default="0.0.0.0", help="address for /metrics and the probes")
     run.set_defaults(func=cmd_run)
     return p
 

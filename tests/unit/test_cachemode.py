@@ -3,7 +3,6 @@
 import itertools
 
 import pytest
-
 from omnistage.cachemode import CacheModeRejected, resolve_cache_mode
 
 REJECT = "rejected"

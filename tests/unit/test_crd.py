@@ -1,7 +1,6 @@
 """The committed CRD is exactly what the models generate, and has what kubectl and HPA need."""
 
 import yaml
-
 from omnistage.crd import build_crd, crd_yaml
 
 from .conftest import ROOT

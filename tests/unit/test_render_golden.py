@@ -4,7 +4,6 @@ import os
 
 import pytest
 import yaml
-
 from omnistage.render import render_children, target_from
 from omnistage.yamlio import dump_all
 

@@ -4,7 +4,6 @@ import copy
 
 import pytest
 import yaml
-
 from omnistage.validation import InvalidSpec, validate_omnistage
 
 from .conftest import ROOT, SAMPLE

@@ -6,8 +6,16 @@ from __future__ import annotations
 from typing import Any
 
 from .common import (
-    A_CONFIG_HASH, A_HEAD_UID, A_REPLICA_INDEX, A_TEMPLATE_HASH, ROLE_HEAD, ROLE_REPLICA, Target, config_hash,
-    content_hash, metadata,
+    A_CONFIG_HASH,
+    A_HEAD_UID,
+    A_REPLICA_INDEX,
+    A_TEMPLATE_HASH,
+    ROLE_HEAD,
+    ROLE_REPLICA,
+    Target,
+    config_hash,
+    content_hash,
+    metadata,
 )
 from .config import CONFIG_DIR, CONFIG_PATH, deploy_yaml
 

@@ -1,0 +1,67 @@
+"""Operator metrics: counters and histograms updated inline, and a Collector that reports the
+latest observed state of every OmniStage at scrape time (crate-operator's pattern)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+RECONCILE_SECONDS = Histogram(
+    "omnistage_reconcile_duration_seconds", "Time one reconcile of an OmniStage took.", ["namespace", "name"])
+RECONCILE_ERRORS = Counter(
+    "omnistage_reconcile_errors_total", "Reconciles that raised, by error type.", ["namespace", "name", "error"])
+MEMBERSHIP_CALLS = Counter(
+    "omnistage_membership_calls_total", "Calls to the engine head's membership endpoint.", ["op", "result"])
+MEMBERSHIP_SECONDS = Histogram(
+    "omnistage_membership_call_duration_seconds", "Latency of membership calls.", ["op"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+
+
+class StatusCollector(Collector):
+    """Reads the status each reconcile last wrote; nothing here is state the operator acts on."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._status: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._status)
+
+    def observe(self, namespace: str, name: str, status: dict[str, Any] | None) -> None:
+        with self._lock:
+            if status is None:
+                self._status.pop((namespace, name), None)
+            else:
+                self._status[(namespace, name)] = status
+
+    def collect(self):
+        replicas = GaugeMetricFamily("omnistage_replicas", "Stage-0 engine replicas by state.",
+                                     labels=["namespace", "name", "state"])
+        conditions = GaugeMetricFamily("omnistage_condition", "OmniStage conditions (1 when the status matches).",
+                                       labels=["namespace", "name", "type", "status"])
+        with self._lock:
+            items = list(self._status.items())
+        for (ns, name), st in items:
+            for state, key in (("desired", "desiredReplicas"), ("existing", "replicas"), ("ready", "readyReplicas"),
+                               ("registered", "registeredReplicas"), ("updated", "updatedReplicas")):
+                if key in st:
+                    replicas.add_metric([ns, name, state], st[key])
+            for c in st.get("conditions", []):
+                for status in ("True", "False"):
+                    conditions.add_metric([ns, name, c["type"], status], 1.0 if c["status"] == status else 0.0)
+        yield replicas
+        yield conditions
+
+
+STATUS = StatusCollector()
+REGISTRY.register(STATUS)
+
+
+def serve(port: int, bind: str) -> None:
+    if port:
+        start_http_server(port, addr=bind)
