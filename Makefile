@@ -31,3 +31,19 @@ crd: setup
 # Regenerate the rendering golden files (review the diff before committing).
 golden: setup
 	OMNISTAGE_UPDATE_GOLDEN=1 $(PY) -m pytest tests/unit/test_render_golden.py -q
+
+# Local control plane for the cluster tests (hack/cluster-up.sh): etcd, kube-apiserver,
+# kube-controller-manager, kube-scheduler and kwok, built from their Go modules into
+# ~/.cache/omnistage (the first build takes minutes, later ones are skipped).
+k8s-bins:
+	bash hack/build-k8s-bins.sh
+
+cluster-up:
+	bash hack/cluster-up.sh
+
+cluster-down:
+	bash hack/cluster-down.sh
+
+# tests/cluster on a kind cluster with fake H200 GPUs; needs Docker, kind and kubectl (see hack/kind/e2e.sh).
+e2e-kind: setup
+	PY=$(PY) bash hack/kind/e2e.sh

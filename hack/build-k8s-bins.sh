@@ -2,7 +2,7 @@
 # Build kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, etcd and kwok from
 # their Go modules (no Docker, no release downloads) into a versioned cache outside the repo.
 # Prints the binary directory on its last line. Skips the build when the cached binaries
-# report the pinned versions.
+# report the pinned versions. `--check` only reports whether the cache is complete.
 set -euo pipefail
 
 K8S_VERSION="${K8S_VERSION:-v1.36.3}"
@@ -20,10 +20,16 @@ log() { echo "[build-k8s-bins $(date +%H:%M:%S)] $*" >&2; }
 cached() {
   [[ -x "$OUT/kube-apiserver" && -x "$OUT/kube-controller-manager" && -x "$OUT/kube-scheduler" \
      && -x "$OUT/kubectl" && -x "$OUT/etcd" && -x "$OUT/kwok" && -d "$OUT/kwok-stages" ]] || return 1
-  "$OUT/kube-apiserver" --version 2>/dev/null | grep -qx "Kubernetes $K8S_VERSION" || return 1
-  "$OUT/etcd" --version 2>/dev/null | grep -q "etcd Version: ${ETCD_VERSION#v}" || return 1
-  "$OUT/kwok" --version 2>/dev/null | grep -q "${KWOK_VERSION#v}" || return 1
+  # Capture first: `prog --version | grep -q` lets grep exit early, the program dies of SIGPIPE on
+  # its next line (etcd prints four) and pipefail turns a match into a miss, i.e. a rebuild.
+  local v
+  v="$("$OUT/kube-apiserver" --version 2>/dev/null)" && [[ "$v" == "Kubernetes $K8S_VERSION" ]] || return 1
+  v="$("$OUT/etcd" --version 2>/dev/null)" && [[ "$v" == *"etcd Version: ${ETCD_VERSION#v}"* ]] || return 1
+  v="$("$OUT/kwok" --version 2>/dev/null)" && [[ "$v" == *"kwok version $KWOK_VERSION "* ]] || return 1
 }
+
+# --check: print the binary directory if the cache is complete, else exit 1; never build.
+if [[ "${1:-}" == "--check" ]]; then cached && echo "$OUT"; exit; fi
 
 if cached; then
   log "cached binaries match $K8S_VERSION / etcd $ETCD_VERSION / kwok $KWOK_VERSION"

@@ -1,0 +1,216 @@
+"""Cluster tier: a real Kubernetes API server for every test under tests/cluster.
+
+By default the session starts the local control plane (hack/cluster-up.sh: etcd, kube-apiserver,
+kube-controller-manager, kube-scheduler and kwok with simulated H200 nodes, all on 127.0.0.1) and
+stops it at the end. Environment:
+
+  OMNISTAGE_USE_EXISTING_CLUSTER=1  use the cluster KUBECONFIG points at (kind, a GPU cluster)
+  OMNISTAGE_KEEP_CLUSTER=1          leave the local cluster running after the session
+  OMNISTAGE_CLUSTER_DIR             state dir of the local cluster (default /tmp/omnistage-cluster)
+  OMNISTAGE_KUBECTL                 kubectl binary to use instead of the one built with the cluster
+
+A local cluster that was already running when the session began (`make cluster-up`) is reused
+and left running. Fixtures for later tiers: `kubeconfig`, `kubectl`, `omnistage_crd`,
+`namespace`, `wait_for`, `local_cluster`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+HACK = ROOT / "hack"
+CRD_FILE = ROOT / "crds" / "omnistage.serving.omnistage.io.yaml"
+CRD_NAME = "omnistages.serving.omnistage.io"
+
+USE_EXISTING = os.environ.get("OMNISTAGE_USE_EXISTING_CLUSTER") == "1"
+KEEP = os.environ.get("OMNISTAGE_KEEP_CLUSTER") == "1"
+CLUSTER_DIR = Path(os.environ.get("OMNISTAGE_CLUSTER_DIR", "/tmp/omnistage-cluster"))
+
+# Bounds of the session-level steps. A cold binary build runs before any test (see
+# pytest_collection_finish), so cluster start-up itself is seconds to a minute.
+BUILD_TIMEOUT = 90 * 60
+CLUSTER_UP_TIMEOUT = 10 * 60
+CLUSTER_DOWN_TIMEOUT = 2 * 60
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(pytest.mark.cluster)
+
+
+def _live(config: pytest.Config, cmd: list[str], timeout: float, **kw: Any) -> subprocess.CompletedProcess[str]:
+    """Run a long hack/ script with output capture off, so its progress lines reach the terminal."""
+    capman = config.pluginmanager.getplugin("capturemanager")
+    with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
+        print(f"\n[cluster] $ {' '.join(cmd)}", flush=True)
+        return subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout, cwd=ROOT, **kw)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build (or find cached) Kubernetes binaries before the first cluster test starts.
+
+    A cold build takes tens of minutes on two cores, far beyond a per-test timeout, and
+    pytest-timeout counts fixture set-up against the first test; here no timeout applies.
+    """
+    if USE_EXISTING or os.environ.get("OMNISTAGE_KUBECTL"):
+        return
+    if not any(item.get_closest_marker("cluster") for item in session.items):
+        return
+    proc = _live(session.config, ["bash", str(HACK / "build-k8s-bins.sh")], timeout=BUILD_TIMEOUT)
+    if proc.returncode != 0:
+        pytest.exit("hack/build-k8s-bins.sh failed; see its output above", returncode=1)
+
+
+def _bin_dir() -> Path | None:
+    proc = subprocess.run(["bash", str(HACK / "build-k8s-bins.sh"), "--check"],
+                          capture_output=True, text=True, timeout=60)
+    return Path(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+
+
+def _kubectl_binary() -> str:
+    if os.environ.get("OMNISTAGE_KUBECTL"):
+        return os.environ["OMNISTAGE_KUBECTL"]
+    bin_dir = _bin_dir()
+    if bin_dir is not None:
+        return str(bin_dir / "kubectl")
+    if USE_EXISTING and shutil.which("kubectl"):
+        return shutil.which("kubectl")  # kind users have one; no need to build Kubernetes for it
+    pytest.fail("no kubectl: run `make k8s-bins`, or set OMNISTAGE_KUBECTL")
+
+
+class KubectlError(subprocess.CalledProcessError):
+    def __str__(self) -> str:
+        return f"{' '.join(self.cmd)} exited {self.returncode}:\n{self.stderr}{self.stdout}"
+
+
+class Kubectl:
+    """The real kubectl, pointed at the session's cluster.
+
+    kubectl("get", "pods", "-n", ns) returns the CompletedProcess (text); it raises KubectlError,
+    whose message carries stderr, unless check=False. kubectl.json(...) adds -o json and parses.
+    """
+
+    def __init__(self, binary: str, kubeconfig: Path):
+        self.binary = binary
+        self.kubeconfig = kubeconfig
+
+    def __call__(self, *args: str, check: bool = True, input: str | None = None,
+                 timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        cmd = [self.binary, f"--kubeconfig={self.kubeconfig}", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, input=input, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise KubectlError(proc.returncode, cmd, proc.stdout, proc.stderr)
+        return proc
+
+    def json(self, *args: str, **kw: Any) -> Any:
+        return json.loads(self(*args, "-o", "json", **kw).stdout)
+
+
+def _wait_for(description: str, predicate: Callable[[], Any], timeout: float = 60,
+              interval: float = 0.5) -> Any:
+    """Poll predicate until it returns something truthy; print progress; bounded by timeout."""
+    start = time.monotonic()
+    next_report = start + 5
+    print(f"[wait] {description} (up to {timeout:.0f}s)", flush=True)
+    while True:
+        value = predicate()
+        now = time.monotonic()
+        if value:
+            print(f"[wait] {description}: done after {now - start:.1f}s", flush=True)
+            return value
+        if now - start >= timeout:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {description}; last value {value!r}")
+        if now >= next_report:
+            print(f"[wait]   still waiting for {description} ({now - start:.0f}s)", flush=True)
+            next_report = now + 5
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def wait_for() -> Callable[..., Any]:
+    """wait_for(description, predicate, timeout=60, interval=0.5) -> the predicate's truthy value."""
+    return _wait_for
+
+
+@pytest.fixture(scope="session")
+def kubeconfig(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """Path of the session cluster's kubeconfig, also exported as KUBECONFIG for the session."""
+    config = request.config
+    started = False
+    if USE_EXISTING:
+        if not os.environ.get("KUBECONFIG"):
+            pytest.fail("OMNISTAGE_USE_EXISTING_CLUSTER=1 needs KUBECONFIG pointing at the cluster")
+        path = Path(os.environ["KUBECONFIG"].split(os.pathsep)[0])
+    else:
+        running = subprocess.run(["bash", str(HACK / "cluster-up.sh"), "--check"], timeout=60).returncode == 0
+        proc = _live(config, ["bash", str(HACK / "cluster-up.sh")], timeout=CLUSTER_UP_TIMEOUT)
+        if proc.returncode != 0:
+            pytest.fail("hack/cluster-up.sh failed; see its output above")
+        started = not running
+        path = CLUSTER_DIR / "admin.kubeconfig"
+    previous = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(path)
+    try:
+        yield path
+    finally:
+        if previous is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = previous
+        if started and not KEEP:
+            _live(config, ["bash", str(HACK / "cluster-down.sh")], timeout=CLUSTER_DOWN_TIMEOUT)
+        elif not USE_EXISTING:
+            print(f"\n[cluster] left running: export KUBECONFIG={path}  (stop: make cluster-down)")
+
+
+@pytest.fixture(scope="session")
+def local_cluster() -> bool:
+    """True on the local control plane (kwok nodes, loopback pod IPs), False on kind or a real cluster."""
+    return not USE_EXISTING
+
+
+@pytest.fixture(scope="session")
+def kubectl(kubeconfig: Path) -> Kubectl:
+    return Kubectl(_kubectl_binary(), kubeconfig)
+
+
+@pytest.fixture(scope="session")
+def omnistage_crd(kubectl: Kubectl) -> dict[str, Any]:
+    """Install the committed OmniStage CRD and wait until the API server serves it."""
+    if not CRD_FILE.exists():
+        pytest.fail(f"{CRD_FILE.relative_to(ROOT)} is missing (generate it with `make crd`)")
+    # Server-side apply: a generated CRD can outgrow the last-applied annotation of client-side apply.
+    kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=omnistage-tests", "-f", str(CRD_FILE))
+    _wait_for(f"CRD {CRD_NAME} Established", lambda: kubectl(
+        "wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=5s", check=False).returncode == 0,
+        timeout=60)
+    return kubectl.json("get", "crd", CRD_NAME)
+
+
+@pytest.fixture
+def namespace(request: pytest.FixtureRequest, kubectl: Kubectl) -> Iterator[str]:
+    """A fresh namespace per test; deleted afterwards (the namespace controller removes its contents)."""
+    stem = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"t-{stem}-{uuid.uuid4().hex[:5]}"
+    kubectl("create", "namespace", name)
+    kubectl("label", "namespace", name, "omnistage.io/test=true")
+    # Pods are refused until the controller manager has created the namespace's default ServiceAccount.
+    _wait_for(f"default ServiceAccount in {name}", lambda: kubectl(
+        "get", "serviceaccount", "default", "-n", name, check=False).returncode == 0, timeout=60)
+    yield name
+    kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found")

@@ -1,0 +1,250 @@
+"""The OmniStage API on a real API server, before any operator runs, driven by the real kubectl.
+
+Users run `kubectl apply / get / explain / scale` literally; so do these tests. The invalid specs
+are refused by the API server itself (OpenAPI and CEL rules of the committed CRD), and the GPU
+pods show that the simulated H200 nodes are what the scheduler sees.
+"""
+
+from __future__ import annotations
+
+import copy
+import ipaddress
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = ROOT / "manifests" / "samples" / "omnistage.yaml"
+GPU = "nvidia.com/gpu"
+H200_LABEL = "nvidia.com/gpu.product"
+# kwok never pulls it; on kind it is already on every node (the kubelet's sandbox image).
+POD_IMAGE = "registry.k8s.io/pause:3.10"
+
+
+def _sample() -> dict[str, Any]:
+    docs = [d for d in yaml.safe_load_all(SAMPLE.read_text()) if d and d.get("kind") == "OmniStage"]
+    assert len(docs) == 1, f"{SAMPLE} should hold exactly one OmniStage"
+    return docs[0]
+
+
+@pytest.fixture
+def sample(omnistage_crd, kubectl, namespace) -> dict[str, Any]:
+    """The committed sample, applied into the test namespace as a user would."""
+    out = kubectl("apply", "-n", namespace, "-f", str(SAMPLE))
+    assert re.search(r"omnistage\.serving\.omnistage\.io/\S+ created", out.stdout), out.stdout
+    return _sample()
+
+
+def test_apply_sample(sample, kubectl, namespace):
+    name = sample["metadata"]["name"]
+    obj = kubectl.json("get", "omnistage", name, "-n", namespace)
+    assert obj["apiVersion"] == "serving.omnistage.io/v1alpha1"
+    assert obj["spec"]["model"] == sample["spec"]["model"]
+    # Defaults from the schema are filled in by the API server.
+    assert obj["spec"]["cache"]["mode"]
+    # Applying the same file again changes nothing.
+    again = kubectl("apply", "-n", namespace, "-f", str(SAMPLE))
+    assert "unchanged" in again.stdout, again.stdout
+
+
+def test_get_prints_printer_columns(sample, kubectl, namespace):
+    name = sample["metadata"]["name"]
+    for resource in ("omnistage", "omnistages", "ost"):  # singular, plural, short name
+        out = kubectl("get", resource, "-n", namespace).stdout
+        print(out)
+        header, *rows = out.strip().splitlines()
+        assert header.split() == ["NAME", "DESIRED", "READY", "REGISTERED", "CACHE", "AGE"]
+        assert len(rows) == 1
+        row = rows[0].split()
+        assert row[0] == name
+        assert row[1] == str(sample["spec"].get("replicas", 1))
+    wide = kubectl("get", "omnistage", "-A").stdout
+    assert namespace in wide
+
+
+def _spec_properties(crd: dict[str, Any]) -> dict[str, Any]:
+    (version,) = crd["spec"]["versions"]
+    return version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+
+
+def _walk(props: dict[str, Any], prefix: str = "") -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for name, schema in props.items():
+        out.append((prefix + name, schema))
+        out += _walk(schema.get("properties", {}), f"{prefix}{name}.")
+        out += _walk(schema.get("items", {}).get("properties", {}), f"{prefix}{name}.")
+    return out
+
+
+def test_explain_describes_every_spec_field(omnistage_crd, kubectl):
+    out = kubectl("explain", "omnistage.spec").stdout
+    print(out)
+    assert "KIND:       OmniStage" in out and "serving.omnistage.io" in out
+    flat = " ".join(out.split())  # explain wraps long descriptions
+    props = _spec_properties(omnistage_crd)
+    assert {"model", "replicas", "cache", "membership", "engine", "gpu", "placement"} <= set(props)
+    for name, schema in props.items():
+        assert re.search(rf"^  {re.escape(name)}\s+<", out, re.M), f"explain omnistage.spec lacks {name}"
+        description = schema.get("description", "")
+        assert description, f"spec.{name} has no description"
+        assert " ".join(description.split())[:60] in flat, f"explain omnistage.spec lacks the description of {name}"
+    # Nested fields are described too, all the way down.
+    recursive = kubectl("explain", "omnistage.spec", "--recursive").stdout
+    for path, schema in _walk(props):
+        assert schema.get("description"), f"spec.{path} has no description"
+        assert re.search(rf"^\s+{re.escape(path.rsplit('.', 1)[-1])}\s+<", recursive, re.M), path
+    mode = kubectl("explain", "omnistage.spec.cache.mode").stdout
+    assert "processor-only" in mode
+
+
+def test_scale_subresource(sample, kubectl, namespace):
+    name = sample["metadata"]["name"]
+    out = kubectl("scale", "omnistage", name, "-n", namespace, "--replicas=3")
+    assert f"omnistage.serving.omnistage.io/{name} scaled" in out.stdout
+    assert kubectl.json("get", "omnistage", name, "-n", namespace)["spec"]["replicas"] == 3
+    scale = json.loads(kubectl(
+        "get", "--raw", f"/apis/serving.omnistage.io/v1alpha1/namespaces/{namespace}/omnistages/{name}/scale").stdout)
+    assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 3
+    # The scale subresource checks its precondition against .spec.replicas too.
+    stale = kubectl("scale", "omnistage", name, "-n", namespace, "--current-replicas=2", "--replicas=5", check=False)
+    assert stale.returncode != 0 and "Expected replicas to be 2, was 3" in stale.stderr
+    # Validation holds through the scale subresource as well.
+    zero = kubectl("scale", "omnistage", name, "-n", namespace, "--replicas=0", check=False)
+    assert zero.returncode != 0 and "spec.replicas" in zero.stderr, zero.stderr
+
+
+def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if value is _DELETE:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+_DELETE = object()
+
+# (id, change to the sample's spec, text the API server's answer must contain: the field, and
+# for the CEL rules the start of the rule's message, which says what to change).
+INVALID = [
+    ("model-missing", {"model": _DELETE}, ["spec.model", "Required value"]),
+    ("model-empty", {"model": ""}, ["spec.model"]),
+    ("replicas-zero", {"replicas": 0}, ["spec.replicas", "greater than or equal to 1"]),
+    ("replicas-too-many", {"replicas": 1000}, ["spec.replicas", "less than or equal to 256"]),
+    ("replicas-not-a-number", {"replicas": "two"}, ["spec.replicas", "integer"]),
+    ("cache-mode-unknown", {"cache": {"mode": "fifo"}}, ["spec.cache.mode", "Unsupported value"]),
+    ("cache-size-negative", {"cache": {"sizeGiB": -1}}, ["spec.cache.sizeGiB"]),
+    ("membership-unknown", {"membership": "sometimes"}, ["spec.membership", "Unsupported value"]),
+    ("gpu-memory-utilization-above-1", {"engine": {"gpuMemoryUtilization": 1.5}},
+     ["spec.engine.gpuMemoryUtilization"]),
+    ("tensor-parallel-zero", {"engine": {"tensorParallelSize": 0}}, ["spec.engine.tensorParallelSize"]),
+    ("http-port-out-of-range", {"engine": {"httpPort": 70000}}, ["spec.engine.httpPort"]),
+    ("pull-policy-unknown", {"engine": {"imagePullPolicy": "Sometimes"}}, ["spec.engine.imagePullPolicy"]),
+    ("shm-size-not-a-quantity", {"shmSize": "lots"}, ["spec.shmSize"]),
+    ("host-path-relative", {"modelVolume": {"hostPath": {"path": "models"}}}, ["spec.modelVolume.hostPath.path"]),
+    ("unknown-field", {"replica": 2}, ['unknown field "spec.replica"']),
+    # CEL rules (operator/omnistage/validation.py)
+    ("lru-with-dynamic-membership", {"membership": "dynamic", "cache": {"mode": "lru"}},
+     ["spec.cache.mode", "processor-only"]),
+    ("shm-with-two-replicas", {"membership": "static", "replicas": 2, "cache": {"mode": "shm"}},
+     ["spec.cache.mode"]),
+    ("gpu-count-below-tensor-parallel", {"gpu": {"count": 1}, "engine": {"tensorParallelSize": 2}},
+     ["spec.gpu.count", "must be at least spec.engine.tensorParallelSize"]),
+    ("ports-collide", {"engine": {"httpPort": 9000, "masterPort": 9000}},
+     ["spec.engine.masterPort", "must differ"]),
+    ("operator-owned-flag", {"engine": {"extraArgs": ["--omni-master-address=127.0.0.9"]}},
+     ["spec.engine.extraArgs", "must not set flags the operator manages"]),
+    ("operator-owned-stage-key", {"engine": {"stageOverrides": {"num_replicas": 4}}},
+     ["spec.engine.stageOverrides", "must not set"]),
+    ("model-volume-two-sources",
+     {"modelVolume": {"pvc": {"claimName": "weights"}, "hostPath": {"path": "/models"}}},
+     ["spec.modelVolume", "exactly one of pvc or hostPath"]),
+    ("model-volume-no-source", {"modelVolume": {"mountPath": "/models"}},
+     ["spec.modelVolume", "exactly one of pvc or hostPath"]),
+]
+
+
+@pytest.mark.parametrize(("change", "expected"), [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
+def test_invalid_omnistage_is_rejected(omnistage_crd, kubectl, namespace, change, expected):
+    obj = _sample()
+    obj["spec"] = _merge(obj["spec"], change)
+    obj["metadata"] = {"name": "invalid"}
+    out = kubectl("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj), check=False)
+    print(out.stderr)
+    assert out.returncode != 0, f"the API server accepted an invalid OmniStage: {out.stdout}"
+    for text in expected:
+        assert text in out.stderr
+    assert kubectl("get", "omnistage", "invalid", "-n", namespace, check=False).returncode != 0
+
+
+def test_name_too_long_is_rejected(omnistage_crd, kubectl, namespace):
+    obj = _sample()
+    obj["metadata"] = {"name": "n" * 41}
+    out = kubectl("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj), check=False)
+    assert out.returncode != 0
+    assert "metadata.name must be at most 40 characters" in out.stderr, out.stderr
+
+
+# --- the simulated GPU nodes, seen through the scheduler ------------------------------------
+
+def _gpu_pod(name: str, gpus: int) -> str:
+    return yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+        "spec": {"containers": [{
+            "name": "engine", "image": POD_IMAGE, "imagePullPolicy": "IfNotPresent",
+            "resources": {"limits": {GPU: str(gpus)}},
+        }]},
+    })
+
+
+def _condition(pod: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    return next((c for c in pod.get("status", {}).get("conditions", []) if c["type"] == kind), None)
+
+
+def _max_gpus_per_node(kubectl) -> int:
+    nodes = kubectl.json("get", "nodes")["items"]
+    return max(int(n["status"].get("allocatable", {}).get(GPU, "0")) for n in nodes)
+
+
+def test_pod_needing_more_gpus_than_any_node_stays_pending(kubectl, namespace, wait_for):
+    most = _max_gpus_per_node(kubectl)
+    assert most >= 8, f"no node offers 8 {GPU}"
+    kubectl("create", "-n", namespace, "-f", "-", input=_gpu_pod("too-big", most + 1))
+
+    def unschedulable():
+        pod = kubectl.json("get", "pod", "too-big", "-n", namespace)
+        cond = _condition(pod, "PodScheduled")
+        return (pod, cond) if cond and cond["status"] == "False" else None
+
+    pod, cond = wait_for("the scheduler to give up on too-big", unschedulable, timeout=60)
+    print(cond)
+    assert cond["reason"] == "Unschedulable"
+    assert f"Insufficient {GPU}" in cond["message"]
+    assert pod["status"]["phase"] == "Pending" and not pod["spec"].get("nodeName")
+    events = kubectl.json("get", "events", "-n", namespace, "--field-selector", "involvedObject.name=too-big")
+    failed = [e for e in events["items"] if e["reason"] == "FailedScheduling"]
+    assert failed and f"Insufficient {GPU}" in failed[0]["message"]
+
+
+def test_pod_that_fits_runs_on_an_h200_node(kubectl, namespace, wait_for, local_cluster):
+    kubectl("create", "-n", namespace, "-f", "-", input=_gpu_pod("fits", 8))
+
+    def running():
+        pod = kubectl.json("get", "pod", "fits", "-n", namespace)
+        return pod if pod["status"].get("phase") == "Running" else None
+
+    pod = wait_for("pod fits to be Running", running, timeout=120)
+    node = kubectl.json("get", "node", pod["spec"]["nodeName"])
+    assert node["metadata"]["labels"].get(H200_LABEL) == "NVIDIA-H200"
+    assert _condition(pod, "Ready")["status"] == "True"
+    if local_cluster:
+        # Network rule: every pod IP of the local cluster is loopback, inside its node's pod CIDR.
+        ip = ipaddress.ip_address(pod["status"]["podIP"])
+        assert ip.is_loopback and ip in ipaddress.ip_network(node["spec"]["podCIDR"]), ip
