@@ -69,7 +69,7 @@ def _sort_enum_defaults(schema: dict[str, Any]) -> None:
 def build_crd() -> dict[str, Any]:
     spec_schema = _schema_of(api.OmniStageSpec)
     spec_schema["x-kubernetes-validations"] = [
-        {"rule": r.cel, "message": r.message, "fieldPath": r.field} for r in SPEC_RULES
+        {"rule": r.cel, "message": r.message, "fieldPath": r.field} for r in SPEC_RULES if r.cel
     ]
     status_schema = _schema_of(api.OmniStageStatus)
     for schema in (spec_schema, status_schema):

@@ -2,7 +2,8 @@
 
 Each rule is written twice on purpose, once as CEL (the API server enforces it, see crd.py)
 and once in Python (`omnistage render` and the reconcile loop enforce it), with one message.
-The tests check both sides on the same cases.
+A rule CEL cannot express (cel=None) is enforced by the operator alone: the OmniStage gets
+Ready=False, reason InvalidSpec, and its running pods are left alone.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ OPERATOR_OWNED_STAGE_KEYS = ["mm_processor_cache_type", "mm_processor_cache_gb",
 @dataclass(frozen=True)
 class Rule:
     field: str  # relative to spec, as the API server's fieldPath
-    cel: str
+    cel: str | None
     message: str
     holds: Callable[[OmniStageSpec], bool]
 
@@ -57,14 +58,15 @@ SPEC_RULES = [
     ),
     Rule(
         ".engine.extraArgs",
-        "self.engine.extraArgs.all(a, " + " && ".join(f"!a.startsWith('{f}')" for f in OPERATOR_OWNED_FLAGS) + ")",
+        "!has(self.engine.extraArgs) || self.engine.extraArgs.all(a, " + " && ".join(f"!a.startsWith('{f}')" for f in OPERATOR_OWNED_FLAGS) + ")",
         "spec.engine.extraArgs must not set flags the operator manages (" + ", ".join(OPERATOR_OWNED_FLAGS)
         + "); remove them, the operator renders them from the spec",
         _no_owned_flags,
     ),
     Rule(
         ".engine.stageOverrides",
-        " && ".join(f"!has(self.engine.stageOverrides.{k})" for k in OPERATOR_OWNED_STAGE_KEYS),
+        # CEL cannot see into a preserve-unknown-fields object, so only the operator checks this.
+        None,
         "spec.engine.stageOverrides must not set " + ", ".join(OPERATOR_OWNED_STAGE_KEYS)
         + "; use spec.cache and spec.replicas instead",
         lambda s: not any(k in s.engine.stage_overrides for k in OPERATOR_OWNED_STAGE_KEYS),
