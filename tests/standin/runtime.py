@@ -1,0 +1,849 @@
+"""Container-runtime stand-in for the local control plane (test and demo tooling only).
+
+kwok is the kubelet of the simulated H200 nodes: it binds pods, marks them Running/Ready and gives
+them loopback IPs, but it runs no containers. This process is the missing container runtime for the
+engine pods: it watches the pods labelled serving.omnistage.io/component=engine and, for every
+running pod with a pod IP, starts the matching stand-in process bound to that IP:
+
+  role=head     python -m tests.standin.head --bind-ip <podIP> --http-port <--port> \\
+                    --master-port <--omni-master-port> --token-file <token from <name>-membership>
+  role=replica  python -m tests.standin.replica --master-ip <--omni-master-address> \\
+                    --master-port <--omni-master-port> --bind-ip <podIP>
+
+Pod deleted (deletionTimestamp set, gone, or replaced under the same name with a new UID) ->
+SIGTERM to the process group, SIGKILL after a bound. It also does the two kubelet duties kwok
+cannot, because kwok knows nothing about the process:
+
+  * restartPolicy: a process that dies while its pod exists is restarted (Always/OnFailure, with
+    the kubelet's growing back-off; the restarted head has a new boot id) or its pod is marked
+    Failed (Never: replicas), with restartCount / lastState / Ready written like a kubelet does.
+  * readiness: a container with an httpGet readinessProbe is Ready only while the probe answers
+    2xx (kwok marks every pod Ready at once, which would make "head Ready" meaningless).
+
+`kill(namespace, pod)` (or `python -m tests.standin.runtime kill NS/POD`) SIGKILLs a pod's
+process the way an OOM kill would; the restart policy above then applies: the head comes back with
+a new boot id, a replica pod turns Failed.
+
+NETWORK RULE (DESIGN.md section 7): only 127.0.0.0/8. Pod IPs and master addresses outside it are
+refused (logged and skipped), the API server must be on loopback, probes dial pod IPs only, and
+proxy variables are stripped from children so nothing is sent through a proxy.
+
+Usage:
+  python -m tests.standin.runtime [--namespace NS ...] [--kubeconfig F] [--state-dir D]
+  python -m tests.standin.runtime kill NS/POD [--state-dir D]
+  with StandinRuntime(namespaces=[ns]) as rt: ...          (pytest fixtures)
+
+Product code in operator/ must never import this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime as dt
+import ipaddress
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+from urllib.parse import urlparse
+
+from kubernetes import client, config, watch
+from kubernetes.client.rest import ApiException
+
+ROOT = Path(__file__).resolve().parents[2]
+LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
+L_COMPONENT = "serving.omnistage.io/component"
+L_ROLE = "serving.omnistage.io/role"
+L_OMNISTAGE = "serving.omnistage.io/omnistage"
+SELECTOR = f"{L_COMPONENT}=engine"
+DEFAULT_STATE_DIR = Path(os.environ.get("OMNISTAGE_STANDIN_DIR", "/tmp/omnistage-standin"))
+HEAD_MODULE = "tests.standin.head"
+REPLICA_MODULE = "tests.standin.replica"
+
+# Bounds. The kubelet honours terminationGracePeriodSeconds (60 s and more for these pods); the
+# stand-ins exit on SIGTERM in well under a second, so a tighter bound keeps test teardown short.
+STOP_TIMEOUT = 10.0
+WATCH_TIMEOUT = 60          # server-side watch timeout; the watch is simply re-opened afterwards
+MAX_WATCH_FAILURES = 30     # consecutive failed (re)connects before the runtime gives up loudly
+TICK = 0.2                  # supervisor period: process exits, pending starts, probes
+PROBE_PERIOD_CAP = 1.0      # probe at least this often (faster than the pods' 5 s: tests wait less)
+START_RETRY = 2.0           # a pod that could not be started yet (no Secret yet) is retried this often
+BACKOFF_FIRST, BACKOFF_BASE, BACKOFF_CAP = 1.0, 10.0, 60.0  # kubelet-like crash back-off
+
+
+def _now() -> str:
+    return dt.datetime.now().strftime("%H:%M:%S.%f")[:-3]
+
+
+def _rfc3339() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def is_loopback(ip: str | None) -> bool:
+    try:
+        return ip is not None and ipaddress.ip_address(ip) in LOOPBACK
+    except ValueError:
+        return False
+
+
+def _arg(args: list[str], flag: str) -> str | None:
+    """Value of `flag` in a container's args (`--flag value` or `--flag=value`)."""
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _expand(value: str | None, pod: dict[str, Any]) -> str | None:
+    """Expand the $(VAR) references the kubelet would (only the downward-API ones the renderer uses)."""
+    if value is None:
+        return None
+    return (value.replace("$(POD_IP)", pod["status"].get("podIP") or "")
+                 .replace("$(POD_NAME)", pod["metadata"]["name"]))
+
+
+def _engine_container(pod: dict[str, Any]) -> dict[str, Any]:
+    containers = pod["spec"].get("containers") or [{}]
+    return next((c for c in containers if c.get("name") == "engine"), containers[0])
+
+
+def _child_env(ip: str, pod: dict[str, Any]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env.update({
+        "PYTHONUNBUFFERED": "1",
+        # vLLM / vllm-omni otherwise find their address with a UDP route probe to a public IP.
+        "VLLM_HOST_IP": ip,
+        "POD_IP": ip,
+        "POD_NAME": pod["metadata"]["name"],
+        "POD_NAMESPACE": pod["metadata"]["namespace"],
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    })
+    return env
+
+
+@dataclass
+class Proc:
+    """One pod's stand-in container process."""
+
+    namespace: str
+    pod: str
+    uid: str
+    role: str
+    ip: str
+    argv: list[str]
+    log_path: Path
+    restart_policy: str
+    popen: subprocess.Popen | None = None
+    started_at: float = 0.0
+    starts: int = 0            # 1 + restarts; each start is a new head boot id
+    restart_at: float | None = None
+    backoff: float = BACKOFF_FIRST
+    failed: bool = False       # restartPolicy Never and the process exited: never started again
+    last_exit: int | None = None  # container exit code of the previous run (128+signal if killed)
+    stopping: bool = False
+    probe: dict[str, Any] | None = None  # {"url", "period", "failure_threshold"}
+    ready: bool | None = None
+    probe_failures: int = 0
+    next_probe: float = 0.0
+    history: list[tuple[float, str]] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace, self.pod)
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+
+class StandinRuntime:
+    """Watches engine pods and runs a stand-in process per running pod. Thread-based; see module doc."""
+
+    def __init__(self, kubeconfig: str | os.PathLike | None = None, namespaces: list[str] | None = None,
+                 state_dir: str | os.PathLike | None = None, python: str = sys.executable,
+                 probes: bool = True, stop_timeout: float = STOP_TIMEOUT, quiet: bool = False,
+                 head_module: str = HEAD_MODULE, replica_module: str = REPLICA_MODULE):
+        self.kubeconfig = str(kubeconfig or os.environ.get("KUBECONFIG") or "")
+        self.namespaces = list(namespaces or [])
+        self.state_dir = Path(state_dir or DEFAULT_STATE_DIR)
+        self.python = python
+        self.probes = probes
+        self.stop_timeout = stop_timeout
+        self.quiet = quiet
+        self.head_module, self.replica_module = head_module, replica_module
+        self._lock = threading.RLock()
+        self._pods: dict[tuple[str, str], dict[str, Any]] = {}   # latest object per pod (watch)
+        self._procs: dict[tuple[str, str], Proc] = {}
+        self._refused: set[tuple[str, str, str]] = set()          # (ns, pod, uid) logged once
+        self._start_errors: dict[tuple[str, str, str], str] = {}
+        self._next_start_try: dict[tuple[str, str], float] = {}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._synced: set[str] = set()
+        self.error: BaseException | None = None
+        self.events: list[dict[str, Any]] = []   # every start/stop/exit, for tests and benchmarks
+
+    # ----- logging -----------------------------------------------------------------------------
+
+    def log(self, msg: str) -> None:
+        if not self.quiet:
+            print(f"[runtime {_now()}] {msg}", flush=True)
+
+    def _event(self, action: str, p: Proc, **extra: Any) -> None:
+        ev = {"time": time.time(), "action": action, "namespace": p.namespace, "pod": p.pod, "uid": p.uid,
+              "role": p.role, "ip": p.ip, "pid": p.pid, **extra}
+        self.events.append(ev)
+        p.history.append((ev["time"], action))
+        detail = " ".join(f"{k}={v}" for k, v in extra.items())
+        self.log(f"{action:<8} {p.role:<7} {p.namespace}/{p.pod} uid={p.uid[:8]} ip={p.ip} pid={p.pid} {detail}"
+                 .rstrip())
+
+    # ----- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, sync_timeout: float = 30.0) -> Self:
+        self._connect()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        for sub in ("logs", "pids", "tokens"):
+            (self.state_dir / sub).mkdir(exist_ok=True)
+        self._reap_stale()
+        scopes = self.namespaces or [""]
+        for ns in scopes:
+            t = threading.Thread(target=self._watch_loop, args=(ns,), name=f"watch-{ns or 'all'}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        sup = threading.Thread(target=self._supervise_loop, name="supervisor", daemon=True)
+        sup.start()
+        self._threads.append(sup)
+        self.log(f"watching engine pods in {', '.join(self.namespaces) or 'all namespaces'}; "
+                 f"state in {self.state_dir}")
+        deadline = time.monotonic() + sync_timeout
+        while len(self._synced) < len(scopes):
+            if self.error:
+                raise RuntimeError(f"stand-in runtime failed: {self.error}") from self.error
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stand-in runtime: initial pod list not done after {sync_timeout:.0f}s")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            procs = list(self._procs.values())
+        threads = [threading.Thread(target=self._terminate, args=(p, "runtime stopping"), daemon=True) for p in procs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.stop_timeout + 5)
+        for t in self._threads:
+            # A watch thread sits in a long poll until the next event; it is a daemon and only
+            # reads, so do not wait for it long.
+            t.join(5 if t.name == "supervisor" else 0.5)
+        self.log("stopped")
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _connect(self) -> None:
+        cfg = client.Configuration()
+        config.load_kube_config(config_file=self.kubeconfig or None, client_configuration=cfg)
+        host = urlparse(cfg.host).hostname or ""
+        if host != "localhost" and not is_loopback(host):
+            # Network rule: this tool is for the local control plane only.
+            raise RuntimeError(f"refusing API server {cfg.host}: the stand-in runtime only talks to loopback")
+        self._watch_api = client.CoreV1Api(client.ApiClient(cfg))
+        self._api = client.CoreV1Api(client.ApiClient(cfg))
+        self._serialize = client.ApiClient(cfg).sanitize_for_serialization
+
+    # ----- queries for tests -------------------------------------------------------------------
+
+    def process(self, namespace: str, pod: str) -> Proc | None:
+        with self._lock:
+            return self._procs.get((namespace, pod))
+
+    def processes(self) -> dict[tuple[str, str], Proc]:
+        with self._lock:
+            return dict(self._procs)
+
+    def log_path(self, namespace: str, pod: str) -> Path | None:
+        p = self.process(namespace, pod)
+        return p.log_path if p else None
+
+    def wait_running(self, namespace: str, pod: str, timeout: float = 60, uid: str | None = None,
+                     min_starts: int = 1) -> Proc:
+        """Bounded wait until the pod's process runs (of pod UID `uid`, started at least min_starts times)."""
+        deadline, report = time.monotonic() + timeout, time.monotonic() + 5
+        while True:
+            p = self.process(namespace, pod)
+            if p and p.alive() and (uid is None or p.uid == uid) and p.starts >= min_starts:
+                return p
+            if self.error:
+                raise RuntimeError(f"stand-in runtime failed: {self.error}") from self.error
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no running stand-in process for {namespace}/{pod} after {timeout:.0f}s")
+            if time.monotonic() > report:
+                self.log(f"  still waiting for a process for {namespace}/{pod}")
+                report = time.monotonic() + 5
+            time.sleep(0.1)
+
+    def kill(self, namespace: str, pod: str) -> int:
+        """SIGKILL the pod's process group (like an OOM kill); the restart policy then applies.
+
+        Returns the killed pid. A head (restartPolicy Always) comes back as a new process with a new
+        boot id; a replica (restartPolicy Never) leaves its pod Failed."""
+        p = self.process(namespace, pod)
+        if not p or not p.alive():
+            raise LookupError(f"no running stand-in process for {namespace}/{pod}")
+        pid = p.pid
+        self._event("kill", p, signal="SIGKILL")
+        _killpg(pid, signal.SIGKILL)
+        return pid
+
+    # ----- watch -------------------------------------------------------------------------------
+
+    def _list(self, ns: str) -> tuple[list[dict[str, Any]], str]:
+        if ns:
+            res = self._watch_api.list_namespaced_pod(ns, label_selector=SELECTOR, _request_timeout=30)
+        else:
+            res = self._watch_api.list_pod_for_all_namespaces(label_selector=SELECTOR, _request_timeout=30)
+        return [self._serialize(p) for p in res.items], res.metadata.resource_version
+
+    def _watch_loop(self, ns: str) -> None:
+        failures, rv = 0, None
+        while not self._stop.is_set():
+            try:
+                if rv is None:
+                    pods, rv = self._list(ns)
+                    self._replace_scope(ns, pods)
+                    self._synced.add(ns)
+                w = watch.Watch()
+                fn = self._watch_api.list_namespaced_pod if ns else self._watch_api.list_pod_for_all_namespaces
+                kwargs: dict[str, Any] = {"label_selector": SELECTOR, "resource_version": rv,
+                                          "timeout_seconds": WATCH_TIMEOUT, "allow_watch_bookmarks": True,
+                                          "_request_timeout": WATCH_TIMEOUT + 10}
+                if ns:
+                    kwargs["namespace"] = ns
+                for ev in w.stream(fn, **kwargs):
+                    if self._stop.is_set():
+                        w.stop()
+                        break
+                    obj = ev["object"]
+                    if ev["type"] == "ERROR":
+                        raw = obj if isinstance(obj, dict) else self._serialize(obj)
+                        if raw.get("code") == 410:
+                            rv = None  # history compacted: list again
+                            break
+                        raise RuntimeError(f"watch error: {raw}")
+                    pod = self._serialize(obj)
+                    rv = pod["metadata"].get("resourceVersion") or rv
+                    if ev["type"] == "BOOKMARK":
+                        continue
+                    self._on_pod(ev["type"], pod)
+                failures = 0
+            except ApiException as err:
+                if err.status == 410:
+                    rv = None
+                    continue
+                failures = self._watch_failed(ns, failures, err)
+            except Exception as err:  # noqa: BLE001 -- connection reset, API server restarting, ...
+                failures = self._watch_failed(ns, failures, err)
+            if failures > MAX_WATCH_FAILURES:
+                self.error = RuntimeError(f"pod watch in {ns or 'all namespaces'} failed {failures} times in a row")
+                self.log(f"giving up: {self.error}")
+                return
+
+    def _watch_failed(self, ns: str, failures: int, err: BaseException) -> int:
+        failures += 1
+        self.log(f"pod watch ({ns or 'all namespaces'}) failed ({failures}/{MAX_WATCH_FAILURES}): "
+                 f"{type(err).__name__}: {str(err)[:200]}; reconnecting")
+        self._stop.wait(min(5.0, 0.5 * failures))
+        return failures
+
+    def _replace_scope(self, ns: str, pods: list[dict[str, Any]]) -> None:
+        """A fresh list is the whole truth for its scope: forget pods that disappeared meanwhile."""
+        with self._lock:
+            fresh = {(p["metadata"]["namespace"], p["metadata"]["name"]): p for p in pods}
+            for key in [k for k in self._pods if (not ns or k[0] == ns) and k not in fresh]:
+                del self._pods[key]
+            self._pods.update(fresh)
+
+    def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
+        key = (pod["metadata"]["namespace"], pod["metadata"]["name"])
+        with self._lock:
+            if kind == "DELETED":
+                cur = self._pods.get(key)
+                if cur is not None and cur["metadata"]["uid"] == pod["metadata"]["uid"]:
+                    del self._pods[key]
+            else:
+                self._pods[key] = pod
+
+    # ----- supervisor --------------------------------------------------------------------------
+
+    def _supervise_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._supervise_once()
+            except Exception as err:  # noqa: BLE001 -- keep supervising; a bug here must be visible, not fatal
+                self.log(f"supervisor error: {type(err).__name__}: {err}")
+            self._stop.wait(TICK)
+
+    def _supervise_once(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            pods = dict(self._pods)
+            procs = dict(self._procs)
+        # 1. processes whose pod is gone, terminating or replaced (new UID) -> stop
+        for key, p in procs.items():
+            pod = pods.get(key)
+            reason = None
+            if pod is None:
+                reason = "pod deleted"
+            elif pod["metadata"]["uid"] != p.uid:
+                reason = "pod replaced (new UID)"
+            elif pod["metadata"].get("deletionTimestamp"):
+                reason = "pod terminating"
+            if reason and not p.stopping:
+                p.stopping = True
+                threading.Thread(target=self._terminate, args=(p, reason), daemon=True).start()
+        # 2. processes that exited on their own (or were killed) -> restart policy
+        for key, p in procs.items():
+            if p.stopping or p.failed or p.popen is None or p.alive() or p.restart_at is not None:
+                continue
+            code = p.popen.returncode
+            self._event("exited", p, code=code)
+            self._on_exit(p, pods.get(key), code)
+        # 3. restarts that are due
+        for key, p in procs.items():
+            if p.restart_at is not None and now >= p.restart_at and not p.stopping:
+                pod = pods.get(key)
+                if pod is None or pod["metadata"]["uid"] != p.uid:
+                    continue
+                p.restart_at = None
+                self._spawn(p, pod, restart=True)
+        # 4. running pods without a process -> start
+        for key, pod in pods.items():
+            if key in procs and procs[key].uid == pod["metadata"]["uid"]:
+                continue
+            if key in procs:  # old incarnation still stopping; start the new one once it is gone
+                continue
+            ip = (pod.get("status") or {}).get("podIP")
+            if ip and any(p.ip == ip and p.alive() for p in procs.values()):
+                continue  # pod IPs are reused: wait until the previous holder released the address
+            if now < self._next_start_try.get(key, 0):
+                continue
+            self._maybe_start(key, pod)
+        # 5. readiness probes
+        if self.probes:
+            for p in procs.values():
+                if p.probe and p.alive() and not p.stopping and now >= p.next_probe:
+                    self._probe(p)
+
+    def _runnable(self, pod: dict[str, Any]) -> bool:
+        st = pod.get("status") or {}
+        return (st.get("phase") == "Running" and bool(st.get("podIP"))
+                and not pod["metadata"].get("deletionTimestamp"))
+
+    def _maybe_start(self, key: tuple[str, str], pod: dict[str, Any]) -> None:
+        if not self._runnable(pod):
+            return
+        ns, name = key
+        uid = pod["metadata"]["uid"]
+        labels = pod["metadata"].get("labels") or {}
+        role = labels.get(L_ROLE, "")
+        ip = pod["status"]["podIP"]
+        once = (ns, name, uid)
+        if not is_loopback(ip):
+            if once not in self._refused:
+                self._refused.add(once)
+                self.log(f"REFUSED {ns}/{name}: pod IP {ip} is not in 127.0.0.0/8 (network rule); not started")
+            return
+        try:
+            argv = self._command(pod, role, ip)
+        except _NotYet as err:
+            self._next_start_try[key] = time.monotonic() + START_RETRY
+            if self._start_errors.get(once) != str(err):
+                self._start_errors[once] = str(err)
+                self.log(f"waiting   {role or '?':<7} {ns}/{name}: {err} (retrying every {START_RETRY:.0f}s)")
+            return
+        except _Refused as err:
+            if once not in self._refused:
+                self._refused.add(once)
+                self.log(f"REFUSED {ns}/{name}: {err}")
+            return
+        container = _engine_container(pod)
+        p = Proc(namespace=ns, pod=name, uid=uid, role=role, ip=ip, argv=argv,
+                 log_path=self.state_dir / "logs" / f"{ns}_{name}_{uid[:8]}.log",
+                 restart_policy=pod["spec"].get("restartPolicy") or "Always",
+                 probe=self._probe_spec(container, ip))
+        with self._lock:
+            self._procs[key] = p
+        self._spawn(p, pod, restart=False)
+
+    def _command(self, pod: dict[str, Any], role: str, ip: str) -> list[str]:
+        container = _engine_container(pod)
+        args = [_expand(a, pod) or "" for a in container.get("args") or []]
+        if role == "head":
+            http_port = _arg(args, "--port") or "8000"
+            master_port = _arg(args, "--omni-master-port")
+            if not master_port:
+                raise _Refused("head pod has no --omni-master-port in its args")
+            token_file = self._token_file(pod)
+            return [self.python, "-m", self.head_module, "--bind-ip", ip, "--master-port", master_port,
+                    "--http-port", http_port, "--token-file", str(token_file)]
+        if role == "replica":
+            master_ip = _arg(args, "--omni-master-address")
+            master_port = _arg(args, "--omni-master-port")
+            if not master_ip or not master_port:
+                raise _Refused("replica pod lacks --omni-master-address/--omni-master-port in its args")
+            if not is_loopback(master_ip):
+                raise _Refused(f"master address {master_ip} is not in 127.0.0.0/8 (network rule); not started")
+            return [self.python, "-m", self.replica_module, "--master-ip", master_ip, "--master-port", master_port,
+                    "--bind-ip", ip]
+        raise _Refused(f"unknown role {role!r} (label {L_ROLE})")
+
+    def _token_file(self, pod: dict[str, Any]) -> Path:
+        """The membership token, as the kubelet would mount it: from the pod's Secret volume."""
+        ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+        secret_name = None
+        for v in pod["spec"].get("volumes") or []:
+            if (v.get("secret") or {}).get("secretName", "").endswith("-membership"):
+                secret_name = v["secret"]["secretName"]
+        if not secret_name:
+            owner = (pod["metadata"].get("labels") or {}).get(L_OMNISTAGE)
+            if not owner:
+                raise _Refused("head pod has neither a membership Secret volume nor an omnistage label")
+            secret_name = f"{owner}-membership"
+        try:
+            secret = self._api.read_namespaced_secret(secret_name, ns, _request_timeout=10)
+        except ApiException as err:
+            if err.status == 404:
+                raise _NotYet(f"Secret {ns}/{secret_name} not found yet") from None
+            raise _NotYet(f"reading Secret {ns}/{secret_name}: HTTP {err.status}") from None
+        raw = (secret.data or {}).get("token")
+        if not raw:
+            raise _NotYet(f"Secret {ns}/{secret_name} has no key 'token' yet")
+        path = self.state_dir / "tokens" / f"{ns}_{name}_{pod['metadata']['uid'][:8]}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(base64.b64decode(raw))
+        return path
+
+    def _probe_spec(self, container: dict[str, Any], ip: str) -> dict[str, Any] | None:
+        probe = container.get("readinessProbe") or {}
+        get = probe.get("httpGet")
+        if not get:
+            return None
+        port = get.get("port")
+        if isinstance(port, str) and not port.isdigit():
+            port = next((cp["containerPort"] for cp in container.get("ports") or [] if cp.get("name") == port), None)
+        if port is None:
+            return None
+        return {"url": f"http://{ip}:{int(port)}{get.get('path') or '/'}",
+                "period": min(float(probe.get("periodSeconds") or 10), PROBE_PERIOD_CAP),
+                "failure_threshold": int(probe.get("failureThreshold") or 3)}
+
+    # ----- processes ---------------------------------------------------------------------------
+
+    def _spawn(self, p: Proc, pod: dict[str, Any], restart: bool) -> None:
+        p.starts += 1
+        with open(p.log_path, "ab") as logf:
+            logf.write(f"\n===== [runtime {_now()}] start #{p.starts}: {' '.join(p.argv)}\n".encode())
+            logf.flush()
+            # Own session: SIGTERM/SIGKILL reach every process the stand-in forks, and a Ctrl-C in the
+            # runtime's terminal does not hit the engines before the runtime stops them in order.
+            p.popen = subprocess.Popen(p.argv, cwd=ROOT, env=_child_env(p.ip, pod), stdin=subprocess.DEVNULL,
+                                       stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        p.started_at = time.monotonic()
+        p.ready, p.probe_failures, p.next_probe = None, 0, time.monotonic() + 0.5
+        self._write_pid(p)
+        self._event("restart" if restart else "start", p, start=p.starts, log=str(p.log_path))
+        if restart:
+            self._patch_restarted(p, pod)
+        elif p.probe and self.probes:
+            # The kubelet reports Ready only after the first successful readiness probe; kwok already
+            # said Ready, so take it back until the stand-in answers.
+            self._patch_ready(p, False, "waiting for the first readiness probe")
+
+    def _on_exit(self, p: Proc, pod: dict[str, Any] | None, code: int | None) -> None:
+        p.last_exit = _exit_code(code)
+        if p.restart_policy == "Always" or (p.restart_policy == "OnFailure" and code != 0):
+            ran = time.monotonic() - p.started_at
+            if ran > 2 * BACKOFF_CAP:
+                p.backoff = BACKOFF_FIRST  # the kubelet resets the back-off after a long healthy run
+            delay = p.backoff
+            p.backoff = BACKOFF_BASE if p.backoff < BACKOFF_BASE else min(p.backoff * 2, BACKOFF_CAP)
+            p.restart_at = time.monotonic() + delay
+            self.log(f"backoff  {p.role:<7} {p.namespace}/{p.pod}: restart in {delay:.0f}s (restartPolicy {p.restart_policy})")
+            if pod is not None:
+                self._patch_ready(p, False, f"container exited with code {p.last_exit}")
+        else:
+            p.failed = True
+            if pod is not None:
+                self._patch_failed(p, pod, code)
+
+    def _terminate(self, p: Proc, reason: str) -> None:
+        p.stopping = True
+        p.restart_at = None
+        if p.alive():
+            self._event("stop", p, reason=reason.replace(" ", "_"), signal="SIGTERM")
+            _killpg(p.pid, signal.SIGTERM)
+            try:
+                p.popen.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                self._event("kill", p, reason=f"no_exit_within_{self.stop_timeout:.0f}s", signal="SIGKILL")
+                _killpg(p.pid, signal.SIGKILL)
+                p.popen.wait(5)
+            self._event("stopped", p, code=p.popen.returncode)
+        elif p.popen is not None:
+            _killpg(p.pid, signal.SIGKILL)  # stragglers of an exited leader
+        with self._lock:
+            if self._procs.get(p.key) is p:
+                del self._procs[p.key]
+        for path in (self.state_dir / "pids" / f"{p.namespace}_{p.pod}.json",
+                     self.state_dir / "tokens" / f"{p.namespace}_{p.pod}_{p.uid[:8]}"):
+            path.unlink(missing_ok=True)
+
+    def _write_pid(self, p: Proc) -> None:
+        info = {"namespace": p.namespace, "pod": p.pod, "uid": p.uid, "role": p.role, "ip": p.ip, "pid": p.pid,
+                "log": str(p.log_path), "starts": p.starts, "runtimePid": os.getpid(), "argv": p.argv}
+        path = self.state_dir / "pids" / f"{p.namespace}_{p.pod}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info))
+        tmp.replace(path)
+
+    def _reap_stale(self) -> None:
+        """Stop stand-ins left behind by a runtime that was killed (pid files of a dead runtime)."""
+        for f in (self.state_dir / "pids").glob("*.json"):
+            try:
+                info = json.loads(f.read_text())
+            except (OSError, ValueError):
+                f.unlink(missing_ok=True)
+                continue
+            if _pid_alive(info.get("runtimePid")) and info.get("runtimePid") != os.getpid():
+                continue  # another live runtime owns it
+            pid = info.get("pid")
+            if pid and _is_standin(pid, info.get("argv")):
+                self.log(f"stopping stale stand-in pid {pid} of {info.get('namespace')}/{info.get('pod')}")
+                _killpg(pid, signal.SIGKILL)
+            f.unlink(missing_ok=True)
+
+    # ----- kubelet-like status -----------------------------------------------------------------
+
+    def _probe(self, p: Proc) -> None:
+        probe = p.probe
+        p.next_probe = time.monotonic() + probe["period"]
+        ok = False
+        try:
+            # No proxies: the probe dials the pod's loopback IP directly, nothing else.
+            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+            with opener.open(probe["url"], timeout=1.0) as resp:
+                ok = 200 <= resp.status < 400
+        except (urllib.error.URLError, OSError, ValueError):
+            ok = False
+        if ok:
+            p.probe_failures = 0
+            if p.ready is not True:
+                self._patch_ready(p, True, "readiness probe succeeded")
+        else:
+            p.probe_failures += 1
+            if p.ready is True and p.probe_failures >= probe["failure_threshold"]:
+                self._patch_ready(p, False, f"readiness probe failed {p.probe_failures} times ({probe['url']})")
+
+    def _patch_status(self, p: Proc, status: dict[str, Any]) -> bool:
+        try:
+            self._api.patch_namespaced_pod_status(p.pod, p.namespace, {"metadata": {"uid": p.uid}, "status": status},
+                                                  _request_timeout=10)
+            return True
+        except ApiException as err:
+            if err.status not in (404, 409, 422):
+                self.log(f"status patch of {p.namespace}/{p.pod} failed: HTTP {err.status}")
+            return False
+
+    def _container_statuses(self, p: Proc, pod: dict[str, Any], ready: bool, **change: Any) -> list[dict]:
+        out = []
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            cs = dict(cs)
+            if cs.get("name") == _engine_container(pod).get("name"):
+                cs["ready"] = ready
+                cs.update(change)
+            out.append(cs)
+        return out
+
+    def _fresh_pod(self, p: Proc) -> dict[str, Any] | None:
+        with self._lock:
+            pod = self._pods.get(p.key)
+        return pod if pod and pod["metadata"]["uid"] == p.uid else None
+
+    def _patch_ready(self, p: Proc, ready: bool, why: str) -> None:
+        pod = self._fresh_pod(p)
+        if pod is None:
+            return
+        s = "True" if ready else "False"
+        t = _rfc3339()
+        status = {"conditions": [{"type": "Ready", "status": s, "lastTransitionTime": t},
+                                 {"type": "ContainersReady", "status": s, "lastTransitionTime": t}],
+                  "containerStatuses": self._container_statuses(p, pod, ready)}
+        if self._patch_status(p, status):
+            p.ready = ready
+            self._event("ready" if ready else "notready", p, why=why.replace(" ", "_"))
+
+    def _patch_restarted(self, p: Proc, pod: dict[str, Any]) -> None:
+        cs = next((c for c in (pod.get("status") or {}).get("containerStatuses") or []), {})
+        t = _rfc3339()
+        prev_start = ((cs.get("state") or {}).get("running") or {}).get("startedAt") or t
+        change = {"restartCount": int(cs.get("restartCount") or 0) + 1, "started": True,
+                  "state": {"running": {"startedAt": t}},
+                  "lastState": {"terminated": {"exitCode": p.last_exit or 0,
+                                               "reason": "Error" if p.last_exit else "Completed",
+                                               "startedAt": prev_start, "finishedAt": t}}}
+        status = {"conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": t},
+                                 {"type": "ContainersReady", "status": "False", "lastTransitionTime": t}],
+                  "containerStatuses": self._container_statuses(p, pod, False, **change)}
+        if self._patch_status(p, status):
+            p.ready = False if p.probe else None
+        if not p.probe:
+            self._patch_ready(p, True, "restarted (no readiness probe)")
+
+    def _patch_failed(self, p: Proc, pod: dict[str, Any], code: int | None) -> None:
+        t = _rfc3339()
+        exit_code = _exit_code(code)
+        reason = "Completed" if exit_code == 0 else "Error"
+        cs = next((c for c in (pod.get("status") or {}).get("containerStatuses") or []), {})
+        started = ((cs.get("state") or {}).get("running") or {}).get("startedAt") or t
+        change = {"started": False, "state": {"terminated": {"exitCode": exit_code, "reason": reason,
+                                                             "startedAt": started, "finishedAt": t}}}
+        status = {"phase": "Failed" if exit_code else "Succeeded",
+                  "conditions": [{"type": "Ready", "status": "False", "reason": "PodFailed", "lastTransitionTime": t},
+                                 {"type": "ContainersReady", "status": "False", "reason": "PodFailed",
+                                  "lastTransitionTime": t}],
+                  "containerStatuses": self._container_statuses(p, pod, False, **change)}
+        if self._patch_status(p, status):
+            self._event("failed", p, phase=status["phase"], exitCode=exit_code)
+
+
+class _NotYet(Exception):
+    """The pod cannot be started yet (e.g. its Secret does not exist yet); retried."""
+
+
+class _Refused(Exception):
+    """The pod will never be started by this runtime (network rule, malformed args)."""
+
+
+def _exit_code(returncode: int | None) -> int:
+    """Popen's returncode as a container exit code: a signal N becomes 128+N (SIGKILL -> 137)."""
+    if returncode is None:
+        return 0
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _killpg(pid: int | None, sig: int) -> None:
+    if not pid:
+        return
+    try:
+        os.killpg(pid, sig)  # the child leads its own session, so its pgid is its pid
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _is_standin(pid: int, argv: list[str] | None) -> bool:
+    """Guard against pid reuse: only signal a process whose command line is the one we started."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return bool(argv) and [c.decode(errors="replace") for c in cmdline if c] == argv
+
+
+# ----- command line --------------------------------------------------------------------------------
+
+def _kill_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.standin.runtime kill",
+                                 description="SIGKILL a pod's stand-in process (the running runtime applies the "
+                                             "restart policy: the head restarts with a new boot id, a replica "
+                                             "pod turns Failed).")
+    ap.add_argument("target", help="NAMESPACE/POD")
+    ap.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR))
+    args = ap.parse_args(argv)
+    ns, _, pod = args.target.partition("/")
+    path = Path(args.state_dir) / "pids" / f"{ns}_{pod}.json"
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        print(f"no stand-in process recorded for {args.target} in {path.parent}", file=sys.stderr)
+        return 1
+    pid = info["pid"]
+    if not _is_standin(pid, info.get("argv")):
+        print(f"pid {pid} of {args.target} is not a running stand-in", file=sys.stderr)
+        return 1
+    _killpg(pid, signal.SIGKILL)
+    print(f"[runtime {_now()}] SIGKILL sent to {args.target} pid {pid}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["kill"]:
+        return _kill_main(argv[1:])
+    ap = argparse.ArgumentParser(prog="python -m tests.standin.runtime", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", "--namespace", action="append", default=[],
+                    help="watch only this namespace (repeatable); default: all namespaces")
+    ap.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"))
+    ap.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR), help="process logs, pid files, token files")
+    ap.add_argument("--no-probes", action="store_true", help="leave readiness to kwok (Ready at once)")
+    ap.add_argument("--python", default=sys.executable, help="interpreter for the stand-in processes")
+    ap.add_argument("--head-module", default=HEAD_MODULE, help=argparse.SUPPRESS)     # harness self-tests
+    ap.add_argument("--replica-module", default=REPLICA_MODULE, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    rt = StandinRuntime(kubeconfig=args.kubeconfig, namespaces=args.namespace, state_dir=args.state_dir,
+                        python=args.python, probes=not args.no_probes,
+                        head_module=args.head_module, replica_module=args.replica_module)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    rt.start()
+    try:
+        while not done.wait(1.0):
+            if rt.error:
+                print(f"[runtime {_now()}] fatal: {rt.error}", flush=True)
+                return 1
+    finally:
+        rt.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
