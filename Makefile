@@ -47,3 +47,13 @@ cluster-down:
 # tests/cluster on a kind cluster with fake H200 GPUs; needs Docker, kind and kubectl (see hack/kind/e2e.sh).
 e2e-kind: setup
 	PY=$(PY) bash hack/kind/e2e.sh
+
+# The README's first command: setup, local control plane, CRD, stand-in engine runtime and the
+# operator in the background, the sample applied and scaled 2 -> 4 -> 1 (hack/demo.sh).
+demo:
+	OMNISTAGE_VENV=$(VENV) bash hack/demo.sh
+
+# Stop what `make demo` left running: the operator, the stand-in runtime (and its engines), the cluster.
+.PHONY: demo-down
+demo-down:
+	OMNISTAGE_VENV=$(VENV) bash hack/demo.sh down
