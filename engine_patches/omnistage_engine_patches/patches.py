@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import frontend_cache, uuid_scope
+from . import frontend_cache, membership, replica_metrics, uuid_scope
 from ._patching import Outcome
 
 
@@ -11,4 +11,6 @@ def apply_all() -> list[Outcome]:
     return [
         frontend_cache.apply(),  # defect 1: processor-only cache on the shared stage-0 frontend
         uuid_scope.apply(),  # defect 2: no replica-scoped UUID write-back into the caller's prompt
+        *replica_metrics.apply(),  # defect 3: replica_metrics (series follow membership), mm_cache_metrics
+        membership.apply(),  # the head's membership hooks behind the membership endpoint (membership_api)
     ]
