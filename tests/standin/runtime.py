@@ -29,7 +29,7 @@ refused (logged and skipped), the API server must be on loopback, probes dial po
 proxy variables are stripped from children so nothing is sent through a proxy.
 
 Usage:
-  python -m tests.standin.runtime [--namespace NS ...] [--kubeconfig F] [--state-dir D]
+  python -m tests.standin.runtime [--namespace NS|GLOB ...] [--kubeconfig F] [--state-dir D]
   python -m tests.standin.runtime kill NS/POD [--state-dir D]
   with StandinRuntime(namespaces=[ns]) as rt: ...          (pytest fixtures)
 
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime as dt
+import fnmatch
 import ipaddress
 import json
 import os
@@ -220,7 +221,7 @@ class StandinRuntime:
         for sub in ("logs", "pids", "tokens"):
             (self.state_dir / sub).mkdir(exist_ok=True)
         self._reap_stale()
-        scopes = self.namespaces or [""]
+        scopes = self._scopes()
         for ns in scopes:
             t = threading.Thread(target=self._watch_loop, args=(ns,), name=f"watch-{ns or 'all'}", daemon=True)
             t.start()
@@ -238,6 +239,15 @@ class StandinRuntime:
                 raise TimeoutError(f"stand-in runtime: initial pod list not done after {sync_timeout:.0f}s")
             time.sleep(0.05)
         return self
+
+    def _scopes(self) -> list[str]:
+        """Namespaces to watch: each exact name, or everything ("") when none or a glob is given."""
+        if not self.namespaces or any(_is_glob(n) for n in self.namespaces):
+            return [""]
+        return list(self.namespaces)
+
+    def _wanted(self, ns: str) -> bool:
+        return not self.namespaces or any(fnmatch.fnmatchcase(ns, n) for n in self.namespaces)
 
     def stop(self) -> None:
         self._stop.set()
@@ -378,13 +388,16 @@ class StandinRuntime:
     def _replace_scope(self, ns: str, pods: list[dict[str, Any]]) -> None:
         """A fresh list is the whole truth for its scope: forget pods that disappeared meanwhile."""
         with self._lock:
-            fresh = {(p["metadata"]["namespace"], p["metadata"]["name"]): p for p in pods}
+            fresh = {(p["metadata"]["namespace"], p["metadata"]["name"]): p for p in pods
+                     if self._wanted(p["metadata"]["namespace"])}
             for key in [k for k in self._pods if (not ns or k[0] == ns) and k not in fresh]:
                 del self._pods[key]
             self._pods.update(fresh)
 
     def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
         key = (pod["metadata"]["namespace"], pod["metadata"]["name"])
+        if not self._wanted(key[0]):
+            return
         with self._lock:
             if kind == "DELETED":
                 cur = self._pods.get(key)
@@ -745,6 +758,10 @@ class _Refused(Exception):
     """The pod will never be started by this runtime (network rule, malformed args)."""
 
 
+def _is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
+
+
 def _exit_code(returncode: int | None) -> int:
     """Popen's returncode as a container exit code: a signal N becomes 128+N (SIGKILL -> 137)."""
     if returncode is None:
@@ -820,7 +837,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.standin.runtime", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", "--namespace", action="append", default=[],
-                    help="watch only this namespace (repeatable); default: all namespaces")
+                    help="watch only this namespace (repeatable; globs like 't-*' allowed); default: all")
     ap.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"))
     ap.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR), help="process logs, pid files, token files")
     ap.add_argument("--no-probes", action="store_true", help="leave readiness to kwok (Ready at once)")

@@ -1,0 +1,262 @@
+"""Shared pieces of the operator's cluster tests and benchmarks (test tooling, never product code).
+
+* OperatorProcess: `omnistage run` from the venv as a subprocess, its log in a file; kill -9 and
+  restart it like a crashed Deployment pod would be.
+* HeadEndpoint: the engine head's membership endpoint and /metrics, read the way the operator
+  reads them: the head pod's IP and the token from the `<name>-membership` Secret. On the local
+  control plane pod IPs are loopback and dialled directly; any other IP is never dialled (network
+  rule, DESIGN.md section 7): on a real cluster the call goes through `kubectl port-forward`,
+  i.e. through the API server the user's KUBECONFIG names.
+* Small readers: conditions, engine pods, members of the listing.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from .runtime import is_loopback
+
+ROOT = Path(__file__).resolve().parents[2]
+GROUP = "serving.omnistage.io"
+L_OMNISTAGE = f"{GROUP}/omnistage"
+L_COMPONENT = f"{GROUP}/component"
+L_ROLE = f"{GROUP}/role"
+A_HEAD_UID = f"{GROUP}/head-uid"
+MEMBERSHIP_PATH = "/omnistage/v1/membership"
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
+
+
+def _stamp() -> str:
+    return time.strftime("%H:%M:%S")
+
+
+# ----- the operator as a process -------------------------------------------------------------------
+
+def omnistage_command() -> list[str]:
+    """`omnistage` from the interpreter's own venv (the console script pip installed)."""
+    script = Path(sys.executable).parent / "omnistage"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "omnistage"]
+
+
+class OperatorProcess:
+    """`omnistage run` as users run it outside a cluster: KUBECONFIG in the environment."""
+
+    def __init__(self, kubeconfig: str | os.PathLike, log_path: Path, namespaces: list[str] | None = None,
+                 metrics_port: int = 0, probe_port: int = 0):
+        self.kubeconfig = str(kubeconfig)
+        self.log_path = Path(log_path)
+        self.namespaces = list(namespaces or [])
+        self.metrics_port = metrics_port or _free_port()
+        self.probe_port = probe_port or _free_port()
+        self.popen: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def argv(self) -> list[str]:
+        ns = [a for n in self.namespaces for a in ("--namespace", n)]
+        return [*omnistage_command(), "run", *ns, "--metrics-port", str(self.metrics_port),
+                "--probe-port", str(self.probe_port)]
+
+    def start(self, ready_timeout: float = 60) -> None:
+        self.starts += 1
+        env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+        env["KUBECONFIG"] = self.kubeconfig
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as f:
+            f.write(f"\n===== [harness {_stamp()}] start #{self.starts}: {' '.join(self.argv)}\n".encode())
+            f.flush()
+            self.popen = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=f,
+                                          stderr=subprocess.STDOUT, start_new_session=True)
+        print(f"[operator {_stamp()}] started pid {self.popen.pid} (log {self.log_path})", flush=True)
+        # Ready once kopf serves its liveness probe (the handlers are registered by then).
+        deadline, report = time.monotonic() + ready_timeout, time.monotonic() + 5
+        while True:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"the operator exited with {self.popen.returncode} at start-up:\n{self.tail(40)}")
+            if http_get(f"http://127.0.0.1:{self.probe_port}/healthz", timeout=1) is not None:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"operator not live after {ready_timeout:.0f}s:\n{self.tail(40)}")
+            if time.monotonic() > report:
+                print(f"[operator {_stamp()}]   waiting for its liveness probe on :{self.probe_port}", flush=True)
+                report = time.monotonic() + 5
+            time.sleep(0.2)
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: no finalisers, no graceful shutdown, as when its node dies or it is OOM-killed."""
+        if self.alive():
+            print(f"[operator {_stamp()}] SIGKILL pid {self.popen.pid}", flush=True)
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(10)
+
+    def stop(self, timeout: float = 20) -> None:
+        if not self.alive():
+            return
+        os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(10)
+        print(f"[operator {_stamp()}] stopped (exit {self.popen.returncode})", flush=True)
+
+    def size(self) -> int:
+        return self.log_path.stat().st_size if self.log_path.exists() else 0
+
+    def tail(self, lines: int = 200, since: int = 0) -> str:
+        if not self.log_path.exists():
+            return "(no operator log)"
+        with open(self.log_path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def metrics(self) -> str | None:
+        return http_get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----- HTTP on loopback only -----------------------------------------------------------------------
+
+def http_get(url: str, token: str | None = None, timeout: float = 5) -> str | None:
+    """GET on a loopback URL; None when nothing answers 2xx. Refuses any other host."""
+    host = urllib.parse.urlparse(url).hostname or ""
+    if host != "localhost" and not is_loopback(host):
+        raise ValueError(f"refusing to dial {url}: only 127.0.0.0/8 (network rule)")
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with _OPENER.open(req, timeout=timeout) as resp:
+            return resp.read().decode()
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+class HeadEndpoint:
+    """The head's membership endpoint and /metrics for one OmniStage."""
+
+    def __init__(self, kubectl: Callable[..., Any], namespace: str, name: str, http_port: int = 8000):
+        self.kubectl, self.namespace, self.name, self.http_port = kubectl, namespace, name, http_port
+
+    def token(self) -> str:
+        secret = self.kubectl.json("get", "secret", f"{self.name}-membership", "-n", self.namespace)
+        return base64.b64decode(secret["data"]["token"]).decode()
+
+    def ip(self) -> str | None:
+        proc = self.kubectl("get", "pod", f"{self.name}-head", "-n", self.namespace,
+                            "-o", "jsonpath={.status.podIP}", check=False)
+        return (proc.stdout.strip() or None) if proc.returncode == 0 else None
+
+    @contextlib.contextmanager
+    def _base(self) -> Iterator[str | None]:
+        ip = self.ip()
+        if ip is None:
+            yield None
+        elif is_loopback(ip):
+            yield f"http://{ip}:{self.http_port}"
+        else:
+            with port_forward(self.kubectl, self.namespace, f"pod/{self.name}-head", self.http_port) as port:
+                yield f"http://127.0.0.1:{port}" if port else None
+
+    def listing(self, include_all: bool = False) -> dict[str, Any] | None:
+        """GET /omnistage/v1/membership, or None when the head does not answer (yet).
+
+        include_all (?all=true) adds pending slots and the replicas that left (state "left", with
+        the record of their leave) or that the head dropped by itself."""
+        with self._base() as base:
+            if base is None:
+                return None
+            try:
+                query = "?all=true" if include_all else ""
+                body = http_get(base + MEMBERSHIP_PATH + query, token=self.token(), timeout=5)
+            except Exception:  # noqa: BLE001 -- Secret not there yet etc.: "no answer"
+                return None
+        return json.loads(body) if body else None
+
+    def metrics(self) -> str | None:
+        with self._base() as base:
+            return http_get(base + "/metrics", timeout=5) if base else None
+
+
+@contextlib.contextmanager
+def port_forward(kubectl: Callable[..., Any], namespace: str, target: str, port: int,
+                 timeout: float = 20) -> Iterator[int | None]:
+    """kubectl port-forward to a random local port on 127.0.0.1 (for clusters whose pod IPs are not loopback)."""
+    cmd = [kubectl.binary, f"--kubeconfig={kubectl.kubeconfig}", "port-forward", "-n", namespace,
+           "--address", "127.0.0.1", target, f":{port}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        local = None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+            m = re.search(r"Forwarding from 127\.0\.0\.1:(\d+)", line or "")
+            if m:
+                local = int(m.group(1))
+                break
+        yield local
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+
+
+# ----- readers -------------------------------------------------------------------------------------
+
+def condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any]:
+    return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c.get("type") == ctype), {})
+
+
+def is_true(obj: dict[str, Any] | None, ctype: str) -> bool:
+    return condition(obj, ctype).get("status") == "True"
+
+
+def stage0(listing: dict[str, Any] | None) -> list[dict[str, Any]]:
+    return list(((listing or {}).get("stages") or {}).get("0") or [])
+
+
+def remote_members(listing: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Headless replicas the head knows and has not let go (its own local replica excluded)."""
+    return [m for m in stage0(listing) if not m.get("local") and str(m.get("state", "")).lower() != "left"]
+
+
+def left_at_head(listing: dict[str, Any] | None, replica_id: int) -> dict[str, Any] | None:
+    """The head's record of a `leave` for this replica (from a listing with include_all), if any."""
+    return next((m for m in stage0(listing) if m.get("replicaId") == replica_id
+                 and str(m.get("state", "")).lower() == "left"), None)
+
+
+def replica_series(metrics_text: str | None, stage: str = "0") -> set[str]:
+    """Replica ids that have a `vllm:*` series labelled with this stage on the head's /metrics."""
+    out: set[str] = set()
+    for line in (metrics_text or "").splitlines():
+        if line.startswith("#") or "replica=" not in line:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("{", 1)[1].split("}", 1)[0])) if "{" in line else {}
+        if labels.get("stage", stage) == stage and "replica" in labels:
+            out.add(labels["replica"])
+    return out
