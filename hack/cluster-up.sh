@@ -59,8 +59,11 @@ wait_for() {
   log "waiting for $what (up to ${secs}s)"
   while ! "$@" >/dev/null 2>&1; do
     waited=$(( $(date +%s) - start ))
-    if (( waited >= secs )); then
-      log "timed out after ${secs}s waiting for $what; last log lines:"
+    local dead="" f
+    for f in "$D"/run/*.pid; do [[ -e $f ]] && ! alive "$(basename "$f" .pid)" && dead+=" $(basename "$f" .pid)"; done
+    if [[ -n $dead ]] || (( waited >= secs )); then
+      if [[ -n $dead ]]; then log "exited while waiting for $what:$dead; last log lines:"
+      else log "timed out after ${secs}s waiting for $what; last log lines:"; fi
       for f in "$D"/logs/*.log; do echo "--- $f" >&2; tail -n 25 "$f" >&2; done
       return 1
     fi
@@ -80,6 +83,12 @@ else
     log "state in $D is not a healthy cluster; stopping what is left of it"
     bash "$ROOT/hack/cluster-down.sh"
   fi
+  # Another cluster on our ports would answer our readiness probes and get used by mistake.
+  for port in "$ETCD_PORT" "$ETCD_PEER_PORT" "$API_PORT" "$KCM_PORT" "$SCHED_PORT"; do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+      log "127.0.0.1:$port is already in use (another cluster?); choose other OMNISTAGE_*_PORT values"; exit 1
+    fi
+  done
   mkdir -p "$D"/{pki,logs,run}
   touch "$D/.omnistage-cluster"   # cluster-down.sh only deletes directories carrying this mark
   # A half-started cluster is worse than none: stop it, keep its logs for the reader.
@@ -151,6 +160,14 @@ KC
     --authorization-mode=Node,RBAC --allow-privileged=true
   wait_for kube-apiserver 120 apiserver_ready
 
+  # The project's CRDs go in before the controller manager starts: its garbage collector discovers
+  # resource types at start and then only every 30 s, so a CRD installed later leaves owned
+  # children of deleted OmniStages lingering for ~40 s at first.
+  if [[ -f "$ROOT/crds/kustomization.yaml" ]]; then
+    log "installing the CRDs in crds/"
+    kubectl apply --server-side --field-manager=omnistage-cluster-up -k "$ROOT/crds" >&2
+    wait_for "CRDs Established" 60 kubectl wait --for=condition=Established crd --all --timeout=2s
+  fi
   start kube-controller-manager "$BIN/kube-controller-manager" \
     --kubeconfig="$KC" --authentication-kubeconfig="$KC" --authorization-kubeconfig="$KC" \
     --bind-address=127.0.0.1 --secure-port="$KCM_PORT" --leader-elect=false \

@@ -199,7 +199,32 @@ def omnistage_crd(kubectl: Kubectl) -> dict[str, Any]:
     _wait_for(f"CRD {CRD_NAME} Established", lambda: kubectl(
         "wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=5s", check=False).returncode == 0,
         timeout=60)
+    _wait_for_garbage_collector(kubectl)
     return kubectl.json("get", "crd", CRD_NAME)
+
+
+def _wait_for_garbage_collector(kubectl: Kubectl) -> None:
+    """Wait until deleting an OmniStage deletes what it owns.
+
+    The controller manager's garbage collector rediscovers resource types every 30 s; until it
+    watches a new CRD, children of a deleted OmniStage linger for up to that long. Probing once
+    here keeps every deletion test deterministic (instant when the CRD was already known).
+    """
+    ns = f"gc-probe-{uuid.uuid4().hex[:5]}"
+    kubectl("create", "namespace", ns)
+    try:
+        owner = {"apiVersion": "serving.omnistage.io/v1alpha1", "kind": "OmniStage",
+                 "metadata": {"name": "probe"}, "spec": {"model": "probe"}}
+        kubectl("create", "-n", ns, "-f", "-", input=json.dumps(owner))
+        uid = kubectl("get", "omnistage", "probe", "-n", ns, "-o", "jsonpath={.metadata.uid}").stdout
+        child = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "probe-child", "ownerReferences": [
+            {"apiVersion": owner["apiVersion"], "kind": "OmniStage", "name": "probe", "uid": uid}]}}
+        kubectl("create", "-n", ns, "-f", "-", input=json.dumps(child))
+        kubectl("delete", "omnistage", "probe", "-n", ns)
+        _wait_for("the garbage collector to collect an OmniStage's children", lambda: kubectl(
+            "get", "configmap", "probe-child", "-n", ns, check=False).returncode != 0, timeout=120)
+    finally:
+        kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found")
 
 
 @pytest.fixture
