@@ -84,10 +84,9 @@ def join(head: Head, pod: str, ip: str, stage: int = 0) -> dict[str, Any]:
     return _call("join", "POST", head, "/join", {"stage": stage, "pod": pod, "ip": ip}, timeout=30, attempts=3)
 
 
-def leave(head: Head, pod: str, replica_id: int | None, drain_seconds: int, stage: int = 0) -> dict[str, Any]:
-    body: dict[str, Any] = {"stage": stage, "pod": pod, "drainTimeoutSeconds": drain_seconds}
-    if replica_id is not None:
-        body["replicaId"] = replica_id
+def leave(head: Head, replica_id: int, drain_seconds: int, stage: int = 0) -> dict[str, Any]:
+    """Stop routing to the replica, drain it up to `drain_seconds`, detach it, drop its metrics."""
+    body = {"stage": stage, "replicaId": replica_id, "drainTimeoutSeconds": drain_seconds}
     return _call("leave", "POST", head, "/leave", body, timeout=drain_seconds + 15, attempts=3)
 
 

@@ -202,7 +202,7 @@ def _retire(p: Pass, pod: dict[str, Any], drain_seconds: int, reason: str, why: 
     member = _member_of(p, pod)
     if member is not None and p.head_client is not None:
         try:
-            ack = membership.leave(p.head_client, pods.name(pod), member.get("replicaId"), drain_seconds)
+            ack = membership.leave(p.head_client, member["replicaId"], drain_seconds)
             drained = ack.get("drained", True)
             p.emit("Normal" if drained else "Warning", "Left" if drained else "DrainTimeout",
                    f"replica {member.get('replicaId')} ({pods.name(pod)}) left the engine"
@@ -273,7 +273,7 @@ def _sync_membership(p: Pass) -> None:
         pod = live.get(m.get("pod")) or next((r for r in live.values() if pods.ip(r) == m.get("host")), None)
         if pod is None:
             try:
-                membership.leave(p.head_client, m.get("pod") or "", m.get("replicaId"), 0)
+                membership.leave(p.head_client, m["replicaId"], 0)
                 p.emit("Normal", "Left", f"replica {m.get('replicaId')} ({m.get('pod') or m.get('host')}) left: "
                                          "its pod is gone")
             except (HeadUnreachable, MembershipError) as err:
@@ -288,7 +288,11 @@ def _sync_membership(p: Pass) -> None:
             ack = membership.join(p.head_client, name, pods.ip(pod))
             p.emit("Normal", "Joined", f"replica pod {name} joined the engine as replica {ack.get('replicaId')}")
         except MembershipError as err:
-            p.membership_problem = f"{name} has not registered with the head yet ({err.body.get('error', err)})"
+            if err.body.get("error") == "ReplicaDetached":
+                # Replicas never re-register: only a new process (a new pod) can join again.
+                _retire(p, pod, 0, "ReplacedReplica", "the head detached its engine")
+            else:
+                p.membership_problem = f"{name} has not joined yet: {err.body.get('message') or err}"
         except HeadUnreachable as err:
             p.membership_problem = f"join for {name} failed: {err}"
     try:
