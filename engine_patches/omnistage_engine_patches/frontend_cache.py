@@ -35,7 +35,7 @@ import inspect
 import logging
 from typing import Any
 
-from ._patching import Outcome, apply_patch, is_ours, mark
+from ._patching import PATCHED_ATTR, Outcome, apply_patch, mark
 
 NAME = "frontend_cache"
 logger = logging.getLogger("omnistage_engine_patches")
@@ -58,7 +58,9 @@ def _configured_replicas(stage_config: Any) -> int:
     if runtime is None:
         return 1
     try:
-        value = runtime.get("num_replicas", 1) if hasattr(runtime, "get") else getattr(runtime, "num_replicas", 1)
+        value = (
+            runtime.get("num_replicas", 1) if hasattr(runtime, "get") else getattr(runtime, "num_replicas", 1)
+        )
         return int(value if value is not None else 1)
     except (TypeError, ValueError):
         return 1
@@ -90,6 +92,17 @@ def _is_stage0_frontend_config(engine: Any, vllm_config: Any) -> bool:
     return bool(configs) and configs[0] is vllm_config
 
 
+def _ours(fn: Any) -> bool:
+    """Whether this patch's wrapper is `fn` or under it (another patch may wrap on top)."""
+    for _ in range(16):  # a __wrapped__ chain is short; never loop on a cyclic one
+        if fn is None:
+            return False
+        if getattr(fn, "__dict__", {}).get(PATCHED_ATTR) == NAME:
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
 def _install() -> str | None:
     # Every check runs before anything is changed, so a None-or-reason answer never half-applies.
     try:
@@ -103,17 +116,21 @@ def _install() -> str | None:
 
     init_stages = OmniEngineBase.__dict__.get("_initialize_stages")
     cache_ctor = MultiModalRegistry.__dict__.get("processor_cache_from_config")
-    if is_ours(init_stages) and is_ours(cache_ctor):
+    if _ours(init_stages) and _ours(cache_ctor):
         return None  # already in place (e.g. this module was reloaded)
-    if is_ours(init_stages) or is_ours(cache_ctor):
+    if _ours(init_stages) or _ours(cache_ctor):
         return "only one of the two wrappers is in place: refusing to stack a second copy"
     if init_stages is None or cache_ctor is None:
-        return "OmniEngineBase._initialize_stages or MultiModalRegistry.processor_cache_from_config is missing"
+        return (
+            "OmniEngineBase._initialize_stages or MultiModalRegistry.processor_cache_from_config is missing"
+        )
     for attr in ("processor_only_cache_from_config", "_get_cache_type"):
         if not callable(getattr(MultiModalRegistry, attr, None)):
             return f"MultiModalRegistry.{attr} is missing"
     if list(inspect.signature(init_stages).parameters) != ["self", "stage_init_timeout"]:
-        return f"OmniEngineBase._initialize_stages has an unexpected signature {inspect.signature(init_stages)}"
+        return (
+            f"OmniEngineBase._initialize_stages has an unexpected signature {inspect.signature(init_stages)}"
+        )
     if list(inspect.signature(cache_ctor).parameters) != ["self", "vllm_config"]:
         return (
             "MultiModalRegistry.processor_cache_from_config has an unexpected signature "

@@ -1,0 +1,408 @@
+"""Engine tier: the real vllm 0.30.0 / vllm-omni 0.30.0 packages on the CPU.
+
+Shared fixtures for every engine-tier test module (keep them generic):
+
+* the process environment every engine test needs (loopback only, offline hub, the plugin
+  allow-list), set at import time, before anything imports vLLM;
+* `engine_patches`: this project's patches applied once per session through vLLM's real plugin
+  loader (`vllm.plugins.load_general_plugins` with `VLLM_PLUGINS` naming our entry point), so
+  `OMNISTAGE_DISABLE_PATCHES=name` in the environment of the pytest run switches a patch off for
+  the whole run; that is how the negative controls run;
+* `tiny_model_dirs` / `make_vllm_config`: real `ModelConfig` / `VllmConfig` objects for a tiny
+  multimodal model (Qwen2-VL architecture) and a tiny text-only model (Qwen2). Nothing is mocked:
+  the test writes a real Hugging Face checkpoint directory *without weights* (config.json, a
+  word-level tokenizer, the real Qwen2-VL image processor config, a chat template), so vLLM's own
+  config, tokenizer, processor and renderer code load it exactly as they would a downloaded
+  model. No test here loads weights or runs a forward pass;
+* small helpers for distinct images and data URLs (the chat path fetches `data:` URLs locally).
+
+Every test in this directory gets the `engine` marker; the tier is skipped (with the reason)
+only when vllm_omni cannot be imported.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+# ---- process environment (before any vLLM import) -------------------------------------------
+# Loopback only: vLLM's get_ip() would otherwise probe a route with a UDP socket to a public
+# address. Force it, whatever the caller's environment says.
+os.environ["VLLM_HOST_IP"] = "127.0.0.1"
+# No hub traffic: tiny models are local directories; a missing file must fail, not download.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["VLLM_NO_USAGE_STATS"] = "1"
+os.environ["DO_NOT_TRACK"] = "1"
+# Plugins loaded by vLLM's loader: ours, and vllm-omni's own registration (which must be listed
+# whenever VLLM_PLUGINS is set). Engine-tier modules that need more may extend ENGINE_PLUGINS.
+ENGINE_PLUGINS = ["omnistage_engine_patches", "vllm_omni_register_models"]
+_listed = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
+os.environ["VLLM_PLUGINS"] = ",".join(dict.fromkeys(_listed + ENGINE_PLUGINS))
+# vLLM names its shared-memory multimodal ring per process tree; keep test runs apart.
+os.environ.setdefault("VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME", f"omnistage_test_{uuid.uuid4().hex[:12]}")
+
+try:
+    import vllm_omni  # noqa: F401  (its import applies vllm-omni's own class patches)
+
+    VLLM_OMNI_IMPORT_ERROR: str | None = None
+except Exception as e:  # noqa: BLE001  (ImportError, or a broken install raising anything)
+    VLLM_OMNI_IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+_HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Called with the whole session's items: touch only this directory's.
+    skip = (
+        pytest.mark.skip(
+            reason=f"engine tier needs vllm_omni 0.30.0 (hack/setup.sh): {VLLM_OMNI_IMPORT_ERROR}"
+        )
+        if VLLM_OMNI_IMPORT_ERROR
+        else None
+    )
+    for item in items:
+        if _HERE in Path(item.path).resolve().parents:
+            item.add_marker(pytest.mark.engine)
+            if skip is not None:
+                item.add_marker(skip)
+
+
+# ---- patches through the real plugin path ---------------------------------------------------
+@pytest.fixture(scope="session", autouse=True)
+def engine_patches() -> dict[str, Any]:
+    """Load the general plugins the way every vLLM process does; return the patch outcomes.
+
+    vLLM loads plugins once per process. If something in this session already loaded them
+    (before VLLM_PLUGINS named us), call the same entry point our plugin registers.
+    """
+    if VLLM_OMNI_IMPORT_ERROR:
+        return {}
+    from importlib.metadata import entry_points
+
+    import vllm.plugins as vllm_plugins
+    from omnistage_engine_patches import _patching
+
+    names = {ep.name for ep in entry_points(group="vllm.general_plugins")}
+    assert "omnistage_engine_patches" in names, (
+        "the omnistage_engine_patches entry point is not installed: run hack/setup.sh (pip install -e .)"
+    )
+    if getattr(vllm_plugins, "plugins_loaded", False):
+        import omnistage_engine_patches
+
+        omnistage_engine_patches.apply()
+    else:
+        vllm_plugins.load_general_plugins()
+    return _patching.outcomes()
+
+
+def patch_applied(name: str) -> bool:
+    """Whether the named patch is in effect in this test process."""
+    from omnistage_engine_patches import _patching
+
+    outcome = _patching.outcomes().get(name)
+    return bool(outcome and outcome.applied)
+
+
+# ---- tiny real models (no weights) -----------------------------------------------------------
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+WORDS = [
+    "hello",
+    "world",
+    "describe",
+    "the",
+    "image",
+    "what",
+    "is",
+    "in",
+    "this",
+    "picture",
+    "user",
+    "assistant",
+    "system",
+    "a",
+    "b",
+    "c",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+# A prompt with one image placeholder, for raw (non-chat) prompts.
+IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|> describe the image"
+
+
+def _write_tokenizer(out: Path) -> Any:
+    """A small byte-level BPE tokenizer (the Qwen2 tokenizer family's scheme), trained here.
+
+    transformers maps qwen2 / qwen2_vl checkpoints to `Qwen2Tokenizer`, which re-applies its own
+    byte-level pre-tokenizer; a byte-level BPE vocabulary (all 256 byte symbols) round-trips
+    through it, a word-level one would not.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator([" ".join(WORDS)] * 4, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer, backend.get_vocab()
+
+
+def _text_config(vocab: dict[str, int]) -> dict[str, Any]:
+    return {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 1,
+        "num_key_value_heads": 2,
+        "vocab_size": len(vocab),
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "torch_dtype": "float32",
+        "tie_word_embeddings": True,
+    }
+
+
+def build_tiny_multimodal_model(out: Path) -> Path:
+    """A Qwen2-VL-architecture checkpoint directory without weights (tiny image processor)."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer, vocab = _write_tokenizer(out)
+    # 56x56 images become 4x4 patches of 14 px: small tensors, fast processing on the CPU.
+    image_processor = Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
+    processor = Qwen2VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(),
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(str(out))
+    config = {
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "model_type": "qwen2_vl",
+        **_text_config(vocab),
+        "image_token_id": vocab["<|image_pad|>"],
+        "video_token_id": vocab["<|video_pad|>"],
+        "vision_start_token_id": vocab["<|vision_start|>"],
+        "vision_end_token_id": vocab["<|vision_end|>"],
+        "vision_config": {
+            "depth": 1,
+            "embed_dim": 32,
+            "hidden_size": 64,
+            "num_heads": 2,
+            "in_chans": 3,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "mlp_ratio": 2,
+        },
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+def build_tiny_text_model(out: Path) -> Path:
+    """A Qwen2 (text-only) checkpoint directory without weights."""
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer, vocab = _write_tokenizer(out)
+    tokenizer.save_pretrained(str(out))
+    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **_text_config(vocab)}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    if VLLM_OMNI_IMPORT_ERROR:
+        pytest.skip(f"engine tier needs vllm_omni: {VLLM_OMNI_IMPORT_ERROR}")
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {
+        "multimodal": build_tiny_multimodal_model(root / "tiny-qwen2-vl"),
+        "text": build_tiny_text_model(root / "tiny-qwen2"),
+    }
+
+
+@pytest.fixture(scope="session")
+def make_vllm_config(tiny_model_dirs: dict[str, Path]):
+    """Factory: `make_vllm_config("multimodal" | "text", **model_config_kwargs) -> VllmConfig`.
+
+    Model-config keyword arguments are vLLM's own (e.g. `mm_processor_cache_gb=0`,
+    `mm_processor_cache_type="shm"`). The device is the CPU (no accelerator here), and
+    `parallel_config` keyword arguments go to vLLM's `ParallelConfig`.
+    """
+    from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+
+    def make(kind: str = "multimodal", *, parallel: dict[str, Any] | None = None, **model_kwargs: Any):
+        model_kwargs.setdefault("max_model_len", 1024)
+        model_kwargs.setdefault("dtype", "float32")
+        model_config = ModelConfig(model=str(tiny_model_dirs[kind]), **model_kwargs)
+        return VllmConfig(
+            model_config=model_config,
+            device_config=DeviceConfig(device="cpu"),
+            parallel_config=ParallelConfig(**(parallel or {})),
+        )
+
+    return make
+
+
+# ---- media helpers -------------------------------------------------------------------------
+def make_image(i: int, size: int = 56):
+    """A distinct solid-colour RGB image per index (distinct content, distinct hash)."""
+    from PIL import Image
+
+    return Image.new("RGB", (size, size), ((37 * i) % 256, (91 * i + 17) % 256, (53 * i + 101) % 256))
+
+
+def image_data_url(i: int) -> str:
+    buf = io.BytesIO()
+    make_image(i).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+# ---- a stage-0 engine through vllm-omni's real stage initialisation ---------------------------
+class StandInStageClient:
+    """Stands in for a stage replica's head-side EngineCore client (`StageEngineCoreClient`).
+
+    A real client needs a running EngineCore process (GPU, weights); these tests never send
+    anything to it. It carries the attributes vllm-omni's engine reads while initialising.
+    """
+
+    def __init__(self, replica_id: int, stage_type: str = "llm") -> None:
+        from vllm import SamplingParams
+
+        self.replica_id = replica_id
+        self.stage_type = stage_type
+        self.final_output = True
+        self.final_output_type = "text"
+        self.model_stage = None
+        self.default_sampling_params = SamplingParams(max_tokens=4)
+        self.prompt_transform_func = None
+        self.prompt_expand_func = None
+        # The address a replica advertises (loopback; nothing listens there, nothing dials it).
+        self.client_addresses = {"input_address": f"tcp://127.0.0.1:{41000 + replica_id}"}
+
+
+class StandInStageRuntime:
+    """Stands in for vllm-omni's `StageRuntime` / `DistStageRuntime`.
+
+    The real ones launch EngineCore processes (static) or an OmniMasterServer that waits for
+    headless replicas to register (distributed); neither can run without GPUs. This one hands
+    `OmniEngineBase._initialize_stages` a real `StagePool` per stage holding stand-in clients,
+    and records the arguments the engine passed, so the rest of `_initialize_stages` (building
+    the shared stage-0 input processor and renderer, reading stage metadata) runs unmodified.
+    """
+
+    def __init__(self, stage_pools: list[Any], kwargs: dict[str, Any]) -> None:
+        self.stage_pools = stage_pools
+        self.kwargs = kwargs
+
+    def initialize(self) -> None:
+        pass
+
+    def create_membership_controller(self) -> None:
+        return None
+
+
+def stage0_engine_builder(monkeypatch: pytest.MonkeyPatch):
+    """Factory: a real `AsyncOmniEngine` object initialised by vllm-omni's `_initialize_stages`.
+
+    `build_stage0_engine(vllm_config, replicas=N, distributed=False)`:
+
+    * `distributed=False`: a single runtime whose stage 0 has `N` replicas
+      (`runtime_config.num_replicas = N`, N >= 1 as vllm-omni's typed config requires);
+    * `distributed=True`: a head started with `--stage-id 0` and a master address
+      (`single_stage_mode`), whose stage-0 pool holds `N` replicas when the frontend is built
+      (N may be 0: the decision must not depend on who has registered yet).
+
+    The engine object is made with `object.__new__` plus the attributes `OmniEngineBase.__init__`
+    would set (its `__init__` resolves deploy configs and starts the orchestrator thread, which
+    launches engines); `create_stage_runtime` is replaced by `StandInStageRuntime` (see there).
+    Everything `_initialize_stages` builds after that is real: the input processor, the Omni
+    renderer, its multimodal processor and the cache vLLM (or our patch) gives it.
+    """
+    from vllm_omni.config.omni_config import OmniStageRuntimeConfig
+    from vllm_omni.engine import omni_engine_base
+    from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
+    from vllm_omni.engine.stage_pool import StagePool
+
+    def build(vllm_config: Any, *, replicas: int, distributed: bool = False, stage_type: str = "llm") -> Any:
+        runtimes: list[StandInStageRuntime] = []
+
+        def create_stage_runtime(**kwargs: Any) -> StandInStageRuntime:
+            clients = [StandInStageClient(i, stage_type) for i in range(replicas)]
+            pool = StagePool(0, clients, stage_vllm_config=vllm_config)
+            runtimes.append(StandInStageRuntime([pool], kwargs))
+            return runtimes[-1]
+
+        monkeypatch.setattr(omni_engine_base, "create_stage_runtime", create_stage_runtime)
+
+        engine = object.__new__(AsyncOmniEngine)
+        engine.model = str(vllm_config.model_config.model)
+        engine.tokenizer = None
+        engine.config_path = None
+        engine.stage_configs = [
+            SimpleNamespace(
+                stage_id=0,
+                is_comprehension=True,
+                runtime_config=OmniStageRuntimeConfig(num_replicas=max(1, replicas)),
+            )
+        ]
+        engine.async_chunk = False
+        engine.single_stage_mode = distributed
+        engine._single_stage_id_filter = 0 if distributed else None
+        engine._omni_master_address = "127.0.0.1" if distributed else None
+        engine._omni_master_port = 29555 if distributed else None
+        engine._omni_dp_size_local = max(1, replicas) if distributed else 1
+        engine._omni_heartbeat_timeout = 30.0
+        engine._omni_lb_policy = "round-robin"
+        engine._parallel_stage_init = False
+        engine.request_queue = None
+        engine._initialize_stages(300)
+        engine.stand_in_runtime = runtimes[-1]
+        return engine
+
+    return build
+
+
+@pytest.fixture
+def build_stage0_engine(monkeypatch: pytest.MonkeyPatch):
+    """Factory fixture around `stage0_engine_builder` (function scope: the stand-in runtime is
+    undone after each test)."""
+    return stage0_engine_builder(monkeypatch)
