@@ -139,6 +139,24 @@ def _client_addr(client: Any) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
+async def _stop_watcher_on_shutdown(orch: Any, controller: Any) -> None:
+    """Let a distributed head's orchestrator stop.
+
+    In 0.30.0 ``OrchestratorBase.run`` gathers the membership watcher with its other tasks, but
+    the watcher only stops on the controller's own shutdown event, which ``run`` sets after the
+    gather returns: the gather never returns, ``OmniEngineBase.shutdown`` gives up after 30 s and
+    defers the runtime's cleanup (master server, coordinator) to a thread that never finishes.
+    Setting the controller's event when the orchestrator's is set ends the watcher within its
+    0.5 s tick; ``run``'s own teardown (drain, ``controller.shutdown()``) then proceeds.
+    """
+    shutdown_event = getattr(orch, "_shutdown_event", None)
+    controller_event = getattr(controller, "_shutdown_event", None)
+    if not isinstance(shutdown_event, asyncio.Event) or not isinstance(controller_event, asyncio.Event):
+        return
+    await shutdown_event.wait()
+    controller_event.set()
+
+
 def _install() -> str | None:
     from vllm_omni.engine.membership_controller import MembershipController
     from vllm_omni.engine.orchestrator import OrchestratorBase
@@ -180,14 +198,19 @@ def _install() -> str | None:
     async def run(self):
         self._omnistage_loop = asyncio.get_running_loop()
         state_of(self)
-        if getattr(self, "_membership", None) is not None:
-            self._membership._omnistage_orchestrator = weakref.ref(self)
+        controller = getattr(self, "_membership", None)
+        stopper = None
+        if controller is not None:
+            controller._omnistage_orchestrator = weakref.ref(self)
+            stopper = asyncio.create_task(_stop_watcher_on_shutdown(self, controller), name="omnistage-membership-stop")
         _ORCHESTRATORS.add(self)
         try:
             return await orig_run(self)
         finally:
             _ORCHESTRATORS.discard(self)
             self._omnistage_loop = None
+            if stopper is not None:
+                stopper.cancel()
 
     @functools.wraps(orig_collect)
     def _collect_serviceable_replicas(self):

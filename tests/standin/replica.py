@@ -1,0 +1,134 @@
+"""A simulated headless stage replica: registers and heartbeats through vllm-omni's own client code.
+
+  python -m tests.standin.replica --master-ip 127.77.0.5 --master-port 26000 --bind-ip 127.77.0.9
+
+What ``vllm serve ... --headless --stage-id 0`` does, minus the model (see the package
+docstring): ``register_stage_with_omni_master(replica_id=None)`` (auto-assign; the head allocates
+the id and the sockets), then what the replica's EngineCore does after its handshake:
+``create_stage_coord_client`` (UP, then a heartbeat every 5 s). SIGTERM/SIGINT sends DOWN (the
+client's ``close``) and exits 0. The process listens on nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from . import require_loopback
+
+logger = logging.getLogger("tests.standin.replica")
+
+
+class SimulatedReplica:
+    """One stage replica as the head sees it on the wire (in-process form, for tests)."""
+
+    def __init__(self, master_ip: str, master_port: int, bind_ip: str, stage_id: int = 0) -> None:
+        self.master_ip = require_loopback(master_ip, "master address")
+        self.master_port = int(master_port)
+        self.bind_ip = require_loopback(bind_ip, "bind address")
+        self.stage_id = stage_id
+        self.response: Any = None
+        self.coord: Any = None
+
+    @property
+    def replica_id(self) -> int | None:
+        return None if self.response is None else self.response.replica_id
+
+    def register(self) -> SimulatedReplica:
+        from vllm_omni.engine.stage_engine_startup import register_stage_with_omni_master
+
+        # replica_id=None: auto-assign, as launch_headless_llm_replica does. The bind address is
+        # explicit, so vllm-omni's UDP route probe (_detect_local_bind_address) never runs.
+        self.response = register_stage_with_omni_master(
+            omni_master_address=self.master_ip,
+            omni_master_port=self.master_port,
+            omni_stage_id=self.stage_id,
+            omni_stage_config=None,
+            replica_id=None,
+            replica_bind_address=self.bind_ip,
+        )
+        return self
+
+    def up(self, queue_length_getter=None) -> SimulatedReplica:
+        from vllm_omni.distributed.omni_coordinator import create_stage_coord_client
+
+        resp = self.response
+        self.coord = create_stage_coord_client(
+            coord_zmq_addr=resp.coordinator_router_address,
+            input_addr=resp.input_address,
+            output_addr=resp.output_address,
+            stage_id=self.stage_id,
+            queue_length_getter=queue_length_getter or (lambda: 0),
+        )
+        return self
+
+    def start(self) -> SimulatedReplica:
+        return self.register().up()
+
+    def down(self) -> None:
+        """Graceful exit: the client's close() sends DOWN (what SIGTERM leads to in a replica)."""
+        if self.coord is not None:
+            try:
+                self.coord.close()
+            except RuntimeError:
+                pass
+            self.coord = None
+
+    def kill(self) -> None:
+        """Hard kill: heartbeats stop, no DOWN is sent (the coordinator times the replica out)."""
+        coord, self.coord = self.coord, None
+        if coord is not None:
+            coord._stop_event.set()
+            coord._heartbeat_thread.join(timeout=2)
+            with coord._send_lock:
+                coord._closed = True
+                coord._socket.close(0)
+                coord._ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.standin.replica", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--master-ip", required=True, help="the head's --omni-master-address (loopback)")
+    ap.add_argument("--master-port", required=True, type=int)
+    ap.add_argument("--bind-ip", required=True, help="this replica's pod IP (loopback)")
+    ap.add_argument("--stage-id", type=int, default=0)
+    args = ap.parse_args(argv)
+    require_loopback(args.master_ip, "master address")
+    require_loopback(args.bind_ip, "bind address")
+    os.environ["VLLM_HOST_IP"] = args.bind_ip  # never a UDP route probe
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s replica %(levelname)s %(message)s")
+
+    stop = threading.Event()
+    registered = threading.Event()
+
+    def on_signal(*_: Any) -> None:
+        stop.set()
+        if not registered.is_set():
+            raise SystemExit(0)  # still waiting for the head's reply: nothing to send DOWN for
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+
+    replica = SimulatedReplica(args.master_ip, args.master_port, args.bind_ip, args.stage_id)
+    logger.info("registering with %s:%d as a stage-%d replica from %s", args.master_ip, args.master_port,
+                args.stage_id, args.bind_ip)
+    replica.register()
+    registered.set()  # from now on a signal leads to DOWN
+    replica.up()
+    # The log line a real headless replica prints; the operator's tooling greps neither.
+    logger.info("[Headless] Stage %d replica id=%d up (coord=%s)", args.stage_id, replica.replica_id,
+                replica.response.coordinator_router_address)
+    stop.wait()
+    replica.down()
+    logger.info("stage %d replica %d sent DOWN; exiting", args.stage_id, replica.replica_id)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
