@@ -18,7 +18,7 @@ for c in kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
   f="$D/run/$c.pid"; [[ -f $f ]] || continue
   pid=$(<"$f")
   # Only signal the pid if it still runs the binary we started (pids get reused).
-  if [[ -r /proc/$pid/cmdline ]] && tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q "/$c "; then
+  if [[ -r /proc/$pid/cmdline ]] && [[ "$(tr '\0' ' ' < "/proc/$pid/cmdline")" == *"/$c "* ]]; then
     log "stopping $c (pid $pid)"
     kill "$pid" 2>/dev/null
     for _ in $(seq 50); do running "$pid" || break; sleep 0.2; done
