@@ -9,14 +9,15 @@ stops it at the end. Environment:
   OMNISTAGE_CLUSTER_DIR             state dir of the local cluster (default /tmp/omnistage-cluster)
   OMNISTAGE_KUBECTL                 kubectl binary to use instead of the one built with the cluster
 
-A local cluster that was already running when the session began (`make cluster-up`) is reused
-and left running. Fixtures for later tiers: `kubeconfig`, `kubectl`, `omnistage_crd`,
+A local cluster that was already running when the session began is reused; pytest sessions
+sharing it stop it only when the last one leaves, and never stop one started by `make cluster-up`. Fixtures for later tiers: `kubeconfig`, `kubectl`, `omnistage_crd`,
 `namespace`, `wait_for`, `local_cluster`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -53,12 +54,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.cluster)
 
 
-def _live(config: pytest.Config, cmd: list[str], timeout: float, **kw: Any) -> subprocess.CompletedProcess[str]:
-    """Run a long hack/ script with output capture off, so its progress lines reach the terminal."""
+def _uncaptured(config: pytest.Config) -> contextlib.AbstractContextManager[Any]:
+    """Output capture off: session-level progress reaches the terminal as it happens."""
     capman = config.pluginmanager.getplugin("capturemanager")
-    with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
+    return capman.global_and_fixture_disabled() if capman else contextlib.nullcontext()
+
+
+def _live(config: pytest.Config, cmd: list[str], timeout: float, **kw: Any) -> subprocess.CompletedProcess[str]:
+    """Run a long hack/ script so that its progress lines reach the terminal."""
+    with _uncaptured(config):
         print(f"\n[cluster] $ {' '.join(cmd)}", flush=True)
-        return subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout, cwd=ROOT, **kw)
+        return subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout, cwd=ROOT, check=False, **kw)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -78,7 +84,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def _bin_dir() -> Path | None:
     proc = subprocess.run(["bash", str(HACK / "build-k8s-bins.sh"), "--check"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, check=False)
     return Path(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
 
 
@@ -112,7 +118,7 @@ class Kubectl:
     def __call__(self, *args: str, check: bool = True, input: str | None = None,
                  timeout: float = 60) -> subprocess.CompletedProcess[str]:
         cmd = [self.binary, f"--kubeconfig={self.kubeconfig}", *args]
-        proc = subprocess.run(cmd, capture_output=True, text=True, input=input, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, input=input, timeout=timeout, check=False)
         if check and proc.returncode != 0:
             raise KubectlError(proc.returncode, cmd, proc.stdout, proc.stderr)
         return proc
@@ -147,22 +153,63 @@ def wait_for() -> Callable[..., Any]:
     return _wait_for
 
 
+@contextlib.contextmanager
+def _cluster_lock(config: pytest.Config) -> Iterator[None]:
+    """Serialise start and stop of the local cluster between pytest sessions sharing this machine."""
+    lock = CLUSTER_DIR.with_name(CLUSTER_DIR.name + ".lock")
+    with open(lock, "w") as f:
+        def take() -> bool:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                return False
+        if not take():
+            with _uncaptured(config):
+                _wait_for(f"another session's hold on {lock}", take, timeout=CLUSTER_UP_TIMEOUT, interval=1)
+        yield
+
+
+def _other_users(me: Path) -> list[Path]:
+    """Pid files of other live pytest sessions using the local cluster (dead ones are pruned)."""
+    alive = []
+    for user in (CLUSTER_DIR / "users").glob("*"):
+        if user == me:
+            continue
+        try:
+            os.kill(int(user.name), 0)
+            alive.append(user)
+        except (ProcessLookupError, ValueError):
+            user.unlink(missing_ok=True)
+    return alive
+
+
 @pytest.fixture(scope="session")
 def kubeconfig(request: pytest.FixtureRequest) -> Iterator[Path]:
-    """Path of the session cluster's kubeconfig, also exported as KUBECONFIG for the session."""
+    """Path of the session cluster's kubeconfig, also exported as KUBECONFIG for the session.
+
+    The local cluster is shared: a session registers itself in CLUSTER_DIR/users, and the last
+    session out stops a cluster that a session started (marker `started-by-pytest`). A cluster
+    started with `make cluster-up` is never stopped here.
+    """
     config = request.config
-    started = False
     if USE_EXISTING:
         if not os.environ.get("KUBECONFIG"):
             pytest.fail("OMNISTAGE_USE_EXISTING_CLUSTER=1 needs KUBECONFIG pointing at the cluster")
         path = Path(os.environ["KUBECONFIG"].split(os.pathsep)[0])
     else:
-        running = subprocess.run(["bash", str(HACK / "cluster-up.sh"), "--check"], timeout=60).returncode == 0
-        proc = _live(config, ["bash", str(HACK / "cluster-up.sh")], timeout=CLUSTER_UP_TIMEOUT)
-        if proc.returncode != 0:
-            pytest.fail("hack/cluster-up.sh failed; see its output above")
-        started = not running
         path = CLUSTER_DIR / "admin.kubeconfig"
+        me = CLUSTER_DIR / "users" / str(os.getpid())
+        with _cluster_lock(config):
+            check = subprocess.run(["bash", str(HACK / "cluster-up.sh"), "--check"], timeout=60, check=False)
+            running = check.returncode == 0
+            proc = _live(config, ["bash", str(HACK / "cluster-up.sh")], timeout=CLUSTER_UP_TIMEOUT)
+            if proc.returncode != 0:
+                pytest.fail("hack/cluster-up.sh failed; see its output above")
+            if not running:
+                (CLUSTER_DIR / "started-by-pytest").touch()
+            me.parent.mkdir(exist_ok=True)
+            me.touch()
     previous = os.environ.get("KUBECONFIG")
     os.environ["KUBECONFIG"] = str(path)
     try:
@@ -172,10 +219,17 @@ def kubeconfig(request: pytest.FixtureRequest) -> Iterator[Path]:
             os.environ.pop("KUBECONFIG", None)
         else:
             os.environ["KUBECONFIG"] = previous
-        if started and not KEEP:
-            _live(config, ["bash", str(HACK / "cluster-down.sh")], timeout=CLUSTER_DOWN_TIMEOUT)
-        elif not USE_EXISTING:
-            print(f"\n[cluster] left running: export KUBECONFIG={path}  (stop: make cluster-down)")
+        if not USE_EXISTING:
+            with _cluster_lock(config):
+                me.unlink(missing_ok=True)
+                others = _other_users(me)
+                if KEEP or others or not (CLUSTER_DIR / "started-by-pytest").exists():
+                    why = ("OMNISTAGE_KEEP_CLUSTER=1" if KEEP else f"{len(others)} other session(s) use it"
+                           if others else "it was running before the session")
+                    with _uncaptured(config):
+                        print(f"\n[cluster] left running ({why}): export KUBECONFIG={path}  (stop: make cluster-down)")
+                else:
+                    _live(config, ["bash", str(HACK / "cluster-down.sh")], timeout=CLUSTER_DOWN_TIMEOUT)
 
 
 @pytest.fixture(scope="session")

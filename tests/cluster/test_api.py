@@ -88,7 +88,7 @@ def test_explain_describes_every_spec_field(omnistage_crd, kubectl):
     props = _spec_properties(omnistage_crd)
     assert {"model", "replicas", "cache", "membership", "engine", "gpu", "placement"} <= set(props)
     for name, schema in props.items():
-        assert re.search(rf"^  {re.escape(name)}\s+<", out, re.M), f"explain omnistage.spec lacks {name}"
+        assert re.search(rf"^  {re.escape(name)}\s+<", out, re.MULTILINE), f"explain omnistage.spec lacks {name}"
         description = schema.get("description", "")
         assert description, f"spec.{name} has no description"
         assert " ".join(description.split())[:60] in flat, f"explain omnistage.spec lacks the description of {name}"
@@ -96,7 +96,7 @@ def test_explain_describes_every_spec_field(omnistage_crd, kubectl):
     recursive = kubectl("explain", "omnistage.spec", "--recursive").stdout
     for path, schema in _walk(props):
         assert schema.get("description"), f"spec.{path} has no description"
-        assert re.search(rf"^\s+{re.escape(path.rsplit('.', 1)[-1])}\s+<", recursive, re.M), path
+        assert re.search(rf"^\s+{re.escape(path.rsplit('.', 1)[-1])}\s+<", recursive, re.MULTILINE), path
     mode = kubectl("explain", "omnistage.spec.cache.mode").stdout
     assert "processor-only" in mode
 
