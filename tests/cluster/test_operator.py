@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,23 +56,62 @@ SETTLE_TIMEOUT = 180
 # ----- fixtures ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def standin(kubeconfig, local_cluster, tmp_path_factory) -> Iterator[StandinRuntime | None]:
-    """The container runtime kwok lacks (local control plane only)."""
-    if not local_cluster:
-        yield None  # real kubelets run the real engine image
-        return
-    with StandinRuntime(kubeconfig=kubeconfig, namespaces=[TEST_NAMESPACES],
-                        state_dir=tmp_path_factory.mktemp("standin")) as rt:
-        yield rt
+def state_dir() -> Path:
+    """Logs of the operator and the stand-in engines. Not pytest's tmp_path: its retention deletes
+    older session directories, and several sessions may share this machine."""
+    path = Path(os.environ.get("OMNISTAGE_TEST_STATE", "/tmp/omnistage-tests")) / \
+        f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    path.mkdir(parents=True, exist_ok=True)
+    print(f"\n[test_operator] operator and engine logs in {path}")
+    return path
 
 
 @pytest.fixture(scope="module")
-def operator(kubeconfig, omnistage_crd, standin, tmp_path_factory) -> Iterator[OperatorProcess]:
-    op = OperatorProcess(kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log",
-                         namespaces=[TEST_NAMESPACES])
+def kwok_nodes(kubectl) -> bool:
+    """True when the GPU nodes are kwok's (no container runs on them): the stand-in runtime is needed."""
+    nodes = kubectl.json("get", "nodes", "-l", f"nvidia.com/gpu.product={H200}")["items"]
+    return bool(nodes) and all((n["metadata"].get("annotations") or {}).get("kwok.x-k8s.io/node") == "fake"
+                               for n in nodes)
+
+
+@pytest.fixture(scope="module")
+def standin(kubeconfig, kwok_nodes, state_dir) -> Iterator[StandinRuntime | None]:
+    """The container runtime kwok lacks (simulated nodes only)."""
+    if not kwok_nodes:
+        yield None  # real kubelets run the real engine image
+        return
+    with StandinRuntime(kubeconfig=kubeconfig, namespaces=[TEST_NAMESPACES], state_dir=state_dir / "standin") as rt:
+        yield rt
+
+
+def _test_namespaces_with_omnistages(kubectl) -> list[str]:
+    items = kubectl.json("get", "omnistages", "-A")["items"]
+    return sorted({o["metadata"]["namespace"] for o in items if o["metadata"]["namespace"].startswith("t-")})
+
+
+@pytest.fixture(scope="module")
+def operator(kubeconfig, kubectl, omnistage_crd, standin, state_dir, wait_for) -> Iterator[OperatorProcess]:
+    op = OperatorProcess(kubeconfig, state_dir / "operator.log", namespaces=[TEST_NAMESPACES])
     op.start()
     yield op
-    op.stop()
+    # kopf puts its finalizer on every OmniStage (its timers need one): the test namespaces, deleted
+    # without waiting, are only emptied while the operator still runs.
+    def stuck() -> list[str]:
+        return [ns for ns in _test_namespaces_with_omnistages(kubectl)
+                if kubectl.json("get", "namespace", ns)["status"].get("phase") == "Terminating"]
+
+    try:
+        wait_for("the operator to finalise the OmniStages of deleted test namespaces", lambda: not stuck(),
+                 timeout=120)
+    finally:
+        op.stop()
+        # Whatever the operator failed to finalise would keep its namespace Terminating for ever; the
+        # failure above is the report, the cluster is left clean.
+        for ns in stuck():
+            print(f"[test_operator] removing the finalizers the operator left on OmniStages in {ns}")
+            for item in kubectl.json("get", "omnistages", "-n", ns)["items"]:
+                kubectl("patch", "omnistage", item["metadata"]["name"], "-n", ns, "--type=merge",
+                        "-p", '{"metadata":{"finalizers":null}}', check=False)
 
 
 @pytest.fixture(autouse=True)
@@ -427,11 +467,15 @@ def _gpu_pods_elsewhere(kubectl, namespace: str) -> list[str]:
 
 
 def test_no_h200_capacity_replica_failure_then_unscheduled_victim(kubectl, wait_for, namespace, operator, tmp_path,
-                                                                  local_cluster):
+                                                                  kwok_nodes):
     """Eight GPUs per engine pod on two 8-GPU H200 nodes: the third pod cannot be placed. ReplicaFailure says
     so with the scheduler's reason; scaling down removes the unscheduled replica first."""
-    if not local_cluster:
-        pytest.skip("sized for the local control plane's two 8-GPU H200 nodes")
+    if not kwok_nodes:
+        pytest.skip("fills every GPU: only on simulated nodes")
+    gpus = {n["metadata"]["name"]: int(n["status"]["allocatable"].get(GPU, "0")) for n in
+            kubectl.json("get", "nodes", "-l", f"nvidia.com/gpu.product={H200}")["items"]}
+    if sorted(gpus.values()) != [8, 8]:
+        pytest.skip(f"sized for two 8-GPU H200 nodes, found {gpus}")
     # Earlier tests' namespaces are deleted asynchronously; their pods would hold GPUs.
     wait_for("no engine pods of other tests on the nodes", lambda: not _gpu_pods_elsewhere(kubectl, namespace),
              timeout=120)

@@ -46,6 +46,7 @@ import ipaddress
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -516,6 +517,12 @@ class StandinRuntime:
             master_port = _arg(args, "--omni-master-port")
             if not master_port:
                 raise _Refused("head pod has no --omni-master-port in its args")
+            for port in (http_port, master_port):
+                if not _port_free(ip, int(port)):
+                    # Not one of ours (we wait for our own previous holder of an IP): most likely another
+                    # local cluster on this machine whose nodes have the same loopback pod CIDRs.
+                    raise _NotYet(f"{ip}:{port} is already in use by a process this runtime did not start "
+                                  f"(another local cluster with the same pod CIDRs?)")
             token_file = self._token_file(pod)
             return [self.python, "-m", self.head_module, "--bind-ip", ip, "--master-port", master_port,
                     "--http-port", http_port, "--token-file", str(token_file)]
@@ -756,6 +763,16 @@ class _NotYet(Exception):
 
 class _Refused(Exception):
     """The pod will never be started by this runtime (network rule, malformed args)."""
+
+
+def _port_free(ip: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT of our own last run is fine
+        try:
+            s.bind((ip, port))
+            return True
+        except OSError:
+            return False
 
 
 def _is_glob(pattern: str) -> bool:
