@@ -10,8 +10,9 @@ stops it at the end. Environment:
   OMNISTAGE_KUBECTL                 kubectl binary to use instead of the one built with the cluster
 
 A local cluster that was already running when the session began is reused; pytest sessions
-sharing it stop it only when the last one leaves, and never stop one started by `make cluster-up`. Fixtures for later tiers: `kubeconfig`, `kubectl`, `omnistage_crd`,
-`namespace`, `wait_for`, `local_cluster`.
+sharing it stop it only when the last one leaves, and never stop one started by `make cluster-up`.
+Fixtures for later tiers: `kubeconfig`, `kubectl`, `omnistage_crd`, `namespace`, `wait_for`,
+`local_cluster`.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _live(config: pytest.Config, cmd: list[str], timeout: float, **kw: Any) -> s
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Build (or find cached) Kubernetes binaries before the first cluster test starts.
 
-    A cold build takes tens of minutes on two cores, far beyond a per-test timeout, and
+    A cold build takes about ten minutes on two cores, beyond the per-test timeout, and
     pytest-timeout counts fixture set-up against the first test; here no timeout applies.
     """
     if USE_EXISTING or os.environ.get("OMNISTAGE_KUBECTL"):
