@@ -23,9 +23,11 @@ only when vllm_omni cannot be imported.
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import os
+import threading
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -406,3 +408,45 @@ def build_stage0_engine(monkeypatch: pytest.MonkeyPatch):
     """Factory fixture around `stage0_engine_builder` (function scope: the stand-in runtime is
     undone after each test)."""
     return stage0_engine_builder(monkeypatch)
+
+
+# ---- the engine side of a stage-0 replica ----------------------------------------------------
+class Replica:
+    """The engine side of one stage-0 replica: the receiver cache its EngineCore / workers build
+    (`engine_receiver_cache_from_config` in `EngineCore.__init__`, or for shm
+    `worker_receiver_cache_from_config` in the workers), fed a request's `mm_features` as
+    `EngineCore.preprocess_add_request` does. Real vLLM classes; no engine process."""
+
+    def __init__(self, vllm_config: Any, replica_id: int) -> None:
+        self.replica_id = replica_id
+        self.vllm_config = vllm_config
+        self._cache: Any = None
+        self._built = False
+
+    @property
+    def cache(self) -> Any:
+        # Built on first use: an SHM receiver attaches to the frontend's ring, which exists only
+        # once an SHM sender has created it.
+        if not self._built:
+            from vllm.multimodal import MULTIMODAL_REGISTRY
+
+            if MULTIMODAL_REGISTRY._get_cache_type(self.vllm_config) == "shm":
+                self._cache = MULTIMODAL_REGISTRY.worker_receiver_cache_from_config(
+                    self.vllm_config, threading.Lock()
+                )
+            else:
+                self._cache = MULTIMODAL_REGISTRY.engine_receiver_cache_from_config(self.vllm_config)
+            self._built = True
+        return self._cache
+
+    def receive(self, request: Any) -> list[Any]:
+        if self.cache is None:  # caching disabled on the engine: features arrive complete
+            return request.mm_features
+        return self.cache.get_and_update_features(request.mm_features)
+
+
+def pixel_digest(item: Any) -> str:
+    """A stable fingerprint of the tensor a replica would feed the encoder."""
+    if item is None or "pixel_values" not in item:
+        return "no-tensor"
+    return hashlib.sha256(item["pixel_values"].data.contiguous().numpy().tobytes()).hexdigest()[:16]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import inspect
 import threading
 from typing import Any
@@ -48,7 +47,7 @@ from vllm.multimodal.cache import (
 from vllm.multimodal.registry import MultiModalRegistry
 from vllm.renderers.params import ChatParams
 
-from .conftest import StandInStageClient, image_data_url, stage0_engine_builder
+from .conftest import Replica, StandInStageClient, image_data_url, pixel_digest, stage0_engine_builder
 
 PATCH = frontend_cache.NAME
 
@@ -63,35 +62,6 @@ def chat_messages(image: int) -> list[dict[str, Any]]:
             ],
         }
     ]
-
-
-class Replica:
-    """The engine side of one stage-0 replica: the receiver cache its EngineCore/workers build."""
-
-    def __init__(self, vllm_config: Any, replica_id: int) -> None:
-        self.replica_id = replica_id
-        self.vllm_config = vllm_config
-        self._cache: Any = None
-        self._built = False
-
-    @property
-    def cache(self) -> Any:
-        # Built on first use: an SHM receiver attaches to the frontend's ring, which exists only
-        # once an SHM sender has created it.
-        if not self._built:
-            if MULTIMODAL_REGISTRY._get_cache_type(self.vllm_config) == "shm":
-                self._cache = MULTIMODAL_REGISTRY.worker_receiver_cache_from_config(
-                    self.vllm_config, threading.Lock()
-                )
-            else:
-                self._cache = MULTIMODAL_REGISTRY.engine_receiver_cache_from_config(self.vllm_config)
-            self._built = True
-        return self._cache
-
-    def receive(self, request: Any) -> list[Any]:
-        if self.cache is None:  # caching disabled on the engine: features arrive complete
-            return request.mm_features
-        return self.cache.get_and_update_features(request.mm_features)
 
 
 class Deployment:
@@ -139,13 +109,6 @@ class Deployment:
         except MultiModalCacheMissError:
             return rid, "cache-miss", request
         return rid, pixel_digest(features[0].data), request
-
-
-def pixel_digest(item: Any) -> str:
-    """A stable fingerprint of the tensor a replica would feed the encoder."""
-    if item is None or "pixel_values" not in item:
-        return "no-tensor"
-    return hashlib.sha256(item["pixel_values"].data.contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
 @pytest.fixture(scope="module")
