@@ -172,8 +172,6 @@ def _install() -> str | None:
     for label, fn in targets.items():
         if not callable(fn):
             return f"target changed shape: {label} is missing"
-    if any(replica_metrics.wrapped_by(fn, PATCH) for fn in targets.values()):
-        return None
     params = {label: list(inspect.signature(fn).parameters) for label, fn in targets.items()}
     if not inspect.iscoroutinefunction(OrchestratorBase.run) or params["OrchestratorBase.run"] != ["self"]:
         return "target changed shape: async OrchestratorBase.run(self)"
@@ -188,6 +186,8 @@ def _install() -> str | None:
     for attr in ("get_replica_id_by_addr", "get_client_by_addr", "remove_client", "_client_input_addr"):
         if not callable(getattr(StagePool, attr, None)):
             return f"target changed shape: StagePool.{attr} is missing"
+    if any(replica_metrics.wrapped_by(fn, PATCH) for fn in targets.values()):
+        return None  # our own wrappers are already in place
 
     orig_run = OrchestratorBase.run
     orig_collect = StagePool._collect_serviceable_replicas

@@ -235,11 +235,12 @@ def _params(fn: Any) -> list[str]:
 
 def wrapped_by(fn: Any, name: str) -> bool:
     """True when one of the wrappers around ``fn`` (``__wrapped__`` chain) is patch ``name``'s."""
-    seen = 0
-    while fn is not None and seen < 32:
-        if vars(fn).get(PATCHED_ATTR) == name if hasattr(fn, "__dict__") else False:
+    for _ in range(32):  # bounded: a wrapper chain is a few levels deep
+        if fn is None:
+            return False
+        if getattr(fn, "__dict__", {}).get(PATCHED_ATTR) == name:
             return True
-        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
+        fn = getattr(fn, "__wrapped__", None)
     return False
 
 
@@ -265,8 +266,8 @@ def _install_replica_metrics() -> str | None:
     for label, fn in targets.items():
         if not callable(fn):
             return f"target changed shape: {label} is missing"
-    if any(wrapped_by(fn, REPLICA_METRICS) for fn in targets.values()):
-        return None  # our own wrappers are already in place (module re-applied in this process)
+    # Shape checks first (inspect.signature sees through wrappers via __wrapped__), so a target
+    # replaced by something else is reported even when our wrappers sit on the others.
     if _params(OrchestratorBase._init_metrics_state)[:2] != ["self", "stage_pools"]:
         return "target changed shape: OrchestratorBase._init_metrics_state(self, stage_pools, ...)"
     if _params(OrchestratorBase._process_llm_stage_outputs)[:3] != ["self", "stage_id", "replica_id"] or not (
@@ -285,6 +286,8 @@ def _install_replica_metrics() -> str | None:
         return "target changed shape: OmniPrometheusStatLogger.register_replica(self, engine_idx, stage, replica)"
     if not isinstance(getattr(OmniPrometheusStatLogger, "stage_replica_map", None), property):
         return "target changed shape: OmniPrometheusStatLogger.stage_replica_map"
+    if any(wrapped_by(fn, REPLICA_METRICS) for fn in targets.values()):
+        return None  # our own wrappers are already in place (applied earlier in this process)
 
     orig_init = OrchestratorBase._init_metrics_state
     orig_process = OrchestratorBase._process_llm_stage_outputs
@@ -424,12 +427,18 @@ def _install_mm_cache_metrics() -> str | None:
     for label, fn in targets.items():
         if not callable(fn):
             return f"target changed shape: {label} is missing"
-    if any(wrapped_by(fn, MM_CACHE_METRICS) for fn in targets.values()):
-        return None  # our own wrappers are already in place
     if _params(OrchestratorBase._process_llm_stage_outputs)[:3] != ["self", "stage_id", "replica_id"]:
         return "target changed shape: OrchestratorBase._process_llm_stage_outputs(self, stage_id, replica_id, ...)"
-    if _params(OmniEngineBase._bootstrap_orchestrator)[0] != "self":
+    if _params(OmniEngineBase._bootstrap_orchestrator)[:1] != ["self"]:
         return "target changed shape: OmniEngineBase._bootstrap_orchestrator"
+    if _params(OrchestratorBase._init_metrics_state)[:2] != ["self", "stage_pools"]:
+        return "target changed shape: OrchestratorBase._init_metrics_state(self, stage_pools, ...)"
+    from vllm.renderers.base import BaseRenderer
+
+    if not callable(getattr(BaseRenderer, "stat_mm_cache", None)):
+        return "target changed shape: vllm BaseRenderer.stat_mm_cache is missing"
+    if any(wrapped_by(fn, MM_CACHE_METRICS) for fn in targets.values()):
+        return None  # our own wrappers are already in place
 
     orig_bootstrap = OmniEngineBase._bootstrap_orchestrator
     orig_init = OrchestratorBase._init_metrics_state

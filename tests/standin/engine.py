@@ -120,6 +120,7 @@ class StandinStageClient:
         self.engine_dead = False
         self.stats_interval = stats_interval
         self.stats_emitted = 0
+        self.reported_running = 0  # num_running_reqs in the next SchedulerStats (tests set it)
         self.shut_down = threading.Event()
         self._next_stats = time.monotonic()
 
@@ -143,7 +144,9 @@ class StandinStageClient:
             if delay <= 0:
                 self._next_stats = time.monotonic() + self.stats_interval
                 self.stats_emitted += 1
-                return EngineCoreOutputs(engine_index=0, outputs=[], scheduler_stats=SchedulerStats())
+                return EngineCoreOutputs(
+                    engine_index=0, outputs=[], scheduler_stats=SchedulerStats(num_running_reqs=self.reported_running)
+                )
             await asyncio.sleep(delay)
 
     async def add_request_async(self, *args: Any, **kwargs: Any) -> None:
