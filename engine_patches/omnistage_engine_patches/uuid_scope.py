@@ -66,6 +66,9 @@ def _without_engine_scopes(prompt: dict) -> dict | None:
     changed = False
     cleaned: dict[str, Any] = {}
     for modality, value in uuids.items():
+        if value is None:
+            cleaned[modality] = None
+            continue
         items = _as_list(mm_data.get(modality)) if isinstance(mm_data, dict) else []
         out = []
         for idx, uuid in enumerate(_as_list(value)):
@@ -75,7 +78,7 @@ def _without_engine_scopes(prompt: dict) -> dict | None:
                 # Media present: key it by its own content. UUID-only reference: keep the base key.
                 uuid = None if item is not None else ENGINE_SCOPED_UUID.sub("", uuid)
             out.append(uuid)
-        cleaned[modality] = out if isinstance(value, list) or value is None else out[0]
+        cleaned[modality] = out if isinstance(value, list) else out[0]
     return cleaned if changed else None
 
 
