@@ -30,7 +30,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run hack/setup.sh)")
+pytest.importorskip(
+    "vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run hack/setup.sh)", exc_type=ImportError
+)
 
 from omnistage_engine_patches import _patching, uuid_scope
 from vllm.multimodal.hasher import MultiModalHasher
