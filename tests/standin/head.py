@@ -26,6 +26,10 @@ logger = logging.getLogger("tests.standin.head")
 PLUGINS = ("vllm_omni_register_models", "omnistage_engine_patches", "omnistage_membership")
 
 
+class _Stop(BaseException):
+    """SIGTERM/SIGINT outside uvicorn's own handling (startup, or re-raised after its shutdown)."""
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m tests.standin.head", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"token file {args.token_file} does not exist")
     _environment(args)
 
-    def on_signal(signum, _frame):  # before uvicorn takes over (and after it hands back): clean exit
-        raise SystemExit(128 + signum)
+    def on_signal(signum, _frame):  # before uvicorn takes over (and after it hands the signal back)
+        raise _Stop(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
@@ -103,19 +107,20 @@ def main(argv: list[str] | None = None) -> int:
 
     for outcome in _patching.outcomes().values():
         logger.info("patch %s: %s", outcome.name, outcome.reason)
-    vllm_config = build_vllm_config(write_tiny_model(args.model_dir), args.served_model_name)
-    engine = StandinEngine(
-        vllm_config,
-        bind_ip=args.bind_ip,
-        master_port=args.master_port,
-        log_stats=not args.no_log_stats,
-        heartbeat_timeout=args.heartbeat_timeout,
-        lb_policy=args.lb_policy,
-        stats_interval=args.stats_interval or None,
-        attach_delay=args.attach_delay,
-        startup_timeout=args.startup_timeout,
-    )
+    engine = None
     try:
+        vllm_config = build_vllm_config(write_tiny_model(args.model_dir), args.served_model_name)
+        engine = StandinEngine(
+            vllm_config,
+            bind_ip=args.bind_ip,
+            master_port=args.master_port,
+            log_stats=not args.no_log_stats,
+            heartbeat_timeout=args.heartbeat_timeout,
+            lb_policy=args.lb_policy,
+            stats_interval=args.stats_interval or None,
+            attach_delay=args.attach_delay,
+            startup_timeout=args.startup_timeout,
+        )
         if args.replicas_expected > 1:
             logger.info("waiting for %d stage-0 replicas to attach", args.replicas_expected)
             engine.wait_for(lambda: len(engine.attached_replica_ids()) >= args.replicas_expected,
@@ -126,9 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("stand-in head ready in %.1fs: boot id %s, http://%s:%d, master %s:%d", time.monotonic() - started,
                     BOOT_ID, args.bind_ip, args.http_port, args.bind_ip, args.master_port)
         asyncio.run(_serve(app, args.bind_ip, args.http_port))
+    except _Stop as stop:
+        logger.info("signal %d: stopping", stop.args[0])  # a requested stop is a clean exit
     finally:
-        logger.info("stopping the engine")
-        engine.shutdown()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # one stop at a time; SIGKILL still works
+            signal.signal(sig, signal.SIG_IGN)
+        if engine is not None:
+            logger.info("stopping the engine")
+            engine.shutdown()
     return 0
 
 
