@@ -159,6 +159,8 @@ class Proc:
     probe_failures: int = 0
     next_probe: float = 0.0
     history: list[tuple[float, str]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one terminator at a time
+    terminated: bool = False
 
     @property
     def key(self) -> tuple[str, str]:
@@ -620,6 +622,12 @@ class StandinRuntime:
     def _terminate(self, p: Proc, reason: str) -> None:
         p.stopping = True
         p.restart_at = None
+        with p.lock:  # the pod's deletion and the runtime's own stop may both ask
+            if not p.terminated:
+                self._terminate_locked(p, reason)
+                p.terminated = True
+
+    def _terminate_locked(self, p: Proc, reason: str) -> None:
         if p.alive():
             self._event("stop", p, reason=reason.replace(" ", "_"), signal="SIGTERM")
             _killpg(p.pid, signal.SIGTERM)
