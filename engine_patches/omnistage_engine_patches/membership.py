@@ -307,9 +307,10 @@ class Head:
                 raise MembershipError(501, "EngineShapeChanged", f"OmniMasterServer.{attr} changed shape")
         return cls(orch=orch, loop=loop, master=master, engine=engine)
 
-    async def run(self, fn: Callable[[], Awaitable[Any]]) -> Any:
-        """Run ``fn()`` on the orchestrator loop and wait for it; the caller going away (an HTTP
-        client timing out) does not cancel it, so an operation is never left half-done."""
+    async def run(self, fn: Callable[[], Awaitable[Any]], timeout: float = 30.0) -> Any:
+        """Run ``fn()`` on the orchestrator loop and wait for it (bounded). The caller going away
+        (an HTTP client timing out) or the wait expiring does not cancel it, so an operation is
+        never left half-done; a retried call finds its result (calls are idempotent)."""
         try:
             current = asyncio.get_running_loop()
         except RuntimeError:
@@ -317,7 +318,11 @@ class Head:
         if current is self.loop:
             return await fn()
         future = asyncio.run_coroutine_threadsafe(fn(), self.loop)
-        return await asyncio.shield(asyncio.wrap_future(future))
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+        except TimeoutError as err:
+            raise MembershipError(503, "EngineBusy", f"the orchestrator did not answer within {timeout:.0f}s; "
+                                  "the operation continues, retry to see its result") from err
 
     # ---- reads (orchestrator loop) ----
 
@@ -462,7 +467,7 @@ class Head:
                 replica_metrics.register_replica_series(self.orch, stage_id, replica_id)
             return {**self._header(), **self._entry(key, self._hub_up()), "replicaIds": attached}
 
-        return await self.run(op)
+        return await self.run(op, timeout=wait_seconds + 30.0)
 
     def _resolve(self, stage_id: int, replica_id: int | None, pod: str | None, ip: str | None) -> tuple[int, int]:
         state = state_of(self.orch)
@@ -521,7 +526,7 @@ class Head:
                 state.bump()
                 return {**self._header(), **record, "alreadyLeft": False}
 
-        return await self.run(op)
+        return await self.run(op, timeout=drain_timeout + 30.0)
 
     async def _leave_locked(self, key: tuple[int, int], drain_timeout: float) -> dict[str, Any]:
         stage_id, replica_id = key

@@ -428,6 +428,23 @@ def test_replica_dropped_by_the_head(head):
     assert (status, body["state"], body["detached"], body["drained"]) == (200, "left", False, True)
 
 
+def test_distributed_head_shutdown_completes(text_config):
+    """A distributed head stops: orchestrator thread gone, master and coordinator closed.
+
+    vllm-omni 0.30.0 alone never finishes ``OrchestratorBase.run`` on a distributed head (the
+    membership watcher it gathers stops only on an event set after the gather): shutdown gives up
+    after 30 s and defers the runtime cleanup to a thread that waits forever. The membership
+    patch sets that event when the orchestrator's shutdown begins."""
+    with standin_head(text_config, _ip()) as engine:
+        replica = start_replica(engine)
+        runtime = engine._runtime
+        coordinator = runtime._coordinator_runtime
+    assert not engine.orchestrator_thread.is_alive()
+    assert runtime._omni_master_server is None and runtime._coordinator_runtime is None
+    assert not coordinator._proc.is_alive()
+    replica.down()
+
+
 # ---- the stand-in as processes (what the cluster tests and the demo run) -------------------
 
 
