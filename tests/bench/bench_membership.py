@@ -2,9 +2,12 @@
 
   1. seconds from `kubectl scale omnistage --replicas=4` (from 2) until every new replica pod exists
      (and, for context, until the OmniStage is Ready with all four registered);
-  2. seconds from `kubectl delete pod <replica>` until the engine head records that replica's `leave`
-     (read from the head's membership endpoint, GET ?all=true, polled every 50 ms), and until the
-     replacement has joined.
+  2. seconds from `kubectl delete pod <replica>` until the engine head no longer routes to it (its
+     entry in GET /omnistage/v1/membership?all=true is `left` after the operator's leave, or
+     `detached` when the replica's own DOWN on SIGTERM came first; polled every 50 ms), and until
+     the replacement has joined;
+  3. seconds from kill -9 of a replica's engine process (no DOWN reaches the head) until the head
+     records the operator's `leave` (the engine alone would wait for its 30 s heartbeat timeout).
 
 It runs its own operator (`omnistage run`) and stand-in container runtime, both limited to a fresh
 namespace, so a running `make demo` or test session is not disturbed. Usage (from the repo root):
@@ -42,6 +45,7 @@ from tests.standin.harness import (
     OperatorProcess,
     is_true,
     left_at_head,
+    stage0,
 )
 from tests.standin.runtime import StandinRuntime
 
@@ -128,6 +132,12 @@ class PodCreations:
         return {u: p for u, p in self.pods.items() if p["role"] == "replica" and not p["deleted"]}
 
 
+def out_of_routing(head: HeadEndpoint, replica_id: int) -> dict[str, Any] | None:
+    """The head's entry for this replica once it is out of routing: left (leave) or detached (DOWN)."""
+    return next((m for m in stage0(head.listing(include_all=True)) if m.get("replicaId") == replica_id
+                 and str(m.get("state")).lower() in ("left", "detached")), None)
+
+
 def ready(kubectl: Kubectl, namespace: str, n: int) -> dict[str, Any] | None:
     proc = kubectl("get", "omnistage", NAME, "-n", namespace, "-o", "json", check=False)
     if proc.returncode != 0:
@@ -180,6 +190,7 @@ def main() -> int:
     runtime = StandinRuntime(kubeconfig=kubeconfig, namespaces=[ns], state_dir=state / "standin", quiet=True)
     operator = OperatorProcess(kubeconfig, state / "operator.log", namespaces=[ns])
     results: list[dict[str, float]] = []
+    paths: list[str] = []
     try:
         runtime.start()
         operator.start()
@@ -200,15 +211,30 @@ def main() -> int:
             wait("Ready with 4 registered", lambda: ready(kubectl, ns, 4), interval=0.1)
             r["scale_to_all_joined"] = time.monotonic() - t0
 
+            # Graceful delete: the operator's leave races the replica's own DOWN (SIGTERM); either
+            # takes it out of routing. The figure is until the head no longer routes to it.
             obj = ready(kubectl, ns, 4)
             victim = max(obj["status"]["members"], key=lambda m: m["pod"])
             t0 = time.monotonic()
             kubectl("delete", "pod", victim["pod"], "-n", ns, "--wait=false")
-            wait(f"the head's leave record for replica {victim['replicaId']}",
-                 lambda rid=victim["replicaId"]: left_at_head(head.listing(include_all=True), rid))
-            r["delete_to_leave"] = time.monotonic() - t0
+            rec = wait(f"the head to stop routing to replica {victim['replicaId']}",
+                       lambda rid=victim["replicaId"]: out_of_routing(head, rid), timeout=60)
+            r["delete_to_out_of_routing"] = time.monotonic() - t0
+            paths.append("leave" if rec.get("state") == "left" else "DOWN")
             wait("the replacement joined", lambda: ready(kubectl, ns, 4), interval=0.1)
             r["delete_to_replacement_joined"] = time.monotonic() - t0
+
+            # Hard kill (kill -9 of the engine, e.g. OOM): no DOWN, only the operator's leave beats the
+            # engine's 30 s heartbeat timeout.
+            obj = ready(kubectl, ns, 4)
+            victim = max(obj["status"]["members"], key=lambda m: m["pod"])
+            t0 = time.monotonic()
+            runtime.kill(ns, victim["pod"])
+            wait(f"the head's leave record for replica {victim['replicaId']}",
+                 lambda rid=victim["replicaId"]: left_at_head(head.listing(include_all=True), rid), timeout=60)
+            r["kill9_to_leave"] = time.monotonic() - t0
+            wait("the replacement joined", lambda: ready(kubectl, ns, 4), interval=0.1)
+            r["kill9_to_replacement_joined"] = time.monotonic() - t0
 
             t0 = time.monotonic()
             kubectl("scale", "omnistage", NAME, "-n", ns, "--replicas=2")
@@ -216,6 +242,13 @@ def main() -> int:
             r["scale_down_to_2_registered"] = time.monotonic() - t0
             results.append(r)
             log(f"round {i}: " + "  ".join(f"{k}={v:.2f}s" for k, v in r.items()))
+    except BaseException:
+        # What the engines' runtime and the operator did, for the reader of a failed run.
+        for ev in runtime.events[-25:]:
+            log(f"  runtime: {time.strftime('%H:%M:%S', time.localtime(ev['time']))} {ev['action']} {ev['pod']} "
+                f"uid={ev['uid'][:8]} ip={ev['ip']} pid={ev['pid']}")
+        log("events:\n" + kubectl("get", "events", "-n", ns, "--sort-by=.lastTimestamp", check=False).stdout)
+        raise
     finally:
         creations.stop()
         operator.stop()
@@ -229,6 +262,9 @@ def main() -> int:
     for key in results[0] if results else []:
         vals = [r[key] for r in results]
         print(f"{key:<32} {statistics.median(vals):8.2f} {min(vals):8.2f} {max(vals):8.2f}")
+    if paths:
+        print(f"graceful deletes taken out of routing by: {', '.join(paths)} (leave = the operator's call, "
+              f"DOWN = the replica's own on SIGTERM)")
     return 0
 
 

@@ -302,7 +302,7 @@ def test_apply_ready_with_head_and_replicas(kubectl, wait_for, namespace, operat
         assert any(r["uid"] == uid and r.get("controller") for r in refs), f"{kind}/{child} not owned: {refs}"
 
 
-def test_scale_2_4_1_membership_and_metrics_follow(kubectl, wait_for, namespace, operator, tmp_path):
+def test_scale_2_4_1_3_membership_and_metrics_follow(kubectl, wait_for, namespace, operator, tmp_path):
     apply(kubectl, namespace, tmp_path)
     wait_ready(kubectl, wait_for, namespace, 2)
     head = HeadEndpoint(kubectl, namespace, NAME)
@@ -340,6 +340,16 @@ def test_scale_2_4_1_membership_and_metrics_follow(kubectl, wait_for, namespace,
     messages = " ".join(e.get("message", "") for e in events(kubectl, namespace))
     for pod in names(replicas):
         assert pod in messages, f"no Event mentions {pod}"
+
+    # Back up: the new pods may carry the names of replicas that left (the head remembers those
+    # leaves); they must join as new replicas with new ids, not be mistaken for the departed ones.
+    kubectl("scale", "omnistage", NAME, "-n", namespace, "--replicas=3")
+    obj = wait_ready(kubectl, wait_for, namespace, 3)
+    rejoined = {m["pod"]: m["replicaId"] for m in obj["status"]["members"]}
+    assert len(rejoined) == 2 and all(m["state"] == "Joined" for m in obj["status"]["members"])
+    assert not {str(i) for i in rejoined.values()} & ids, f"replica ids reused: {rejoined} vs {ids}"
+    listing = head.listing()
+    assert {m.get("pod"): m.get("replicaId") for m in remote_members(listing)} == rejoined
 
 
 def test_replica_pod_deleted_leave_and_replacement(kubectl, wait_for, namespace, operator, standin, tmp_path):
