@@ -251,10 +251,16 @@ def main() -> int:
         raise
     finally:
         creations.stop()
+        if not args.keep:
+            # While the operator still runs: kopf's finalizer on the OmniStage needs it to go.
+            kubectl("delete", "namespace", ns, "--wait=false", check=False)
+            try:
+                wait(f"namespace {ns} to be gone", lambda: kubectl("get", "namespace", ns, check=False).returncode,
+                     timeout=120, interval=0.5)
+            except TimeoutError:
+                log(f"namespace {ns} is still terminating (operator finalizer?); see {operator.log_path}")
         operator.stop()
         runtime.stop()
-        if not args.keep:
-            kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
     print()
     print(f"membership benchmark, {len(results)} round(s), local control plane + stand-in engine")
