@@ -330,8 +330,17 @@ class Head:
         pools = self.orch.stage_pools
         return pools[stage_id] if 0 <= stage_id < len(pools) else None
 
+    def _routes(self) -> dict[tuple[int, int], Any]:
+        """A consistent copy of the master's routes (its registration thread adds to them under
+        ``_alloc_lock``)."""
+        lock = getattr(self.master, "_alloc_lock", None)
+        if lock is None:
+            return dict(self.master._stage_routes)
+        with lock:
+            return dict(self.master._stage_routes)
+
     def _stage_ids(self) -> list[int]:
-        return sorted({sid for sid, _ in self.master._stage_routes})
+        return sorted({sid for sid, _ in self._routes()})
 
     def _hub_up(self) -> dict[str, Any]:
         hub = getattr(self.orch._membership, "_hub", None)
@@ -352,7 +361,7 @@ class Head:
     def _entry(self, key: tuple[int, int], up: dict[str, Any]) -> dict[str, Any]:
         stage_id, replica_id = key
         state = state_of(self.orch)
-        alloc = self.master._stage_routes[key]
+        alloc = self._routes()[key]
         pool = self._pool(stage_id)
         client = None
         if pool is not None and 0 <= replica_id < len(pool.clients):
@@ -399,7 +408,7 @@ class Head:
         async def op() -> dict[str, Any]:
             up = self._hub_up()
             stages: dict[str, list[dict[str, Any]]] = {str(sid): [] for sid in self._stage_ids()}
-            for key in sorted(self.master._stage_routes):
+            for key in sorted(self._routes()):
                 entry = self._entry(key, up)
                 if include_all or entry["local"] or entry["state"] in LISTED_STATES:
                     stages[str(key[0])].append(entry)
@@ -414,7 +423,7 @@ class Head:
 
     def _routes_from(self, stage_id: int, ip: str) -> list[int]:
         return sorted(
-            rid for (sid, rid), alloc in list(self.master._stage_routes.items())
+            rid for (sid, rid), alloc in self._routes().items()
             if sid == stage_id and getattr(alloc, "replica_host", None) == ip
         )
 
@@ -471,7 +480,7 @@ class Head:
 
     def _resolve(self, stage_id: int, replica_id: int | None, pod: str | None, ip: str | None) -> tuple[int, int]:
         state = state_of(self.orch)
-        routes = self.master._stage_routes
+        routes = self._routes()
         if replica_id is not None:
             key = (stage_id, replica_id)
             if key not in routes:
@@ -536,7 +545,7 @@ class Head:
         started = time.monotonic()
         record: dict[str, Any] = {
             "stage": stage_id, "replicaId": replica_id, "pod": state.pods.get(key), "state": LEFT,
-            "host": getattr(self.master._stage_routes[key], "replica_host", None),
+            "host": getattr(self._routes()[key], "replica_host", None),
         }
         if client is None:
             # Never attached, or the head already dropped it (DOWN / heartbeat timeout): nothing
