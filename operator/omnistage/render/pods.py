@@ -49,6 +49,9 @@ def _env(t: Target, role: str) -> list[dict[str, Any]]:
             # Tells the engine plugin the mode the operator resolved, in addition to its own detection.
             {"name": "OMNISTAGE_FRONTEND_CACHE", "value": str(t.cache.mode)},
             {"name": "VLLM_ENGINE_READY_TIMEOUT_S", "value": str(t.spec.engine.startup_timeout_seconds)},
+            # vLLM's build_app lowers the root logger to ERROR unless this is set, which would
+            # hide the engine plugin's "patch applied / no-op" lines.
+            {"name": "SAGEMAKER_CONTAINER_LOG_LEVEL", "value": "INFO"},
         ]
     env += [{"name": v.name, "value": v.value} for v in t.spec.engine.env]
     return env
