@@ -213,7 +213,19 @@ def wait_ready(kubectl, wait_for, namespace: str, replicas: int, name: str = NAM
         ok = (is_true(obj, "Ready") and st.get("observedGeneration") == obj["metadata"]["generation"]
               and st.get("registeredReplicas") == replicas and st.get("replicas") == replicas
               and len(pods) == replicas and all(running(p) for p in pods))
-        return obj if ok else None
+        if not ok:
+            return None
+        # The status may still describe pods that were just replaced under the same names: require
+        # that it and the engine agree with the pods that exist now (name, IP, replica id).
+        now = {p["metadata"]["name"]: p["status"].get("podIP") for p in pods
+               if p["metadata"]["labels"].get(L_ROLE) == "replica"}
+        members = {m.get("pod"): (m.get("replicaId"), m.get("ip")) for m in st.get("members") or []}
+        if members != {pod: (members.get(pod, (None,))[0], ip) for pod, ip in now.items()} or \
+                any(m.get("state") != "Joined" for m in st.get("members") or []):
+            return None
+        listing = HeadEndpoint(kubectl, namespace, name).listing()
+        at_head = {m.get("pod"): (m.get("replicaId"), m.get("host")) for m in remote_members(listing)}
+        return obj if listing is not None and at_head == members else None
 
     return wait_for(f"{namespace}/{name} Ready with {replicas} registered replicas", check, timeout=timeout,
                     interval=1.0)
