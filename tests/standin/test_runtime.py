@@ -40,7 +40,7 @@ def test_replica_command_from_pod_args():
 
 def test_replica_with_non_loopback_master_is_refused():
     rt = runtime.StandinRuntime(kubeconfig="unused", quiet=True)
-    pod = _pod("replica", ["--omni-master-address", "10.1.2.3", "--omni-master-port", "25000"])
+    pod = _pod("replica", ["--omni-master-address", "203.0.113.7", "--omni-master-port", "25000"])
     with pytest.raises(runtime._Refused, match="network rule"):
         rt._command(pod, "replica", "127.77.1.5")
 
@@ -58,7 +58,7 @@ def test_exit_codes_like_a_container():
 
 def test_http_get_refuses_other_hosts():
     with pytest.raises(ValueError, match="network rule"):
-        http_get("http://10.0.0.1:8000/health")
+        http_get("http://203.0.113.1:8000/health")
     with pytest.raises(ValueError, match="network rule"):
         http_get("http://example.com/")
 
