@@ -43,7 +43,7 @@ from tests.standin.harness import (
     L_ROLE,
     HeadEndpoint,
     OperatorProcess,
-    is_true,
+    converged,
     left_at_head,
     stage0,
 )
@@ -139,14 +139,7 @@ def out_of_routing(head: HeadEndpoint, replica_id: int) -> dict[str, Any] | None
 
 
 def ready(kubectl: Kubectl, namespace: str, n: int) -> dict[str, Any] | None:
-    proc = kubectl("get", "omnistage", NAME, "-n", namespace, "-o", "json", check=False)
-    if proc.returncode != 0:
-        return None
-    obj = json.loads(proc.stdout)
-    st = obj.get("status") or {}
-    ok = is_true(obj, "Ready") and st.get("registeredReplicas") == n and st.get("replicas") == n \
-        and st.get("observedGeneration") == obj["metadata"]["generation"]
-    return obj if ok else None
+    return converged(kubectl, namespace, NAME, n)
 
 
 def kubectl_binary() -> str:

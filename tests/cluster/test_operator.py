@@ -32,11 +32,15 @@ from tests.standin.harness import (
     HeadEndpoint,
     OperatorProcess,
     condition,
+    converged,
     is_true,
     left_at_head,
     remote_members,
     replica_series,
     stage0,
+)
+from tests.standin.harness import (
+    engine_pods as _engine_pods,
 )
 from tests.standin.runtime import StandinRuntime
 
@@ -166,9 +170,7 @@ def get_stage(kubectl, namespace: str, name: str = NAME) -> dict[str, Any] | Non
 
 def engine_pods(kubectl, namespace: str, name: str = NAME, role: str | None = None,
                 include_terminating: bool = False) -> list[dict[str, Any]]:
-    sel = f"{L_OMNISTAGE}={name},{L_COMPONENT}=engine" + (f",{L_ROLE}={role}" if role else "")
-    items = kubectl.json("get", "pods", "-n", namespace, "-l", sel)["items"]
-    return [p for p in items if include_terminating or not p["metadata"].get("deletionTimestamp")]
+    return _engine_pods(kubectl, namespace, name, role, include_terminating)
 
 
 def names(pods: list[dict[str, Any]]) -> set[str]:
@@ -177,12 +179,6 @@ def names(pods: list[dict[str, Any]]) -> set[str]:
 
 def uids(pods: list[dict[str, Any]]) -> set[str]:
     return {p["metadata"]["uid"] for p in pods}
-
-
-def running(pod: dict[str, Any]) -> bool:
-    st = pod.get("status") or {}
-    return st.get("phase") == "Running" and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
 
 
 def describe(obj: dict[str, Any] | None) -> str:
@@ -197,7 +193,8 @@ def describe(obj: dict[str, Any] | None) -> str:
 
 def wait_ready(kubectl, wait_for, namespace: str, replicas: int, name: str = NAME,
                timeout: float = READY_TIMEOUT) -> dict[str, Any]:
-    """Ready=True for the current generation with `replicas` engine pods running and registered."""
+    """Ready=True for the current generation with `replicas` engine pods running and registered, the
+    status and the engine agreeing with the pods that exist now (harness.converged)."""
     last = {"line": ""}
 
     def check():
@@ -206,26 +203,7 @@ def wait_ready(kubectl, wait_for, namespace: str, replicas: int, name: str = NAM
         if line != last["line"]:
             print(f"    {name}: {line}", flush=True)
             last["line"] = line
-        if obj is None:
-            return None
-        st = obj.get("status") or {}
-        pods = engine_pods(kubectl, namespace, name)
-        ok = (is_true(obj, "Ready") and st.get("observedGeneration") == obj["metadata"]["generation"]
-              and st.get("registeredReplicas") == replicas and st.get("replicas") == replicas
-              and len(pods) == replicas and all(running(p) for p in pods))
-        if not ok:
-            return None
-        # The status may still describe pods that were just replaced under the same names: require
-        # that it and the engine agree with the pods that exist now (name, IP, replica id).
-        now = {p["metadata"]["name"]: p["status"].get("podIP") for p in pods
-               if p["metadata"]["labels"].get(L_ROLE) == "replica"}
-        members = {m.get("pod"): (m.get("replicaId"), m.get("ip")) for m in st.get("members") or []}
-        if members != {pod: (members.get(pod, (None,))[0], ip) for pod, ip in now.items()} or \
-                any(m.get("state") != "Joined" for m in st.get("members") or []):
-            return None
-        listing = HeadEndpoint(kubectl, namespace, name).listing()
-        at_head = {m.get("pod"): (m.get("replicaId"), m.get("host")) for m in remote_members(listing)}
-        return obj if listing is not None and at_head == members else None
+        return converged(kubectl, namespace, name, replicas) if obj is not None else None
 
     return wait_for(f"{namespace}/{name} Ready with {replicas} registered replicas", check, timeout=timeout,
                     interval=1.0)

@@ -260,3 +260,41 @@ def replica_series(metrics_text: str | None, stage: str = "0") -> set[str]:
         if labels.get("stage", stage) == stage and "replica" in labels:
             out.add(labels["replica"])
     return out
+
+
+def engine_pods(kubectl: Callable[..., Any], namespace: str, name: str, role: str | None = None,
+                include_terminating: bool = False) -> list[dict[str, Any]]:
+    sel = f"{L_OMNISTAGE}={name},{L_COMPONENT}=engine" + (f",{L_ROLE}={role}" if role else "")
+    items = kubectl.json("get", "pods", "-n", namespace, "-l", sel)["items"]
+    return [p for p in items if include_terminating or not p["metadata"].get("deletionTimestamp")]
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    st = pod.get("status") or {}
+    return st.get("phase") == "Running" and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
+
+
+def converged(kubectl: Callable[..., Any], namespace: str, name: str, replicas: int) -> dict[str, Any] | None:
+    """The OmniStage if it is Ready for its current generation with `replicas` engine pods running and
+    registered, AND its status and the engine agree with the pods that exist now. A status can still
+    describe pods that were just replaced under the same names; "Ready" alone is not enough."""
+    proc = kubectl("get", "omnistage", name, "-n", namespace, "-o", "json", check=False)
+    if proc.returncode != 0:
+        return None
+    obj = json.loads(proc.stdout)
+    st = obj.get("status") or {}
+    pods = engine_pods(kubectl, namespace, name)
+    if not (is_true(obj, "Ready") and st.get("observedGeneration") == obj["metadata"]["generation"]
+            and st.get("registeredReplicas") == replicas and st.get("replicas") == replicas
+            and len(pods) == replicas and all(pod_ready(p) for p in pods)):
+        return None
+    now = {p["metadata"]["name"]: (p.get("status") or {}).get("podIP") for p in pods
+           if p["metadata"]["labels"].get(L_ROLE) == "replica"}
+    members = {m.get("pod"): (m.get("replicaId"), m.get("ip")) for m in st.get("members") or []}
+    if set(members) != set(now) or any(members[pod][1] != ip for pod, ip in now.items()) or \
+            any(m.get("state") != "Joined" for m in st.get("members") or []):
+        return None
+    listing = HeadEndpoint(kubectl, namespace, name).listing()
+    at_head = {m.get("pod"): (m.get("replicaId"), m.get("host")) for m in remote_members(listing)}
+    return obj if listing is not None and at_head == members else None
