@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
+
 from . import kube, membership, pods
 from .conditions import Cond, merge, ready
 from .membership import Head, HeadUnreachable, MembershipError
@@ -75,7 +77,15 @@ def reconcile(namespace: str, name: str, emit: Emit) -> dict[str, Any] | None:
         if obj is None or obj["metadata"].get("deletionTimestamp"):
             STATUS.observe(namespace, name, None)
             return None  # children go with it through their ownerReferences
-        status = _reconcile(obj, emit)
+        try:
+            status = _reconcile(obj, emit)
+        except ApiException as err:
+            if err.status == 403 and "being terminated" in (err.body or ""):
+                # The namespace is going away with everything in it: nothing to converge to, and
+                # succeeding lets kopf release its finalizer.
+                log.info("%s/%s: namespace is terminating; not reconciling", namespace, name)
+                return None
+            raise
         if status != obj.get("status"):
             kube.patch_status(namespace, name, status)
         STATUS.observe(namespace, name, {**status, "desiredReplicas": obj["spec"].get("replicas", 1)})
@@ -288,11 +298,10 @@ def _sync_membership(p: Pass) -> None:
             ack = membership.join(p.head_client, name, pods.ip(pod))
             p.emit("Normal", "Joined", f"replica pod {name} joined the engine as replica {ack.get('replicaId')}")
         except MembershipError as err:
-            if err.body.get("error") == "ReplicaDetached":
-                # Replicas never re-register: only a new process (a new pod) can join again.
-                _retire(p, pod, 0, "ReplacedReplica", "the head detached its engine")
-            else:
-                p.membership_problem = f"{name} has not joined yet: {err.body.get('message') or err}"
+            # Not registered, not attached, or the newest registration from this IP is a detached
+            # predecessor (kwok reuses pod IPs): wait. A replica whose engine really died fails
+            # its pod, and the failed pod is replaced above.
+            p.membership_problem = f"{name} has not joined yet: {err.body.get('message') or err}"
         except HeadUnreachable as err:
             p.membership_problem = f"join for {name} failed: {err}"
     try:
