@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextvars
+import fnmatch
 import logging
+import threading
 import time
 
 import kopf
@@ -52,10 +55,42 @@ def on_change(namespace: str, name: str, body, **_) -> None:
     _run(namespace, name, body)
 
 
-@kopf.timer(api.GROUP, api.VERSION, api.PLURAL, interval=RESYNC_SECONDS, sharp=False)
-def resync(namespace: str, name: str, body, **_) -> None:
-    """Level-based safety net: catches whatever no event announced (head restarts, lost watches)."""
-    _run(namespace, name, body)
+@kopf.on.startup()
+def start_resync(**_) -> None:
+    """Level-based safety net: every few seconds reconcile every OmniStage, catching whatever no
+    event announced (a head engine restarted in place, a lost watch). A plain thread, not a kopf
+    timer: kopf timers put a finalizer on each OmniStage, which then blocks namespace deletion
+    whenever the operator is down or the namespace refuses the children."""
+    ctx = contextvars.copy_context()  # kopf's event posting lives in context variables
+    threading.Thread(target=ctx.run, args=(_resync_forever,), name="omnistage-resync", daemon=True).start()
+
+
+def _resync_forever() -> None:
+    while True:
+        time.sleep(RESYNC_SECONDS)
+        try:
+            literal = WATCHED_NAMESPACES and not any(set("*?[") & set(p) for p in WATCHED_NAMESPACES)
+            # Namespaced mode may not list cluster-wide (RBAC); globs need the cluster-wide list.
+            items = [o for ns in WATCHED_NAMESPACES for o in kube.list_omnistages(ns)] if literal \
+                else kube.list_omnistages()
+        except Exception:
+            log.exception("resync: listing OmniStages failed")
+            continue
+        for obj in items:
+            ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+            if not _watched(ns):
+                continue
+            try:
+                _run(ns, name, obj)
+            except Exception:
+                log.exception("resync of %s/%s failed", ns, name)
+
+
+WATCHED_NAMESPACES: list[str] = []  # set by operator_main.run; globs as kopf accepts them; [] = all
+
+
+def _watched(namespace: str) -> bool:
+    return not WATCHED_NAMESPACES or any(fnmatch.fnmatchcase(namespace, p) for p in WATCHED_NAMESPACES)
 
 
 @kopf.on.event("pods", labels={L_COMPONENT: "engine", L_OMNISTAGE: kopf.PRESENT})

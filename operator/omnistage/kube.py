@@ -45,6 +45,12 @@ def get_omnistage(namespace: str, name: str) -> dict[str, Any] | None:
         raise
 
 
+def list_omnistages(namespace: str | None = None) -> list[dict[str, Any]]:
+    if namespace:
+        return custom().list_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL)["items"]
+    return custom().list_cluster_custom_object(api.GROUP, api.VERSION, api.PLURAL)["items"]
+
+
 def patch_status(namespace: str, name: str, status: dict[str, Any]) -> None:
     custom().patch_namespaced_custom_object_status(
         api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": status})

@@ -6,12 +6,13 @@ import logging
 
 import kopf
 
-from . import handlers  # noqa: F401  (registers the handlers)
+from . import handlers
 from .metrics import serve
 
 
 def run(namespaces: list[str], metrics_port: int, probe_port: int, bind: str = "0.0.0.0") -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handlers.WATCHED_NAMESPACES[:] = namespaces
     serve(metrics_port, bind)
     kopf.run(
         clusterwide=not namespaces,
