@@ -245,7 +245,7 @@ def main() -> int:
     finally:
         creations.stop()
         if not args.keep:
-            # While the operator still runs: kopf's finalizer on the OmniStage needs it to go.
+            # While the operator still runs, in case a finalizer ever comes back.
             kubectl("delete", "namespace", ns, "--wait=false", check=False)
             try:
                 wait(f"namespace {ns} to be gone", lambda: kubectl("get", "namespace", ns, check=False).returncode,

@@ -98,8 +98,8 @@ def operator(kubeconfig, kubectl, omnistage_crd, standin, state_dir, wait_for) -
     op = OperatorProcess(kubeconfig, state_dir / "operator.log", namespaces=[TEST_NAMESPACES])
     op.start()
     yield op
-    # kopf puts its finalizer on every OmniStage (its timers need one): the test namespaces, deleted
-    # without waiting, are only emptied while the operator still runs.
+    # The operator must never hold a deleted namespace: OmniStages carry no finalizer (the resync
+    # is a thread, not a kopf timer). A regression shows here as namespaces stuck Terminating.
     def stuck() -> list[str]:
         return [ns for ns in _test_namespaces_with_omnistages(kubectl)
                 if kubectl.json("get", "namespace", ns)["status"].get("phase") == "Terminating"]
