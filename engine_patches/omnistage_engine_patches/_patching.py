@@ -58,8 +58,17 @@ def outcomes() -> dict[str, Outcome]:
     return dict(_outcomes)
 
 
-def is_ours(fn: object) -> bool:
-    return bool(getattr(fn, PATCHED_ATTR, False))
+def is_ours(fn: object, name: str | None = None) -> bool:
+    """Whether patch `name`'s wrapper (any of ours, without a name) is `fn` or under it (another
+    patch may wrap on top)."""
+    for _ in range(16):  # a __wrapped__ chain is short; never loop on a cyclic one
+        if fn is None:
+            return False
+        tag = getattr(fn, "__dict__", {}).get(PATCHED_ATTR)
+        if tag and (name is None or tag == name):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
 
 
 def mark(fn: Callable, name: str) -> Callable:

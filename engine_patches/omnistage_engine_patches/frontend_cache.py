@@ -35,7 +35,7 @@ import inspect
 import logging
 from typing import Any
 
-from ._patching import PATCHED_ATTR, Outcome, apply_patch, mark
+from ._patching import Outcome, apply_patch, is_ours, mark
 
 NAME = "frontend_cache"
 logger = logging.getLogger("omnistage_engine_patches")
@@ -92,17 +92,6 @@ def _is_stage0_frontend_config(engine: Any, vllm_config: Any) -> bool:
     return bool(configs) and configs[0] is vllm_config
 
 
-def _ours(fn: Any) -> bool:
-    """Whether this patch's wrapper is `fn` or under it (another patch may wrap on top)."""
-    for _ in range(16):  # a __wrapped__ chain is short; never loop on a cyclic one
-        if fn is None:
-            return False
-        if getattr(fn, "__dict__", {}).get(PATCHED_ATTR) == NAME:
-            return True
-        fn = getattr(fn, "__wrapped__", None)
-    return False
-
-
 def _install() -> str | None:
     # Every check runs before anything is changed, so a None-or-reason answer never half-applies.
     try:
@@ -116,9 +105,9 @@ def _install() -> str | None:
 
     init_stages = OmniEngineBase.__dict__.get("_initialize_stages")
     cache_ctor = MultiModalRegistry.__dict__.get("processor_cache_from_config")
-    if _ours(init_stages) and _ours(cache_ctor):
+    if is_ours(init_stages, NAME) and is_ours(cache_ctor, NAME):
         return None  # already in place (e.g. this module was reloaded)
-    if _ours(init_stages) or _ours(cache_ctor):
+    if is_ours(init_stages, NAME) or is_ours(cache_ctor, NAME):
         return "only one of the two wrappers is in place: refusing to stack a second copy"
     if init_stages is None or cache_ctor is None:
         return (

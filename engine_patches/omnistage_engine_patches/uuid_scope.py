@@ -38,7 +38,7 @@ import logging
 import re
 from typing import Any
 
-from ._patching import PATCHED_ATTR, Outcome, apply_patch, mark
+from ._patching import Outcome, apply_patch, is_ours, mark
 
 NAME = "uuid_scope"
 logger = logging.getLogger("omnistage_engine_patches")
@@ -107,17 +107,6 @@ def _mirror(private: dict, caller: dict, before: dict) -> None:
             caller[key] = value
 
 
-def _ours(fn: Any) -> bool:
-    """Whether this patch's wrapper is `fn` or under it (another patch may wrap on top)."""
-    for _ in range(16):  # a __wrapped__ chain is short; never loop on a cyclic one
-        if fn is None:
-            return False
-        if getattr(fn, "__dict__", {}).get(PATCHED_ATTR) == NAME:
-            return True
-        fn = getattr(fn, "__wrapped__", None)
-    return False
-
-
 def _install() -> str | None:
     try:
         from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
@@ -126,7 +115,7 @@ def _install() -> str | None:
         return f"target not importable ({e})"
 
     build = AsyncOmniEngine.__dict__.get("_build_add_request_message")
-    if _ours(build):
+    if is_ours(build, NAME):
         return None  # already in place (e.g. this module was reloaded)
     ensure = AsyncOmniEngine.__dict__.get("_ensure_stage_replica_mm_uuids")
     if build is None or ensure is None:

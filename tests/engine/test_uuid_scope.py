@@ -248,7 +248,7 @@ def test_rendered_chat_prompt_passes_through(head):
 def test_patch_outcome_follows_the_switch(engine_patches):
     outcome = engine_patches[PATCH]
     assert outcome.applied is (not _patching.disabled(PATCH)), outcome
-    assert uuid_scope._ours(AsyncOmniEngine.__dict__["_build_add_request_message"]) is outcome.applied
+    assert _patching.is_ours(AsyncOmniEngine.__dict__["_build_add_request_message"], uuid_scope.NAME) is outcome.applied
 
 
 def test_applying_twice_is_harmless(engine_patches):
@@ -261,7 +261,7 @@ def test_applying_twice_is_harmless(engine_patches):
 
 def _original_build():
     fn = AsyncOmniEngine.__dict__["_build_add_request_message"]
-    return inspect.unwrap(fn) if uuid_scope._ours(fn) else fn
+    return inspect.unwrap(fn) if _patching.is_ours(fn, uuid_scope.NAME) else fn
 
 
 def test_upstream_fix_makes_it_a_no_op(monkeypatch):
