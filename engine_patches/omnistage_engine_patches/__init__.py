@@ -1,16 +1,29 @@
 """vLLM plugin that makes a replicated, elastic stage 0 safe in vllm-omni 0.30.0.
 
 Loaded through the `vllm.general_plugins` entry point in every vLLM process (head, headless
-launchers, engine cores, workers). Each patch checks its target and becomes a logged no-op
-when upstream already has the fix or the target changed shape.
+launchers, engine cores, workers). Each patch checks its target and records an outcome
+(applied, skipped with its reason, disabled, or upstream-fixed); nothing here ever raises into
+vLLM's plugin loader. The head reports the outcomes at `contract.ENGINE_PATH`.
 """
 
 from __future__ import annotations
 
+import logging
+
 
 def apply() -> None:
-    """Entry point for `vllm.general_plugins`: idempotent and cheap."""
-    # Imported lazily so that loading the plugin in a worker costs nothing until it runs.
-    from . import patches
+    """Entry point for `vllm.general_plugins`: idempotent, and never raises."""
+    try:
+        # Imported lazily so that loading the plugin in a worker costs nothing until it runs.
+        from . import patches
 
-    patches.apply_all()
+        patches.apply_all()
+    except Exception:  # noqa: BLE001 - a broken plugin must not stop vLLM; the report shows it
+        logging.getLogger("omnistage_engine_patches").exception("engine patches failed to load")
+        try:
+            from . import _patching, contract
+
+            for name in contract.PATCHES:
+                _patching.apply_patch(name, lambda: "the plugin failed to load (see the head's log)")
+        except Exception:  # noqa: BLE001
+            pass

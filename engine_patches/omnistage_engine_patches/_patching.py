@@ -1,8 +1,11 @@
 """The one mechanism every engine patch goes through.
 
-A patch is a function that checks the shape of its target and either wraps it or returns a
-reason to stay a no-op. `apply_patch` records the outcome, so applying twice is harmless and
-`OMNISTAGE_DISABLE_PATCHES` switches a patch off (that is how the negative controls run).
+A patch is an install function that checks the shape of its target and either wraps it or says
+why it stays a no-op. `apply_patch` records the outcome (see `contract.OUTCOMES`), so applying
+twice is harmless, `OMNISTAGE_DISABLE_PATCHES` switches a patch off (that is how the negative
+controls run), and an install that raises, for example because a future vllm-omni renamed the
+module it imports, is recorded as skipped instead of escaping into vLLM's plugin loader, which
+would stop every head, engine core and worker process.
 """
 
 from __future__ import annotations
@@ -12,19 +15,35 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import contract
+
 logger = logging.getLogger("omnistage_engine_patches")
 
-DISABLE_ENV = "OMNISTAGE_DISABLE_PATCHES"  # comma-separated patch names, or "all"
+DISABLE_ENV = contract.DISABLE_PATCHES_ENV  # comma-separated patch names, or "all"
 
 # The marker set on every wrapper we install, so a second apply sees its own work.
 PATCHED_ATTR = "__omnistage_patch__"
 
 
+class UpstreamFixed(str):
+    """Returned by an install function instead of a reason: the installed vllm/vllm-omni already
+    has the fix, so the patch is not needed (outcome `upstream-fixed`, not `skipped`)."""
+
+
 @dataclass(frozen=True)
 class Outcome:
     name: str
-    applied: bool
+    outcome: str  # one of contract.OUTCOMES
     reason: str
+
+    @property
+    def applied(self) -> bool:
+        return self.outcome == contract.APPLIED
+
+    @property
+    def effective(self) -> bool:
+        """The defect this patch fixes is fixed in this process (by us or by upstream)."""
+        return self.outcome in contract.EFFECTIVE_OUTCOMES
 
 
 _outcomes: dict[str, Outcome] = {}
@@ -35,27 +54,57 @@ def disabled(name: str) -> bool:
     return "all" in names or name in names
 
 
-def apply_patch(name: str, install: Callable[[], str | None]) -> Outcome:
-    """Run `install` once per process. It returns None when it patched, or the reason it did not.
+def _run(install: Callable[[], str | None]) -> tuple[str, str]:
+    try:
+        reason = install()
+    except Exception as err:  # noqa: BLE001 - a patch must never take vLLM down with it
+        logger.debug("install raised", exc_info=True)
+        return contract.SKIPPED, f"install failed ({type(err).__name__}: {err})"
+    if reason is None:
+        return contract.APPLIED, "applied"
+    if isinstance(reason, UpstreamFixed):
+        return contract.UPSTREAM_FIXED, str(reason)
+    return contract.SKIPPED, str(reason)
 
-    `install` must check everything before it changes anything, so that a None-or-reason
-    answer is never half-applied.
+
+def apply_patch(name: str, install: Callable[[], str | None]) -> Outcome:
+    """Run `install` once per process. It returns None when it patched, an `UpstreamFixed` when
+    upstream has the fix, or the reason it did not patch; an exception counts as a reason.
+
+    `install` must check everything before it changes anything, so that an answer is never
+    half-applied.
     """
     if name in _outcomes:
         return _outcomes[name]
     if disabled(name):
-        outcome = Outcome(name, False, f"disabled by {DISABLE_ENV}")
+        outcome = Outcome(name, contract.DISABLED, f"disabled by {DISABLE_ENV}")
     else:
-        reason = install()
-        outcome = Outcome(name, reason is None, reason or "applied")
-    level = logging.INFO if outcome.applied or disabled(name) else logging.WARNING
-    logger.log(level, "patch %s: %s", name, outcome.reason)
-    _outcomes[name] = outcome
+        outcome = Outcome(name, *_run(install))
+    _record(outcome)
     return outcome
+
+
+def demote(name: str, reason: str) -> None:
+    """An applied patch found, at run time, that it did not do its work (e.g. its wrapper was never
+    reached): record it as skipped so the report and the operator see it."""
+    current = _outcomes.get(name)
+    if current is not None and current.applied:
+        _record(Outcome(name, contract.SKIPPED, reason))
+
+
+def _record(outcome: Outcome) -> None:
+    level = logging.WARNING if outcome.outcome == contract.SKIPPED else logging.INFO
+    logger.log(level, "patch %s: %s: %s", outcome.name, outcome.outcome, outcome.reason)
+    _outcomes[outcome.name] = outcome
 
 
 def outcomes() -> dict[str, Outcome]:
     return dict(_outcomes)
+
+
+def applied(name: str) -> bool:
+    outcome = _outcomes.get(name)
+    return bool(outcome and outcome.applied)
 
 
 def is_ours(fn: object, name: str | None = None) -> bool:

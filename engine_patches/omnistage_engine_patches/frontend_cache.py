@@ -25,6 +25,18 @@ the orchestrator thread). `MultiModalRegistry.processor_cache_from_config` (the 
 `processor_only_cache_from_config(...)` when, and only when, it is called for that engine's
 stage-0 config object (identity with `engine.stage_vllm_configs[0]`): any other renderer built in
 that window (none in 0.30.0) and every renderer built outside it keep vLLM's choice.
+
+The operator's decision is the authority: when `contract.FRONTEND_CACHE_ENV` names the mode the
+operator resolved (`status.effectiveCacheMode`), that mode is built, so the OmniStage can never
+promise one cache while the engine runs another. `processor-only` is built even for a static
+single replica; `disabled` and `not-applicable` build no cache (as vLLM does for size 0); a
+sender mode (`lru`, `shm`) keeps vLLM's choice only while this process's own detection agrees
+that membership cannot change, and otherwise falls back to processor-only (fail closed). Without
+the variable (no operator) the detection above decides.
+
+If the wrapper never saw stage 0's config while a multimodal stage-0 renderer was built (an
+upstream that copies the config would do that), the patch records itself `skipped`: the head's
+report must never say "applied" for a frontend it did not touch.
 """
 
 from __future__ import annotations
@@ -33,11 +45,13 @@ import contextvars
 import functools
 import inspect
 import logging
+import os
 from typing import Any
 
-from ._patching import Outcome, apply_patch, is_ours, mark
+from . import contract
+from ._patching import Outcome, UpstreamFixed, apply_patch, demote, is_ours, mark
 
-NAME = "frontend_cache"
+NAME = contract.FRONTEND_CACHE
 logger = logging.getLogger("omnistage_engine_patches")
 
 # The engine whose `_initialize_stages` is running in this context (orchestrator thread), if any.
@@ -85,6 +99,35 @@ def stage0_needs_processor_only(engine: Any) -> bool:
         except (AttributeError, TypeError, ValueError):
             pass
     return max(counts) > 1
+
+
+# vLLM's cache type names (`MultiModalRegistry._get_cache_type`) for the modes the operator names.
+_PROCESSOR_ONLY = "processor_only"
+_NO_CACHE = (contract.CACHE_DISABLED, contract.CACHE_NOT_APPLICABLE)
+
+
+def choose_cache_type(vllm_choice: str | None, requested: str | None, needs_processor_only: bool) -> str | None:
+    """The stage-0 frontend cache type to build: vLLM's type name, or None for no cache.
+
+    `vllm_choice` is `_get_cache_type` (None: text-only model or size 0), `requested` the
+    operator's resolved mode (None: no operator), `needs_processor_only` this process's detection.
+    """
+    if vllm_choice is None or requested in _NO_CACHE:
+        return None
+    if requested == contract.CACHE_PROCESSOR_ONLY or needs_processor_only:
+        return _PROCESSOR_ONLY
+    return vllm_choice  # a sender cache on one fixed replica (the operator asked, detection agrees)
+
+
+def requested_mode() -> str | None:
+    """The operator's resolved mode from the head's environment; an unknown value counts as none."""
+    value = os.environ.get(contract.FRONTEND_CACHE_ENV, "").strip() or None
+    known = (*contract.CACHE_CLASS_MODES.values(), *_NO_CACHE)
+    if value is not None and value not in known:
+        logger.warning("%s=%r is not a cache mode this plugin knows; deciding by detection",
+                       contract.FRONTEND_CACHE_ENV, value)
+        return None
+    return value
 
 
 def _is_stage0_frontend_config(engine: Any, vllm_config: Any) -> bool:
@@ -138,7 +181,7 @@ def _install() -> str | None:
         return "BaseRenderer no longer takes its cache from processor_cache_from_config"
     for marker in _UPSTREAM_FIX_MARKERS:
         if marker in init_src or marker in builder_src or marker in engine_module_src:
-            return f"upstream already chooses the stage-0 frontend cache ({marker!r} found in vllm_omni)"
+            return UpstreamFixed(f"upstream already chooses the stage-0 frontend cache ({marker!r} found in vllm_omni)")
 
     original_init_stages = init_stages
     original_cache_ctor = cache_ctor
@@ -146,26 +189,32 @@ def _install() -> str | None:
     @functools.wraps(original_init_stages)
     def _initialize_stages(self: Any, stage_init_timeout: int) -> None:
         token = _INITIALIZING_ENGINE.set(self)
+        self._omnistage_stage0_cache_decided = False
         try:
-            return original_init_stages(self, stage_init_timeout)
+            result = original_init_stages(self, stage_init_timeout)
         finally:
             _INITIALIZING_ENGINE.reset(token)
+        renderer = getattr(getattr(self, "input_processor", None), "renderer", None)
+        if getattr(renderer, "mm_processor", None) is not None and not self._omnistage_stage0_cache_decided:
+            demote(NAME, "the stage-0 frontend renderer was built without passing stage 0's config through "
+                         "processor_cache_from_config (upstream changed how it builds the frontend)")
+        return result
 
     @functools.wraps(original_cache_ctor)
     def processor_cache_from_config(self: Any, vllm_config: Any) -> Any:
         engine = _INITIALIZING_ENGINE.get()
         if engine is None or not _is_stage0_frontend_config(engine, vllm_config):
             return original_cache_ctor(self, vllm_config)
-        cache_type = self._get_cache_type(vllm_config)
-        # None: text-only model or disabled cache; processor_only: already what we want.
-        if cache_type in (None, "processor_only") or not stage0_needs_processor_only(engine):
+        engine._omnistage_stage0_cache_decided = True
+        vllm_choice = self._get_cache_type(vllm_config)
+        chosen = choose_cache_type(vllm_choice, requested_mode(), stage0_needs_processor_only(engine))
+        if chosen == vllm_choice:
             return original_cache_ctor(self, vllm_config)
-        logger.info(
-            "stage-0 frontend: %s sender cache replaced by MultiModalProcessorOnlyCache "
-            "(distributed=%s): replicas may not hold what this frontend has sent before",
-            cache_type,
-            bool(getattr(engine, "single_stage_mode", False)),
-        )
+        logger.info("stage-0 frontend: %s cache replaced by %s (%s=%s, distributed=%s)", vllm_choice,
+                    chosen or "no cache", contract.FRONTEND_CACHE_ENV, requested_mode(),
+                    bool(getattr(engine, "single_stage_mode", False)))
+        if chosen is None:
+            return None  # what vLLM itself returns for a disabled cache
         return self.processor_only_cache_from_config(vllm_config)
 
     OmniEngineBase._initialize_stages = mark(_initialize_stages, NAME)

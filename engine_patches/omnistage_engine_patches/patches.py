@@ -1,16 +1,24 @@
-"""The list of engine patches, applied in order by `apply_all`."""
+"""The list of engine patches, applied in order by `apply_all`.
+
+The order matters where two patches wrap the same function. `replica_metrics` and `membership`
+both wrap `MembershipController._do_register`; `replica_metrics` goes first, so `membership`'s
+wrapper sits outside: a replica's metric series are registered when the head attaches it, and
+`membership` then bumps the epoch and, for a replica the operator told to leave while it was
+still attaching, detaches it and removes the series just registered. `tests/engine/
+test_patching.py` checks this chain.
+"""
 
 from __future__ import annotations
 
-from . import frontend_cache, membership, replica_metrics, uuid_scope
+from . import frontend_cache, membership_hooks, replica_metrics, uuid_scope
 from ._patching import Outcome
 
 
 def apply_all() -> list[Outcome]:
-    # Each module exposes `apply() -> Outcome` built on _patching.apply_patch.
+    # Each module exposes `apply()` built on _patching.apply_patch, which never raises.
     return [
         frontend_cache.apply(),  # defect 1: processor-only cache on the shared stage-0 frontend
         uuid_scope.apply(),  # defect 2: no replica-scoped UUID write-back into the caller's prompt
         *replica_metrics.apply(),  # defect 3: replica_metrics (series follow membership), mm_cache_metrics
-        membership.apply(),  # the head's membership hooks behind the membership endpoint (membership_api)
+        membership_hooks.apply(),  # the head's membership hooks behind the endpoint (membership_api)
     ]

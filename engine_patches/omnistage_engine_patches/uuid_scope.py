@@ -21,12 +21,15 @@ The fix wraps `_build_add_request_message` (the one place both `add_request` and
 * the returned message's `original_prompt` (and `prompt`, where the original returns the input
   unchanged, e.g. a diffusion stage 0) is the caller's object again, so later stages see the
   caller's unscoped UUIDs and `add_request`'s cleanup keeps working on the caller's dict;
-* a UUID that already has the engine's own `stageN:repM:` shape was written by an engine, not
-  by a user (a dict scoped by an unpatched engine and then copied or retried). It is dropped
+* a UUID that this process itself wrote (a scoped key that reached a caller some other way, e.g.
+  read back from a request's features, and is sent again) is not a user UUID. It is dropped
   from the private copy when the media item is present, so the item is keyed by a hash of its
   own media and a retry that lands on another replica gets exactly one `stage0:repN:` prefix
   (the original code would produce `stage0:repB:stage0:repA:...`). When the item is None (a
-  UUID-only reference to cached media) the prefix is stripped instead, keeping the user's key.
+  UUID-only reference to cached media) the prefix is stripped instead, keeping the base key.
+  Only values this process wrote are treated so (a bounded record of them): a user's own UUID
+  that merely looks like `stage3:rep7:asset-42` is the user's and is kept, as upstream's fix
+  keeps it.
 """
 
 from __future__ import annotations
@@ -36,11 +39,14 @@ import functools
 import inspect
 import logging
 import re
+import threading
+from collections import OrderedDict
 from typing import Any
 
-from ._patching import Outcome, apply_patch, is_ours, mark
+from . import contract
+from ._patching import Outcome, UpstreamFixed, apply_patch, is_ours, mark
 
-NAME = "uuid_scope"
+NAME = contract.UUID_SCOPE
 logger = logging.getLogger("omnistage_engine_patches")
 
 UUIDS_KEY = "multi_modal_uuids"
@@ -49,6 +55,31 @@ DATA_KEY = "multi_modal_data"
 ENGINE_SCOPED_UUID = re.compile(r"^(?:stage\d+:rep\d+:)+")
 # The write-back line of 0.30.0; when it is gone upstream has fixed the defect.
 _WRITE_BACK = re.compile(r"prompt\[\s*[\"']multi_modal_uuids[\"']\s*\]\s*=")
+# Scoped UUIDs this process wrote, newest last; bounded (a retry comes soon after its request).
+_MAX_WRITTEN = 65536
+
+
+class _Written:
+    """The scoped UUIDs this process's engine wrote into its private prompt copies."""
+
+    def __init__(self) -> None:
+        self._keys: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, uuids: list[str]) -> None:
+        with self._lock:
+            for uuid in uuids:
+                self._keys[uuid] = None
+                self._keys.move_to_end(uuid)
+            while len(self._keys) > _MAX_WRITTEN:
+                self._keys.popitem(last=False)
+
+    def __contains__(self, uuid: object) -> bool:
+        with self._lock:
+            return uuid in self._keys
+
+
+WRITTEN = _Written()
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -57,8 +88,14 @@ def _as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list) else [value]
 
 
+def _uuid_strings(uuids: Any) -> set[str]:
+    if not isinstance(uuids, dict):
+        return set()
+    return {u for value in uuids.values() for u in _as_list(value) if isinstance(u, str)}
+
+
 def _without_engine_scopes(prompt: dict) -> dict | None:
-    """The prompt's UUIDs with engine-written scopes removed, or None when there are none."""
+    """The prompt's UUIDs with this process's scopes removed, or None when there are none."""
     uuids = prompt.get(UUIDS_KEY)
     if not isinstance(uuids, dict):
         return None
@@ -72,7 +109,7 @@ def _without_engine_scopes(prompt: dict) -> dict | None:
         items = _as_list(mm_data.get(modality)) if isinstance(mm_data, dict) else []
         out = []
         for idx, uuid in enumerate(_as_list(value)):
-            if isinstance(uuid, str) and ENGINE_SCOPED_UUID.match(uuid):
+            if isinstance(uuid, str) and ENGINE_SCOPED_UUID.match(uuid) and uuid in WRITTEN:
                 changed = True
                 item = items[idx] if idx < len(items) else None
                 # Media present: key it by its own content. UUID-only reference: keep the base key.
@@ -134,7 +171,7 @@ def _install() -> str | None:
     except (OSError, TypeError) as e:
         return f"cannot read the target source to check its shape ({e})"
     if not _WRITE_BACK.search(ensure_src):
-        return "upstream no longer writes scoped UUIDs back into the prompt dict"
+        return UpstreamFixed("upstream no longer writes scoped UUIDs back into the prompt dict")
     if "_scope_stage0_multimodal_cache_to_replica" not in build_src or "original_prompt" not in build_src:
         return "_build_add_request_message no longer scopes stage-0 UUIDs the way 0.30.0 does"
 
@@ -160,6 +197,9 @@ def _install() -> str | None:
             # add_request's cleanup reads the artifact dirs from the caller's dict.
             for (private, caller), snapshot in zip(pairs, before):
                 _mirror(private, caller, snapshot)
+                written = _uuid_strings(private.get(UUIDS_KEY)) - _uuid_strings(snapshot.get(UUIDS_KEY))
+                if written:
+                    WRITTEN.add(sorted(written))
         if getattr(msg, "original_prompt", None) is private_prompt:
             msg.original_prompt = caller_prompt
         if getattr(msg, "prompt", None) is private_prompt:

@@ -231,6 +231,24 @@ class MemberStatus(_Model):
     ip: str | None = Field(None, description="Replica pod IP.")
     replica_id: int | None = Field(None, description="Replica id the head assigned (never reused).")
     state: str = Field(description="Pending, Joining, Joined, Leaving or Left.")
+    reason: str | None = Field(None, description="Why a Ready replica is not joined yet (e.g. CacheConsistent: CacheMismatch).")
+
+
+class EngineStatus(_Model):
+    """What the head's engine reported it really runs (the engine plugin's report)."""
+
+    boot_id: str | None = Field(None, description="The head engine process the report came from.")
+    plugin_version: str | None = Field(None, description="omnistage-engine-patches version in the engine image.")
+    vllm_version: str | None = Field(None, description="vllm version in the engine image.")
+    vllm_omni_version: str | None = Field(None, description="vllm-omni version in the engine image.")
+    distributed: bool | None = Field(None, description="Whether the head runs the distributed runtime (master server).")
+    frontend_cache_class: str | None = Field(
+        None, description="vLLM class of the multimodal cache the stage-0 frontend built (none: no cache).")
+    frontend_cache_mode: str | None = Field(
+        None, description="The mode that class implements (processor-only, lru, shm, none); must match effectiveCacheMode.")
+    patches: dict[str, str] = Field(
+        default_factory=dict,
+        description="Each engine patch's outcome: applied, skipped, disabled or upstream-fixed.")
 
 
 class OmniStageStatus(_Model):
@@ -247,6 +265,7 @@ class OmniStageStatus(_Model):
     effective_cache_mode: EffectiveCacheMode | None = Field(None, description="The resolved stage-0 cache mode.")
     config_hash: str | None = Field(None, description="Hash of the rendered engine config and pod template.")
     head: HeadStatus | None = Field(None, description="The head pod.")
+    engine: EngineStatus | None = Field(None, description="What the head's engine reported it runs.")
     membership_epoch: int | None = Field(None, description="Membership epoch last acknowledged by the head.")
     members: list[MemberStatus] = Field(default_factory=list, description="Replica pods and their membership.")
-    conditions: list[Condition] = Field(default_factory=list, description="Ready, HeadReady, ReplicasAvailable, MembershipSynced, ConfigRendered, Progressing, ReplicaFailure.")
+    conditions: list[Condition] = Field(default_factory=list, description="Ready, HeadReady, ReplicasAvailable, MembershipSynced, CacheConsistent, ConfigRendered, Progressing, ReplicaFailure.")

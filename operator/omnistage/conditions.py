@@ -5,8 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-TYPES = ["Ready", "HeadReady", "ReplicasAvailable", "MembershipSynced", "ConfigRendered", "Progressing",
-         "ReplicaFailure"]
+# Condition types (KubeRay-style constants: one spelling, used everywhere).
+READY = "Ready"
+HEAD_READY = "HeadReady"
+REPLICAS_AVAILABLE = "ReplicasAvailable"
+MEMBERSHIP_SYNCED = "MembershipSynced"
+CACHE_CONSISTENT = "CacheConsistent"
+CONFIG_RENDERED = "ConfigRendered"
+PROGRESSING = "Progressing"
+REPLICA_FAILURE = "ReplicaFailure"
+TYPES = [READY, HEAD_READY, REPLICAS_AVAILABLE, MEMBERSHIP_SYNCED, CACHE_CONSISTENT, CONFIG_RENDERED, PROGRESSING,
+         REPLICA_FAILURE]
+
+# CacheConsistent reasons: the engine's real stage-0 frontend cache against status.effectiveCacheMode.
+R_CONSISTENT = "Consistent"
+R_ENGINE_UNREPORTED = "EngineUnreported"  # the head has not said what it runs (starting, old or no plugin)
+R_PATCH_NOT_APPLIED = "PatchNotApplied"  # a patch the mode needs is skipped or disabled in the engine
+R_CACHE_MISMATCH = "CacheMismatch"  # the frontend built another cache than the OmniStage promises
 
 
 @dataclass(frozen=True)
@@ -34,11 +49,13 @@ def merge(previous: list[dict[str, Any]], new: list[Cond], generation: int | Non
     return sorted(out, key=lambda c: TYPES.index(c["type"]) if c["type"] in TYPES else len(TYPES))
 
 
-def ready(head_ready: bool, replicas_available: bool, membership_synced: bool, config_ok: bool) -> Cond:
+def ready(head_ready: bool, replicas_available: bool, membership_synced: bool, config_ok: bool,
+          cache_consistent: bool) -> Cond:
     if not config_ok:
-        return Cond("Ready", False, "InvalidSpec", "the spec is invalid; see ConfigRendered")
-    missing = [n for n, ok in (("HeadReady", head_ready), ("ReplicasAvailable", replicas_available),
-                               ("MembershipSynced", membership_synced)) if not ok]
+        return Cond(READY, False, "InvalidSpec", "the spec is invalid; see ConfigRendered")
+    missing = [n for n, ok in ((HEAD_READY, head_ready), (REPLICAS_AVAILABLE, replicas_available),
+                               (MEMBERSHIP_SYNCED, membership_synced), (CACHE_CONSISTENT, cache_consistent)) if not ok]
     if missing:
-        return Cond("Ready", False, "Waiting", "waiting for " + ", ".join(missing))
-    return Cond("Ready", True, "AllReplicasServing", "head ready, replicas available, membership synced")
+        return Cond(READY, False, "Waiting", "waiting for " + ", ".join(missing))
+    return Cond(READY, True, "AllReplicasServing",
+                "head ready, replicas available, membership synced, engine cache consistent")

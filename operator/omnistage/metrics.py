@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from omnistage_engine_patches import contract
 from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -44,6 +45,9 @@ class StatusCollector(Collector):
                                      labels=["namespace", "name", "state"])
         conditions = GaugeMetricFamily("omnistage_condition", "OmniStage conditions (1 when the status matches).",
                                        labels=["namespace", "name", "type", "status"])
+        patches = GaugeMetricFamily(
+            "omnistage_engine_patch", "Engine patch outcomes the head reported (1 for the outcome in effect).",
+            labels=["namespace", "name", "patch", "outcome"])
         with self._lock:
             items = list(self._status.items())
         for (ns, name), st in items:
@@ -54,8 +58,12 @@ class StatusCollector(Collector):
             for c in st.get("conditions", []):
                 for status in ("True", "False"):
                     conditions.add_metric([ns, name, c["type"], status], 1.0 if c["status"] == status else 0.0)
+            for patch, outcome in ((st.get("engine") or {}).get("patches") or {}).items():
+                for value in contract.OUTCOMES:
+                    patches.add_metric([ns, name, patch, value], 1.0 if outcome == value else 0.0)
         yield replicas
         yield conditions
+        yield patches
 
 
 STATUS = StatusCollector()

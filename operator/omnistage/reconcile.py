@@ -17,10 +17,23 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
+from omnistage_engine_patches import contract
 
-from . import kube, membership, pods
-from .conditions import Cond, merge, ready
-from .membership import Head, HeadUnreachable, MembershipError
+from . import engine_truth, head_client, kube, pods
+from .conditions import (
+    CACHE_CONSISTENT,
+    CONFIG_RENDERED,
+    HEAD_READY,
+    MEMBERSHIP_SYNCED,
+    PROGRESSING,
+    READY,
+    REPLICA_FAILURE,
+    REPLICAS_AVAILABLE,
+    Cond,
+    merge,
+    ready,
+)
+from .head_client import HeadClient, HeadRefused, HeadUnreachable
 from .metrics import STATUS
 from .render import (
     render_api_service,
@@ -65,10 +78,17 @@ class Pass:
     head: dict[str, Any] | None = None
     replicas: list[dict[str, Any]] = field(default_factory=list)
     progressing: list[str] = field(default_factory=list)
-    head_client: Head | None = None
+    head_client: HeadClient | None = None
+    report: dict[str, Any] | None = None
+    verdict: engine_truth.Verdict | None = None
     listing: dict[str, Any] | None = None
     membership_problem: str | None = None
     members: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def joins_allowed(self) -> bool:
+        """No replica gets traffic from a head whose cache guarantee is not proven."""
+        return self.verdict is not None and self.verdict.consistent
 
 
 def reconcile(namespace: str, name: str, emit: Emit) -> dict[str, Any] | None:
@@ -100,17 +120,18 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
     except InvalidSpec as err:
         # Loses nothing: running pods stay as they are until the spec is fixed.
         message = str(err)
-        if _condition(previous, "ConfigRendered").get("message") != message:
+        if _condition(previous, CONFIG_RENDERED).get("message") != message:
             emit("Warning", "InvalidSpec", message)
-        conds = [Cond("ConfigRendered", False, "InvalidSpec", message),
-                 Cond("Ready", False, "InvalidSpec", message)]
+        conds = [Cond(CONFIG_RENDERED, False, "InvalidSpec", message),
+                 Cond(READY, False, "InvalidSpec", message)]
         return {**previous, "conditions": merge(previous.get("conditions", []), conds, generation, now())}
     p = Pass(t, emit)
     token = _ensure_config_children(p)
     _ensure_head(p)
     if p.head is not None and pods.ip(p.head) and not pods.terminating(p.head):
-        p.head_client = Head(pods.ip(p.head), t.spec.engine.http_port, token)
+        p.head_client = HeadClient(pods.ip(p.head), t.spec.engine.http_port, token)
     p.replicas = [r for r in kube.list_pods(t.namespace, f"{L_OMNISTAGE}={t.name},{L_ROLE}={ROLE_REPLICA}")]
+    _read_engine_report(p, previous)
     _read_membership(p, previous)
     _retire_stale_replicas(p)
     _scale(p)
@@ -165,13 +186,36 @@ def _head_live(p: Pass) -> bool:
     return p.head is not None and not pods.terminating(p.head) and bool(pods.ip(p.head))
 
 
+def _read_engine_report(p: Pass, previous: dict[str, Any]) -> None:
+    """Ask the head what it really runs and hold the cache guarantee against it."""
+    why = None
+    if p.head_client is None or not pods.ready(p.head):
+        why = "head pod is not ready"
+    else:
+        try:
+            p.report = head_client.report(p.head_client)
+        except HeadRefused as err:
+            why = f"the head refused the report: {err.explain()}"
+        except HeadUnreachable as err:
+            why = f"head unreachable: {err}"
+    p.verdict = engine_truth.check(str(p.t.cache.mode), p.t.distributed, p.report, why)
+    if p.verdict.consistent or why == "head pod is not ready":
+        if p.verdict.consistent and _condition(previous, CACHE_CONSISTENT).get("status") == "False":
+            p.emit("Normal", p.verdict.reason, p.verdict.message)
+        return
+    if _condition(previous, CACHE_CONSISTENT).get("message") != p.verdict.message:
+        p.emit("Warning", p.verdict.reason, p.verdict.message)
+
+
 def _read_membership(p: Pass, previous: dict[str, Any]) -> None:
+    if not p.t.distributed:
+        return  # a static single replica: no master, no membership to keep
     if p.head_client is None or not pods.ready(p.head):
         p.membership_problem = "head pod is not ready"
         return
     try:
-        p.listing = membership.get(p.head_client)
-    except (HeadUnreachable, MembershipError) as err:
+        p.listing = head_client.listing(p.head_client)
+    except (HeadUnreachable, HeadRefused) as err:
         p.membership_problem = f"head unreachable: {err}"
         return
     before = (previous.get("head") or {})
@@ -197,7 +241,7 @@ def _live(p: Pass) -> list[dict[str, Any]]:
 def _member_of(p: Pass, pod: dict[str, Any]) -> dict[str, Any] | None:
     if p.listing is None:
         return None
-    for m in membership.members(p.listing):
+    for m in head_client.members(p.listing):
         if m.get("pod") == pods.name(pod) or (pods.ip(pod) and m.get("host") == pods.ip(pod)):
             return m
     return None
@@ -212,12 +256,12 @@ def _retire(p: Pass, pod: dict[str, Any], drain_seconds: int, reason: str, why: 
     member = _member_of(p, pod)
     if member is not None and p.head_client is not None:
         try:
-            ack = membership.leave(p.head_client, member["replicaId"], drain_seconds)
+            ack = head_client.leave(p.head_client, member["replicaId"], drain_seconds)
             drained = ack.get("drained", True)
             p.emit("Normal" if drained else "Warning", "Left" if drained else "DrainTimeout",
                    f"replica {member.get('replicaId')} ({pods.name(pod)}) left the engine"
                    + ("" if drained else f" after the {drain_seconds}s drain timeout with requests in flight"))
-        except (HeadUnreachable, MembershipError) as err:
+        except (HeadUnreachable, HeadRefused) as err:
             # The head cannot route to a replica it cannot reach either; its heartbeat timeout
             # detaches the replica. Deleting now keeps the scale-down moving.
             p.emit("Warning", "LeaveFailed", f"leave for {pods.name(pod)} failed ({err}); deleting anyway")
@@ -277,16 +321,16 @@ def _sync_membership(p: Pass) -> None:
         return
     live = {pods.name(r): r for r in _live(p)}
     head_ip = pods.ip(p.head)
-    for m in membership.members(p.listing):
-        if _is_head_local(m, head_ip) or m.get("state") == "left":
+    for m in head_client.members(p.listing):
+        if _is_head_local(m, head_ip) or m.get("state") == contract.LEFT:
             continue
         pod = live.get(m.get("pod")) or next((r for r in live.values() if pods.ip(r) == m.get("host")), None)
         if pod is None:
             try:
-                membership.leave(p.head_client, m["replicaId"], 0)
+                head_client.leave(p.head_client, m["replicaId"], 0)
                 p.emit("Normal", "Left", f"replica {m.get('replicaId')} ({m.get('pod') or m.get('host')}) left: "
                                          "its pod is gone")
-            except (HeadUnreachable, MembershipError) as err:
+            except (HeadUnreachable, HeadRefused) as err:
                 p.membership_problem = f"leave for departed replica {m.get('replicaId')} failed: {err}"
     for name, pod in live.items():
         member = _member_of(p, pod)
@@ -294,19 +338,23 @@ def _sync_membership(p: Pass) -> None:
             continue
         if member is not None and member.get("pod") == name:
             continue
+        if not p.joins_allowed:
+            # The head holds an unjoined replica unroutable (contract.ROUTE_JOINED_ONLY_ENV).
+            p.membership_problem = f"{name} is not joined: {CACHE_CONSISTENT} is False ({p.verdict.reason})"
+            continue
         try:
-            ack = membership.join(p.head_client, name, pods.ip(pod))
+            ack = head_client.join(p.head_client, name, pods.ip(pod))
             p.emit("Normal", "Joined", f"replica pod {name} joined the engine as replica {ack.get('replicaId')}")
-        except MembershipError as err:
+        except HeadRefused as err:
             # Not registered, not attached, or the newest registration from this IP is a detached
             # predecessor (kwok reuses pod IPs): wait. A replica whose engine really died fails
             # its pod, and the failed pod is replaced above.
-            p.membership_problem = f"{name} has not joined yet: {err.body.get('message') or err}"
+            p.membership_problem = f"{name} has not joined yet: {err.explain()}"
         except HeadUnreachable as err:
             p.membership_problem = f"join for {name} failed: {err}"
     try:
-        p.listing = membership.get(p.head_client)
-    except (HeadUnreachable, MembershipError) as err:
+        p.listing = head_client.listing(p.head_client)
+    except (HeadUnreachable, HeadRefused) as err:
         p.membership_problem = f"head unreachable: {err}"
         p.listing = None
 
@@ -333,45 +381,55 @@ def _status(p: Pass, previous: dict[str, Any], generation: int | None) -> dict[s
             state = "Joining"
         else:
             state = "Pending"
-        members.append({"pod": pods.name(r), "ip": pods.ip(r), "replicaId": m.get("replicaId") if m else None,
-                        "state": state})
-    head_registered = p.listing is not None and any(_is_head_local(m, pods.ip(p.head)) for m in
-                                                    membership.members(p.listing))
+        member = {"pod": pods.name(r), "ip": pods.ip(r), "replicaId": m.get("replicaId") if m else None,
+                  "state": state}
+        if state == "Joining" and not p.joins_allowed:
+            member["reason"] = f"{CACHE_CONSISTENT}: {p.verdict.reason if p.verdict else 'unknown'}"
+        members.append(member)
+    head_ready = head_live and pods.ready(p.head)
+    if t.distributed:
+        head_registered = p.listing is not None and any(_is_head_local(m, pods.ip(p.head)) for m in
+                                                        head_client.members(p.listing))
+        others = [m for m in head_client.members(p.listing or {})
+                  if not _is_head_local(m, pods.ip(p.head)) and m.get("state") != contract.LEFT]
+    else:
+        head_registered, others = head_ready, []  # one replica inside the head: nothing to sync
     registered = (1 if head_registered else 0) + joined
     desired = t.spec.replicas
-    head_ready = head_live and pods.ready(p.head)
     replica_desired = _desired_replica_pods(t)
     replicas_ready = sum(1 for r in live if pods.ready(r))
-    synced = p.listing is not None and p.membership_problem is None and joined == replicas_ready \
-        and head_registered and len([m for m in membership.members(p.listing)
-                                     if not _is_head_local(m, pods.ip(p.head)) and m.get("state") != "left"]) == joined
+    synced = (p.listing is not None or not t.distributed) and p.membership_problem is None \
+        and joined == replicas_ready and head_registered and len(others) == joined
+    verdict = p.verdict or engine_truth.check(str(t.cache.mode), t.distributed, None, "not asked")
     failures = [f"{pods.name(x)}: {pods.unschedulable(x)}" for x in engine_pods if pods.unschedulable(x)]
     failures += [f"{pods.name(x)}: engine exited ({x['status'].get('phase')})" for x in engine_pods if pods.terminal(x)]
 
+    replicas_available = replicas_ready == replica_desired and len(live) == replica_desired
     conds = [
-        Cond("ConfigRendered", True, "Rendered", f"effective stage-0 cache mode {t.cache.mode}: {t.cache.reason}"),
-        Cond("HeadReady", head_ready, "HeadReady" if head_ready else ("HeadPending" if head_live else "NoHead"),
+        Cond(CONFIG_RENDERED, True, "Rendered", f"effective stage-0 cache mode {t.cache.mode}: {t.cache.reason}"),
+        Cond(HEAD_READY, head_ready, "HeadReady" if head_ready else ("HeadPending" if head_live else "NoHead"),
              f"head pod {pods.name(p.head)}" if p.head else "no head pod"),
-        Cond("ReplicasAvailable", replicas_ready == replica_desired and len(live) == replica_desired,
+        Cond(REPLICAS_AVAILABLE, replicas_available,
              "AllAvailable" if replicas_ready == replica_desired else "Unavailable",
              f"{replicas_ready}/{replica_desired} replica pods ready"),
-        Cond("MembershipSynced", synced, "Synced" if synced else "NotSynced",
-             p.membership_problem or (f"{registered}/{desired} replicas registered" if p.listing is not None
-                                      else "membership not read yet")),
-        Cond("ReplicaFailure", bool(failures), "Unschedulable" if any("engine exited" not in f for f in failures)
+        Cond(MEMBERSHIP_SYNCED, synced, "Synced" if synced else "NotSynced",
+             p.membership_problem or (f"{registered}/{desired} replicas registered"
+                                      if p.listing is not None or not t.distributed else "membership not read yet")),
+        Cond(CACHE_CONSISTENT, verdict.consistent, verdict.reason, verdict.message),
+        Cond(REPLICA_FAILURE, bool(failures), "Unschedulable" if any("engine exited" not in f for f in failures)
              else ("EngineExited" if failures else "NoFailure"), "; ".join(failures)),
     ]
     progressing = bool(p.progressing) or len(engine_pods) != desired or len(ready_pods) != desired
-    conds.append(Cond("Progressing", progressing, ",".join(sorted(set(p.progressing))) or
+    conds.append(Cond(PROGRESSING, progressing, ",".join(sorted(set(p.progressing))) or
                       ("Converging" if progressing else "Stable"),
                       f"{len(engine_pods)}/{desired} engine pods, {len(ready_pods)} ready"))
-    conds.append(ready(head_ready, conds[2].status, synced, True))
+    conds.append(ready(head_ready, replicas_available, synced, True, verdict.consistent))
     conds_out = merge(previous.get("conditions", []), conds, generation, now())
 
     head_status = None
     if p.head is not None:
         before = previous.get("head") or {}
-        boot = p.listing.get("bootId") if p.listing else (
+        boot = (p.report or p.listing or {}).get("bootId") or (
             before.get("bootId") if before.get("uid") == pods.uid(p.head) else None)
         head_status = {k: v for k, v in {"pod": pods.name(p.head), "uid": pods.uid(p.head), "ip": pods.ip(p.head),
                                          "bootId": boot}.items() if v is not None}
@@ -385,6 +443,8 @@ def _status(p: Pass, previous: dict[str, Any], generation: int | None) -> dict[s
         "effectiveCacheMode": str(t.cache.mode),
         "configHash": pods.annotation(render_head_pod(t), "serving.omnistage.io/config-hash"),
         "head": head_status,
+        "engine": engine_truth.summary(p.report) or (
+            previous.get("engine") if (previous.get("head") or {}).get("uid") == pods.uid(p.head) else None),
         "membershipEpoch": (p.listing or {}).get("epoch", previous.get("membershipEpoch")),
         "members": members,
         "conditions": conds_out,

@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import os
 import tempfile
 import threading
 import time
@@ -19,6 +20,11 @@ from types import SimpleNamespace
 from typing import Any, Self
 
 import janus
+from vllm.multimodal.cache import (
+    MultiModalProcessorOnlyCache,
+    MultiModalProcessorSenderCache,
+    ShmObjectStoreSenderCache,
+)
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.stats import SchedulerStats
@@ -276,6 +282,36 @@ class StandinDistStageRuntime(DistStageRuntime):
         super().shutdown()
 
 
+#: A stand-in knob (not read by the real plugin): the mode the stand-in frontend builds whatever
+#: the plugin decides, to play an engine image whose frontend patch did not take effect.
+FRONTEND_KNOB = "OMNISTAGE_STANDIN_FRONTEND_CACHE"
+_CACHE_CLASSES = {"processor-only": MultiModalProcessorOnlyCache, "lru": MultiModalProcessorSenderCache,
+                  "shm": ShmObjectStoreSenderCache}
+
+
+def standin_frontend(engine: Any) -> SimpleNamespace:
+    """Stands in for the stage-0 input processor a real head builds (a multimodal renderer needs
+    a processor and tokenizer; the stand-in model has neither). Its renderer holds an instance of
+    the real vLLM cache class that the plugin's real decision (`frontend_cache.choose_cache_type`,
+    honouring the operator's OMNISTAGE_FRONTEND_CACHE) selects for a multimodal model on one API
+    process, where vLLM itself chooses `lru`; with the frontend patch not applied, vLLM's `lru`
+    stays. The instance is not initialised: the stand-in frontend processes no media, and the
+    engine report only reads its class."""
+    from omnistage_engine_patches import _patching, contract, frontend_cache
+
+    mode = os.environ.get(FRONTEND_KNOB)
+    if not mode:
+        mode = contract.CACHE_LRU
+        if _patching.applied(contract.FRONTEND_CACHE):
+            chosen = frontend_cache.choose_cache_type("lru", frontend_cache.requested_mode(),
+                                                      frontend_cache.stage0_needs_processor_only(engine))
+            mode = {"processor_only": contract.CACHE_PROCESSOR_ONLY, None: contract.CACHE_NONE}.get(chosen, chosen)
+    cls = _CACHE_CLASSES.get(mode)
+    cache = object.__new__(cls) if cls is not None else None
+    logger.info("stand-in stage-0 frontend: %s", type(cache).__name__ if cache is not None else "no cache")
+    return SimpleNamespace(renderer=SimpleNamespace(mm_processor_cache=cache))
+
+
 class StandinEngine(AsyncOmniEngine):
     """``AsyncOmniEngine`` whose stages come from :class:`StandinDistStageRuntime`.
 
@@ -368,7 +404,7 @@ class StandinEngine(AsyncOmniEngine):
         self.stage_clients = [pool.stage_client for pool in self.stage_pools]
         self.stage_vllm_configs = [self._standin_vllm_config]
         self.output_processors = [pool.output_processor for pool in self.stage_pools]
-        self.input_processor = self._standin_input_processor
+        self.input_processor = self._standin_input_processor or standin_frontend(self)
         self.supported_tasks = ("generate",)
 
     def _detect_pd_config(self) -> None:

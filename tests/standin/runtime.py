@@ -120,8 +120,20 @@ def _engine_container(pod: dict[str, Any]) -> dict[str, Any]:
     return next((c for c in containers if c.get("name") == "engine"), containers[0])
 
 
+# Container variables passed to the stand-in process: the engine plugin's contract (operator-
+# rendered) and the stand-in's own knobs. The rest (VLLM_CACHE_ROOT, VLLM_HOST_IP, ...) name
+# paths and addresses of a real pod and are set here for the process instead.
+PASSED_ENV_PREFIX = "OMNISTAGE_"
+
+
+def _container_env(pod: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: _expand(e.get("value", ""), pod) for e in _engine_container(pod).get("env") or []
+            if e.get("name", "").startswith(PASSED_ENV_PREFIX) and "valueFrom" not in e}
+
+
 def _child_env(ip: str, pod: dict[str, Any]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower() and not k.startswith(PASSED_ENV_PREFIX)}
+    env.update(_container_env(pod))
     env.update({
         "PYTHONUNBUFFERED": "1",
         # vLLM / vllm-omni otherwise find their address with a UDP route probe to a public IP.

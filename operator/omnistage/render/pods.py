@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from omnistage_engine_patches import contract
+
 from .common import (
     A_CONFIG_HASH,
     A_HEAD_UID,
@@ -23,7 +25,7 @@ TOKEN_DIR = "/var/run/secrets/omnistage"
 TOKEN_KEY = "token"
 CACHE_DIR = "/root/.cache"
 # vLLM loads only allow-listed plugins when VLLM_PLUGINS is set; vllm-omni's own entry must stay in.
-VLLM_PLUGINS = "vllm_omni_register_models,omnistage_engine_patches,omnistage_membership"
+VLLM_PLUGINS = f"vllm_omni_register_models,{contract.GENERAL_PLUGIN},{contract.ENDPOINT_PLUGIN}"
 
 
 def head_pod_name(t: Target) -> str:
@@ -40,19 +42,23 @@ def _env(t: Target, role: str) -> list[dict[str, Any]]:
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         # vLLM otherwise finds its address with a UDP route probe; the pod IP is the right answer.
         {"name": "VLLM_HOST_IP", "value": "$(POD_IP)"},
-        {"name": "VLLM_PLUGINS", "value": VLLM_PLUGINS},
+        {"name": contract.VLLM_PLUGINS_ENV, "value": VLLM_PLUGINS},
         {"name": "VLLM_CACHE_ROOT", "value": f"{CACHE_DIR}/vllm"},
     ]
     if role == ROLE_HEAD:
         env += [
-            {"name": "OMNISTAGE_MEMBERSHIP_TOKEN_FILE", "value": f"{TOKEN_DIR}/{TOKEN_KEY}"},
-            # Tells the engine plugin the mode the operator resolved, in addition to its own detection.
-            {"name": "OMNISTAGE_FRONTEND_CACHE", "value": str(t.cache.mode)},
+            {"name": contract.TOKEN_FILE_ENV, "value": f"{TOKEN_DIR}/{TOKEN_KEY}"},
+            # The engine plugin builds exactly this stage-0 frontend cache and reports what it built.
+            {"name": contract.FRONTEND_CACHE_ENV, "value": str(t.cache.mode)},
             {"name": "VLLM_ENGINE_READY_TIMEOUT_S", "value": str(t.spec.engine.startup_timeout_seconds)},
             # vLLM's build_app lowers the root logger to ERROR unless this is set, which would
             # hide the engine plugin's "patch applied / no-op" lines.
             {"name": "SAGEMAKER_CONTAINER_LOG_LEVEL", "value": "INFO"},
         ]
+        if t.distributed:
+            # A replica gets traffic only once the operator has joined it, i.e. once the engine's
+            # report proved the cache guarantee (CacheConsistent).
+            env.append({"name": contract.ROUTE_JOINED_ONLY_ENV, "value": "1"})
     env += [{"name": v.name, "value": v.value} for v in t.spec.engine.env]
     return env
 

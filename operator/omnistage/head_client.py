@@ -1,4 +1,6 @@
-"""Client for the engine head's membership endpoint (engine_patches' membership_api).
+"""Client for the engine head's HTTP endpoints (engine_patches' membership_api): the engine
+report, the membership listing, join and leave. Paths and field values come from the shared
+contract module, so the two sides cannot drift apart.
 
 Calls are idempotent on the engine side, so transient failures (head still starting, connection
 refused, 5xx) are retried with backoff; a 4xx is an answer and is returned to the caller."""
@@ -11,19 +13,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import urllib3
+from omnistage_engine_patches import contract
 
 from .metrics import MEMBERSHIP_CALLS, MEMBERSHIP_SECONDS
 
-BASE_PATH = "/omnistage/v1/membership"
 _pool = urllib3.PoolManager(retries=False)
 
 
-class MembershipError(RuntimeError):
+class HeadRefused(RuntimeError):
     """The head answered, and the answer was no (e.g. the replica has not registered yet)."""
 
     def __init__(self, op: str, status: int, body: dict[str, Any]):
         self.op, self.status, self.body = op, status, body
-        super().__init__(f"membership {op}: HTTP {status}: {body.get('error') or body}")
+        super().__init__(f"{op}: HTTP {status}: {body.get('error') or body}")
+
+    @property
+    def code(self) -> str | None:
+        return self.body.get("error")
+
+    def explain(self) -> str:
+        return str(self.body.get("message") or self)
 
 
 class HeadUnreachable(RuntimeError):
@@ -31,24 +40,24 @@ class HeadUnreachable(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Head:
+class HeadClient:
     ip: str
     port: int
     token: str
 
-    def url(self, suffix: str = "") -> str:
+    def url(self, path: str) -> str:
         host = f"[{self.ip}]" if ":" in self.ip else self.ip
-        return f"http://{host}:{self.port}{BASE_PATH}{suffix}"
+        return f"http://{host}:{self.port}{path}"
 
 
-def _call(op: str, method: str, head: Head, suffix: str, body: dict[str, Any] | None, timeout: float,
+def _call(op: str, method: str, head: HeadClient, path: str, body: dict[str, Any] | None, timeout: float,
           attempts: int) -> dict[str, Any]:
     delay, last = 0.2, None
     for attempt in range(attempts):
         start = time.monotonic()
         try:
             resp = _pool.request(
-                method, head.url(suffix),
+                method, head.url(path),
                 body=json.dumps(body).encode() if body is not None else None,
                 headers={"Authorization": f"Bearer {head.token}", "Content-Type": "application/json"},
                 timeout=urllib3.Timeout(connect=2.0, read=timeout),
@@ -62,32 +71,40 @@ def _call(op: str, method: str, head: Head, suffix: str, body: dict[str, Any] | 
                 data = json.loads(resp.data or b"{}")
             except ValueError:
                 data = {"error": resp.data[:200].decode(errors="replace")}
+            if not isinstance(data, dict):
+                data = {"error": f"unexpected answer {str(data)[:200]}"}
             if resp.status < 300:
                 MEMBERSHIP_CALLS.labels(op, "ok").inc()
                 return data
             if resp.status < 500:
                 MEMBERSHIP_CALLS.labels(op, f"http_{resp.status}").inc()
-                raise MembershipError(op, resp.status, data)
+                raise HeadRefused(op, resp.status, data)
             MEMBERSHIP_CALLS.labels(op, "server_error").inc()
-            last = MembershipError(op, resp.status, data)
+            last = HeadRefused(op, resp.status, data)
         if attempt + 1 < attempts:
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
-    raise HeadUnreachable(f"membership {op} at {head.url(suffix)}: {last}")
+    raise HeadUnreachable(f"{op} at {head.url(path)}: {last}")
 
 
-def get(head: Head, attempts: int = 2) -> dict[str, Any]:
-    return _call("list", "GET", head, "", None, timeout=10, attempts=attempts)
+def report(head: HeadClient, attempts: int = 2) -> dict[str, Any]:
+    """What the head process really runs (contract.EngineReport)."""
+    return _call("report", "GET", head, contract.ENGINE_PATH, None, timeout=10, attempts=attempts)
 
 
-def join(head: Head, pod: str, ip: str, stage: int = 0) -> dict[str, Any]:
-    return _call("join", "POST", head, "/join", {"stage": stage, "pod": pod, "ip": ip}, timeout=30, attempts=3)
+def listing(head: HeadClient, attempts: int = 2) -> dict[str, Any]:
+    return _call("list", "GET", head, contract.MEMBERSHIP_PATH, None, timeout=10, attempts=attempts)
 
 
-def leave(head: Head, replica_id: int, drain_seconds: int, stage: int = 0) -> dict[str, Any]:
+def join(head: HeadClient, pod: str, ip: str, stage: int = 0) -> dict[str, Any]:
+    return _call("join", "POST", head, contract.JOIN_PATH, {"stage": stage, "pod": pod, "ip": ip}, timeout=30,
+                 attempts=3)
+
+
+def leave(head: HeadClient, replica_id: int, drain_seconds: int, stage: int = 0) -> dict[str, Any]:
     """Stop routing to the replica, drain it up to `drain_seconds`, detach it, drop its metrics."""
     body = {"stage": stage, "replicaId": replica_id, "drainTimeoutSeconds": drain_seconds}
-    return _call("leave", "POST", head, "/leave", body, timeout=drain_seconds + 15, attempts=3)
+    return _call("leave", "POST", head, contract.LEAVE_PATH, body, timeout=drain_seconds + 15, attempts=3)
 
 
 def members(listing: dict[str, Any], stage: int = 0) -> list[dict[str, Any]]:

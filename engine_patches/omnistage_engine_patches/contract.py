@@ -1,0 +1,118 @@
+"""The operator <-> engine-head contract: HTTP paths, environment, and the values both sides read.
+
+Dependency-free on purpose: the operator imports it without vLLM, the engine plugin imports it in
+every vLLM process. A name that crosses the wire or the pod spec is written here once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+# ---- HTTP paths on the head's OpenAI port (bearer token: TOKEN_FILE_ENV / TOKEN_ENV) ----------
+API_PREFIX = "/omnistage/v1"
+MEMBERSHIP_PATH = API_PREFIX + "/membership"  # GET: the listing
+JOIN_PATH = MEMBERSHIP_PATH + "/join"  # POST
+LEAVE_PATH = MEMBERSHIP_PATH + "/leave"  # POST
+ENGINE_PATH = API_PREFIX + "/engine"  # GET: the EngineReport (any head, distributed or not)
+MAX_BODY_BYTES = 16 * 1024  # a join/leave body is < 300 bytes
+
+# ---- environment the operator renders into engine pods ----------------------------------------
+TOKEN_FILE_ENV = "OMNISTAGE_MEMBERSHIP_TOKEN_FILE"
+TOKEN_ENV = "OMNISTAGE_MEMBERSHIP_TOKEN"
+#: The operator's resolved stage-0 cache mode (an EffectiveCacheMode value); the plugin builds it.
+FRONTEND_CACHE_ENV = "OMNISTAGE_FRONTEND_CACHE"
+#: Comma-separated patch names, or "all": how the negative controls switch patches off.
+DISABLE_PATCHES_ENV = "OMNISTAGE_DISABLE_PATCHES"
+#: "1": remote replicas get no traffic until the operator joins them (the operator sets it).
+ROUTE_JOINED_ONLY_ENV = "OMNISTAGE_ROUTE_JOINED_ONLY"
+VLLM_PLUGINS_ENV = "VLLM_PLUGINS"
+GENERAL_PLUGIN = "omnistage_engine_patches"
+ENDPOINT_PLUGIN = "omnistage_membership"
+#: Every name the operator owns in an engine container's environment.
+OPERATOR_OWNED_ENV = (TOKEN_FILE_ENV, TOKEN_ENV, FRONTEND_CACHE_ENV, DISABLE_PATCHES_ENV, ROUTE_JOINED_ONLY_ENV,
+                      VLLM_PLUGINS_ENV)
+
+# ---- patches ------------------------------------------------------------------------------------
+FRONTEND_CACHE = "frontend_cache"
+UUID_SCOPE = "uuid_scope"
+REPLICA_METRICS = "replica_metrics"
+MM_CACHE_METRICS = "mm_cache_metrics"
+MEMBERSHIP = "membership"
+PATCHES = (FRONTEND_CACHE, UUID_SCOPE, REPLICA_METRICS, MM_CACHE_METRICS, MEMBERSHIP)
+
+# A patch's outcome in this process.
+APPLIED = "applied"
+SKIPPED = "skipped"  # the target is missing, changed shape, failed to install, or was never reached
+DISABLED = "disabled"  # switched off through DISABLE_PATCHES_ENV
+UPSTREAM_FIXED = "upstream-fixed"  # not needed: the installed vllm/vllm-omni already has the fix
+OUTCOMES = (APPLIED, SKIPPED, DISABLED, UPSTREAM_FIXED)
+EFFECTIVE_OUTCOMES = frozenset({APPLIED, UPSTREAM_FIXED})  # the defect is fixed in this process
+
+# ---- the stage-0 frontend cache (the same spellings as the operator's EffectiveCacheMode) -------
+CACHE_PROCESSOR_ONLY = "processor-only"
+CACHE_LRU = "lru"
+CACHE_SHM = "shm"
+CACHE_DISABLED = "disabled"
+CACHE_NOT_APPLICABLE = "not-applicable"
+#: What the report says when the frontend built no multimodal cache (disabled or text-only).
+CACHE_NONE = "none"
+#: vLLM's cache class on the frontend -> the mode it implements.
+CACHE_CLASS_MODES = {
+    "MultiModalProcessorOnlyCache": CACHE_PROCESSOR_ONLY,
+    "MultiModalProcessorSenderCache": CACHE_LRU,
+    "ShmObjectStoreSenderCache": CACHE_SHM,
+}
+SENDER_CACHE_MODES = frozenset({CACHE_LRU, CACHE_SHM})
+
+# ---- replica states in the listing --------------------------------------------------------------
+PENDING = "pending"  # slot pre-allocated by the head, nobody registered yet
+REGISTERED = "registered"  # registered with the master, head-side attach not done (yet)
+ATTACHED = "attached"  # head-side client in the stage pool
+DRAINING = "draining"  # attached, no new requests routed, waiting for in-flight ones
+DETACHED = "detached"  # the head dropped it on its own (DOWN, heartbeat timeout, dead engine)
+LEFT = "left"  # detached because of a leave call
+LISTED_STATES = frozenset({REGISTERED, ATTACHED, DRAINING})
+
+# ---- error codes the operator acts on -----------------------------------------------------------
+E_NOT_DISTRIBUTED = "NotDistributed"
+E_REPLICA_NOT_REGISTERED = "ReplicaNotRegistered"
+E_REPLICA_NOT_ATTACHED = "ReplicaNotAttached"
+E_REPLICA_DETACHED = "ReplicaDetached"
+E_FRONTEND_CACHE_UNSAFE = "FrontendCacheUnsafe"
+
+
+class PatchReport(TypedDict):
+    outcome: str  # one of OUTCOMES
+    reason: str
+
+
+class FrontendCacheReport(TypedDict):
+    cacheClass: str | None  # vLLM's class name, None when no cache was built
+    mode: str  # CACHE_CLASS_MODES value, CACHE_NONE, or "unknown" for a class we do not know
+    requested: str | None  # FRONTEND_CACHE_ENV as the plugin read it (None: no operator)
+
+
+class EngineReport(TypedDict):
+    """GET ENGINE_PATH: what this head process really runs."""
+
+    bootId: str  # new per head process
+    pluginVersion: str
+    vllmVersion: str | None
+    vllmOmniVersion: str | None
+    distributed: bool | None  # None: the engine is not built yet
+    frontendCache: FrontendCacheReport | None  # None: the stage-0 frontend is not built yet
+    patches: dict[str, PatchReport]
+
+
+def frontend_mode(cache_class: str | None) -> str:
+    if cache_class is None:
+        return CACHE_NONE
+    return CACHE_CLASS_MODES.get(cache_class, "unknown")
+
+
+def report_field(report: dict[str, Any], *path: str) -> Any:
+    """report["a"]["b"]... or None, for answers from heads of another plugin version."""
+    value: Any = report
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value

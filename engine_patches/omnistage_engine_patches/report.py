@@ -1,0 +1,95 @@
+"""What this head process really runs: the engine report behind `contract.ENGINE_PATH`.
+
+The operator holds `Ready` on this report (condition `CacheConsistent`), so everything in it is
+read from the live process, never from a decision function: the versions of the installed
+distributions, each patch's recorded outcome, and the class of the multimodal cache the stage-0
+frontend renderer actually holds (`renderer.mm_processor_cache`, the object the chat path uses).
+Building the report never raises: a part that cannot be read is reported as unknown.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from importlib import metadata
+from typing import Any
+
+from . import contract
+from ._patching import outcomes
+
+logger = logging.getLogger("omnistage_engine_patches.report")
+
+#: A new value per head process: a changed boot id tells the operator the head restarted, and
+#: that every replica registered with the previous process must be rolled.
+BOOT_ID = uuid.uuid4().hex
+
+# The distribution that ships this plugin (the operator and the plugin are one package).
+_PLUGIN_DISTRIBUTION = "omnistage-operator"
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _engine(engine_client: Any) -> Any:
+    return getattr(engine_client, "engine", engine_client)
+
+
+def frontend_renderer(engine_client: Any) -> Any | None:
+    """The stage-0 frontend renderer the OpenAI servers use (`AsyncOmniBase.renderer` is
+    `engine.input_processor.renderer`), or None before the engine built it."""
+    processor = getattr(_engine(engine_client), "input_processor", None)
+    return getattr(processor, "renderer", None)
+
+
+def frontend_cache(engine_client: Any) -> contract.FrontendCacheReport | None:
+    from .frontend_cache import requested_mode
+
+    renderer = frontend_renderer(engine_client)
+    if renderer is None:
+        return None
+    try:
+        cache = renderer.mm_processor_cache  # vLLM: mm_processor.cache, None for text-only models
+    except Exception:  # noqa: BLE001 - a renderer of another shape: say unknown, do not fail
+        logger.debug("reading the frontend cache failed", exc_info=True)
+        return {"cacheClass": None, "mode": "unknown", "requested": requested_mode()}
+    name = type(cache).__name__ if cache is not None else None
+    return {"cacheClass": name, "mode": contract.frontend_mode(name), "requested": requested_mode()}
+
+
+def _distributed(engine_client: Any) -> bool | None:
+    value = getattr(_engine(engine_client), "single_stage_mode", None)
+    return None if value is None else bool(value)
+
+
+def build(engine_client: Any) -> contract.EngineReport:
+    """The report; `engine_client` may be None (the server has no engine yet)."""
+    try:
+        frontend = frontend_cache(engine_client) if engine_client is not None else None
+        distributed = _distributed(engine_client) if engine_client is not None else None
+    except Exception:  # noqa: BLE001 - never fail the answer
+        logger.exception("engine report: reading the engine failed")
+        frontend, distributed = None, None
+    return {
+        "bootId": BOOT_ID,
+        "pluginVersion": _version(_PLUGIN_DISTRIBUTION) or "unknown",
+        "vllmVersion": _version("vllm"),
+        "vllmOmniVersion": _version("vllm-omni"),
+        "distributed": distributed,
+        "frontendCache": frontend,
+        "patches": {name: {"outcome": o.outcome, "reason": o.reason} for name, o in sorted(outcomes().items())},
+    }
+
+
+def frontend_cache_unsafe(engine_client: Any) -> str | None:
+    """A message when joining a replica to this head would be unsafe: its stage-0 frontend holds
+    a sender cache, which omits tensors it has sent before to any replica. None when safe or not
+    known yet (the operator checks the full report before it joins)."""
+    frontend = frontend_cache(engine_client)
+    if frontend is None or frontend["mode"] not in contract.SENDER_CACHE_MODES:
+        return None
+    return (f"the head's stage-0 frontend runs {frontend['cacheClass']} ({frontend['mode']}): a replica joined to "
+            "it would miss tensors the frontend omits; the head must run the processor-only cache")

@@ -1,0 +1,96 @@
+"""The CacheConsistent rule (engine_truth.check): the operator's decision against the head's report."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from omnistage_engine_patches import contract
+
+from omnistage import engine_truth
+from omnistage.conditions import R_CACHE_MISMATCH, R_CONSISTENT, R_ENGINE_UNREPORTED, R_PATCH_NOT_APPLIED
+
+ALL_APPLIED = {name: {"outcome": contract.APPLIED, "reason": "applied"} for name in contract.PATCHES}
+
+
+def report(cache_class: str | None, patches: dict | None = None, **extra) -> dict:
+    return {
+        "bootId": "b1", "pluginVersion": "0.2.0", "vllmVersion": "0.30.0", "vllmOmniVersion": "0.30.0",
+        "distributed": True,
+        "frontendCache": {"cacheClass": cache_class, "mode": contract.frontend_mode(cache_class), "requested": None},
+        "patches": copy.deepcopy(patches if patches is not None else ALL_APPLIED),
+        **extra,
+    }
+
+
+def with_outcome(patch: str, outcome: str, reason: str = "target changed shape") -> dict:
+    patches = copy.deepcopy(ALL_APPLIED)
+    patches[patch] = {"outcome": outcome, "reason": reason}
+    return patches
+
+
+@pytest.mark.parametrize(
+    ("mode", "distributed", "cache_class", "patches", "reason"),
+    [
+        ("processor-only", True, "MultiModalProcessorOnlyCache", ALL_APPLIED, R_CONSISTENT),
+        ("processor-only", True, "MultiModalProcessorSenderCache", ALL_APPLIED, R_CACHE_MISMATCH),
+        ("processor-only", True, "ShmObjectStoreSenderCache", ALL_APPLIED, R_CACHE_MISMATCH),
+        ("processor-only", True, None, ALL_APPLIED, R_CACHE_MISMATCH),
+        ("processor-only", True, "MultiModalProcessorOnlyCache",
+         with_outcome("frontend_cache", contract.UPSTREAM_FIXED, "upstream has it"), R_CONSISTENT),
+        ("processor-only", True, "MultiModalProcessorOnlyCache",
+         with_outcome("frontend_cache", contract.SKIPPED), R_PATCH_NOT_APPLIED),
+        ("processor-only", True, "MultiModalProcessorOnlyCache",
+         with_outcome("frontend_cache", contract.DISABLED, "disabled by switch"), R_PATCH_NOT_APPLIED),
+        ("processor-only", True, "MultiModalProcessorOnlyCache",
+         with_outcome("uuid_scope", contract.SKIPPED), R_PATCH_NOT_APPLIED),
+        ("processor-only", True, "MultiModalProcessorOnlyCache",
+         with_outcome("membership", contract.SKIPPED), R_PATCH_NOT_APPLIED),
+        # Metrics patches are not part of the cache guarantee.
+        ("processor-only", True, "MultiModalProcessorOnlyCache",
+         with_outcome("replica_metrics", contract.SKIPPED), R_CONSISTENT),
+        ("processor-only", False, "MultiModalProcessorOnlyCache",
+         with_outcome("uuid_scope", contract.SKIPPED), R_CONSISTENT),
+        ("processor-only", True, "MultiModalProcessorOnlyCache",
+         {k: v for k, v in ALL_APPLIED.items() if k != "frontend_cache"}, R_PATCH_NOT_APPLIED),
+        ("lru", False, "MultiModalProcessorSenderCache", with_outcome("frontend_cache", contract.SKIPPED), R_CONSISTENT),
+        ("lru", False, "MultiModalProcessorOnlyCache", ALL_APPLIED, R_CACHE_MISMATCH),
+        ("shm", False, "ShmObjectStoreSenderCache", ALL_APPLIED, R_CONSISTENT),
+        ("disabled", True, None, ALL_APPLIED, R_CONSISTENT),
+        ("disabled", True, "MultiModalProcessorOnlyCache", ALL_APPLIED, R_CACHE_MISMATCH),
+        ("not-applicable", True, None, ALL_APPLIED, R_CONSISTENT),
+        ("processor-only", True, "SomeFutureCache", ALL_APPLIED, R_CACHE_MISMATCH),
+    ],
+)
+def test_verdict_table(mode, distributed, cache_class, patches, reason):
+    verdict = engine_truth.check(mode, distributed, report(cache_class, patches))
+    assert verdict.reason == reason, verdict.message
+    assert verdict.consistent is (reason == R_CONSISTENT)
+
+
+def test_no_report_is_unreported_and_says_why():
+    verdict = engine_truth.check("processor-only", True, None, "head unreachable: connection refused")
+    assert (verdict.consistent, verdict.reason) == (False, R_ENGINE_UNREPORTED)
+    assert "connection refused" in verdict.message and contract.GENERAL_PLUGIN in verdict.message
+
+
+def test_frontend_not_built_yet_is_unreported():
+    r = report("MultiModalProcessorOnlyCache")
+    r["frontendCache"] = None
+    assert engine_truth.check("processor-only", True, r).reason == R_ENGINE_UNREPORTED
+
+
+def test_messages_name_what_to_do():
+    mismatch = engine_truth.check("processor-only", True, report("MultiModalProcessorSenderCache"))
+    assert "MultiModalProcessorSenderCache" in mismatch.message and "vllm-omni 0.30.0" in mismatch.message
+    skipped = engine_truth.check("processor-only", True, report(
+        "MultiModalProcessorOnlyCache", with_outcome("frontend_cache", contract.SKIPPED, "X is missing")))
+    assert "frontend_cache skipped (X is missing)" in skipped.message
+
+
+def test_summary_for_status():
+    s = engine_truth.summary(report("MultiModalProcessorOnlyCache", with_outcome("uuid_scope", contract.DISABLED)))
+    assert s["frontendCacheClass"] == "MultiModalProcessorOnlyCache"
+    assert s["frontendCacheMode"] == "processor-only"
+    assert s["patches"]["uuid_scope"] == "disabled" and s["patches"]["frontend_cache"] == "applied"
+    assert engine_truth.summary(None) is None
