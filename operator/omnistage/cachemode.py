@@ -33,11 +33,14 @@ def membership_can_change(membership: str, replicas: int) -> bool:
     return membership == Membership.DYNAMIC or replicas > 1
 
 
-def resolve_cache_mode(requested: str, membership: str, replicas: int, model_kind: str) -> CacheDecision:
+def resolve_cache_mode(requested: str, membership: str, replicas: int, model_kind: str,
+                       size_gib: float = 4) -> CacheDecision:
     """Resolve spec.cache.mode; raises CacheModeRejected for a sender cache with changing membership.
 
     An explicit lru/shm with dynamic membership is rejected rather than accepted with a warning:
     the failure it causes is silent (HTTP 200, empty content), so a warning would be missed.
+    A size of 0 is a disabled cache whatever the mode: vLLM builds none, and the status must say
+    what the engine builds.
     """
     dynamic = membership_can_change(membership, replicas)
     if requested in (CacheMode.LRU, CacheMode.SHM) and dynamic:
@@ -46,6 +49,8 @@ def resolve_cache_mode(requested: str, membership: str, replicas: int, model_kin
         return CacheDecision(EffectiveCacheMode.NOT_APPLICABLE, "text-only model: no multimodal processor cache")
     if requested == CacheMode.DISABLED:
         return CacheDecision(EffectiveCacheMode.DISABLED, "cache disabled in spec")
+    if size_gib == 0:
+        return CacheDecision(EffectiveCacheMode.DISABLED, "cache.sizeGiB is 0: no cache")
     if requested == CacheMode.PROCESSOR_ONLY:
         return CacheDecision(EffectiveCacheMode.PROCESSOR_ONLY, "processor-only requested in spec")
     if requested == CacheMode.AUTO:

@@ -158,20 +158,37 @@ def test_retry_on_another_replica_gets_a_single_prefix(head):
     assert "multi_modal_uuids" not in caller
 
 
-def test_copies_of_an_engine_scoped_dict(head):
-    """regression: a dict that an engine already scoped (an unpatched process, a dict saved
-    before the fix) is copied and sent again. The engine-written `stageN:repM:` value is not a
-    user UUID: a copy with the same media gets one prefix and its own hash, a copy with new
-    media is keyed by the new media, never by the old hash."""
+def test_copies_of_a_dict_carrying_a_key_this_process_wrote(head):
+    """regression: a dict carrying a scoped key this process wrote (read back from a request,
+    saved, or scoped before the fix) is copied and sent again. That `stageN:repM:` value is not a
+    user UUID: a copy with the same media gets one prefix and its own hash, a copy with new media
+    is keyed by the new media, never by the old hash."""
     old = content_hash(head, 0)
-    scoped = prompt(0, multi_modal_uuids={"image": [f"stage0:rep0:{old}"]})
-    retry = head.add_request(dict(scoped))  # replica 0
-    same_media_elsewhere = head.add_request(dict(scoped))  # replica 1
-    new_media = head.add_request({**scoped, "multi_modal_data": {"image": make_image(2)}})  # replica 0
-    assert key(retry) == f"stage0:rep0:{old}"
-    assert key(same_media_elsewhere) == f"stage0:rep1:{old}"
-    assert key(new_media) == f"stage0:rep0:{content_hash(head, 2)}"
-    assert scoped["multi_modal_uuids"] == {"image": [f"stage0:rep0:{old}"]}  # the caller's dict as given
+    written = key(head.add_request(prompt(0)))  # replica 0: this process writes stage0:rep0:<old>
+    assert written == f"stage0:rep0:{old}"
+    scoped = prompt(0, multi_modal_uuids={"image": [written]})
+    retry = head.add_request(dict(scoped))  # replica 1
+    same_media_elsewhere = head.add_request(dict(scoped))  # replica 0
+    new_media = head.add_request({**scoped, "multi_modal_data": {"image": make_image(2)}})  # replica 1
+    assert key(retry) == f"stage0:rep1:{old}"
+    assert key(same_media_elsewhere) == f"stage0:rep0:{old}"
+    assert key(new_media) == f"stage0:rep1:{content_hash(head, 2)}"
+    assert scoped["multi_modal_uuids"] == {"image": [written]}  # the caller's dict as given
+
+
+def test_a_user_uuid_shaped_like_an_engine_key_is_the_users(head):
+    """A caller's own UUID that merely looks like `stageN:repM:...` (never written by this
+    process) is kept and scoped like any user UUID, as upstream's fix keeps it: never dropped,
+    never stripped."""
+    mine = "stage3:rep7:customer-asset-42"
+    assert mine not in uuid_scope.WRITTEN
+    caller = prompt(0, multi_modal_uuids={"image": [mine]})
+    msgs = [head.add_request(caller), head.add_request(dict(caller))]
+    assert [key(m) for m in msgs] == [f"stage0:rep0:{mine}", f"stage0:rep1:{mine}"]
+    assert caller["multi_modal_uuids"] == {"image": [mine]}
+    reference = {"prompt": IMAGE_PROMPT, "multi_modal_data": {"image": [None]},
+                 "multi_modal_uuids": {"image": [mine]}}  # a UUID-only reference keeps the whole key
+    assert key(head.add_request(reference)) == f"stage0:rep0:{mine}"
 
 
 def test_uuid_only_reference_keeps_its_key_with_one_prefix(head, reference_pixels):

@@ -51,3 +51,11 @@ def test_cache_mode(mr, mode, kind):
         decision = resolve_cache_mode(mode, membership, replicas, kind)
         assert decision.mode == want
         assert decision.reason
+
+
+@pytest.mark.parametrize(("membership", "replicas"), MEMBERSHIP_REPLICAS)
+@pytest.mark.parametrize("mode", ["auto", "processor-only"])
+def test_size_zero_is_disabled(membership, replicas, mode):
+    """vLLM builds no cache of size 0, so the status must not promise processor-only or lru."""
+    decision = resolve_cache_mode(mode, membership, replicas, "multimodal", size_gib=0)
+    assert decision.mode == "disabled"

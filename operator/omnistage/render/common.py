@@ -51,7 +51,8 @@ def target_from(obj: dict[str, Any]) -> Target:
     """Validate an OmniStage object; raises validation.InvalidSpec (cache rule included)."""
     spec = validate_omnistage(obj)
     meta = obj.get("metadata") or {}
-    decision = resolve_cache_mode(spec.cache.mode, spec.membership, spec.replicas, spec.model_kind)
+    decision = resolve_cache_mode(spec.cache.mode, spec.membership, spec.replicas, spec.model_kind,
+                                  spec.cache.size_gib)
     return Target(meta["name"], meta.get("namespace") or "default", meta.get("uid"), spec, decision)
 
 
