@@ -265,8 +265,11 @@ def test_apply_ready_with_head_and_replicas(kubectl, wait_for, namespace, operat
     assert st["head"]["ip"] == heads[0]["status"]["podIP"]
     assert {m["pod"] for m in st["members"]} == names(replicas)
     assert all(m["state"] == "Joined" and isinstance(m["replicaId"], int) for m in st["members"])
-    for ctype in ("Ready", "HeadReady", "ReplicasAvailable", "MembershipSynced", "ConfigRendered"):
+    for ctype in ("Ready", "HeadReady", "ReplicasAvailable", "MembershipSynced", "CacheConsistent", "ConfigRendered"):
         assert is_true(obj, ctype), condition(obj, ctype)
+    # What the engine really built, as the head reported it.
+    assert st["engine"]["frontendCacheClass"] == "MultiModalProcessorOnlyCache", st["engine"]
+    assert st["engine"]["patches"]["frontend_cache"] == "applied" and st["engine"]["bootId"] == st["head"]["bootId"]
     assert not is_true(obj, "ReplicaFailure")
 
     # The head's own view: its local replica plus exactly the replica pods, with the ids in status.
@@ -617,3 +620,63 @@ def test_delete_omnistage_removes_every_child(kubectl, wait_for, namespace, oper
             ns == namespace for ns, _ in standin.processes()), timeout=60)
 
 
+
+
+def test_head_with_a_sender_cache_holds_ready_false_and_joins_nobody(kubectl, wait_for, namespace, operator, standin,
+                                                                     tmp_path):
+    """The cache guarantee is checked on the live engine. A head whose stage-0 frontend built a sender
+    cache (here the stand-in plays an engine image whose frontend patch did not take effect) gets
+    CacheConsistent=False CacheMismatch, Ready=False and a Warning Event; its replica pod runs and
+    registers but is never joined (so the head keeps it unroutable); nothing is deleted. Fixing the
+    image (here: removing the stand-in knob) rolls the head, and the replica joins."""
+    if standin is None:
+        pytest.skip("needs the stand-in head to play a drifted engine image")
+    from tests.standin.engine import FRONTEND_KNOB
+
+    knob = [{"name": FRONTEND_KNOB, "value": "lru"}]
+    apply(kubectl, namespace, tmp_path, sample(**{"engine.env": knob}))
+    head = HeadEndpoint(kubectl, namespace, NAME)
+
+    def held():
+        obj = get_stage(kubectl, namespace)
+        cache = condition(obj, "CacheConsistent")
+        members = (obj or {}).get("status", {}).get("members") or []
+        listing = head.listing()
+        registered = [m for m in remote_members(listing or {}) if m.get("state") in ("attached", "registered")]
+        if cache.get("reason") == "CacheMismatch" and members and members[0].get("state") == "Joining" \
+                and registered:
+            return obj, listing
+        print("    waiting:", describe(obj), "| at head:", [(m.get("replicaId"), m.get("state"), m.get("pod"))
+                                                          for m in remote_members(listing or {})], flush=True)
+        return None
+
+    obj, listing = wait_for("CacheConsistent=False CacheMismatch with the replica registered but not joined", held,
+                            timeout=READY_TIMEOUT, interval=2)
+    st = obj["status"]
+    cache = condition(obj, "CacheConsistent")
+    print("CacheConsistent:", cache)
+    assert cache["status"] == "False" and "MultiModalProcessorSenderCache" in cache["message"], cache
+    assert not is_true(obj, "Ready") and "CacheConsistent" in condition(obj, "Ready")["message"]
+    assert st["engine"]["frontendCacheClass"] == "MultiModalProcessorSenderCache"
+    assert st["engine"]["frontendCacheMode"] == "lru" and st["effectiveCacheMode"] == "processor-only"
+    assert st["members"][0]["reason"] == "CacheConsistent: CacheMismatch", st["members"]
+    assert all(m.get("pod") is None for m in remote_members(listing)), "a replica was joined to a sender-cache head"
+    warnings = [e for e in events(kubectl, namespace) if e.get("reason") == "CacheMismatch"]
+    assert warnings and warnings[0]["type"] == "Warning", "no Warning Event tells the user"
+    assert "vllm-omni 0.30.0" in warnings[0]["message"], warnings[0]["message"]
+
+    # Held, not torn down: several resync periods later nothing was joined, deleted or re-created.
+    before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in engine_pods(kubectl, namespace)}
+    deadline = time.monotonic() + 12
+    while time.monotonic() < deadline:
+        assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in engine_pods(kubectl, namespace)} == before
+        assert all(m.get("pod") is None for m in remote_members(head.listing() or {}))
+        time.sleep(2)
+
+    kubectl("patch", "omnistage", NAME, "-n", namespace, "--type=json",
+            "-p", json.dumps([{"op": "remove", "path": "/spec/engine/env"}]))
+    obj = wait_ready(kubectl, wait_for, namespace, 2)
+    cache = condition(obj, "CacheConsistent")
+    assert cache["status"] == "True" and cache["reason"] == "Consistent", cache
+    assert obj["status"]["engine"]["frontendCacheClass"] == "MultiModalProcessorOnlyCache"
+    assert all(m["state"] == "Joined" for m in obj["status"]["members"])

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from omnistage_engine_patches import contract
+
 from .runtime import is_loopback
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +38,7 @@ L_OMNISTAGE = f"{GROUP}/omnistage"
 L_COMPONENT = f"{GROUP}/component"
 L_ROLE = f"{GROUP}/role"
 A_HEAD_UID = f"{GROUP}/head-uid"
-MEMBERSHIP_PATH = "/omnistage/v1/membership"
+MEMBERSHIP_PATH = contract.MEMBERSHIP_PATH
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
 
@@ -181,6 +183,17 @@ class HeadEndpoint:
         else:
             with port_forward(self.kubectl, self.namespace, f"pod/{self.name}-head", self.http_port) as port:
                 yield f"http://127.0.0.1:{port}" if port else None
+
+    def report(self) -> dict[str, Any] | None:
+        """GET the engine report (contract.ENGINE_PATH), or None when the head does not answer."""
+        with self._base() as base:
+            if base is None:
+                return None
+            try:
+                body = http_get(base + contract.ENGINE_PATH, token=self.token(), timeout=5)
+            except Exception:  # noqa: BLE001 -- not up yet: "no answer"
+                return None
+        return json.loads(body) if body else None
 
     def listing(self, include_all: bool = False) -> dict[str, Any] | None:
         """GET /omnistage/v1/membership, or None when the head does not answer (yet).
