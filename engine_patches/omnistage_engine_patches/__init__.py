@@ -8,6 +8,7 @@ vLLM's plugin loader. The head reports the outcomes at `contract.ENGINE_PATH`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 
@@ -18,12 +19,10 @@ def apply() -> None:
         from . import patches
 
         patches.apply_all()
-    except Exception:  # noqa: BLE001 - a broken plugin must not stop vLLM; the report shows it
+    except Exception:
         logging.getLogger("omnistage_engine_patches").exception("engine patches failed to load")
-        try:
+        with contextlib.suppress(Exception):  # record what we can: the report shows it as skipped
             from . import _patching, contract
 
             for name in contract.PATCHES:
                 _patching.apply_patch(name, lambda: "the plugin failed to load (see the head's log)")
-        except Exception:  # noqa: BLE001
-            pass

@@ -22,10 +22,21 @@ SHORT_NAMES = ["ost"]
 # Quantity strings as Kubernetes writes them (e.g. 16Gi, 512Mi, 1G).
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|K|M|G|T|P)?$"
 
-# Flags the operator owns on the engine command line; a user setting them would break membership.
+# Flags the operator owns on the engine command line (vllm 0.30.0 / vllm-omni 0.30.0 spellings,
+# short aliases included); validation.py refuses them in spec.engine.extraArgs in every form
+# vLLM's parser accepts.
 OPERATOR_OWNED_FLAGS = [
-    "--omni-master-address", "--omni-master-port", "--stage-id", "--headless", "--deploy-config",
-    "--omni-replica-address", "--omni-dp-size-local", "--port", "--api-server-count",
+    # Membership and topology: a user value would break registration or routing.
+    "--omni", "--omni-master-address", "-oma", "--omni-master-port", "-omp", "--stage-id", "--headless",
+    "--omni-replica-address", "-ora", "--omni-dp-size-local", "--port",
+    # More than one API process makes vLLM pick its own frontend cache (processor_only).
+    "--api-server-count", "-asc",
+    # The stage-0 multimodal cache: the operator renders it from spec.cache (the CLI beats the config).
+    "--mm-processor-cache-type", "--mm-processor-cache-gb",
+    # The rendered per-stage config and anything that swaps or overrides it.
+    "--deploy-config", "--stage-overrides",
+    # A YAML file of arguments the operator never sees (it could carry any flag above).
+    "--config",
 ]
 
 
@@ -117,14 +128,20 @@ class EngineSpec(_Model):
     )
     extra_args: list[str] = Field(
         default_factory=list, max_length=64,
-        description="Extra arguments for `vllm serve` on head and replicas. Flags the operator sets are refused.",
+        description=(
+            "Extra arguments for `vllm serve` on head and replicas. Flags the operator sets (membership, ports, "
+            "the multimodal cache, the stage config) are refused in every spelling vLLM accepts."
+        ),
     )
-    env: list[EnvVar] = Field(default_factory=list, max_length=128, description="Extra environment variables for the engine.")
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=128,
+        description="Extra environment variables for the engine. VLLM_PLUGINS and OMNISTAGE_* belong to the operator.",
+    )
     stage_overrides: dict[str, Any] = Field(
         default_factory=dict,
         description=(
             "Extra keys merged into stage 0 of the rendered vllm-omni deploy config (e.g. max_num_batched_tokens). "
-            "Cache and replica keys are owned by the operator."
+            "Cache and replica keys and the operator's environment variables are refused at any depth."
         ),
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )

@@ -189,6 +189,26 @@ INVALID = [
      ["spec.engine.masterPort", "must differ"]),
     ("operator-owned-flag", {"engine": {"extraArgs": ["--omni-master-address=127.0.0.9"]}},
      ["spec.engine.extraArgs", "must not set flags the operator manages"]),
+    # The frontend cache, the rendered stage config and the engine plugin are the operator's too.
+    ("cache-type-flag", {"engine": {"extraArgs": ["--trust-remote-code", "--mm-processor-cache-type=shm"]}},
+     ["spec.engine.extraArgs", "must not set flags the operator manages"]),
+    ("cache-size-flag-separate-value", {"engine": {"extraArgs": ["--mm-processor-cache-gb", "0"]}},
+     ["spec.engine.extraArgs", "must not set flags the operator manages"]),
+    ("cache-type-flag-underscores", {"engine": {"extraArgs": ["--mm_processor_cache_type=lru"]}},
+     ["spec.engine.extraArgs", "must not set flags the operator manages"]),
+    ("stage-overrides-flag-dotted", {"engine": {"extraArgs": ["--stage-overrides.0.num_replicas=3"]}},
+     ["spec.engine.extraArgs", "must not set flags the operator manages"]),
+    ("config-file-flag", {"engine": {"extraArgs": ["--config", "/models/args.yaml"]}},
+     ["spec.engine.extraArgs", "must not set flags the operator manages"]),
+    ("api-server-count-alias", {"engine": {"extraArgs": ["-asc=2"]}},
+     ["spec.engine.extraArgs", "must not set flags the operator manages"]),
+    ("vllm-plugins-env", {"engine": {"env": [{"name": "VLLM_PLUGINS", "value": "vllm_omni_register_models"}]}},
+     ["spec.engine.env", "must not set variables the operator manages"]),
+    ("patch-switch-env", {"engine": {"env": [{"name": "HF_TOKEN", "value": "t"},
+                                             {"name": "OMNISTAGE_DISABLE_PATCHES", "value": "all"}]}},
+     ["spec.engine.env", "must not set variables the operator manages"]),
+    ("frontend-cache-env", {"engine": {"env": [{"name": "OMNISTAGE_FRONTEND_CACHE", "value": "lru"}]}},
+     ["spec.engine.env", "must not set variables the operator manages"]),
     ("model-volume-two-sources",
      {"modelVolume": {"pvc": {"claimName": "weights"}, "hostPath": {"path": "/models"}}},
      ["spec.modelVolume", "exactly one of pvc or hostPath"]),
@@ -216,6 +236,31 @@ def test_every_cel_rule_has_a_rejection_case(omnistage_crd):
     covered = {text for case in INVALID for text in case[2]}
     for rule in spec["x-kubernetes-validations"]:
         assert f"spec{rule['fieldPath']}" in covered, f"no INVALID case for the CEL rule {rule['rule']!r}"
+
+
+# What the API server lets through: near misses that change neither the cache nor the plugin, and
+# the spellings only the operator refuses (nested stageOverrides keys, abbreviated flags), which it
+# answers with Ready=False reason InvalidSpec (tests/unit/test_validation.py, test_operator.py).
+ACCEPTED = [
+    ("mm-processor-kwargs", {"engine": {"extraArgs": ['--mm-processor-kwargs={"max_pixels": 1003520}',
+                                                      "--mm-processor-kwargs.fps=2"]}}),
+    ("flags-that-start-alike", {"engine": {"extraArgs": ["--omni-lb-policy=round-robin", "--config-format=hf",
+                                                         "--portfolio"]}}),
+    ("hf-token-and-standin-knob", {"engine": {"env": [{"name": "HF_TOKEN", "value": "t"},
+                                                      {"name": "OMNISTAGE_STANDIN_FRONTEND_CACHE", "value": "lru"}]}}),
+    ("batched-tokens", {"engine": {"stageOverrides": {"max_num_batched_tokens": 8192}}}),
+    ("operator-only-nested-key", {"engine": {"stageOverrides": {"runtime": {"num_replicas": 3}}}}),
+    ("operator-only-abbreviation", {"engine": {"extraArgs": ["--mm-processor-cache-t=shm"]}}),
+]
+
+
+@pytest.mark.parametrize("change", [c[1] for c in ACCEPTED], ids=[c[0] for c in ACCEPTED])
+def test_api_server_accepts(omnistage_crd, kubectl, namespace, change):
+    obj = _sample()
+    obj["spec"] = _merge(obj["spec"], change)
+    obj["metadata"] = {"name": "accepted"}
+    out = kubectl("create", "--dry-run=server", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj), check=False)
+    assert out.returncode == 0, out.stderr
 
 
 def test_name_too_long_is_rejected(omnistage_crd, kubectl, namespace):

@@ -23,13 +23,12 @@ pytest.importorskip(
 )
 
 import yaml
-from omnistage_engine_patches import _patching, contract, report
-from vllm.multimodal.registry import MultiModalRegistry
-
 from omnistage import engine_truth
 from omnistage.render import target_from
 from omnistage.render.config import CONFIG_KEY, render_configmap
 from omnistage.render.pods import render_head_pod
+from omnistage_engine_patches import _patching, contract, report
+from vllm.multimodal.registry import MultiModalRegistry
 
 
 def rendered(spec: dict) -> tuple[object, dict, dict[str, str]]:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import copy
 
 import pytest
-from omnistage_engine_patches import contract
-
 from omnistage import engine_truth
 from omnistage.conditions import R_CACHE_MISMATCH, R_CONSISTENT, R_ENGINE_UNREPORTED, R_PATCH_NOT_APPLIED
+from omnistage_engine_patches import contract
 
 ALL_APPLIED = {name: {"outcome": contract.APPLIED, "reason": "applied"} for name in contract.PATCHES}
 
