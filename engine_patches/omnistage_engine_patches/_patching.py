@@ -57,7 +57,7 @@ def disabled(name: str) -> bool:
 def _run(install: Callable[[], str | None]) -> tuple[str, str]:
     try:
         reason = install()
-    except Exception as err:  # noqa: BLE001 - a patch must never take vLLM down with it
+    except Exception as err:  # a patch must never take vLLM down with it
         logger.debug("install raised", exc_info=True)
         return contract.SKIPPED, f"install failed ({type(err).__name__}: {err})"
     if reason is None:

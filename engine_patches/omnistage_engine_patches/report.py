@@ -53,7 +53,7 @@ def frontend_cache(engine_client: Any) -> contract.FrontendCacheReport | None:
         return None
     try:
         cache = renderer.mm_processor_cache  # vLLM: mm_processor.cache, None for text-only models
-    except Exception:  # noqa: BLE001 - a renderer of another shape: say unknown, do not fail
+    except Exception:  # a renderer of another shape: say unknown, do not fail
         logger.debug("reading the frontend cache failed", exc_info=True)
         return {"cacheClass": None, "mode": "unknown", "requested": requested_mode()}
     name = type(cache).__name__ if cache is not None else None
@@ -70,7 +70,7 @@ def build(engine_client: Any) -> contract.EngineReport:
     try:
         frontend = frontend_cache(engine_client) if engine_client is not None else None
         distributed = _distributed(engine_client) if engine_client is not None else None
-    except Exception:  # noqa: BLE001 - never fail the answer
+    except Exception:  # never fail the answer
         logger.exception("engine report: reading the engine failed")
         frontend, distributed = None, None
     return {
