@@ -7,28 +7,44 @@ when ``VLLM_PLUGINS`` names it (``omnistage_membership``; keep ``vllm_omni_regis
 routers. vllm-omni builds its app with that same ``build_app`` but never calls ``init_state``,
 so the handlers find the engine at ``request.app.state.engine_client`` (set by
 ``omni_init_app_state``) and fall back to what ``init_state`` stored when upstream calls it.
+The operations themselves are :mod:`.membership_ops`; the names that cross the wire are
+:mod:`.contract`'s.
 
-Authentication: ``Authorization: Bearer <token>``. The token is read from the file named by
-``OMNISTAGE_MEMBERSHIP_TOKEN_FILE`` (a mounted Secret; re-read when it changes, so a rotated
-Secret takes effect without a restart) or else from ``OMNISTAGE_MEMBERSHIP_TOKEN``. With neither
-set every call is refused (503 ``TokenNotConfigured``): the endpoint never runs open.
+Authentication: ``Authorization: Bearer <token>``, checked before anything else (the body is not
+read before). The token is read from the file named by ``OMNISTAGE_MEMBERSHIP_TOKEN_FILE`` (a
+mounted Secret; re-read when it changes, so a rotated Secret takes effect without a restart) or
+else from ``OMNISTAGE_MEMBERSHIP_TOKEN``. With neither set every call is refused (503
+``TokenNotConfigured``): the endpoint never runs open.
 
-Routes (all JSON; every response, errors included, carries the head's ``bootId``)::
+Routes (all JSON)::
 
-  GET  /omnistage/v1/membership[?all=true]
+  GET  /omnistage/v1/engine
+       200 EngineReport (``contract.EngineReport``): {"bootId", "pluginVersion", "vllmVersion",
+           "vllmOmniVersion", "distributed", "frontendCache", "patches"}
+       Answers on any head, distributed or not, also before the engine is ready (fields it
+       cannot know yet are null) and with the membership patch off.
+
+  GET  /omnistage/v1/membership[?all=true[&limit=500][&after=<stage>:<replicaId>]]
        200 {"bootId": str, "epoch": int, "distributed": true, "metricsEnabled": bool,
-            "stages": {"0": [Replica, ...], ...}}
-       Lists head-local replicas and those registered/attached/draining; ``all=true`` adds
-       pending slots and replicas that left or were dropped by the head.
+            "stages": {"0": [Replica, ...], ...}, "next": str | null}
+       Lists head-local replicas and those registered/attached/draining (``next`` is null).
+       ``all=true`` lists every route the head ever allocated, pending slots and replicas that
+       left or were dropped included, in (stage, replicaId) order, one page at a time: at most
+       ``limit`` entries (default 500, at most 1000) after the cursor ``after``; ``next`` is the
+       cursor of the following page, null on the last one.
+       422 InvalidQuery (bad ``limit`` or ``after``)
 
   POST /omnistage/v1/membership/join
        body {"stage": 0, "pod": "<pod name>", "ip": "<pod IP>", "waitSeconds": 5 (optional, <= 60)}
        200 {"bootId", "epoch", ...Replica, "replicaIds": [int]}  (the id the head assigned to the
-           replica that registered from ``ip``; newest attached one; its metric series exist now)
+           replica that registered from ``ip``; newest attached one; its metric series exist
+           now, and it is routable: a hold, see ``held``, ends here)
        404 ReplicaNotRegistered  nothing registered from that IP yet (retry)
        409 ReplicaNotAttached    registered, head-side attach not finished (retry)
        409 ReplicaDetached       the head dropped it (DOWN/heartbeat timeout): restart the pod
        409 ReplicaOwnedByOtherPod that replica was joined under another pod name
+       409 FrontendCacheUnsafe   the head's stage-0 frontend runs a sender cache: a replica
+                                 routed through it may miss tensors; nothing is joined
        Idempotent: joining again returns the same replica id.
 
   POST /omnistage/v1/membership/leave
@@ -40,24 +56,30 @@ Routes (all JSON; every response, errors included, carries the head's ``bootId``
        Stops routing new requests to the replica, waits up to ``drainTimeoutSeconds`` for its
        in-flight requests, detaches it (upstream ``MembershipController.handle_unregister``),
        removes its metric series. Idempotent: leaving a replica that already left answers 200
-       with the recorded result and ``alreadyLeft: true``. If the detach fails, routing to the
+       with the recorded result and ``alreadyLeft: true`` (for all but the newest 4096 leaves
+       only its identity, with ``recordExpired: true``). If the detach fails, routing to the
        replica is restored and the answer is 500 ``DetachFailed``.
        404 UnknownReplica / UnknownStage, 409 HeadLocalReplica, 409 PodMismatch
 
   Replica = {"stage", "replicaId", "host", "pod", "local", "state", "registered", "attached",
-             "coordinatorStatus": "up"|"absent", "queueLength", "inFlight", "draining",
+             "held", "coordinatorStatus": "up"|"absent", "queueLength", "inFlight", "draining",
              "metricsRegistered"}
   state: pending | registered | attached | draining | detached | left
+  held: attached but unroutable until joined (only on a head started with
+        OMNISTAGE_ROUTE_JOINED_ONLY=1, for replicas that registered after startup)
 
-  Errors: {"error": <code>, "message": str, "bootId": str, ...details}; 401 Unauthorized (bad or
-  missing token), 400 BadRequest (not a JSON object), 422 InvalidBody (field errors in
-  ``fields``), 409 NotDistributed, 503 EngineNotReady / MembershipPatchDisabled /
-  TokenNotConfigured.
+  Errors: {"error": <code>, "message": str, "bootId": str, ...details}; 400 BadRequest (not a
+  JSON object, not UTF-8, nested deeper than 8 levels), 413 BodyTooLarge (over 16 KiB), 422
+  InvalidBody (field errors in ``fields``), 409 NotDistributed, 503 EngineNotReady / EngineBusy
+  / MembershipPatchDisabled / TokenNotConfigured. Two answers reveal nothing about the head:
+  401 Unauthorized (bad or missing token) and 500 (``InternalError``: "internal error, see the
+  head's log"; ``DetachFailed``) carry no ``bootId`` and no exception text (the head logs it).
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import os
 from argparse import Namespace
@@ -67,14 +89,16 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .membership import BOOT_ID, Head, MembershipError
+from . import contract, report
+from .membership_ops import DEFAULT_PAGE, MAX_PAGE, LiveHead, MembershipError
 
 logger = logging.getLogger("omnistage_engine_patches.membership_api")
 
-PLUGIN_NAME = "omnistage_membership"
-BASE_PATH = "/omnistage/v1/membership"
-TOKEN_FILE_ENV = "OMNISTAGE_MEMBERSHIP_TOKEN_FILE"
-TOKEN_ENV = "OMNISTAGE_MEMBERSHIP_TOKEN"
+MAX_JSON_DEPTH = 8  # join/leave bodies are flat objects
+INTERNAL_ERROR = "InternalError"
+#: Answers that carry no bootId: a caller without the token learns nothing about the head, and a
+#: 500 says only that something failed (the head's log has the rest).
+_OPAQUE_STATUSES = frozenset({401, 500})
 
 
 # ---- token ------------------------------------------------------------------------------------
@@ -83,24 +107,26 @@ _token_cache: dict[str, Any] = {"key": None, "token": None}
 
 
 def _expected_token() -> str | None:
-    path = os.environ.get(TOKEN_FILE_ENV)
+    path = os.environ.get(contract.TOKEN_FILE_ENV)
     if path:
         try:
             st = os.stat(path)
         except OSError as err:
-            raise MembershipError(503, "TokenNotConfigured", f"{TOKEN_FILE_ENV}={path} is unreadable: {err}") from err
+            raise MembershipError(503, "TokenNotConfigured",
+                                  f"{contract.TOKEN_FILE_ENV}={path} is unreadable: {err}") from err
         key = (path, st.st_mtime_ns, st.st_size, st.st_ino)
         if _token_cache["key"] != key:
             with open(path, encoding="utf-8") as f:
                 _token_cache.update(key=key, token=f.read().strip())
         return _token_cache["token"] or None
-    return (os.environ.get(TOKEN_ENV) or "").strip() or None
+    return (os.environ.get(contract.TOKEN_ENV) or "").strip() or None
 
 
 def _authorize(request: Request) -> None:
     expected = _expected_token()
     if not expected:
-        raise MembershipError(503, "TokenNotConfigured", f"set {TOKEN_FILE_ENV} or {TOKEN_ENV} on the head")
+        raise MembershipError(503, "TokenNotConfigured", f"set {contract.TOKEN_FILE_ENV} or {contract.TOKEN_ENV} "
+                              "on the head")
     scheme, _, presented = (request.headers.get("authorization") or "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), expected.encode()):
         raise MembershipError(401, "Unauthorized", "missing or wrong bearer token")
@@ -134,15 +160,56 @@ class LeaveBody(_Body):
         return self
 
 
+def _too_large() -> MembershipError:
+    return MembershipError(413, "BodyTooLarge", f"the body exceeds {contract.MAX_BODY_BYTES} bytes")
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, read at most ``contract.MAX_BODY_BYTES`` into memory whatever the client
+    declares (a chunked body has no length to check up front)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > contract.MAX_BODY_BYTES:
+                raise _too_large()
+        except ValueError as err:
+            raise MembershipError(400, "BadRequest", "invalid Content-Length") from err
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > contract.MAX_BODY_BYTES:
+            raise _too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON, iteratively (a recursive walk is what the limit prevents)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if deepest > MAX_JSON_DEPTH:
+                return deepest
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 async def _parse(request: Request, model: type[_Body]) -> Any:
+    raw = await _read_body(request)
     try:
-        raw = await request.json()
-    except ValueError as err:
-        raise MembershipError(400, "BadRequest", f"body is not JSON: {err}") from err
-    if not isinstance(raw, dict):
+        value = json.loads(raw)
+    except RecursionError as err:  # deep nesting exhausts the C parser's recursion limit
+        raise MembershipError(400, "BadRequest", f"body is nested deeper than {MAX_JSON_DEPTH} levels") from err
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
+        raise MembershipError(400, "BadRequest", f"body is not UTF-8 JSON: {err}") from err
+    if not isinstance(value, dict):
         raise MembershipError(400, "BadRequest", "body must be a JSON object")
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise MembershipError(400, "BadRequest", f"body is nested deeper than {MAX_JSON_DEPTH} levels")
     try:
-        return model.model_validate(raw)
+        return model.model_validate(value)
     except ValidationError as err:
         fields = [
             {"field": ".".join(str(p) for p in e["loc"]) or "body", "message": e["msg"]}
@@ -152,22 +219,45 @@ async def _parse(request: Request, model: type[_Body]) -> Any:
                               fields=fields) from err
 
 
+def _page_query(request: Request) -> tuple[bool, int, str | None]:
+    """``all``, ``limit`` and the ``after`` cursor (its format is membership_ops' to check)."""
+    params = request.query_params
+    include_all = (params.get("all") or "").lower() in ("1", "true", "yes")
+    limit = DEFAULT_PAGE
+    if params.get("limit") is not None:
+        try:
+            limit = int(params["limit"])
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= MAX_PAGE:
+            message = f"limit must be an integer from 1 to {MAX_PAGE}"
+            raise MembershipError(422, "InvalidQuery", message, fields=[{"field": "limit", "message": message}])
+    return include_all, limit, params.get("after") or None
+
+
 # ---- routes -----------------------------------------------------------------------------------
 
 router = APIRouter()
 
 
-def _engine_client(request: Request) -> Any:
+def _engine_client_or_none(request: Request) -> Any | None:
     state = request.app.state
-    client = getattr(state, "engine_client", None) or getattr(state, "omnistage_engine_client", None)
+    return getattr(state, "engine_client", None) or getattr(state, "omnistage_engine_client", None)
+
+
+def _engine_client(request: Request) -> Any:
+    client = _engine_client_or_none(request)
     if client is None:
         raise MembershipError(503, "EngineNotReady", "no engine client on this server yet")
     return client
 
 
 def _error(err: MembershipError) -> JSONResponse:
+    body = err.body()
+    if err.status not in _OPAQUE_STATUSES:
+        body["bootId"] = report.BOOT_ID
     headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    return JSONResponse(body, status_code=err.status, headers=headers)
 
 
 async def _handle(request: Request, op) -> JSONResponse:
@@ -178,36 +268,44 @@ async def _handle(request: Request, op) -> JSONResponse:
         if err.status >= 500:
             logger.warning("membership %s %s: %s %s", request.method, request.url.path, err.code, err.message)
         return _error(err)
-    except Exception as err:  # an answer, never a bare 500 page
+    except Exception:  # an answer, never a bare 500 page; the details go to the log only
         logger.exception("membership %s %s failed", request.method, request.url.path)
-        return _error(MembershipError(500, "InternalError", f"{type(err).__name__}: {err}"))
+        return _error(MembershipError(500, INTERNAL_ERROR, "internal error, see the head's log"))
 
 
-@router.get(BASE_PATH)
-async def list_membership(request: Request) -> JSONResponse:
-    include_all = (request.query_params.get("all") or "").lower() in ("1", "true", "yes")
-
+@router.get(contract.ENGINE_PATH)
+async def engine_report(request: Request) -> JSONResponse:
     async def op():
-        return await Head.locate(_engine_client(request)).snapshot(include_all=include_all)
+        return report.build(_engine_client_or_none(request))  # never raises, engine or not
 
     return await _handle(request, op)
 
 
-@router.post(BASE_PATH + "/join")
+@router.get(contract.MEMBERSHIP_PATH)
+async def list_membership(request: Request) -> JSONResponse:
+    async def op():
+        include_all, limit, after = _page_query(request)
+        head = LiveHead.locate(_engine_client(request))
+        return await head.snapshot(include_all=include_all, limit=limit, after=after)
+
+    return await _handle(request, op)
+
+
+@router.post(contract.JOIN_PATH)
 async def join(request: Request) -> JSONResponse:
     async def op():
         body = await _parse(request, JoinBody)
-        head = Head.locate(_engine_client(request))
+        head = LiveHead.locate(_engine_client(request))
         return await head.join(body.stage, body.pod, body.ip, body.wait_seconds)
 
     return await _handle(request, op)
 
 
-@router.post(BASE_PATH + "/leave")
+@router.post(contract.LEAVE_PATH)
 async def leave(request: Request) -> JSONResponse:
     async def op():
         body = await _parse(request, LeaveBody)
-        head = Head.locate(_engine_client(request))
+        head = LiveHead.locate(_engine_client(request))
         return await head.leave(body.stage, replica_id=body.replica_id, pod=body.pod or None, ip=body.ip or None,
                                 drain_timeout=body.drain_timeout_seconds)
 
@@ -220,12 +318,13 @@ async def leave(request: Request) -> JSONResponse:
 class MembershipEndpointPlugin:
     """``vllm.plugins.endpoint_plugins.interface.EndpointPlugin`` for the membership routes."""
 
-    name = PLUGIN_NAME
+    name = contract.ENDPOINT_PLUGIN
     required_tasks = None  # membership is independent of the served task
 
     def attach_router(self, app: FastAPI) -> None:
         app.include_router(router)
-        logger.info("membership endpoint at %s (head boot id %s)", BASE_PATH, BOOT_ID)
+        logger.info("membership endpoint at %s and %s (head boot id %s)", contract.MEMBERSHIP_PATH,
+                    contract.ENGINE_PATH, report.BOOT_ID)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         # Only upstream vLLM calls this; vllm-omni sets state.engine_client itself.

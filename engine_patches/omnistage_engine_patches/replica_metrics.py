@@ -43,12 +43,13 @@ import logging
 import weakref
 from typing import Any
 
-from ._patching import PATCHED_ATTR, Outcome, apply_patch, mark, outcomes
+from . import contract
+from ._patching import Outcome, UpstreamFixed, apply_patch, is_ours, mark, outcomes
 
 logger = logging.getLogger("omnistage_engine_patches.replica_metrics")
 
-REPLICA_METRICS = "replica_metrics"
-MM_CACHE_METRICS = "mm_cache_metrics"
+REPLICA_METRICS = contract.REPLICA_METRICS
+MM_CACHE_METRICS = contract.MM_CACHE_METRICS
 
 # Engine index that swallows a stats batch (see ``_process_llm_stage_outputs`` below). Real
 # indices are >= 0.
@@ -71,7 +72,7 @@ def enabled() -> bool:
     return bool(outcome and outcome.applied)
 
 
-def _attached(pool: Any, replica_id: int) -> bool:
+def attached(pool: Any, replica_id: int) -> bool:
     clients = getattr(pool, "clients", None) or []
     return 0 <= replica_id < len(clients) and clients[replica_id] is not None
 
@@ -233,17 +234,6 @@ def _params(fn: Any) -> list[str]:
     return list(inspect.signature(fn).parameters)
 
 
-def wrapped_by(fn: Any, name: str) -> bool:
-    """True when one of the wrappers around ``fn`` (``__wrapped__`` chain) is patch ``name``'s."""
-    for _ in range(32):  # bounded: a wrapper chain is a few levels deep
-        if fn is None:
-            return False
-        if getattr(fn, "__dict__", {}).get(PATCHED_ATTR) == name:
-            return True
-        fn = getattr(fn, "__wrapped__", None)
-    return False
-
-
 def _install_replica_metrics() -> str | None:
     from vllm_omni.engine.membership_controller import MembershipController
     from vllm_omni.engine.orchestrator import OrchestratorBase
@@ -251,7 +241,7 @@ def _install_replica_metrics() -> str | None:
 
     for name in ("unregister_replica", "deregister_replica", "remove_replica"):
         if hasattr(OmniPrometheusStatLogger, name):
-            return f"upstream OmniPrometheusStatLogger.{name} exists: series removal is already upstream"
+            return UpstreamFixed(f"upstream OmniPrometheusStatLogger.{name} exists: series removal is already upstream")
 
     targets = {
         "OrchestratorBase._init_metrics_state": getattr(OrchestratorBase, "_init_metrics_state", None),
@@ -286,7 +276,7 @@ def _install_replica_metrics() -> str | None:
         return "target changed shape: OmniPrometheusStatLogger.register_replica(self, engine_idx, stage, replica)"
     if not isinstance(getattr(OmniPrometheusStatLogger, "stage_replica_map", None), property):
         return "target changed shape: OmniPrometheusStatLogger.stage_replica_map"
-    if any(wrapped_by(fn, REPLICA_METRICS) for fn in targets.values()):
+    if any(is_ours(fn, REPLICA_METRICS) for fn in targets.values()):
         return None  # our own wrappers are already in place (applied earlier in this process)
 
     orig_init = OrchestratorBase._init_metrics_state
@@ -314,7 +304,7 @@ def _install_replica_metrics() -> str | None:
         if self._stat_logger is not None:
             key = (stage_id, replica_id)
             if key not in self._stage_replica_to_engine_idx:
-                if _attached(self.stage_pools[stage_id], replica_id):
+                if attached(self.stage_pools[stage_id], replica_id):
                     # Register with our allocator so upstream's len()-based one never runs.
                     register_replica_series(self, stage_id, replica_id)
                 else:
@@ -418,7 +408,7 @@ def _install_mm_cache_metrics() -> str | None:
     except (OSError, TypeError):
         source = ""
     if "stat_mm_cache" in source or "mm_cache_stats=" in source:
-        return "upstream orchestrator already records the frontend multimodal cache stats"
+        return UpstreamFixed("upstream orchestrator already records the frontend multimodal cache stats")
     targets = {
         "OmniEngineBase._bootstrap_orchestrator": getattr(OmniEngineBase, "_bootstrap_orchestrator", None),
         "OrchestratorBase._init_metrics_state": getattr(OrchestratorBase, "_init_metrics_state", None),
@@ -437,7 +427,7 @@ def _install_mm_cache_metrics() -> str | None:
 
     if not callable(getattr(BaseRenderer, "stat_mm_cache", None)):
         return "target changed shape: vllm BaseRenderer.stat_mm_cache is missing"
-    if any(wrapped_by(fn, MM_CACHE_METRICS) for fn in targets.values()):
+    if any(is_ours(fn, MM_CACHE_METRICS) for fn in targets.values()):
         return None  # our own wrappers are already in place
 
     orig_bootstrap = OmniEngineBase._bootstrap_orchestrator

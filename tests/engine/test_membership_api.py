@@ -16,11 +16,15 @@ flight are made the way the orchestrator makes them: ``StagePool.pick`` binds a 
 replica, ``release_binding`` ends it. See ``tests/standin/__init__.py``.
 
 With ``OMNISTAGE_DISABLE_PATCHES=membership`` every test here fails (503
-``MembershipPatchDisabled``): the endpoint depends on the patch's hooks.
+``MembershipPatchDisabled``, or the gate's and the listing's symptoms) except those whose
+docstring starts "Guard:": they pin behaviour that holds either way (the engine report, body
+limits checked before the engine is looked up, the listing code on fake head objects).
 """
 
 from __future__ import annotations
 
+import asyncio
+import http.client
 import itertools
 import json
 import os
@@ -31,15 +35,19 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run hack/setup.sh)")
 
-from omnistage_engine_patches import membership
-from omnistage_engine_patches.membership_api import BASE_PATH, PLUGIN_NAME
+from omnistage_engine_patches import contract, membership_hooks, report
+from omnistage_engine_patches.contract import ENDPOINT_PLUGIN as PLUGIN_NAME
+from omnistage_engine_patches.contract import MEMBERSHIP_PATH as BASE_PATH
+from omnistage_engine_patches.membership_ops import LiveHead
 
 from tests.standin.engine import (
     HttpServerThread,
@@ -126,11 +134,35 @@ def token_file(tmp_path, monkeypatch) -> Path:
     return path
 
 
+def _allow_endpoint_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's build_app mounts our endpoint only when VLLM_PLUGINS names it."""
+    listed = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
+    monkeypatch.setenv("VLLM_PLUGINS", ",".join(dict.fromkeys([*listed, PLUGIN_NAME])))
+
+
+@pytest.fixture
+def http_app(token_file, monkeypatch):
+    """Factory: ``http_app(engine_client) -> api``: vLLM's app with our endpoint for any engine
+    client (None: the server has no engine yet), served on a loopback address."""
+    _allow_endpoint_plugin(monkeypatch)
+    servers: list[HttpServerThread] = []
+
+    def make(engine_client: Any) -> Api:
+        ip = _ip()
+        server = HttpServerThread(build_http_app(engine_client, ip, 0), ip, free_port(ip))
+        server.__enter__()
+        servers.append(server)
+        return Api(server.url)
+
+    yield make
+    for server in reversed(servers):
+        server.__exit__(None, None, None)
+
+
 @pytest.fixture
 def head(text_config, token_file, monkeypatch):
     """Factory: ``head(**standin_options) -> (engine, api)``: a stand-in head with its HTTP app."""
-    listed = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
-    monkeypatch.setenv("VLLM_PLUGINS", ",".join(dict.fromkeys([*listed, PLUGIN_NAME])))
+    _allow_endpoint_plugin(monkeypatch)
     stack: list[Any] = []
 
     def make(**options: Any) -> tuple[Any, Api]:
@@ -193,22 +225,24 @@ def fresh_picks(engine: Any, n: int) -> list[int]:
 def test_listing_shape(head):
     engine, api = head()
     body = api.list()
-    assert body["bootId"] == membership.BOOT_ID and len(body["bootId"]) == 32
+    assert body["bootId"] == report.BOOT_ID and len(body["bootId"]) == 32
     assert isinstance(body["epoch"], int) and body["distributed"] is True and body["metricsEnabled"] is True
+    assert body["next"] is None
     (local,) = body["stages"]["0"]
     assert local == {
         "stage": 0, "replicaId": 0, "host": engine._omni_master_address, "pod": None, "local": True,
-        "state": "attached", "registered": True, "attached": True, "coordinatorStatus": "up", "queueLength": 0,
-        "inFlight": 0, "draining": False, "metricsRegistered": True,
+        "state": "attached", "registered": True, "attached": True, "held": False, "coordinatorStatus": "up",
+        "queueLength": 0, "inFlight": 0, "draining": False, "metricsRegistered": True,
     }
-    # The same head answers with the same boot id, errors included.
-    assert api.call("GET", BASE_PATH, token="wrong")[1]["bootId"] == body["bootId"]
+    # The same head answers with the same boot id, errors included (but 401, see below).
+    assert api.call("POST", BASE_PATH + "/leave", {"stage": 0, "replicaId": 99})[1]["bootId"] == body["bootId"]
 
 
 def test_authentication(head, token_file, monkeypatch):
     _, api = head()
     status, body = api.call("GET", BASE_PATH, token=None)
-    assert (status, body["error"]) == (401, "Unauthorized") and body["bootId"] == membership.BOOT_ID
+    # A caller without the token learns nothing about the head: not even its boot id.
+    assert (status, body) == (401, {"error": "Unauthorized", "message": "missing or wrong bearer token"})
     assert api.last_headers.get("www-authenticate") == "Bearer"
     assert api.call("GET", BASE_PATH, token="wrong")[0] == 401
     assert api.call("GET", BASE_PATH, token=None, headers={"Authorization": f"Basic {TOKEN}"})[0] == 401
@@ -357,7 +391,7 @@ def test_leave_is_idempotent_and_rejects_bad_calls(head):
         for body, want_status, want_error in cases:
             status, answer = api.leave(**body)
             assert (status, answer["error"]) == (want_status, want_error), (body, answer)
-            assert answer["bootId"] == membership.BOOT_ID and answer["message"]
+            assert answer["bootId"] == report.BOOT_ID and answer["message"]
         status, answer = api.call("POST", BASE_PATH + "/leave", raw=b"{not json")
         assert (status, answer["error"]) == (400, "BadRequest")
         status, answer = api.call("POST", BASE_PATH + "/leave", [0, 1])
@@ -382,6 +416,8 @@ def test_failed_detach_restores_routing(head):
             mp.setattr(controller, "handle_unregister", broken)
             status, body = api.leave(replicaId=rid, drainTimeoutSeconds=0)
             assert (status, body["error"]) == (500, "DetachFailed") and "routing restored" in body["message"]
+            # A 500 reveals nothing: no exception text (it is in the head's log), no boot id.
+            assert "injected" not in json.dumps(body) and "bootId" not in body
             member = api.members()[rid]
             assert (member["attached"], member["draining"], member["state"]) == (True, False, "attached")
             assert rid in fresh_picks(engine, 4), "routed to again"
@@ -443,6 +479,282 @@ def test_distributed_head_shutdown_completes(text_config):
     assert runtime._omni_master_server is None and runtime._coordinator_runtime is None
     assert not coordinator._proc.is_alive()
     replica.down()
+
+
+# ---- hardening -----------------------------------------------------------------------------
+
+
+def _raw_post(url: str, path: str, body_chunks: list[bytes], *, token: str | None = TOKEN,
+              length: int | None = None) -> tuple[int, dict[str, Any]]:
+    """POST with http.client: a declared Content-Length, or (length None) chunked transfer
+    encoding, which declares no length at all."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.putrequest("POST", path)
+        conn.putheader("Content-Type", "application/json")
+        if token is not None:
+            conn.putheader("Authorization", f"Bearer {token}")
+        if length is None:
+            conn.putheader("Transfer-Encoding", "chunked")
+        else:
+            conn.putheader("Content-Length", str(length))
+        conn.endheaders()
+        try:
+            for chunk in body_chunks:
+                conn.send(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n" if length is None else chunk)
+            if length is None:
+                conn.send(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the head answered and closed before the whole body was sent: the point
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
+
+
+def test_body_limits_and_nesting(head):
+    """Guard (holds with the membership patch off too: the body is refused before the engine is
+    looked up). Bodies are read at most contract.MAX_BODY_BYTES into memory, declared or not;
+    deep nesting is a 400, never a RecursionError and a 500; authorization comes first."""
+    _, api = head()
+    big = json.dumps({"stage": 0, "pod": "p", "ip": "127.0.0.1", "pad": "x" * contract.MAX_BODY_BYTES}).encode()
+    status, body = api.call("POST", BASE_PATH + "/join", raw=big)  # urllib declares Content-Length
+    assert (status, body["error"]) == (413, "BodyTooLarge") and body["bootId"] == report.BOOT_ID
+    # Chunked: no length up front; the head stops reading past the limit.
+    chunks = [b'{"stage": 0, "pod": "p", "pad": "'] + [b"x" * 4096] * 8 + [b'"}']
+    status, body = _raw_post(api.url, BASE_PATH + "/join", chunks)
+    assert (status, body["error"]) == (413, "BodyTooLarge")
+    # A small chunked body is read normally (the limit is not a refusal of chunked encoding).
+    status, body = _raw_post(api.url, BASE_PATH + "/leave", [b'{"stage": 0, ', b'"replicaId": 99}'])
+    assert (status, body["error"]) == (404, "UnknownReplica")
+    # Deeply nested JSON within the size limit: the C parser would raise RecursionError.
+    deep = b'{"pod": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert len(deep) < contract.MAX_BODY_BYTES
+    status, body = api.call("POST", BASE_PATH + "/join", raw=deep)
+    assert (status, body["error"]) == (400, "BadRequest") and "nested" in body["message"]
+    nested = {"stage": 0, "pod": "p", "ip": "127.0.0.1", "x": [[[[[[[[[1]]]]]]]]]}  # depth 10 > 8
+    status, body = api.call("POST", BASE_PATH + "/join", nested)
+    assert (status, body["error"]) == (400, "BadRequest")
+    status, body = api.call("POST", BASE_PATH + "/join", raw=b"\xff\xfe{")
+    assert (status, body["error"]) == (400, "BadRequest")
+    # Without the token a large body is a 401: nothing is read before authorization.
+    status, body = _raw_post(api.url, BASE_PATH + "/join", [big], token="wrong", length=len(big))
+    assert (status, body["error"]) == (401, "Unauthorized") and "bootId" not in body
+
+
+def test_internal_error_reveals_nothing(head, monkeypatch):
+    """An unexpected exception is a 500 with a stable code and no exception text or boot id; the
+    head's log has the traceback."""
+    _, api = head()
+
+    async def broken(self, *args, **kwargs):
+        raise RuntimeError("secret-internal-detail")
+
+    monkeypatch.setattr(LiveHead, "snapshot", broken)
+    status, body = api.call("GET", BASE_PATH)
+    assert (status, body) == (500, {"error": "InternalError", "message": "internal error, see the head's log"})
+
+
+def test_engine_report(head, http_app):
+    """Guard (the report does not depend on the membership patch): GET contract.ENGINE_PATH is
+    authorised like the rest and answers on a distributed head, on a head that is not
+    distributed, and on a server whose engine is not built yet."""
+    engine, api = head()
+    status, body = api.call("GET", contract.ENGINE_PATH, token=None)
+    assert (status, body["error"]) == (401, "Unauthorized") and "bootId" not in body
+    status, body = api.call("GET", contract.ENGINE_PATH)
+    assert status == 200, body
+    assert set(body) == set(contract.EngineReport.__annotations__)
+    assert body["bootId"] == report.BOOT_ID and body["distributed"] is True
+    assert body["vllmVersion"] and body["vllmOmniVersion"]
+    assert set(body["patches"]) == set(contract.PATCHES)
+    assert all(p["outcome"] in contract.OUTCOMES and p["reason"] for p in body["patches"].values())
+    for client, distributed in ((None, None), (SimpleNamespace(engine=SimpleNamespace(single_stage_mode=False)), False)):
+        other = http_app(client)
+        status, body = other.call("GET", contract.ENGINE_PATH)
+        assert (status, body["distributed"], body["frontendCache"]) == (200, distributed, None), body
+        # The membership routes answer on the same server, with the reason they cannot serve.
+        status, body = other.call("GET", BASE_PATH)
+        assert status == 503 and body["error"] in ("EngineNotReady", "MembershipPatchDisabled"), body
+
+
+def test_listing_pages_with_all(head):
+    engine, api = head()
+    replicas = [start_replica(engine) for _ in range(2)]
+    try:
+        status, first = api.call("GET", BASE_PATH + "?all=true&limit=2")
+        assert status == 200 and [m["replicaId"] for m in first["stages"]["0"]] == [0, 1]
+        assert first["next"] == "0:1"
+        status, rest = api.call("GET", BASE_PATH + f"?all=true&limit=2&after={first['next']}")
+        assert [m["replicaId"] for m in rest["stages"]["0"]] == [2] and rest["next"] is None
+        for query, field in (("limit=0", "limit"), ("limit=1001", "limit"), ("limit=x", "limit"),
+                             ("after=7", "after"), ("after=0:-1", "after")):
+            status, body = api.call("GET", BASE_PATH + f"?all=true&{query}")
+            assert (status, body["error"], body["fields"][0]["field"]) == (422, "InvalidQuery", field), query
+    finally:
+        for replica in replicas:
+            replica.down()
+
+
+# ---- the join gate -------------------------------------------------------------------------
+
+
+def test_route_joined_only_holds_a_replica_until_it_is_joined(head, monkeypatch):
+    """Regression (the gate): with contract.ROUTE_JOINED_ONLY_ENV=1 a replica's own registration
+    attaches it but fresh picks never choose it until the operator joins it; the head-local
+    replica stays routable throughout."""
+    monkeypatch.setenv(contract.ROUTE_JOINED_ONLY_ENV, "1")
+    engine, api = head()
+    replica = start_replica(engine)
+    rid = replica.replica_id
+    try:
+        member = api.members()[rid]
+        assert (member["state"], member["attached"], member["held"], member["pod"]) == ("attached", True, True, None)
+        assert set(fresh_picks(engine, 8)) == {0}, "a held replica gets no new requests"
+        status, body = api.join("replica-a", replica.bind_ip)
+        assert status == 200 and (body["replicaId"], body["held"]) == (rid, False)
+        assert set(fresh_picks(engine, 8)) == {0, rid}, "routable once joined"
+    finally:
+        replica.down()
+
+
+def test_without_the_gate_registration_alone_routes(head, monkeypatch):
+    """Guard (negative control of the gate): without contract.ROUTE_JOINED_ONLY_ENV, upstream's
+    behaviour: a registered, attached replica gets fresh picks before any join."""
+    monkeypatch.delenv(contract.ROUTE_JOINED_ONLY_ENV, raising=False)
+    engine, api = head()
+    replica = start_replica(engine)
+    try:
+        assert api.members()[replica.replica_id]["held"] is False
+        assert replica.replica_id in fresh_picks(engine, 8)
+    finally:
+        replica.down()
+
+
+def test_join_refused_while_the_frontend_cache_is_unsafe(head, monkeypatch):
+    """Regression: join answers 409 contract.E_FRONTEND_CACHE_UNSAFE, and joins nothing, while
+    the engine report says the head's stage-0 frontend runs a sender cache."""
+    monkeypatch.setenv(contract.ROUTE_JOINED_ONLY_ENV, "1")
+    engine, api = head()
+    replica = start_replica(engine)
+    rid = replica.replica_id
+    try:
+        monkeypatch.setattr(report, "frontend_cache_unsafe", lambda client: "the frontend runs a sender cache")
+        status, body = api.join("replica-a", replica.bind_ip)
+        assert (status, body["error"], body["message"]) == (409, contract.E_FRONTEND_CACHE_UNSAFE,
+                                                             "the frontend runs a sender cache")
+        assert (api.members()[rid]["pod"], api.members()[rid]["held"]) == (None, True)
+        assert rid not in fresh_picks(engine, 6)
+        monkeypatch.setattr(report, "frontend_cache_unsafe", lambda client: None)  # the report is fixed
+        assert api.join("replica-a", replica.bind_ip)[0] == 200
+        assert rid in fresh_picks(engine, 6)
+    finally:
+        replica.down()
+
+
+def test_a_failed_attach_is_recorded_as_detached(head):
+    """Regression: a registration the head fails to attach (handshake error) is dropped, not left
+    ``registered`` for the life of the head in every default listing; joining it says restart."""
+    engine, api = head()
+    controller = engine.orchestrator._membership
+
+    def broken_factory(stage_id, replica_id):
+        raise RuntimeError("injected handshake failure")
+
+    ip = _ip()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(controller, "_remote_replica_factory", broken_factory)
+        replica = SimulatedReplica(engine._omni_master_address, engine._omni_master_port, ip).start()
+        try:
+            rid = replica.replica_id
+            wait_for(lambda: api.members(all=True).get(rid, {}).get("state") == "detached", 10,
+                     what="the failed attach to be recorded")
+            assert rid not in api.members()
+            status, body = api.join("replica-a", ip, waitSeconds=0)
+            assert (status, body["error"]) == (409, contract.E_REPLICA_DETACHED)
+        finally:
+            replica.down()
+
+
+# ---- the listing at scale (fake head objects, no engine) ---------------------------------
+
+
+def test_listing_at_16k_routes_lists_the_right_entries():
+    """Guard (LiveHead's listing on fake master/pool/hub objects, the benchmark's; not a timing
+    test): at 16k routes the default listing has exactly the head-local, attached, draining and
+    registered replicas with their in-flight counts, and ``?all=true`` pages cover every route
+    once, in order, with the right states."""
+    from tests.bench.bench_listing import fake_head
+
+    from omnistage_engine_patches.membership_hooks import draining_of, held_of, state_of
+
+    n, live = 16_000, 8
+    loop = asyncio.new_event_loop()
+    try:
+        head = fake_head(LiveHead, n, live=live, in_flight=100, loop=loop, state_of=state_of)
+        master, pool = head.master, head.orch.stage_pools[0]
+        live_ids = [0, *range(n - live, n)]
+        # One more of each other state: a registration still attaching, a pending slot.
+        for rid, registered in ((n, True), (n + 1, False)):
+            master._stage_routes[(0, rid)] = SimpleNamespace(replica_host="10.1.0.1",
+                                                             input_bind_address=f"tcp://10.9.0.1:{40000 + rid}")
+            if registered:
+                master._stage_configs[(0, rid)] = None
+        draining_of(pool).add(live_ids[1])
+        held_of(pool).add(live_ids[2])
+
+        body = loop.run_until_complete(head.snapshot())
+        listed = {m["replicaId"]: m for m in body["stages"]["0"]}
+        assert sorted(listed) == [*live_ids, n]
+        assert listed[0]["local"] and listed[n]["state"] == "registered"
+        assert listed[live_ids[1]]["state"] == "draining" and listed[live_ids[2]]["held"] is True
+        assert all(listed[rid]["state"] in ("attached", "draining") for rid in live_ids)
+        # bench_listing spreads the requests round robin over the live replicas.
+        expected = Counter(live_ids[i % len(live_ids)] for i in range(100))
+        assert {rid: m["inFlight"] for rid, m in listed.items()} == {**expected, n: 0}
+
+        seen, after, pages = [], None, 0
+        while True:
+            page = loop.run_until_complete(head.snapshot(include_all=True, limit=1000, after=after))
+            seen.extend(page["stages"]["0"])
+            pages += 1
+            after = page["next"]
+            if after is None:
+                break
+            assert pages < 100
+        assert pages == 17 and [m["replicaId"] for m in seen] == list(range(n + 2))
+        states = Counter(m["state"] for m in seen)
+        departed = n - len(live_ids)
+        assert states == {"left": departed // 2 + departed % 2, "detached": departed // 2, "attached": len(live_ids) - 1,
+                          "draining": 1, "registered": 1, "pending": 1}
+        assert all(m["state"] == ("left" if m["replicaId"] % 2 else "detached")
+                   for m in seen if 0 < m["replicaId"] < n - live)
+    finally:
+        loop.close()
+
+
+def test_departed_replicas_stay_departed_after_many_leaves(monkeypatch):
+    """Regression: once more replicas left than the head keeps full leave records for, the
+    oldest must still be listed as left (not ``registered`` again), and a repeated leave still
+    answers ``alreadyLeft``."""
+    from tests.bench.bench_listing import fake_head
+
+    from omnistage_engine_patches.membership_hooks import state_of
+
+    monkeypatch.setattr(membership_hooks, "MAX_LEFT_RECORDS", 4)
+    loop = asyncio.new_event_loop()
+    try:
+        head = fake_head(LiveHead, 40, live=2, in_flight=0, loop=loop, state_of=state_of)  # 37 departed
+        assert len(head.state.left_records) == 4
+        default = loop.run_until_complete(head.snapshot())
+        assert [m["replicaId"] for m in default["stages"]["0"]] == [0, 38, 39]
+        everything = loop.run_until_complete(head.snapshot(include_all=True))["stages"]["0"]
+        assert [m["state"] for m in everything[1:38]] == ["left" if rid % 2 else "detached" for rid in range(1, 38)]
+        again = loop.run_until_complete(head.leave(0, replica_id=1, drain_timeout=0))
+        assert (again["alreadyLeft"], again["state"], again["replicaId"], again["recordExpired"]) == (True, "left", 1, True)
+    finally:
+        loop.close()
 
 
 # ---- the stand-in as processes (what the cluster tests and the demo run) -------------------

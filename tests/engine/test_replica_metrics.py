@@ -33,7 +33,7 @@ import pytest
 pytest.importorskip("vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run hack/setup.sh)")
 
 from omnistage_engine_patches import replica_metrics
-from omnistage_engine_patches.membership import Head
+from omnistage_engine_patches.membership_ops import LiveHead
 from prometheus_client import REGISTRY
 
 from tests.standin.engine import build_vllm_config, standin_head, wait_for, write_tiny_model
@@ -108,7 +108,7 @@ def join(engine: Any, ip: str, *, seen_up: bool = False) -> SimulatedReplica:
 
 
 def leave(engine: Any, replica_id: int, drain: float = 0.0) -> dict[str, Any]:
-    return asyncio.run(Head.locate(engine).leave(0, replica_id=replica_id, drain_timeout=drain))
+    return asyncio.run(LiveHead.locate(engine).leave(0, replica_id=replica_id, drain_timeout=drain))
 
 
 # ---- series at join ------------------------------------------------------------------------

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("waiting for %d stage-0 replicas to attach", args.replicas_expected)
             engine.wait_for(lambda: len(engine.attached_replica_ids()) >= args.replicas_expected,
                             timeout=args.startup_timeout, interval=0.2, what="the expected replicas")
-        from omnistage_engine_patches.membership import BOOT_ID
+        from omnistage_engine_patches.report import BOOT_ID
 
         app = build_http_app(StandinEngineClient(engine), args.bind_ip, args.http_port)
         logger.info("stand-in head ready in %.1fs: boot id %s, http://%s:%d, master %s:%d", time.monotonic() - started,

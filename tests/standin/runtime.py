@@ -132,8 +132,8 @@ def _container_env(pod: dict[str, Any]) -> dict[str, str]:
 
 
 def _child_env(ip: str, pod: dict[str, Any]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower() and not k.startswith(PASSED_ENV_PREFIX)}
-    env.update(_container_env(pod))
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env.update(_container_env(pod))  # the pod's contract variables win over the runtime's own
     env.update({
         "PYTHONUNBUFFERED": "1",
         # vLLM / vllm-omni otherwise find their address with a UDP route probe to a public IP.
