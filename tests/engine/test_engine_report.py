@@ -106,7 +106,7 @@ def test_report_names_what_the_process_runs(build_stage0_engine, make_vllm_confi
     assert r["bootId"] == report.BOOT_ID
     assert r["vllmVersion"] == vllm.__version__ == "0.30.0"
     assert r["vllmOmniVersion"] == metadata.version("vllm-omni") == "0.30.0"
-    assert r["pluginVersion"] == metadata.version("omnistage-operator")
+    assert r["pluginVersion"] == metadata.version("omnistage-engine-patches")
     assert r["distributed"] is True
     assert set(r["patches"]) == set(contract.PATCHES)
     for name, outcome in r["patches"].items():

@@ -15,10 +15,10 @@ attach returns it instead of doing the engine handshake, optionally after a dela
 flight are made the way the orchestrator makes them: ``StagePool.pick`` binds a request to a
 replica, ``release_binding`` ends it. See ``tests/standin/__init__.py``.
 
-With ``OMNISTAGE_DISABLE_PATCHES=membership`` every test here fails (503
-``MembershipPatchDisabled``, or the gate's and the listing's symptoms) except those whose
-docstring starts "Guard:": they pin behaviour that holds either way (the engine report, body
-limits checked before the engine is looked up, the listing code on fake head objects).
+With ``OMNISTAGE_DISABLE_PATCHES=membership`` every test that runs a stand-in head fails (503
+``MembershipPatchDisabled``: the ``head`` fixture itself waits for the listing). The two listing
+tests on fake head objects (``tests/bench/bench_listing.fake_head``) pass either way: they drive
+``membership_ops``' listing code directly, not the patch's hooks.
 """
 
 from __future__ import annotations
@@ -47,8 +47,10 @@ pytest.importorskip("vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run
 from omnistage_engine_patches import contract, membership_hooks, report
 from omnistage_engine_patches.contract import ENDPOINT_PLUGIN as PLUGIN_NAME
 from omnistage_engine_patches.contract import MEMBERSHIP_PATH as BASE_PATH
+from omnistage_engine_patches.membership_hooks import draining_of, held_of, state_of
 from omnistage_engine_patches.membership_ops import LiveHead
 
+from tests.bench.bench_listing import fake_head
 from tests.standin.engine import (
     HttpServerThread,
     StandinEngineClient,
@@ -514,9 +516,9 @@ def _raw_post(url: str, path: str, body_chunks: list[bytes], *, token: str | Non
 
 
 def test_body_limits_and_nesting(head):
-    """Guard (holds with the membership patch off too: the body is refused before the engine is
-    looked up). Bodies are read at most contract.MAX_BODY_BYTES into memory, declared or not;
-    deep nesting is a 400, never a RecursionError and a 500; authorization comes first."""
+    """Bodies are read at most contract.MAX_BODY_BYTES into memory, declared or not (refused
+    before the engine is looked up); deep nesting is a 400, never a RecursionError and a 500;
+    authorization comes first."""
     _, api = head()
     big = json.dumps({"stage": 0, "pod": "p", "ip": "127.0.0.1", "pad": "x" * contract.MAX_BODY_BYTES}).encode()
     status, body = api.call("POST", BASE_PATH + "/join", raw=big)  # urllib declares Content-Length
@@ -557,10 +559,10 @@ def test_internal_error_reveals_nothing(head, monkeypatch):
 
 
 def test_engine_report(head, http_app):
-    """Guard (the report does not depend on the membership patch): GET contract.ENGINE_PATH is
-    authorised like the rest and answers on a distributed head, on a head that is not
-    distributed, and on a server whose engine is not built yet."""
-    engine, api = head()
+    """GET contract.ENGINE_PATH (which does not need the membership patch) is authorised like
+    the rest and answers on a distributed head, on a head that is not distributed, and on a
+    server whose engine is not built yet."""
+    _, api = head()
     status, body = api.call("GET", contract.ENGINE_PATH, token=None)
     assert (status, body["error"]) == (401, "Unauthorized") and "bootId" not in body
     status, body = api.call("GET", contract.ENGINE_PATH)
@@ -620,7 +622,7 @@ def test_route_joined_only_holds_a_replica_until_it_is_joined(head, monkeypatch)
 
 
 def test_without_the_gate_registration_alone_routes(head, monkeypatch):
-    """Guard (negative control of the gate): without contract.ROUTE_JOINED_ONLY_ENV, upstream's
+    """Negative control of the gate: without contract.ROUTE_JOINED_ONLY_ENV, upstream's
     behaviour: a registered, attached replica gets fresh picks before any join."""
     monkeypatch.delenv(contract.ROUTE_JOINED_ONLY_ENV, raising=False)
     engine, api = head()
@@ -681,14 +683,10 @@ def test_a_failed_attach_is_recorded_as_detached(head):
 
 
 def test_listing_at_16k_routes_lists_the_right_entries():
-    """Guard (LiveHead's listing on fake master/pool/hub objects, the benchmark's; not a timing
-    test): at 16k routes the default listing has exactly the head-local, attached, draining and
+    """LiveHead's listing on fake master/pool/hub objects (the benchmark's; not a timing test):
+    at 16k routes the default listing has exactly the head-local, attached, draining and
     registered replicas with their in-flight counts, and ``?all=true`` pages cover every route
     once, in order, with the right states."""
-    from tests.bench.bench_listing import fake_head
-
-    from omnistage_engine_patches.membership_hooks import draining_of, held_of, state_of
-
     n, live = 16_000, 8
     loop = asyncio.new_event_loop()
     try:
@@ -738,10 +736,6 @@ def test_departed_replicas_stay_departed_after_many_leaves(monkeypatch):
     """Regression: once more replicas left than the head keeps full leave records for, the
     oldest must still be listed as left (not ``registered`` again), and a repeated leave still
     answers ``alreadyLeft``."""
-    from tests.bench.bench_listing import fake_head
-
-    from omnistage_engine_patches.membership_hooks import state_of
-
     monkeypatch.setattr(membership_hooks, "MAX_LEFT_RECORDS", 4)
     loop = asyncio.new_event_loop()
     try:

@@ -1,0 +1,335 @@
+"""Patch ``membership``: the hooks a distributed vllm-omni head needs for the membership endpoint.
+
+This module only changes upstream behaviour through wrappers and keeps the small state the
+engine lacks; the operations that read and change a live head (list, join, leave) live in
+:mod:`.membership_ops`, the HTTP layer in :mod:`.membership_api`. The split keeps what runs inside
+vllm-omni's own code paths (every pick, every attach) apart from what runs once per API call.
+
+Switch it off with ``OMNISTAGE_DISABLE_PATCHES=membership``. The wrappers (upstream behaviour is
+kept unless noted):
+
+* ``OrchestratorBase.run``: records the running orchestrator and its loop, so the endpoint can
+  find them from ``app.state.engine_client.engine`` (same ``stage_pools`` list object), and fixes
+  the distributed head's shutdown (see :func:`_stop_watcher_on_shutdown`);
+* ``StagePool._collect_serviceable_replicas`` (every fresh pick): leaves out replicas that are
+  draining, so new requests stop going there while the ones bound to them (sticky affinity)
+  finish; and, when the head's environment sets ``contract.ROUTE_JOINED_ONLY_ENV=1`` (the
+  operator does), replicas *held* until the operator joins them;
+* ``MembershipController._do_register`` (a replica's own registration attaches it): holds the
+  replica when the gate above is on, bumps the membership epoch, forgets a stale "detached"
+  mark, records a registration the head failed to attach as detached, and detaches at once a replica that was told to leave while its attach was in flight
+  (otherwise it would come back as a zombie member). It sits *outside* ``replica_metrics``'s
+  wrapper of the same function (``patches.py`` applies that one first): the zombie detach removes
+  the series that wrapper has just registered;
+* ``MembershipController._detach_replica``: records that the head dropped a replica on its own
+  (DOWN, heartbeat timeout, dead engine) and clears its drain and hold marks.
+
+Only head-side replicas attached through ``_do_register`` (registered after startup) are held:
+the head's own local replicas, and remote replicas the head's startup plan waited for, never go
+through it, so they stay routable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import os
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import contract, replica_metrics
+from ._patching import Outcome, applied, apply_patch, is_ours, mark
+
+logger = logging.getLogger("omnistage_engine_patches.membership")
+
+PATCH = contract.MEMBERSHIP
+
+#: How many leave results are kept in full, for idempotent answers to a repeated leave. Older
+#: ones shrink to their identity (``MembershipState.departed`` keeps *that* a replica left).
+MAX_LEFT_RECORDS = 4096
+
+Key = tuple[int, int]  # (stage id, replica id), the OmniMasterServer's route key
+
+
+@dataclass
+class MembershipState:
+    """What the engine does not know itself. Lives on the orchestrator, dies with the head."""
+
+    epoch: int = 0
+    #: (stage, replica) -> the pod the operator joined it as.
+    pods: dict[Key, str] = field(default_factory=dict)
+    #: (stage, replica) -> LEFT or DETACHED, for every replica that ever departed. Never pruned:
+    #: replica ids are never reused, and a forgotten departure would list an old replica as
+    #: ``registered`` again (the master keeps every route and its registration forever). One
+    #: small entry per departure, far less than the route, ports and config upstream keeps for it.
+    departed: dict[Key, str] = field(default_factory=dict)
+    #: The newest MAX_LEFT_RECORDS leave results, oldest first.
+    left_records: OrderedDict[Key, dict[str, Any]] = field(default_factory=OrderedDict)
+    locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
+    #: Keys that registered with the master and have not departed: with the attached and the
+    #: head-local ones, all the default listing can show. ``membership_ops`` adds registrations
+    #: (reading only the master's new ones, see ``registrations_seen``); departures remove them
+    #: here, so the listing never walks the ever-growing route table.
+    registered_open: set[Key] = field(default_factory=set)
+    #: (how many of the master's registrations were read, the last one read).
+    registrations_seen: tuple[int, Key | None] = (0, None)
+
+    def bump(self) -> None:
+        self.epoch += 1
+
+    def has_left(self, key: Key) -> bool:
+        return self.departed.get(key) == contract.LEFT
+
+    def remember_left(self, key: Key, record: dict[str, Any]) -> None:
+        self.departed[key] = contract.LEFT
+        self.registered_open.discard(key)
+        self.left_records[key] = record
+        self.left_records.move_to_end(key)
+        while len(self.left_records) > MAX_LEFT_RECORDS:
+            old, _ = self.left_records.popitem(last=False)
+            self.pods.pop(old, None)
+            self.locks.pop(old, None)
+
+    def left_record(self, key: Key) -> dict[str, Any]:
+        """The recorded leave result, or its identity once the details were dropped."""
+        record = self.left_records.get(key)
+        if record is not None:
+            return record
+        return {"stage": key[0], "replicaId": key[1], "pod": self.pods.get(key), "state": contract.LEFT,
+                "detached": True, "recordExpired": True}
+
+    def remember_detached(self, key: Key) -> None:
+        if not self.has_left(key):
+            self.departed[key] = contract.DETACHED
+        self.registered_open.discard(key)
+
+    def forget_detached(self, key: Key) -> None:
+        if self.departed.get(key) == contract.DETACHED:
+            del self.departed[key]
+
+
+_ORCHESTRATORS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def running_orchestrators() -> list[Any]:
+    """Orchestrators whose ``run`` is executing in this process."""
+    return list(_ORCHESTRATORS)
+
+
+def enabled() -> bool:
+    return applied(PATCH)
+
+
+def state_of(orch: Any) -> MembershipState:
+    state = getattr(orch, "_omnistage_membership", None)
+    if state is None:
+        state = MembershipState()
+        orch._omnistage_membership = state
+    return state
+
+
+def draining_of(pool: Any) -> set[int]:
+    """Replica ids of ``pool`` that get no fresh picks while their requests finish (a leave)."""
+    return pool.__dict__.setdefault("_omnistage_draining", set())
+
+
+def held_of(pool: Any) -> set[int]:
+    """Replica ids of ``pool`` held unroutable until the operator joins them."""
+    return pool.__dict__.setdefault("_omnistage_held", set())
+
+
+def route_joined_only() -> bool:
+    """The head's gate: replicas that register after startup get traffic only once joined."""
+    return os.environ.get(contract.ROUTE_JOINED_ONLY_ENV, "").strip() == "1"
+
+
+def _orchestrator_of_controller(controller: Any) -> Any | None:
+    ref = getattr(controller, "_omnistage_orchestrator", None)
+    return ref() if ref is not None else None
+
+
+def _attach_failed(controller: Any, key: Key) -> None:
+    """The head will not attach this registration (handshake failed, head shutting down): it is
+    dropped, like a replica the head detaches. Otherwise it would stay ``registered`` for the
+    life of the head (upstream attaches a registration once), in every default listing."""
+    orch = _orchestrator_of_controller(controller)
+    if orch is not None:
+        state = state_of(orch)
+        state.remember_detached(key)
+        state.bump()
+
+
+# --------------------------------------------------------------------------------------------
+# The patch
+# --------------------------------------------------------------------------------------------
+
+
+async def _stop_watcher_on_shutdown(orch: Any, controller: Any) -> None:
+    """Let a distributed head's orchestrator stop.
+
+    In 0.30.0 ``OrchestratorBase.run`` gathers the membership watcher with its other tasks, but
+    the watcher only stops on the controller's own shutdown event, which ``run`` sets after the
+    gather returns: the gather never returns, ``OmniEngineBase.shutdown`` gives up after 30 s and
+    defers the runtime's cleanup (master server, coordinator) to a thread that never finishes.
+    Setting the controller's event when the orchestrator's is set ends the watcher within its
+    0.5 s tick; ``run``'s own teardown (drain, ``controller.shutdown()``) then proceeds.
+    """
+    shutdown_event = getattr(orch, "_shutdown_event", None)
+    controller_event = getattr(controller, "_shutdown_event", None)
+    if not isinstance(shutdown_event, asyncio.Event) or not isinstance(controller_event, asyncio.Event):
+        return
+    await shutdown_event.wait()
+    controller_event.set()
+
+
+def _install() -> str | None:
+    from vllm_omni.engine.membership_controller import MembershipController
+    from vllm_omni.engine.orchestrator import OrchestratorBase
+    from vllm_omni.engine.stage_pool import StagePool
+
+    targets = {
+        "OrchestratorBase.run": getattr(OrchestratorBase, "run", None),
+        "StagePool._collect_serviceable_replicas": getattr(StagePool, "_collect_serviceable_replicas", None),
+        "MembershipController._do_register": getattr(MembershipController, "_do_register", None),
+        "MembershipController._detach_replica": getattr(MembershipController, "_detach_replica", None),
+        "MembershipController.handle_unregister": getattr(MembershipController, "handle_unregister", None),
+    }
+    for label, fn in targets.items():
+        if not callable(fn):
+            return f"target changed shape: {label} is missing"
+    params = {label: list(inspect.signature(fn).parameters) for label, fn in targets.items()}
+    if not inspect.iscoroutinefunction(OrchestratorBase.run) or params["OrchestratorBase.run"] != ["self"]:
+        return "target changed shape: async OrchestratorBase.run(self)"
+    if params["StagePool._collect_serviceable_replicas"] != ["self"]:
+        return "target changed shape: StagePool._collect_serviceable_replicas(self)"
+    if params["MembershipController._do_register"] != ["self", "stage_id", "replica_id"]:
+        return "target changed shape: MembershipController._do_register(self, stage_id, replica_id)"
+    if params["MembershipController._detach_replica"] != ["self", "stage_id", "input_addr"]:
+        return "target changed shape: MembershipController._detach_replica(self, stage_id, input_addr)"
+    if params["MembershipController.handle_unregister"][:3] != ["self", "stage_id", "input_addr"]:
+        return "target changed shape: MembershipController.handle_unregister(self, stage_id, input_addr, ...)"
+    for attr in ("get_replica_id_by_addr", "get_client_by_addr", "remove_client", "_client_input_addr"):
+        if not callable(getattr(StagePool, attr, None)):
+            return f"target changed shape: StagePool.{attr} is missing"
+    if any(is_ours(fn, PATCH) for fn in targets.values()):
+        return None  # our own wrappers are already in place
+
+    orig_run = OrchestratorBase.run
+    orig_collect = StagePool._collect_serviceable_replicas
+    orig_do_register = MembershipController._do_register
+    orig_detach = MembershipController._detach_replica
+
+    @functools.wraps(orig_run)
+    async def run(self):
+        self._omnistage_loop = asyncio.get_running_loop()
+        state_of(self)
+        controller = getattr(self, "_membership", None)
+        stopper = None
+        if controller is not None:
+            controller._omnistage_orchestrator = weakref.ref(self)
+            stopper = asyncio.create_task(_stop_watcher_on_shutdown(self, controller), name="omnistage-membership-stop")
+        _ORCHESTRATORS.add(self)
+        try:
+            return await orig_run(self)
+        finally:
+            _ORCHESTRATORS.discard(self)
+            self._omnistage_loop = None
+            if stopper is not None:
+                stopper.cancel()
+
+    @functools.wraps(orig_collect)
+    def _collect_serviceable_replicas(self):
+        candidates = orig_collect(self)
+        # Runs on every fresh pick: both sets are empty unless a leave or the gate is active.
+        draining = self.__dict__.get("_omnistage_draining")
+        held = self.__dict__.get("_omnistage_held")
+        if draining or held:
+            excluded = (draining or set()) | (held or set())
+            candidates = [(info, rid) for info, rid in candidates if rid not in excluded]
+        return candidates
+
+    @functools.wraps(orig_do_register)
+    async def _do_register(self, stage_id, replica_id):
+        pool = self._pool_for_stage_id(stage_id)
+        orch = _orchestrator_of_controller(self)
+        key = (stage_id, replica_id)
+        # Held *before* upstream adds the client to the pool, so no pick can see it un-held.
+        hold = pool is not None and route_joined_only() and not (orch is not None and key in state_of(orch).pods)
+        if hold:
+            held_of(pool).add(replica_id)
+        try:
+            input_addr = await orig_do_register(self, stage_id, replica_id)
+        except BaseException:
+            if hold:
+                held_of(pool).discard(replica_id)
+            _attach_failed(self, key)
+            raise
+        if input_addr is None:
+            if hold:
+                held_of(pool).discard(replica_id)
+            _attach_failed(self, key)
+            return input_addr
+        if hold:
+            logger.info("stage %d replica %d attached; held unroutable until the operator joins it",
+                        stage_id, replica_id)
+        orch = _orchestrator_of_controller(self)
+        if orch is None:
+            return input_addr
+        state = state_of(orch)
+        state.forget_detached(key)
+        state.bump()
+        if state.has_left(key):
+            # The operator asked this replica to leave while the head was still attaching it.
+            logger.info("stage %d replica %d attached after it was told to leave: detaching", stage_id, replica_id)
+            self._detach_replica(stage_id, input_addr)
+            if replica_metrics.enabled():
+                replica_metrics.remove_replica_series(orch, stage_id, replica_id)
+            return None  # _register_once then records nothing for it
+        return input_addr
+
+    @functools.wraps(orig_detach)
+    def _detach_replica(self, stage_id, input_addr):
+        pool = self._pool_for_stage_id(stage_id)
+        replica_id = pool.get_replica_id_by_addr(input_addr) if pool is not None else None
+        was_attached = pool is not None and pool.get_client_by_addr(input_addr) is not None
+        try:
+            return orig_detach(self, stage_id, input_addr)
+        finally:
+            if replica_id is not None:
+                draining_of(pool).discard(replica_id)
+                held_of(pool).discard(replica_id)
+            orch = _orchestrator_of_controller(self)
+            if orch is not None and replica_id is not None and was_attached and (
+                pool.get_client_by_addr(input_addr) is None
+            ):
+                state = state_of(orch)
+                state.remember_detached((stage_id, replica_id))
+                state.bump()
+
+    OrchestratorBase.run = mark(run, PATCH)
+    StagePool._collect_serviceable_replicas = mark(_collect_serviceable_replicas, PATCH)
+    MembershipController._do_register = mark(_do_register, PATCH)
+    MembershipController._detach_replica = mark(_detach_replica, PATCH)
+    return None
+
+
+def apply() -> Outcome:
+    return apply_patch(PATCH, _install)
+
+
+__all__ = [
+    "MAX_LEFT_RECORDS",
+    "PATCH",
+    "MembershipState",
+    "apply",
+    "draining_of",
+    "enabled",
+    "held_of",
+    "route_joined_only",
+    "running_orchestrators",
+    "state_of",
+]

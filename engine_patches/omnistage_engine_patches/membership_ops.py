@@ -1,0 +1,517 @@
+"""The live head's membership operations: list, join, leave (what :mod:`.membership_api` serves).
+
+This module reads and changes the real vllm-omni 0.30.0 objects of a distributed head and holds
+no membership truth of its own beyond what :mod:`.membership_hooks` keeps (which pod a replica
+belongs to, which replicas departed, an epoch):
+
+* ``OmniMasterServer`` routes: every (stage, replica id) the head ever allocated, the host each
+  replica registered from (``replica_host``), which slots are head-local, which have registered.
+  Routes are never removed and replica ids never reused, so this table only grows with churn;
+* the coordinator's view through the head's ``OmniCoordClientForHub`` (only UP replicas are
+  published, so a replica is ``up`` or ``absent``);
+* ``StagePool``: attached head-side clients, request affinity (= requests in flight);
+* ``MembershipController``: the upstream detach path (``handle_unregister``), reused as is;
+* the stat logger, through :mod:`.replica_metrics` (metric series at join, removed at leave).
+
+Everything that reads or mutates those objects runs on the orchestrator's event loop (the loop
+that owns them, where inference output processing also runs): :meth:`LiveHead.run` hands each
+operation over with ``asyncio.run_coroutine_threadsafe``. Whatever an operation costs stalls
+serving, so none of them walks the route table in Python: the default listing reads only the
+candidates it can list (head-local, attached, and registered-but-not-departed keys, the last
+kept up to date from the master's new registrations only), requests in flight are counted once
+per pool, ``?all=true`` is paged, and join/leave by IP filter one copy of the routes at C speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import operator
+import time
+from bisect import bisect_right
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from itertools import compress, islice, repeat
+from typing import Any
+
+from . import contract, membership_hooks, replica_metrics, report
+from ._patching import outcomes
+from .membership_hooks import Key, draining_of, held_of, state_of
+
+logger = logging.getLogger("omnistage_engine_patches.membership")
+
+MAX_WAIT_SECONDS = 60.0
+MAX_DRAIN_SECONDS = 3600.0
+POLL_SECONDS = 0.05
+DEFAULT_PAGE = 500  # ?all=true page size
+MAX_PAGE = 1000
+
+
+class MembershipError(Exception):
+    """An answer for the caller: HTTP status, a stable error code, a message, details."""
+
+    def __init__(self, status: int, code: str, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.details = status, code, message, details
+
+    def body(self) -> dict[str, Any]:
+        return {"error": self.code, "message": self.message, **self.details}
+
+
+def client_addr(client: Any) -> str | None:
+    from vllm_omni.engine.stage_pool import StagePool
+
+    return StagePool._client_input_addr(client) if client is not None else None
+
+
+def live_replica_ids(pool: Any) -> list[int]:
+    """Ids of attached clients. ``pool.clients`` has a slot per replica id ever attached (never
+    shrinks), so this runs at C speed instead of a Python loop over every slot."""
+    clients = pool.clients
+    return list(compress(range(len(clients)), map(operator.is_not, clients, repeat(None))))
+
+
+class InFlight:
+    """Requests in flight per replica of one pool, counted once (C-speed ``Counter``) instead of
+    walking every affinity row per replica. Head-side routing state: a request's affinity row
+    lives from ``pick()`` until the orchestrator releases its bindings (finished, aborted or
+    failed); the legacy ``_request_bindings`` map is counted too."""
+
+    def __init__(self, pool: Any) -> None:
+        self.by_addr = Counter((getattr(pool, "_affinity", None) or {}).values())
+        self.by_replica = Counter((getattr(pool, "_request_bindings", None) or {}).values())
+
+    def of(self, replica_id: int, addr: str | None) -> int:
+        return (self.by_addr[addr] if addr is not None else 0) + self.by_replica[replica_id]
+
+
+def _parse_cursor(text: str) -> Key:
+    """``"<stage>:<replicaId>"``, the ``next`` of a previous ``?all=true`` page."""
+    stage, sep, replica = text.partition(":")
+    if not sep or not stage.isdigit() or not replica.isdigit():
+        message = "after must be '<stage>:<replicaId>' (the 'next' of the previous page)"
+        raise MembershipError(422, "InvalidQuery", message, fields=[{"field": "after", "message": message}])
+    return int(stage), int(replica)
+
+
+def _cursor(key: Key) -> str:
+    return f"{key[0]}:{key[1]}"
+
+
+@dataclass
+class LiveHead:
+    """The live objects of one distributed head, as found from its engine client."""
+
+    orch: Any
+    loop: asyncio.AbstractEventLoop
+    master: Any
+    engine: Any = None
+    client: Any = None  # what locate() was given (app.state.engine_client), for the engine report
+
+    @classmethod
+    def locate(cls, engine_client: Any) -> LiveHead:
+        if not membership_hooks.enabled():
+            outcome = outcomes().get(membership_hooks.PATCH)
+            reason = outcome.reason if outcome is not None else "the plugin was not loaded in this process"
+            raise MembershipError(503, "MembershipPatchDisabled",
+                                  f"patch {membership_hooks.PATCH!r} is not active: {reason}")
+        engine = getattr(engine_client, "engine", engine_client)
+        pools = getattr(engine, "stage_pools", None)
+        orch = next((o for o in membership_hooks.running_orchestrators()
+                     if pools is not None and o.stage_pools is pools), None)
+        if orch is None:
+            raise MembershipError(503, "EngineNotReady", "the head's orchestrator is not running (starting or stopped)")
+        loop = getattr(orch, "_omnistage_loop", None)
+        if loop is None or loop.is_closed():
+            raise MembershipError(503, "EngineNotReady", "the head's orchestrator loop is not running")
+        runtime = getattr(engine, "_runtime", None)
+        get_master = getattr(runtime, "_get_omni_master_server", None)
+        master = get_master() if callable(get_master) else None
+        if master is None or getattr(orch, "_membership", None) is None:
+            raise MembershipError(
+                409, contract.E_NOT_DISTRIBUTED,
+                "this head runs no OmniMasterServer (start it with --stage-id and a master address)",
+            )
+        for attr in ("_stage_routes", "_stage_configs", "_head_local_slots"):
+            if not isinstance(getattr(master, attr, None), (dict, set)):
+                raise MembershipError(501, "EngineShapeChanged", f"OmniMasterServer.{attr} changed shape")
+        return cls(orch=orch, loop=loop, master=master, engine=engine, client=engine_client)
+
+    async def run(self, fn: Callable[[], Awaitable[Any]], timeout: float = 30.0) -> Any:
+        """Run ``fn()`` on the orchestrator loop and wait for it (bounded). The caller going away
+        (an HTTP client timing out) or the wait expiring does not cancel it, so an operation is
+        never left half-done; a retried call finds its result (calls are idempotent)."""
+        try:
+            current = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        if current is self.loop:
+            return await fn()
+        future = asyncio.run_coroutine_threadsafe(fn(), self.loop)
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+        except TimeoutError as err:
+            raise MembershipError(503, "EngineBusy", f"the orchestrator did not answer within {timeout:.0f}s; "
+                                  "the operation continues, retry to see its result") from err
+
+    # ---- reads (orchestrator loop) ----
+
+    @property
+    def state(self) -> membership_hooks.MembershipState:
+        return state_of(self.orch)
+
+    def _pool(self, stage_id: int) -> Any | None:
+        pools = self.orch.stage_pools
+        return pools[stage_id] if 0 <= stage_id < len(pools) else None
+
+    def _locked(self) -> Any:
+        """The master's ``_alloc_lock``: its registration thread adds routes and registrations
+        and fills ``replica_host`` under it. Single-key reads need no lock (nothing is removed)."""
+        lock = getattr(self.master, "_alloc_lock", None)
+        return lock if lock is not None else contextlib.nullcontext()
+
+    def _routes(self) -> dict[Key, Any]:
+        """One consistent copy of the master's routes, for the operations that walk them (a
+        C-level copy: the lock is held well under a millisecond at tens of thousands)."""
+        with self._locked():
+            return dict(self.master._stage_routes)
+
+    def _stage_ids(self) -> list[int]:
+        return list(range(len(self.orch.stage_pools)))
+
+    def _open_registrations(self) -> set[Key]:
+        """``state.registered_open`` brought up to date with the master's registrations.
+
+        The master's ``_stage_configs`` only grows (upstream never removes a registration, and
+        dicts keep insertion order), so only the entries added since the last call are read: the
+        common case, nothing new, costs a length and a last-key check. Should the table ever
+        shrink or change otherwise, it is read whole once."""
+        state = self.state
+        configs = self.master._stage_configs
+        with self._locked():
+            seen, seen_last = state.registrations_seen
+            n = len(configs)
+            last = next(reversed(configs)) if n else None
+            if n == seen and last == seen_last:
+                new: list[Key] = []
+            elif n > seen:
+                new = list(islice(configs, seen, None))  # the skipped prefix is walked in C
+            else:
+                new = list(configs)
+                state.registered_open.clear()
+        state.registrations_seen = (n, last)
+        departed = state.departed
+        state.registered_open.update(key for key in new if key not in departed)
+        return state.registered_open
+
+    def _hub_up(self) -> dict[str, Any]:
+        hub = getattr(self.orch._membership, "_hub", None)
+        if hub is None:
+            return {}
+        return {rep.input_addr: rep for rep in hub.get_replica_list().replicas}
+
+    def _entry(self, key: Key, up: dict[str, Any], in_flight: dict[int, InFlight]) -> dict[str, Any]:
+        stage_id, replica_id = key
+        state = self.state
+        alloc = self.master._stage_routes.get(key)
+        pool = self._pool(stage_id)
+        client = None
+        if pool is not None and 0 <= replica_id < len(pool.clients):
+            client = pool.clients[replica_id]
+        addr = client_addr(client) or getattr(alloc, "input_bind_address", None)
+        draining = pool is not None and replica_id in draining_of(pool)
+        registered = key in self.master._stage_configs
+        departed = state.departed.get(key)
+        if departed == contract.LEFT:
+            status = contract.LEFT
+        elif client is not None:
+            status = contract.DRAINING if draining else contract.ATTACHED
+        elif departed == contract.DETACHED:
+            status = contract.DETACHED
+        else:
+            status = contract.REGISTERED if registered else contract.PENDING
+        rep = up.get(addr) if addr else None
+        if pool is not None and stage_id not in in_flight:
+            in_flight[stage_id] = InFlight(pool)
+        return {
+            "stage": stage_id,
+            "replicaId": replica_id,
+            "host": getattr(alloc, "replica_host", None),
+            "pod": state.pods.get(key),
+            "local": key in self.master._head_local_slots,
+            "state": status,
+            "registered": registered,
+            "attached": client is not None,
+            "held": client is not None and replica_id in held_of(pool),
+            "coordinatorStatus": "up" if rep is not None else "absent",
+            "queueLength": int(rep.queue_length) if rep is not None else None,
+            "inFlight": in_flight[stage_id].of(replica_id, addr) if pool is not None else 0,
+            "draining": draining,
+            "metricsRegistered": replica_metrics.series_registered(self.orch, stage_id, replica_id),
+        }
+
+    def _header(self) -> dict[str, Any]:
+        return {
+            "bootId": report.BOOT_ID,
+            "epoch": self.state.epoch,
+            "distributed": True,
+            "metricsEnabled": getattr(self.orch, "_stat_logger", None) is not None and replica_metrics.enabled(),
+        }
+
+    def _listed_candidates(self) -> set[Key]:
+        """Keys that can be in the default listing: head-local, attached, and registered but not
+        departed. Built from sets that hold only those, so the work does not grow with the
+        departed replicas' routes (only ``live_replica_ids`` walks the pool's slots, in C)."""
+        with self._locked():
+            local = set(self.master._head_local_slots)
+        attached: set[Key] = set()
+        for stage_id, pool in enumerate(self.orch.stage_pools):
+            attached.update(zip(repeat(stage_id), live_replica_ids(pool)))
+        routes = self.master._stage_routes
+        return {key for key in local | attached | self._open_registrations() if key in routes}
+
+    # ---- operations ----
+
+    async def snapshot(self, include_all: bool = False, *, limit: int = DEFAULT_PAGE,
+                       after: str | None = None) -> dict[str, Any]:
+        """The listing. Default: head-local replicas and those registered, attached or draining.
+        ``include_all``: every route in (stage, replica id) order, one page of at most ``limit``
+        entries after the cursor ``after`` (the ``next`` of the previous page, ``"S:R"``)."""
+        limit = max(1, min(int(limit), MAX_PAGE))
+        after_key = _parse_cursor(after) if after else None
+
+        async def op() -> dict[str, Any]:
+            up = self._hub_up()
+            in_flight: dict[int, InFlight] = {}
+            stages: dict[str, list[dict[str, Any]]] = {str(sid): [] for sid in self._stage_ids()}
+            next_cursor = None
+            if include_all:
+                keys = sorted(self._routes())  # insertion order is almost sorted: timsort is ~linear
+                start = bisect_right(keys, after_key) if after_key is not None else 0
+                page = keys[start:start + limit]
+                if start + limit < len(keys):
+                    next_cursor = _cursor(page[-1])
+                for key in page:  # a route of a stage without a pool still gets listed
+                    stages.setdefault(str(key[0]), []).append(self._entry(key, up, in_flight))
+            else:
+                for key in sorted(self._listed_candidates()):
+                    entry = self._entry(key, up, in_flight)
+                    if entry["local"] or entry["state"] in contract.LISTED_STATES:
+                        stages.setdefault(str(key[0]), []).append(entry)
+            return {**self._header(), "stages": stages, "next": next_cursor}
+
+        return await self.run(op)
+
+    def _check_stage(self, stage_id: int) -> None:
+        if self._pool(stage_id) is None:
+            raise MembershipError(404, "UnknownStage", f"stage {stage_id} is not served by this head",
+                                  stage=stage_id, stages=self._stage_ids())
+
+    @staticmethod
+    def _routes_from(routes: dict[Key, Any], stage_id: int, ip: str) -> list[int]:
+        hosts = map(operator.attrgetter("replica_host"), routes.values())  # C speed: no Python loop
+        return sorted(rid for sid, rid in compress(routes.keys(), map(operator.eq, hosts, repeat(ip)))
+                      if sid == stage_id)
+
+    async def join(self, stage_id: int, pod: str, ip: str, wait_seconds: float = 5.0) -> dict[str, Any]:
+        # Defence in depth: the operator joins nothing while the head's stage-0 frontend runs a
+        # sender cache (a replica routed through it may miss tensors it never received).
+        unsafe = report.frontend_cache_unsafe(self.client)
+        if unsafe:
+            raise MembershipError(409, contract.E_FRONTEND_CACHE_UNSAFE, unsafe, stage=stage_id, ip=ip)
+        wait_seconds = max(0.0, min(float(wait_seconds), MAX_WAIT_SECONDS))
+
+        async def op() -> dict[str, Any]:
+            self._check_stage(stage_id)
+            routes = self._routes()
+            state = self.state
+            pool = self._pool(stage_id)
+            deadline = time.monotonic() + wait_seconds
+            while True:
+                candidates = [rid for rid in self._routes_from(routes, stage_id, ip)
+                              if not state.has_left((stage_id, rid))]
+                attached = [rid for rid in candidates if replica_metrics.attached(pool, rid)]
+                if attached or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(POLL_SECONDS)
+                routes = self._routes()  # a registration may have arrived meanwhile
+            if not candidates:
+                raise MembershipError(
+                    404, contract.E_REPLICA_NOT_REGISTERED,
+                    f"no stage-{stage_id} replica has registered from {ip} yet (retry)", stage=stage_id, ip=ip,
+                )
+            if not attached:
+                newest = candidates[-1]
+                if all(state.departed.get((stage_id, rid)) == contract.DETACHED for rid in candidates):
+                    raise MembershipError(
+                        409, contract.E_REPLICA_DETACHED,
+                        f"the replica registered from {ip} (id {newest}) was dropped by the head "
+                        "(DOWN, heartbeat timeout or dead engine); restart it so it registers again",
+                        stage=stage_id, ip=ip, replicaId=newest,
+                    )
+                raise MembershipError(
+                    409, contract.E_REPLICA_NOT_ATTACHED,
+                    f"replica {newest} registered from {ip} but the head has not attached it yet (retry)",
+                    stage=stage_id, ip=ip, replicaId=newest,
+                )
+            replica_id = attached[-1]
+            key = (stage_id, replica_id)
+            owner = state.pods.get(key)
+            if owner is not None and owner != pod:
+                raise MembershipError(
+                    409, "ReplicaOwnedByOtherPod",
+                    f"replica {replica_id} from {ip} belongs to pod {owner!r}; leave it first",
+                    stage=stage_id, replicaId=replica_id, pod=owner,
+                )
+            held = held_of(pool)
+            if owner is None or replica_id in held:
+                state.pods[key] = pod
+                held.discard(replica_id)  # routable from the next pick on
+                state.bump()
+            if replica_metrics.enabled():
+                replica_metrics.register_replica_series(self.orch, stage_id, replica_id)
+            return {**self._header(), **self._entry(key, self._hub_up(), {}), "replicaIds": attached}
+
+        return await self.run(op, timeout=wait_seconds + 30.0)
+
+    def _resolve(self, stage_id: int, replica_id: int | None, pod: str | None, ip: str | None) -> Key:
+        state = self.state
+        if replica_id is not None:
+            key = (stage_id, replica_id)
+            if key not in self.master._stage_routes:
+                raise MembershipError(404, "UnknownReplica", f"stage {stage_id} has no replica {replica_id}",
+                                      stage=stage_id, replicaId=replica_id)
+            owner = state.pods.get(key)
+            if pod and owner is not None and owner != pod:
+                raise MembershipError(409, "PodMismatch", f"replica {replica_id} belongs to pod {owner!r}, not {pod!r}",
+                                      stage=stage_id, replicaId=replica_id, pod=owner)
+            return key
+        pool = self._pool(stage_id)
+
+        def rank(key: Key) -> tuple[bool, bool, int]:
+            # Prefer a replica still in the membership, then an attached one, then the newest.
+            return (not state.has_left(key), replica_metrics.attached(pool, key[1]), key[1])
+
+        if pod:
+            keys = [k for k, p in state.pods.items() if p == pod and k[0] == stage_id]
+            if keys:
+                return max(keys, key=rank)
+        if ip:
+            keys = [(stage_id, rid) for rid in self._routes_from(self._routes(), stage_id, ip)]
+            if keys:
+                return max(keys, key=rank)
+        raise MembershipError(404, "UnknownReplica", f"no stage-{stage_id} replica matches pod={pod!r} ip={ip!r}",
+                              stage=stage_id, pod=pod, ip=ip)
+
+    async def leave(
+        self,
+        stage_id: int,
+        *,
+        replica_id: int | None = None,
+        pod: str | None = None,
+        ip: str | None = None,
+        drain_timeout: float = 30.0,
+    ) -> dict[str, Any]:
+        drain_timeout = max(0.0, min(float(drain_timeout), MAX_DRAIN_SECONDS))
+
+        async def op() -> dict[str, Any]:
+            self._check_stage(stage_id)
+            key = self._resolve(stage_id, replica_id, pod, ip)
+            if key in self.master._head_local_slots:
+                raise MembershipError(409, "HeadLocalReplica",
+                                      f"replica {key[1]} runs inside the head; it cannot leave", replicaId=key[1])
+            state = self.state
+            lock = state.locks.setdefault(key, asyncio.Lock())
+            async with lock:  # a concurrent leave for the same replica waits, then sees "left"
+                if state.has_left(key):
+                    return {**self._header(), **state.left_record(key), "alreadyLeft": True}
+                record = await self._leave_locked(key, drain_timeout)
+                state.remember_left(key, record)
+                state.bump()
+                return {**self._header(), **record, "alreadyLeft": False}
+
+        return await self.run(op, timeout=drain_timeout + 30.0)
+
+    async def _leave_locked(self, key: Key, drain_timeout: float) -> dict[str, Any]:
+        stage_id, replica_id = key
+        state = self.state
+        pool = self._pool(stage_id)
+        client = pool.clients[replica_id] if 0 <= replica_id < len(pool.clients) else None
+        started = time.monotonic()
+        record: dict[str, Any] = {
+            "stage": stage_id, "replicaId": replica_id, "pod": state.pods.get(key), "state": contract.LEFT,
+            "host": getattr(self.master._stage_routes.get(key), "replica_host", None),
+        }
+        if client is None:
+            # Never attached, or the head already dropped it (DOWN / heartbeat timeout): nothing
+            # is routed to it and nothing is in flight there.
+            if replica_metrics.enabled():
+                replica_metrics.remove_replica_series(self.orch, stage_id, replica_id)
+            return {**record, "drained": True, "timedOut": False, "detached": False, "inFlightAtDetach": 0,
+                    "waitedSeconds": 0.0, "metricsRegistered": replica_metrics.series_registered(self.orch, *key)}
+
+        addr = client_addr(client)
+        draining = draining_of(pool)
+        draining.add(replica_id)  # 1. no new requests
+        state.bump()
+        logger.info("stage %d replica %d draining (timeout %.1fs)", stage_id, replica_id, drain_timeout)
+        deadline = started + drain_timeout
+        in_flight: int | None = None
+        cleanup_error: str | None = None
+        try:
+            # 2. wait for the requests already routed there (bounded by the drain timeout)
+            while InFlight(pool).of(replica_id, addr) > 0 and time.monotonic() < deadline:
+                if pool.clients[replica_id] is not client:
+                    break  # the head dropped it meanwhile (DOWN): nothing left to wait for
+                await asyncio.sleep(POLL_SECONDS)
+            in_flight = InFlight(pool).of(replica_id, addr)
+            # 3. detach through the upstream path: affinity invalidated, client removed and shut
+            #    down, requests still bound there failed with "stage replica disappeared", and
+            #    the replica-removed callback (metric series removal) called.
+            await self.orch._membership.handle_unregister(stage_id, addr)
+        except BaseException as exc:
+            if pool.clients[replica_id] is client:
+                # Not detached: restore routing, so nothing is left half-applied. The exception
+                # goes to the head's log only (a 500 answer reveals no exception text).
+                draining.discard(replica_id)
+                state.bump()
+                if isinstance(exc, Exception):
+                    logger.exception("stage %d replica %d: detach failed; routing restored", stage_id, replica_id)
+                    raise MembershipError(
+                        500, "DetachFailed",
+                        f"detaching replica {replica_id} failed; routing restored (see the head's log)",
+                        replicaId=replica_id,
+                    ) from exc
+                raise
+            if not isinstance(exc, Exception):
+                raise
+            # Detached, but failing the requests still bound there raised: report that it did.
+            logger.exception("stage %d replica %d detached; its request cleanup failed", stage_id, replica_id)
+            cleanup_error = str(exc) or type(exc).__name__
+        finally:
+            draining.discard(replica_id)
+        in_flight = in_flight or 0
+        if replica_metrics.enabled():
+            replica_metrics.remove_replica_series(self.orch, stage_id, replica_id)  # idempotent
+        waited = round(time.monotonic() - started, 3)
+        logger.info("stage %d replica %d left (in flight at detach: %d, waited %.2fs)", stage_id, replica_id,
+                    in_flight, waited)
+        out = {**record, "drained": in_flight == 0, "timedOut": in_flight > 0, "detached": True,
+               "inFlightAtDetach": in_flight, "waitedSeconds": waited,
+               "metricsRegistered": replica_metrics.series_registered(self.orch, *key)}
+        if cleanup_error is not None:
+            out["cleanupError"] = cleanup_error
+        return out
+
+
+__all__ = [
+    "DEFAULT_PAGE",
+    "MAX_PAGE",
+    "InFlight",
+    "LiveHead",
+    "MembershipError",
+    "client_addr",
+    "live_replica_ids",
+]
