@@ -11,16 +11,18 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   python3 -m venv "$VENV"
 fi
 stamp="$VENV/.omnistage-deps"
-want="$(cat pyproject.toml | sha256sum | cut -c1-16)"
+# Two distributions, one venv: the operator (pyproject.toml) and the vLLM plugin
+# (engine_patches/pyproject.toml), both editable; the operator pins the plugin's version.
+want="$(cat pyproject.toml engine_patches/pyproject.toml | sha256sum | cut -c1-16)"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
   log "installing the project with the engine extra (vllm 0.30.0, vllm-omni 0.30.0, torch 2.13.0: several GB on a cold machine, 5-15 min)"
   start=$(date +%s)
   "$VENV/bin/pip" install --progress-bar off -q --upgrade pip
-  "$VENV/bin/pip" install --progress-bar off -e ".[engine,test]"
+  "$VENV/bin/pip" install --progress-bar off -e ./engine_patches -e ".[engine,test]"
   echo "$want" > "$stamp"
   log "dependencies installed in $(( $(date +%s) - start ))s; venv size $(du -sh "$VENV" | cut -f1)"
 else
   # Dependencies unchanged: only point the editable install at this checkout.
-  "$VENV/bin/pip" install --progress-bar off -q --no-deps -e .
+  "$VENV/bin/pip" install --progress-bar off -q --no-deps -e ./engine_patches -e .
 fi
 log "ready: $VENV"

@@ -23,8 +23,8 @@ logger = logging.getLogger("omnistage_engine_patches.report")
 #: that every replica registered with the previous process must be rolled.
 BOOT_ID = uuid.uuid4().hex
 
-# The distribution that ships this plugin (the operator and the plugin are one package).
-_PLUGIN_DISTRIBUTION = "omnistage-operator"
+# The distribution that ships this plugin (engine_patches/pyproject.toml), without the operator.
+_PLUGIN_DISTRIBUTION = "omnistage-engine-patches"
 
 
 def _version(distribution: str) -> str | None:

@@ -12,7 +12,11 @@ stops it at the end. Environment:
 A local cluster that was already running when the session began is reused; pytest sessions
 sharing it stop it only when the last one leaves, and never stop one started by `make cluster-up`.
 Fixtures for later tiers: `kubeconfig`, `kubectl`, `omnistage_crd`, `namespace`, `wait_for`,
-`local_cluster`.
+`local_cluster`, `helm`, `kustomize`, `operator_identity` (the operator's own ServiceAccount from
+manifests/ with a TokenRequest token: the identity every operator process of the tier runs under),
+`third_party_crds`.
+
+  OMNISTAGE_HELM                    helm binary to use instead of the one built with the cluster
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +42,10 @@ HERE = Path(__file__).resolve().parent
 HACK = ROOT / "hack"
 CRD_FILE = ROOT / "crds" / "omnistage.serving.omnistage.io.yaml"
 CRD_NAME = "omnistages.serving.omnistage.io"
+MANIFESTS = ROOT / "manifests"
+# The namespace and ServiceAccount the install manifests use (manifests/base).
+MANIFEST_NAMESPACE = "omnistage-system"
+OPERATOR_SA = "omnistage-operator"
 
 USE_EXISTING = os.environ.get("OMNISTAGE_USE_EXISTING_CLUSTER") == "1"
 KEEP = os.environ.get("OMNISTAGE_KEEP_CLUSTER") == "1"
@@ -294,3 +303,204 @@ def namespace(request: pytest.FixtureRequest, kubectl: Kubectl) -> Iterator[str]
         "get", "serviceaccount", "default", "-n", name, check=False).returncode == 0, timeout=60)
     yield name
     kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found")
+
+
+# ----- install manifests, Helm, the operator's own identity ----------------------------------------
+
+def _helm_binary() -> str:
+    if os.environ.get("OMNISTAGE_HELM"):
+        return os.environ["OMNISTAGE_HELM"]
+    bin_dir = _bin_dir()
+    if bin_dir is not None:
+        return str(bin_dir / "helm")
+    if USE_EXISTING and shutil.which("helm"):
+        return shutil.which("helm")
+    pytest.fail("no helm: run `make k8s-bins` (builds it from its Go module), or set OMNISTAGE_HELM")
+
+
+class Helm(Kubectl):
+    """The real helm, pointed at the session's cluster, with its own (empty) config and cache
+    directories so neither a user's repositories nor plugins take part."""
+
+    def __init__(self, binary: str, kubeconfig: Path, home: Path):
+        super().__init__(binary, kubeconfig)
+        self.env = {**{k: v for k, v in os.environ.items() if "proxy" not in k.lower()},
+                    "HELM_CACHE_HOME": str(home / "cache"), "HELM_CONFIG_HOME": str(home / "config"),
+                    "HELM_DATA_HOME": str(home / "data")}
+
+    def __call__(self, *args: str, check: bool = True, input: str | None = None,
+                 timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        cmd = [self.binary, f"--kubeconfig={self.kubeconfig}", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, input=input, timeout=timeout, check=False,
+                              env=self.env, cwd=ROOT)
+        if check and proc.returncode != 0:
+            raise KubectlError(proc.returncode, cmd, proc.stdout, proc.stderr)
+        return proc
+
+
+@pytest.fixture(scope="session")
+def helm(kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory) -> Helm:
+    return Helm(_helm_binary(), kubeconfig, tmp_path_factory.mktemp("helm-home"))
+
+
+@pytest.fixture(scope="session")
+def kustomize(kubectl: Kubectl) -> Callable[[str | Path], list[dict[str, Any]]]:
+    """kustomize(path) -> the documents `kubectl kustomize path` renders (what `apply -k` sends)."""
+    import yaml
+
+    def build(path: str | Path) -> list[dict[str, Any]]:
+        out = kubectl("kustomize", str(path)).stdout
+        return [d for d in yaml.safe_load_all(out) if d]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def third_party_crds() -> Path:
+    """Upstream CRDs copied from their Go modules by hack/build-k8s-bins.sh: KEDA's ScaledObject and
+    the Prometheus Operator's PodMonitor/ServiceMonitor (real schemas, not stand-ins)."""
+    if os.environ.get("OMNISTAGE_THIRD_PARTY_CRDS"):
+        return Path(os.environ["OMNISTAGE_THIRD_PARTY_CRDS"])
+    bin_dir = _bin_dir()
+    if bin_dir is None:
+        pytest.fail("no third-party CRDs: run `make k8s-bins`, or set OMNISTAGE_THIRD_PARTY_CRDS")
+    return bin_dir / "third-party-crds"
+
+
+def with_namespace(node: Any, namespace: str) -> Any:
+    """The manifests with every mention of their namespace (metadata, subjects, `--namespace=`
+    arguments) moved to `namespace`, the way the chart templates it."""
+    if isinstance(node, dict):
+        return {k: with_namespace(v, namespace) for k, v in node.items()}
+    if isinstance(node, list):
+        return [with_namespace(v, namespace) for v in node]
+    return node.replace(MANIFEST_NAMESPACE, namespace) if isinstance(node, str) else node
+
+
+@dataclass
+class OperatorIdentity:
+    """The operator's ServiceAccount and RBAC from manifests/ applied to the cluster, and a kubeconfig
+    that authenticates as that ServiceAccount with a token from the TokenRequest API, as the
+    Deployment's pod would. `kubectl` acts as the operator; `env` is the operator container's
+    environment from the Deployment (OMNISTAGE_ENGINE_IMAGE)."""
+
+    overlay: str
+    namespace: str
+    kubeconfig: Path
+    kubectl: Kubectl
+    env: dict[str, str]
+    objects: list[dict[str, Any]] = field(default_factory=list)
+    service_account: str = OPERATOR_SA
+
+    @property
+    def user(self) -> str:
+        return f"system:serviceaccount:{self.namespace}:{self.service_account}"
+
+    def can_i(self, verb: str, resource: str, namespace: str | None = None, subresource: str | None = None) -> bool:
+        """`kubectl auth can-i` as the operator (a SelfSubjectAccessReview: its own token asks).
+        namespace None: all namespaces (or a cluster-scoped resource)."""
+        where = ["-n", namespace] if namespace else ["--all-namespaces"]
+        sub = [f"--subresource={subresource}"] if subresource else []
+        proc = self.kubectl("auth", "can-i", verb, resource, *where, *sub, check=False)
+        answer = (proc.stdout.strip().split() or [""])[0]
+        if answer not in ("yes", "no"):
+            raise AssertionError(f"kubectl auth can-i {verb} {resource} answered {proc.stdout!r} {proc.stderr!r}")
+        return answer == "yes"
+
+
+# The kinds that make up the operator's identity; the CRD belongs to the omnistage_crd fixture and
+# the Deployment is replaced by the operator process of the tests.
+_IDENTITY_KINDS = {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+_OVERLAYS = {"base": MANIFESTS / "base", "namespaced": MANIFESTS / "overlays" / "namespaced"}
+
+
+@pytest.fixture(scope="session")
+def service_account_kubeconfig(kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Path]:
+    """service_account_kubeconfig(name, namespace) -> a kubeconfig (mode 0600) that authenticates as
+    that ServiceAccount with a token from the TokenRequest API (`kubectl create token`): a bound,
+    expiring token like the one the kubelet projects into a pod, on the session's cluster."""
+    cluster = kubectl.json("config", "view", "--raw", "--minify", "--flatten")["clusters"][0]["cluster"]
+
+    def make(name: str, namespace: str) -> Path:
+        # Long enough for the slowest session; the identities are deleted at its end anyway.
+        token = kubectl("create", "token", name, "-n", namespace, "--duration=6h").stdout.strip()
+        if not token:
+            pytest.fail(f"kubectl create token {name} -n {namespace} returned no token")
+        user = f"system:serviceaccount:{namespace}:{name}"
+        path = tmp_path_factory.mktemp(f"sa-{namespace}-{name}") / "kubeconfig"
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "cluster", "cluster": cluster}],
+            "users": [{"name": user, "user": {"token": token}}],
+            "contexts": [{"name": name, "context": {"cluster": "cluster", "user": user, "namespace": namespace}}],
+            "current-context": name,
+        }))
+        path.chmod(0o600)
+        return path
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def operator_identity(kubectl: Kubectl, kustomize, service_account_kubeconfig,
+                      omnistage_crd) -> Iterator[Callable[..., OperatorIdentity]]:
+    """operator_identity(overlay="base" | "namespaced", namespace=None) -> OperatorIdentity.
+
+    Renders manifests/base (cluster-wide: ClusterRole + ClusterRoleBinding) or
+    manifests/overlays/namespaced (RoleBinding in one namespace + cluster-wide CRD discovery) with
+    `kubectl kustomize`, keeps the Namespace, ServiceAccount and RBAC objects unchanged but for two
+    renames: the namespace (default: a fresh omnistage-system-<hex>, so sessions sharing a cluster
+    never share an identity, and a real installation on an existing cluster is left alone) and a
+    -<hex> suffix on cluster-scoped names. Applied server-side; removed at the end of the session.
+    Identities without an explicit namespace are cached for the session."""
+    made: list[OperatorIdentity] = []
+    cache: dict[str, OperatorIdentity] = {}
+
+    def make(overlay: str = "base", namespace: str | None = None) -> OperatorIdentity:
+        if namespace is None and overlay in cache:
+            return cache[overlay]
+        suffix = uuid.uuid4().hex[:5]
+        ns = namespace or f"{MANIFEST_NAMESPACE}-{suffix}"
+        rendered = kustomize(_OVERLAYS[overlay])
+        deployment = next(d for d in rendered if d["kind"] == "Deployment" and d["metadata"]["name"] == OPERATOR_SA)
+        container = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "operator")
+        env = {e["name"]: e["value"] for e in container.get("env") or [] if "value" in e}
+        objects = []
+        for doc in rendered:
+            if doc["kind"] not in _IDENTITY_KINDS:
+                continue
+            doc = with_namespace(doc, ns)
+            if doc["kind"] in ("ClusterRole", "ClusterRoleBinding"):
+                doc["metadata"]["name"] += f"-{suffix}"
+            if doc["kind"] in ("RoleBinding", "ClusterRoleBinding") and doc["roleRef"]["kind"] == "ClusterRole":
+                doc["roleRef"]["name"] += f"-{suffix}"
+            objects.append(doc)
+        kinds = sorted(d["kind"] for d in objects)
+        if "ServiceAccount" not in kinds or not {"RoleBinding", "ClusterRoleBinding"} & set(kinds):
+            pytest.fail(f"{_OVERLAYS[overlay]} renders no ServiceAccount with a binding (got {kinds})")
+        print(f"[identity] applying {overlay} RBAC for {ns}/{OPERATOR_SA}: "
+              + ", ".join(f"{d['kind']}/{d['metadata']['name']}" for d in objects), flush=True)
+        kubectl("apply", "--server-side", "--field-manager=omnistage-tests-identity", "-f", "-",
+                input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
+        path = service_account_kubeconfig(OPERATOR_SA, ns)
+        user = f"system:serviceaccount:{ns}:{OPERATOR_SA}"
+        ident = OperatorIdentity(overlay, ns, path, Kubectl(kubectl.binary, path), env, objects)
+        made.append(ident)
+        # RBAC is enforced from the authorizer's informer cache: wait until the binding counts.
+        probe_ns = None if overlay == "base" else ns
+        _wait_for(f"RBAC of {user} in effect", lambda: ident.can_i("list", CRD_NAME, probe_ns), timeout=60)
+        who = ident.kubectl.json("auth", "whoami")["status"]["userInfo"]["username"]
+        if who != user:
+            pytest.fail(f"the operator kubeconfig authenticates as {who!r}, not {user!r}")
+        if namespace is None:
+            cache[overlay] = ident
+        return ident
+
+    yield make
+    for ident in made:
+        for doc in ident.objects:
+            if doc["kind"] in ("ClusterRole", "ClusterRoleBinding"):
+                kubectl("delete", doc["kind"].lower(), doc["metadata"]["name"], "--ignore-not-found",
+                        "--wait=false", check=False)
+        if ident.namespace.startswith(f"{MANIFEST_NAMESPACE}-"):
+            kubectl("delete", "namespace", ident.namespace, "--ignore-not-found", "--wait=false", check=False)

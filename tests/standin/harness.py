@@ -56,13 +56,18 @@ def omnistage_command() -> list[str]:
 
 
 class OperatorProcess:
-    """`omnistage run` as users run it outside a cluster: KUBECONFIG in the environment."""
+    """`omnistage run` as users run it outside a cluster: KUBECONFIG in the environment.
+
+    The cluster tier passes the kubeconfig of the operator's own ServiceAccount (conftest.py
+    operator_identity) and the Deployment's environment (`env`), so the process has exactly the
+    rights and settings the installed operator has."""
 
     def __init__(self, kubeconfig: str | os.PathLike, log_path: Path, namespaces: list[str] | None = None,
-                 metrics_port: int = 0, probe_port: int = 0):
+                 metrics_port: int = 0, probe_port: int = 0, env: dict[str, str] | None = None):
         self.kubeconfig = str(kubeconfig)
         self.log_path = Path(log_path)
         self.namespaces = list(namespaces or [])
+        self.env = dict(env or {})
         self.metrics_port = metrics_port or _free_port()
         self.probe_port = probe_port or _free_port()
         self.popen: subprocess.Popen | None = None
@@ -77,14 +82,17 @@ class OperatorProcess:
     def start(self, ready_timeout: float = 60) -> None:
         self.starts += 1
         env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+        env.update(self.env)
         env["KUBECONFIG"] = self.kubeconfig
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as f:
-            f.write(f"\n===== [harness {_stamp()}] start #{self.starts}: {' '.join(self.argv)}\n".encode())
+            f.write(f"\n===== [harness {_stamp()}] start #{self.starts}: {' '.join(self.argv)}"
+                    f" (KUBECONFIG={self.kubeconfig}, env {sorted(self.env)})\n".encode())
             f.flush()
             self.popen = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=f,
                                           stderr=subprocess.STDOUT, start_new_session=True)
-        print(f"[operator {_stamp()}] started pid {self.popen.pid} (log {self.log_path})", flush=True)
+        print(f"[operator {_stamp()}] started pid {self.popen.pid} (log {self.log_path}, KUBECONFIG {self.kubeconfig})",
+              flush=True)
         # Ready once kopf serves its liveness probe (the handlers are registered by then).
         deadline, report = time.monotonic() + ready_timeout, time.monotonic() + 5
         while True:
@@ -133,6 +141,16 @@ class OperatorProcess:
 
     def metrics(self) -> str | None:
         return http_get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2)
+
+    # The API server's wording of an RBAC refusal, as it appears in the log (kopf and the kubernetes
+    # client print the Status body, sometimes JSON-escaped). A namespace being deleted answers 403
+    # too ("... because it is being terminated"): that is no RBAC refusal and does not match.
+    _RBAC_DENIAL = re.compile(r'cannot (\w+) resource \\*"([^"\\]+)\\*" in API group \\*"([^"\\]*)\\*"')
+
+    def rbac_denials(self) -> set[tuple[str, str, str]]:
+        """(verb, resource, group) of every request the API server refused for lack of RBAC."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return set(self._RBAC_DENIAL.findall(text))
 
 
 def _free_port() -> int:
