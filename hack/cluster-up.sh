@@ -157,7 +157,10 @@ KC
     --service-account-issuer=https://kubernetes.default.svc.cluster.local \
     --service-account-key-file="$P/sa.pub" --service-account-signing-key-file="$P/sa.key" \
     --service-cluster-ip-range="$SVC_CIDR" \
-    --authorization-mode=Node,RBAC --allow-privileged=true
+    --authorization-mode=Node,RBAC --allow-privileged=true \
+    --enable-admission-plugins=OwnerReferencesPermissionEnforcement
+  # OwnerReferencesPermissionEnforcement (on by default in OpenShift): setting blockOwnerDeletion
+  # needs `update` on the owner's finalizers, so the RBAC tests prove the operator's role has it.
   wait_for kube-apiserver 120 apiserver_ready
 
   # The project's CRDs go in before the controller manager starts: its garbage collector discovers
