@@ -28,6 +28,22 @@ lint: setup
 crd: setup
 	$(VENV)/bin/omnistage crd > crds/omnistage.serving.omnistage.io.yaml
 
+# Regenerate spec.template's schema from the Kubernetes OpenAPI v3 document of the version the
+# project builds (Go module cache, filled by hack/build-k8s-bins.sh), then the CRD and the chart.
+.PHONY: podtemplate-schema chart
+podtemplate-schema: setup
+	$(PY) hack/gen-podtemplate-schema.py
+
+# The Helm chart is generated from manifests/ (the one source); a cluster test fails on drift.
+chart: setup
+	$(PY) hack/gen-helm-chart.py
+
+# Regenerate docs/reference.md, the OmniStage API reference, from the API models (`omnistage docs`);
+# tests/unit/test_docs.py fails when the committed file drifts from them.
+.PHONY: docs
+docs: setup
+	$(VENV)/bin/omnistage docs > docs/reference.md
+
 # Regenerate the rendering golden files (review the diff before committing).
 golden: setup
 	OMNISTAGE_UPDATE_GOLDEN=1 $(PY) -m pytest tests/unit/test_render_golden.py -q
@@ -44,6 +60,32 @@ cluster-up:
 cluster-down:
 	bash hack/cluster-down.sh
 
+# The GPU tier, tests/gpu, against an existing GPU cluster (docs/gpu-tests.md). The operator runs IN the
+# cluster, installed from manifests/ (pod IPs are not reachable from here); this machine only talks to the
+# API server and, through kubectl port-forward, to 127.0.0.1. Set variables in the environment or as
+# `make test-gpu VAR=value`:
+#   KUBECONFIG                      required: the GPU cluster
+#   OMNISTAGE_GPU_OPERATOR_IMAGE    operator image to install (Dockerfile target operator; default: manifests')
+#   OMNISTAGE_GPU_ENGINE_IMAGE      engine image (Dockerfile target engine; default: manifests' OMNISTAGE_ENGINE_IMAGE)
+#   OMNISTAGE_GPU_OPERATOR          install (default: apply manifests/, remove it at the end) | existing
+#   OMNISTAGE_GPU_PRODUCT           GPU product label value (default NVIDIA-H200)
+#   OMNISTAGE_GPU_PRODUCT_LABEL     GPU product node label (default nvidia.com/gpu.product)
+#   OMNISTAGE_GPU_RESOURCE          GPU extended resource (default nvidia.com/gpu)
+#   OMNISTAGE_GPU_SAMPLE            OmniStage YAML to apply (default manifests/samples/omnistage.yaml)
+#   OMNISTAGE_GPU_REPLICAS          its spec.replicas (default 2; the scale test needs GPUs for one more)
+#   OMNISTAGE_GPU_NAMESPACE         namespace for it (default: a fresh omnistage-gpu-<hex>, deleted afterwards)
+#   OMNISTAGE_GPU_OMNISTAGE         NAMESPACE/NAME of a running OmniStage to test instead (operator: existing)
+#   OMNISTAGE_GPU_READY_TIMEOUT     seconds to become Ready / converge after a scale (default 3600)
+#   OMNISTAGE_GPU_KEEP              1: keep the namespace and the installed operator afterwards
+#   OMNISTAGE_KUBECTL               kubectl binary (default: kubectl on PATH)
+#   PYTEST_ARGS                     extra pytest arguments, e.g. PYTEST_ARGS="-k serving"
+# The target sets OMNISTAGE_USE_EXISTING_CLUSTER=1 and OMNISTAGE_GPU_CLUSTER=1 (without them tests/gpu skips).
+.PHONY: test-gpu
+test-gpu: setup
+	@test -n "$(KUBECONFIG)" || { echo "make test-gpu: set KUBECONFIG to the GPU cluster (docs/gpu-tests.md)" >&2; exit 2; }
+	OMNISTAGE_USE_EXISTING_CLUSTER=1 OMNISTAGE_GPU_CLUSTER=1 KUBECONFIG="$(KUBECONFIG)" \
+		$(PY) -m pytest tests/gpu -v $(PYTEST_ARGS)
+
 # tests/cluster on a kind cluster with fake H200 GPUs; needs Docker, kind and kubectl (see hack/kind/e2e.sh).
 e2e-kind: setup
 	PY=$(PY) bash hack/kind/e2e.sh
@@ -57,3 +99,23 @@ demo:
 .PHONY: demo-down
 demo-down:
 	OMNISTAGE_VENV=$(VENV) bash hack/demo.sh down
+
+# Benchmarks (tests/bench/): figures printed, nothing asserted.
+# bench-cache: the price of the processor-only stage-0 cache on the engine tier (real vLLM / vllm-omni
+# request path, no cluster, a few minutes on 2 cores); the plot and tables go to /tmp/omnistage-bench.
+.PHONY: bench-cache bench
+bench-cache: setup
+	$(PY) tests/bench/bench_cache.py
+
+# bench: every benchmark that runs without a cluster (bench_cache, bench_listing). bench_membership
+# needs a Kubernetes API server (the local control plane, started by it when not running, or
+# KUBECONFIG) and its own operator: it runs only when asked, `make bench BENCH_CLUSTER=1`.
+BENCH_CLUSTER ?=
+bench: setup
+	$(PY) tests/bench/bench_cache.py
+	$(PY) tests/bench/bench_listing.py
+	@if [ -n "$(BENCH_CLUSTER)" ]; then \
+	  $(PY) tests/bench/bench_membership.py; \
+	else \
+	  echo "bench_membership skipped: it needs the local control plane (make bench BENCH_CLUSTER=1)"; \
+	fi

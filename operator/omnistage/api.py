@@ -6,6 +6,8 @@ is what `kubectl explain` prints, and a rule's message here is what the API serv
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -18,6 +20,20 @@ KIND = "OmniStage"
 PLURAL = "omnistages"
 SINGULAR = "omnistage"
 SHORT_NAMES = ["ost"]
+
+# The engine image of OmniStages that leave spec.engine.image unset comes from the operator's
+# configuration, never from a CRD default: a default is written into every stored object, so an
+# operator upgrade would never move them. `omnistage run --engine-image` sets the variable, the
+# install manifests set it to the engine image released with the operator, and without it (e.g.
+# `omnistage render` on a laptop) the built-in default below applies.
+ENGINE_IMAGE_ENV = "OMNISTAGE_ENGINE_IMAGE"
+DEFAULT_ENGINE_IMAGE = "ghcr.io/omnistage/omnistage-engine:0.1.0"
+
+
+def operator_engine_image(environ: Mapping[str, str] = os.environ) -> str:
+    """The engine image the operator renders when spec.engine.image is unset."""
+    return (environ.get(ENGINE_IMAGE_ENV) or "").strip() or DEFAULT_ENGINE_IMAGE
+
 
 # Quantity strings as Kubernetes writes them (e.g. 16Gi, 512Mi, 1G).
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|K|M|G|T|P)?$"
@@ -93,16 +109,24 @@ class CacheSpec(_Model):
 
 class EnvVar(_Model):
     name: str = Field(min_length=1, description="Environment variable name.")
-    value: str = Field("", description="Environment variable value.")
+    value: str = Field("", description="Environment variable value (empty when valueFrom is set).")
+    # crd.py replaces this schema by core/v1 EnvVarSource's (podtemplate.schema.json).
+    value_from: dict[str, Any] | None = Field(
+        None, description="Source of the value (core/v1 EnvVarSource: secretKeyRef, configMapKeyRef, fieldRef, "
+        "resourceFieldRef), e.g. HF_TOKEN from a Secret.")
 
 
 class EngineSpec(_Model):
     """How the vllm-omni engine runs in the head and replica pods."""
 
-    image: str = Field(
-        "ghcr.io/omnistage/omnistage-engine:0.1.0",
+    image: str | None = Field(
+        None,
         min_length=1,
-        description="Engine image with vllm 0.30.0, vllm-omni 0.30.0 and this project's engine_patches plugin.",
+        description=(
+            "Engine image with vllm 0.30.0, vllm-omni 0.30.0 and this project's engine_patches plugin. Unset: the "
+            f"operator's default ({ENGINE_IMAGE_ENV} of the operator, else {DEFAULT_ENGINE_IMAGE}), so upgrading "
+            "the operator moves the OmniStage to its engine image; status.engineImage shows the one in use."
+        ),
     )
     image_pull_policy: str | None = Field(
         None, pattern="^(Always|IfNotPresent|Never)$", description="Image pull policy of the engine containers."
@@ -135,7 +159,10 @@ class EngineSpec(_Model):
     )
     env: list[EnvVar] = Field(
         default_factory=list, max_length=128,
-        description="Extra environment variables for the engine. VLLM_PLUGINS and OMNISTAGE_* belong to the operator.",
+        description=(
+            "Extra environment variables of the engine container (value or valueFrom), applied before spec.template. "
+            "VLLM_PLUGINS, POD_IP, VLLM_HOST_IP and OMNISTAGE_* belong to the operator."
+        ),
     )
     stage_overrides: dict[str, Any] = Field(
         default_factory=dict,
@@ -160,7 +187,8 @@ class GpuSpec(_Model):
 
 
 class PlacementSpec(_Model):
-    """Extra scheduling constraints for every engine pod."""
+    """Extra scheduling constraints for every engine pod: shorthand for the same fields of spec.template.spec
+    (tolerations, affinity, priorityClassName and schedulerName in one of the two places only)."""
 
     node_selector: dict[str, str] = Field(
         default_factory=dict, description="Extra node labels; merged with the GPU product selector."
@@ -221,6 +249,18 @@ class OmniStageSpec(_Model):
         "16Gi", pattern=QUANTITY_PATTERN, description="Size of the /dev/shm memory volume of each engine pod."
     )
     model_volume: ModelVolumeSpec | None = Field(None, description="Where the model weights come from.")
+    # crd.py replaces this schema by core/v1 PodTemplateSpec's (podtemplate.schema.json).
+    template: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "Pod template (core/v1 PodTemplateSpec) merged into the head and replica pods with Kubernetes' "
+            "strategic merge: containers merge by name (the engine container is named engine), env and "
+            "volumes by name, volumeMounts by mountPath; other lists (tolerations, envFrom...) replace. "
+            "spec.placement and spec.engine.env are applied first. Refused: the engine container's command, "
+            "args, image, ports and probes, the GPU resource, restartPolicy, the operator's volumes, mount "
+            "paths, environment variables, labels and annotations."
+        ),
+    )
 
 
 # Child names are NAME-head, NAME-replica-N, NAME-config...; they must stay valid label values.
@@ -281,6 +321,9 @@ class OmniStageStatus(_Model):
     selector: str = Field("", description="Label selector of the counted pods (scale subresource).")
     effective_cache_mode: EffectiveCacheMode | None = Field(None, description="The resolved stage-0 cache mode.")
     config_hash: str | None = Field(None, description="Hash of the rendered engine config and pod template.")
+    engine_image: str | None = Field(
+        None, description="Engine image of the current pod template: spec.engine.image, else the operator's default "
+        "(pods not rolled yet may still run an older one; see updatedReplicas).")
     head: HeadStatus | None = Field(None, description="The head pod.")
     engine: EngineStatus | None = Field(None, description="What the head's engine reported it runs.")
     membership_epoch: int | None = Field(None, description="Membership epoch last acknowledged by the head.")

@@ -36,10 +36,17 @@ def cmd_crd(_: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_docs(_: argparse.Namespace) -> int:
+    from .docs import reference_markdown
+
+    sys.stdout.write(reference_markdown())
+    return 0
+
+
 def cmd_render(args: argparse.Namespace) -> int:
     try:
         objs = _load_omnistages(args.filename)
-        targets = [target_from(o) for o in objs]
+        targets = [target_from(o, default_image=args.engine_image) for o in objs]
     except InvalidSpec as err:
         print(f"error: invalid {api.KIND} in {args.filename}:", file=sys.stderr)
         for field, message in err.problems:
@@ -50,8 +57,8 @@ def cmd_render(args: argparse.Namespace) -> int:
         return 2
     docs = []
     for t in targets:
-        print(f"# {t.namespace}/{t.name}: effective stage-0 cache mode {t.cache.mode} ({t.cache.reason})",
-              file=sys.stderr)
+        print(f"# {t.namespace}/{t.name}: effective stage-0 cache mode {t.cache.mode} ({t.cache.reason}); "
+              f"engine image {t.engine_image}", file=sys.stderr)
         token = args.token or secrets.token_urlsafe(32)
         docs += render_children(t, token, args.head_ip, args.head_uid).all()
     sys.stdout.write(dump_all(docs))
@@ -62,18 +69,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .operator_main import run  # kopf is imported only when the operator runs
 
     return run(namespaces=args.namespace, metrics_port=args.metrics_port, probe_port=args.probe_port,
-               bind=args.bind_address)
+               bind=args.bind_address, engine_image=args.engine_image)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omnistage", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("crd", help="print the OmniStage CustomResourceDefinition").set_defaults(func=cmd_crd)
+    sub.add_parser("docs", help="print the OmniStage API reference (docs/reference.md)").set_defaults(func=cmd_docs)
     r = sub.add_parser("render", help="print every child manifest of an OmniStage (like helm template)")
     r.add_argument("-f", "--filename", required=True, help="OmniStage YAML file, or - for stdin")
     r.add_argument("--head-ip", default=PLACEHOLDER_HEAD_IP, help="head pod IP to render into replica pods")
     r.add_argument("--head-uid", default=PLACEHOLDER_HEAD_UID, help="head pod UID to render into replica pods")
     r.add_argument("--token", help="membership token (default: a random one)")
+    r.add_argument("--engine-image", help=f"engine image where spec.engine.image is unset (default: "
+                   f"${api.ENGINE_IMAGE_ENV}, else {api.DEFAULT_ENGINE_IMAGE})")
     r.set_defaults(func=cmd_render)
     run = sub.add_parser("run", help="run the operator (kopf)")
     run.add_argument("-n", "--namespace", action="append", default=[],
@@ -81,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-port", type=int, default=8080, help="Prometheus /metrics port (0: off)")
     run.add_argument("--probe-port", type=int, default=8081, help="liveness/readiness probe port (0: off)")
     run.add_argument("--bind-address", default="0.0.0.0", help="address for /metrics and the probes")
+    run.add_argument("--engine-image", help=f"engine image of OmniStages that leave spec.engine.image unset "
+                     f"(default: ${api.ENGINE_IMAGE_ENV}, else {api.DEFAULT_ENGINE_IMAGE})")
     run.set_defaults(func=cmd_run)
     return p
 

@@ -1,14 +1,16 @@
 """Generate the OmniStage CustomResourceDefinition from the API models.
 
 Kubernetes wants a structural OpenAPI v3 schema: every node typed, no $ref, no anyOf for
-optional fields. Pydantic's JSON schema is close; `structural` closes the gap.
+optional fields. Pydantic's JSON schema is close; `structural` closes the gap. spec.template and
+spec.engine.env[].valueFrom are Kubernetes' own types: their schema is generated from the Kubernetes
+OpenAPI document (podtemplate.schema.json, hack/gen-podtemplate-schema.py) and embedded here.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import api
+from . import api, podtemplate
 from .validation import NAME_RULE_CEL, NAME_RULE_MESSAGE, SPEC_RULES
 from .yamlio import dump
 
@@ -66,8 +68,31 @@ def _sort_enum_defaults(schema: dict[str, Any]) -> None:
         _sort_enum_defaults(schema["items"])
 
 
+def _kubernetes_type(path: str | None, description: str) -> dict[str, Any]:
+    """The generated schema of a Kubernetes type (None: PodTemplateSpec itself) as a CRD carries it."""
+    node = podtemplate.schema() if path is None else podtemplate.subschema(path)
+    return {**podtemplate.without_patch_markers(node), "description": description}
+
+
+_TEMPLATE_PARTS = {
+    "metadata": "Labels and annotations added to the engine pods (the operator's own are refused).",
+    "spec": "Pod spec merged into the engine pods (core/v1 PodSpec; Kubernetes strategic merge).",
+}
+
+
+def _embed_kubernetes_types(spec_schema: dict[str, Any]) -> None:
+    props = spec_schema["properties"]
+    template = _kubernetes_type(None, props["template"]["description"])
+    for part, description in _TEMPLATE_PARTS.items():
+        template["properties"][part]["description"] = description
+    props["template"] = template
+    env = props["engine"]["properties"]["env"]["items"]["properties"]
+    env["valueFrom"] = _kubernetes_type("spec.containers.env.valueFrom", env["valueFrom"]["description"])
+
+
 def build_crd() -> dict[str, Any]:
     spec_schema = _schema_of(api.OmniStageSpec)
+    _embed_kubernetes_types(spec_schema)
     spec_schema["x-kubernetes-validations"] = [
         {"rule": r.cel, "message": r.message, "fieldPath": r.field} for r in SPEC_RULES if r.cel
     ]

@@ -442,6 +442,7 @@ def _status(p: Pass, previous: dict[str, Any], generation: int | None) -> dict[s
         "selector": selector(t),
         "effectiveCacheMode": str(t.cache.mode),
         "configHash": pods.annotation(render_head_pod(t), "serving.omnistage.io/config-hash"),
+        "engineImage": t.engine_image,
         "head": head_status,
         "engine": engine_truth.summary(p.report) or (
             previous.get("engine") if (previous.get("head") or {}).get("uid") == pods.uid(p.head) else None),

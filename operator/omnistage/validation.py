@@ -16,6 +16,7 @@ from typing import Any
 from omnistage_engine_patches import contract
 from pydantic import ValidationError
 
+from . import podtemplate as pt
 from .api import MAX_NAME_LENGTH, OPERATOR_OWNED_FLAGS, OmniStageSpec
 from .cachemode import SENDER_CACHE_WITH_DYNAMIC_MEMBERSHIP, membership_can_change
 
@@ -29,7 +30,9 @@ OPERATOR_OWNED_STAGE_KEYS = ["mm_processor_cache_type", "mm_processor_cache_gb",
 # engine (tests/standin); the real engine and its plugin never read them, so users may set them.
 OWNED_ENV_PREFIX = "OMNISTAGE_"
 STANDIN_ENV_PREFIX = "OMNISTAGE_STANDIN_"
-_OWNED_ENV_NAMES = sorted(n for n in contract.OPERATOR_OWNED_ENV if not n.startswith(OWNED_ENV_PREFIX))
+# Besides the contract's names and the prefix: the engine's address (the master address is $(POD_IP)).
+_OWNED_ENV_NAMES = sorted({*(n for n in contract.OPERATOR_OWNED_ENV if not n.startswith(OWNED_ENV_PREFIX)),
+                           *pt.ADDRESS_ENV})
 
 
 @dataclass(frozen=True)
@@ -103,20 +106,30 @@ def _owned_flags_cel() -> str:
 
 def _owned_env(name: str) -> bool:
     """VLLM_PLUGINS switches the engine plugin off; OMNISTAGE_* are its switches, the resolved
-    cache mode and the membership token. The operator renders all of them."""
+    cache mode and the membership token; POD_IP and VLLM_HOST_IP are the engine's address. The
+    operator renders all of them."""
     if name.startswith(STANDIN_ENV_PREFIX):
         return False
-    return name in contract.OPERATOR_OWNED_ENV or name.startswith(OWNED_ENV_PREFIX)
+    return name in _OWNED_ENV_NAMES or name in contract.OPERATOR_OWNED_ENV or name.startswith(OWNED_ENV_PREFIX)
 
 
 def _owned_env_items(spec: OmniStageSpec) -> list[str]:
     return [f"[{i}].name" for i, e in enumerate(spec.engine.env) if _owned_env(e.name)]
 
 
-def _owned_env_cel() -> str:
+def _not_owned_env_cel(var: str) -> str:
+    """CEL: the env var `var` is not the operator's (the same test as _owned_env)."""
     names = ", ".join(f"'{n}'" for n in _OWNED_ENV_NAMES)
-    return (f"!has(self.engine.env) || self.engine.env.all(e, !(e.name in [{names}]) && "
-            f"(!e.name.startsWith('{OWNED_ENV_PREFIX}') || e.name.startsWith('{STANDIN_ENV_PREFIX}')))")
+    return (f"!({var}.name in [{names}]) && "
+            f"(!{var}.name.startsWith('{OWNED_ENV_PREFIX}') || {var}.name.startsWith('{STANDIN_ENV_PREFIX}'))")
+
+
+def _owned_env_cel() -> str:
+    return f"!has(self.engine.env) || self.engine.env.all(e, {_not_owned_env_cel('e')})"
+
+
+def _env_value_and_source_items(spec: OmniStageSpec) -> list[str]:
+    return [f"[{i}]" for i, e in enumerate(spec.engine.env) if e.value_from is not None and e.value]
 
 
 # ---- spec.engine.stageOverrides -------------------------------------------------------------------
@@ -142,6 +155,129 @@ def _owned_stage_key(key: str) -> bool:
 
 def _owned_stage_paths(spec: OmniStageSpec) -> list[str]:
     return [path for path, key in _walk(spec.engine.stage_overrides) if _owned_stage_key(key)]
+
+
+# ---- spec.template ---------------------------------------------------------------------------------
+# Its schema is the API server's (crd.py); these rules keep what the operator renders the operator's.
+# Each reads the template defensively: a wrongly typed part is reported by the schema check instead.
+
+
+def _present(path: str) -> str:
+    """CEL: every step of self.<path> is present (has() of a missing parent is an error)."""
+    parts = path.split(".")
+    return " && ".join(f"has(self.{'.'.join(parts[:i + 1])})" for i in range(len(parts)))
+
+
+def _absent_or(path: str, holds: str) -> str:
+    return f"!({_present(path)}) || {holds}"
+
+
+def _template_meta(spec: OmniStageSpec, key: str) -> dict[str, Any]:
+    return pt.mapping(spec.template, "metadata", key)
+
+
+def _owned_label(key: str) -> bool:
+    return key in pt.OPERATOR_LABELS or key.startswith(pt.LABEL_PREFIX + "/")
+
+
+def _owned_label_items(spec: OmniStageSpec) -> list[str]:
+    return [f"[{k}]" for k in _template_meta(spec, "labels") if _owned_label(k)]
+
+
+def _owned_annotation_items(spec: OmniStageSpec) -> list[str]:
+    return [f"[{k}]" for k in _template_meta(spec, "annotations") if k.startswith(pt.LABEL_PREFIX + "/")]
+
+
+def _engine_owned_field_items(spec: OmniStageSpec) -> list[str]:
+    return [f"[{i}].{f}" for i, c in pt.engine_containers(spec.template) for f in pt.ENGINE_OWNED_FIELDS
+            if c.get(f) is not None]
+
+
+def _engine_owned_env_items(spec: OmniStageSpec) -> list[str]:
+    return [f"[{i}].env[{j}].name" for i, c in pt.engine_containers(spec.template)
+            for j, e in pt.objects(c.get("env")) if isinstance(e.get("name"), str) and _owned_env(e["name"])]
+
+
+def _owned_mount_paths(spec: OmniStageSpec) -> list[str]:
+    paths = [*pt.OPERATOR_MOUNT_PATHS, *([spec.model_volume.mount_path] if spec.model_volume else [])]
+    return [form for p in paths for form in (p, p + "/")]
+
+
+def _owned_mount(path: str, spec: OmniStageSpec) -> bool:
+    return path in _owned_mount_paths(spec) or any(path.startswith(d + "/") for d in pt.OPERATOR_FILE_DIRS)
+
+
+def _engine_owned_mount_items(spec: OmniStageSpec) -> list[str]:
+    return [f"[{i}].volumeMounts[{j}].mountPath" for i, c in pt.engine_containers(spec.template)
+            for j, m in pt.objects(c.get("volumeMounts"))
+            if isinstance(m.get("mountPath"), str) and _owned_mount(m["mountPath"], spec)]
+
+
+def _engine_container_cel(holds: str) -> str:
+    """CEL: `holds` (about container c) is true of the engine container of spec.template."""
+    return _absent_or("template.spec.containers",
+                      f"self.template.spec.containers.all(c, c.name != '{pt.ENGINE_CONTAINER}' || ({holds}))")
+
+
+def _engine_owned_fields_cel() -> str:
+    return _engine_container_cel("!(" + " || ".join(f"has(c.{f})" for f in pt.ENGINE_OWNED_FIELDS) + ")")
+
+
+def _gpu_request_items(field: str) -> Callable[[OmniStageSpec], list[str]]:
+    def broken(spec: OmniStageSpec) -> list[str]:
+        gpu = spec.gpu.resource
+        return [f"[{i}].resources.{kind}[{gpu}]" for i, c in pt.spec_items(spec.template, field)
+                for kind in ("limits", "requests") if gpu in pt.mapping(c, "resources", kind)]
+    return broken
+
+
+def _gpu_request_cel(field: str) -> str:
+    return _absent_or(f"template.spec.{field}", f"self.template.spec.{field}.all(c, !has(c.resources) || ("
+                      "(!has(c.resources.limits) || !(self.gpu.resource in c.resources.limits)) && "
+                      "(!has(c.resources.requests) || !(self.gpu.resource in c.resources.requests))))")
+
+
+def _owned_volume_items(spec: OmniStageSpec) -> list[str]:
+    return [f"[{i}].name" for i, v in pt.spec_items(spec.template, "volumes") if v.get("name") in pt.OPERATOR_VOLUMES]
+
+
+def _owned_pod_field_items(field: str) -> Callable[[OmniStageSpec], list[str]]:
+    return lambda s: [""] if pt.mapping(s.template, "spec").get(field) is not None else []
+
+
+def _product_selector_items(spec: OmniStageSpec) -> list[str]:
+    selector = pt.mapping(spec.template, "spec", "nodeSelector")
+    return [f"[{spec.gpu.product_label}]"] if spec.gpu.product_label in selector else []
+
+
+# spec.placement's fields that are single values or atomic lists in a PodSpec: a template value would
+# replace the placement's entirely (tolerations and affinity's terms are not merged by Kubernetes).
+_PLACEMENT_EXCLUSIVE = {"tolerations": "tolerations", "affinity": "affinity",
+                        "priority_class_name": "priorityClassName", "scheduler_name": "schedulerName"}
+
+
+def _placement_conflict_items(spec: OmniStageSpec) -> list[str]:
+    pod = pt.mapping(spec.template, "spec")
+    return [f".{name}" for field, name in _PLACEMENT_EXCLUSIVE.items()
+            if field in spec.placement.model_fields_set and pod.get(name) is not None]
+
+
+def _placement_conflict_cel() -> str:
+    return " && ".join(f"!(has(self.placement.{n}) && {_present('template.spec.' + n)})"
+                       for n in _PLACEMENT_EXCLUSIVE.values())
+
+
+def _template_schema_problems(spec: OmniStageSpec) -> list[tuple[str, str]]:
+    """What the API server's schema would refuse in spec.template and engine.env[].valueFrom (it
+    does refuse it there; `omnistage render` and objects from elsewhere meet this check)."""
+    problems = []
+    if spec.template is not None:
+        problems += pt.schema_problems(spec.template, pt.schema(), "spec.template")
+    value_from = pt.subschema("spec.containers.env.valueFrom")
+    for i, e in enumerate(spec.engine.env):
+        if e.value_from is not None:
+            problems += pt.schema_problems(e.value_from, value_from, f"spec.engine.env[{i}].valueFrom")
+    return problems
 
 
 def _model_volume_one_source(spec: OmniStageSpec) -> bool:
@@ -191,7 +327,8 @@ SPEC_RULES = [
         _owned_env_cel(),
         "spec.engine.env must not set variables the operator manages (" + ", ".join(_OWNED_ENV_NAMES)
         + f", {OWNED_ENV_PREFIX}*; the test stand-in's {STANDIN_ENV_PREFIX}* excepted): they switch the engine "
-        "plugin off or on, set the frontend cache and carry the membership token; use spec.cache for the cache",
+        "plugin off or on, set the frontend cache, carry the membership token and the engine's address; use "
+        "spec.cache for the cache",
         _owned_env_items,
     ),
     Rule(
@@ -208,6 +345,93 @@ SPEC_RULES = [
         "!has(self.modelVolume) || (has(self.modelVolume.pvc) ? 1 : 0) + (has(self.modelVolume.hostPath) ? 1 : 0) == 1",
         "spec.modelVolume needs exactly one of pvc or hostPath",
         _unless(_model_volume_one_source),
+    ),
+    Rule(
+        ".engine.env",
+        "!has(self.engine.env) || self.engine.env.all(e, !has(e.valueFrom) || !has(e.value) || e.value == '')",
+        "spec.engine.env entries take value or valueFrom, not both",
+        _env_value_and_source_items,
+    ),
+    Rule(
+        ".template.metadata.labels",
+        _absent_or("template.metadata.labels", "self.template.metadata.labels.all(k, !(k in ["
+                   + ", ".join(f"'{k}'" for k in pt.OPERATOR_LABELS) + f"]) && !k.startsWith('{pt.LABEL_PREFIX}/'))"),
+        f"spec.template.metadata.labels must not set the operator's labels ({', '.join(pt.OPERATOR_LABELS)}, "
+        f"{pt.LABEL_PREFIX}/*): the Services, the NetworkPolicy and the scale selector find the engine pods by them",
+        _owned_label_items,
+    ),
+    Rule(
+        ".template.metadata.annotations",
+        _absent_or("template.metadata.annotations",
+                   f"self.template.metadata.annotations.all(k, !k.startsWith('{pt.LABEL_PREFIX}/'))"),
+        f"spec.template.metadata.annotations must not set {pt.LABEL_PREFIX}/* annotations: they carry the "
+        "operator's pod template hash and each replica's head",
+        _owned_annotation_items,
+    ),
+    Rule(
+        ".template.spec.containers",
+        _engine_owned_fields_cel(),
+        f"spec.template.spec.containers: the engine container (name: {pt.ENGINE_CONTAINER}) must not set "
+        + ", ".join(pt.ENGINE_OWNED_FIELDS) + ": the operator renders them (use spec.engine.image, "
+        "spec.engine.extraArgs, spec.engine.httpPort/masterPort and spec.engine.startupTimeoutSeconds)",
+        _engine_owned_field_items,
+    ),
+    Rule(
+        ".template.spec.containers",
+        # No CEL: env (and volumeMounts below) are unbounded lists inside the unbounded containers list;
+        # the API server estimates such a rule at more than 100x its cost budget and refuses the CRD.
+        None,
+        "spec.template.spec.containers: the engine container's env must not set variables the operator manages ("
+        + ", ".join(_OWNED_ENV_NAMES) + f", {OWNED_ENV_PREFIX}*; the test stand-in's {STANDIN_ENV_PREFIX}* "
+        "excepted): they switch the engine plugin off or on, set the frontend cache, carry the membership token "
+        "and the engine's address",
+        _engine_owned_env_items,
+    ),
+    Rule(
+        ".template.spec.containers",
+        None,  # over the API server's CEL cost budget, as above
+        "spec.template.spec.containers: the engine container's volumeMounts must not use the operator's mount "
+        f"paths ({', '.join(pt.OPERATOR_MOUNT_PATHS)}, spec.modelVolume.mountPath, or below "
+        f"{' or '.join(pt.OPERATOR_FILE_DIRS)}): they hold the deploy config, the membership token, the "
+        "caches and the model; mount elsewhere",
+        _engine_owned_mount_items,
+    ),
+    *(Rule(
+        f".template.spec.{field}",
+        _gpu_request_cel(field),
+        f"spec.template.spec.{field} must not request the GPU resource (spec.gpu.resource): the operator sets it "
+        "on the engine container from spec.gpu.count",
+        _gpu_request_items(field),
+    ) for field in ("containers", "initContainers")),
+    Rule(
+        ".template.spec.volumes",
+        _absent_or("template.spec.volumes", "self.template.spec.volumes.all(v, !(v.name in ["
+                   + ", ".join(f"'{v}'" for v in pt.OPERATOR_VOLUMES) + "]))"),
+        "spec.template.spec.volumes must not use the operator's volume names (" + ", ".join(pt.OPERATOR_VOLUMES)
+        + "): a volume of the same name would replace the deploy config, /dev/shm, the cache, the membership "
+        "token or the model volume; name yours differently",
+        _owned_volume_items,
+    ),
+    Rule(
+        ".template.spec.restartPolicy",
+        "!(" + _present("template.spec.restartPolicy") + ")",
+        "spec.template.spec.restartPolicy is the operator's: the head restarts in place (Always), a replica "
+        "must not (Never: a restarted replica never registers with the head again and is replaced instead)",
+        _owned_pod_field_items("restartPolicy"),
+    ),
+    Rule(
+        ".template.spec.nodeSelector",
+        _absent_or("template.spec.nodeSelector", "!(self.gpu.productLabel in self.template.spec.nodeSelector)"),
+        "spec.template.spec.nodeSelector must not set the GPU product label (spec.gpu.productLabel): "
+        "use spec.gpu.product",
+        _product_selector_items,
+    ),
+    Rule(
+        ".placement",
+        _placement_conflict_cel(),
+        "spec.placement and spec.template.spec must not both set " + ", ".join(_PLACEMENT_EXCLUSIVE.values())
+        + ": Kubernetes does not merge these, so the template's would replace the placement's; set each in one place",
+        _placement_conflict_items,
     ),
 ]
 
@@ -244,6 +468,7 @@ def validate_omnistage(obj: dict[str, Any]) -> OmniStageSpec:
         spec = OmniStageSpec.model_validate(obj.get("spec") or {})
     except ValidationError as err:
         raise InvalidSpec(problems + _pydantic_problems(err)) from None
+    problems += _template_schema_problems(spec)
     problems += [(f"spec{r.field}{part}", r.message) for r in SPEC_RULES for part in r.broken(spec)]
     if problems:
         raise InvalidSpec(problems)

@@ -19,6 +19,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "manifests" / "samples" / "omnistage.yaml"
+PRODUCTION_SAMPLE = ROOT / "manifests" / "samples" / "omnistage-production.yaml"
 GPU = "nvidia.com/gpu"
 H200_LABEL = "nvidia.com/gpu.product"
 # kwok never pulls it; on kind it is already on every node (the kubelet's sandbox image).
@@ -99,6 +100,32 @@ def test_explain_describes_every_spec_field(omnistage_crd, kubectl):
         assert re.search(rf"^\s+{re.escape(path.rsplit('.', 1)[-1])}\s+<", recursive, re.MULTILINE), path
     mode = kubectl("explain", "omnistage.spec.cache.mode").stdout
     assert "processor-only" in mode
+
+
+def test_explain_template_field(omnistage_crd, kubectl):
+    """spec.template carries the real core/v1 schema (generated from the Kubernetes OpenAPI document),
+    not preserve-unknown-fields: kubectl explain walks into it like into a Deployment's template."""
+    out = kubectl("explain", "omnistage.spec.template.spec.containers.resources").stdout
+    print(out)
+    assert re.search(r"^FIELD:\s+resources <Object>", out, re.MULTILINE), out
+    assert "Compute Resources required by this container." in out
+    for field in ("claims", "limits", "requests"):
+        assert re.search(rf"^  {field}\s+<", out, re.MULTILINE), f"explain lacks {field}"
+    env = kubectl("explain", "omnistage.spec.template.spec.containers.env.valueFrom.secretKeyRef").stdout
+    assert re.search(r"^  key\s+<string> -required-", env, re.MULTILINE), env
+    value_from = kubectl("explain", "omnistage.spec.engine.env.valueFrom").stdout
+    assert "secretKeyRef" in value_from and "configMapKeyRef" in value_from
+
+
+def test_production_sample_passes_server_side_validation(omnistage_crd, kubectl, namespace):
+    """The GPU-cluster sample (PVC weights, HF_TOKEN from a Secret, imagePullSecret, pod template) is
+    valid for the API server. Dry run: its PVC, Secrets and RuntimeClass exist only on a real cluster."""
+    out = kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(PRODUCTION_SAMPLE), check=False)
+    assert out.returncode == 0, out.stderr
+    assert "created (server dry run)" in out.stdout, out.stdout
+    out = kubectl("apply", "--dry-run=server", "--server-side", "-n", namespace, "-f", str(PRODUCTION_SAMPLE),
+                  check=False)
+    assert out.returncode == 0, out.stderr
 
 
 def test_scale_subresource(sample, kubectl, namespace):
@@ -214,6 +241,48 @@ INVALID = [
      ["spec.modelVolume", "exactly one of pvc or hostPath"]),
     ("model-volume-no-source", {"modelVolume": {"mountPath": "/models"}},
      ["spec.modelVolume", "exactly one of pvc or hostPath"]),
+    ("env-value-and-value-from", {"engine": {"env": [{"name": "HF_TOKEN", "value": "t", "valueFrom": {
+        "secretKeyRef": {"name": "hf-token", "key": "token"}}}]}}, ["spec.engine.env", "value or valueFrom"]),
+    # spec.template: the core/v1 schema (types, unknown fields, quantities, list keys) ...
+    ("template-field-wrong-type", {"template": {"spec": {"containers": [
+        {"name": "engine", "resources": {"requests": {"cpu": True}}}]}}},
+     ["spec.template.spec.containers[0].resources.requests.cpu", "must be of type integer,string"]),
+    ("template-string-field-wrong-type", {"template": {"spec": {"priorityClassName": 5}}},
+     ["spec.template.spec.priorityClassName", "must be of type string"]),
+    ("template-bad-quantity", {"template": {"spec": {"containers": [
+        {"name": "engine", "resources": {"limits": {"memory": "lots"}}}]}}},
+     ["spec.template.spec.containers[0].resources.limits.memory", "should match"]),
+    ("template-unknown-field", {"template": {"spec": {"containers": [{"name": "engine", "resource": {}}]}}},
+     ['unknown field "spec.template.spec.containers[0].resource"']),
+    ("template-container-without-name", {"template": {"spec": {"containers": [{"image": "x"}]}}},
+     ["spec.template.spec.containers[0].name", "Required value"]),
+    ("template-duplicate-env", {"template": {"spec": {"containers": [
+        {"name": "engine", "env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}]}}},
+     ["spec.template.spec.containers[0].env[1]", "Duplicate value"]),
+    # ... and what the operator owns in it (CEL rules, operator/omnistage/validation.py)
+    ("template-operator-label", {"template": {"metadata": {"labels": {"serving.omnistage.io/role": "head"}}}},
+     ["spec.template.metadata.labels", "must not set the operator's labels"]),
+    ("template-operator-annotation", {"template": {"metadata": {"annotations": {
+        "serving.omnistage.io/template-hash": "0"}}}}, ["spec.template.metadata.annotations", "must not set"]),
+    ("template-engine-command", {"template": {"spec": {"containers": [{"name": "engine", "command": ["sh"]}]}}},
+     ["spec.template.spec.containers", "the engine container (name: engine) must not set"]),
+    ("template-engine-image", {"template": {"spec": {"containers": [{"name": "engine", "image": "mine:1"}]}}},
+     ["spec.template.spec.containers", "use spec.engine.image"]),
+    ("template-gpu-limit", {"template": {"spec": {"containers": [
+        {"name": "engine", "resources": {"limits": {"nvidia.com/gpu": 2}}}]}}},
+     ["spec.template.spec.containers", "must not request the GPU resource"]),
+    ("template-gpu-init-container", {"template": {"spec": {"initContainers": [
+        {"name": "fetch", "image": "x", "resources": {"requests": {"nvidia.com/gpu": 1}}}]}}},
+     ["spec.template.spec.initContainers", "must not request the GPU resource"]),
+    ("template-operator-volume", {"template": {"spec": {"volumes": [{"name": "config", "emptyDir": {}}]}}},
+     ["spec.template.spec.volumes", "must not use the operator's volume names"]),
+    ("template-restart-policy", {"template": {"spec": {"restartPolicy": "Always"}}},
+     ["spec.template.spec.restartPolicy", "is the operator's"]),
+    ("template-gpu-product-selector", {"template": {"spec": {"nodeSelector": {
+        "nvidia.com/gpu.product": "NVIDIA-B200"}}}}, ["spec.template.spec.nodeSelector", "use spec.gpu.product"]),
+    ("placement-and-template-tolerations", {"placement": {"tolerations": [{"key": "a", "operator": "Exists"}]},
+                                            "template": {"spec": {"tolerations": []}}},
+     ["spec.placement", "must not both set"]),
 ]
 
 
@@ -251,6 +320,21 @@ ACCEPTED = [
     ("batched-tokens", {"engine": {"stageOverrides": {"max_num_batched_tokens": 8192}}}),
     ("operator-only-nested-key", {"engine": {"stageOverrides": {"runtime": {"num_replicas": 3}}}}),
     ("operator-only-abbreviation", {"engine": {"extraArgs": ["--mm-processor-cache-t=shm"]}}),
+    ("env-value-from-secret", {"engine": {"env": [{"name": "HF_TOKEN", "valueFrom": {
+        "secretKeyRef": {"name": "hf-token", "key": "token"}}}]}}),
+    ("template-resources-and-identity", {"template": {
+        "metadata": {"labels": {"team": "mm"}, "annotations": {"example.com/owner": "mm"}},
+        "spec": {"serviceAccountName": "engine", "runtimeClassName": "nvidia", "priorityClassName": "high",
+                 "imagePullSecrets": [{"name": "regcred"}], "securityContext": {"runAsNonRoot": True},
+                 "containers": [{"name": "engine", "resources": {"requests": {"cpu": 16, "memory": "200Gi"}},
+                                 "envFrom": [{"secretRef": {"name": "tuning"}}]},
+                                {"name": "sidecar", "image": "x", "ports": [{"containerPort": 9901}]}]}}}),
+    # Lists inside the containers list are beyond the API server's CEL cost budget: the operator
+    # refuses these (Ready=False InvalidSpec; tests/unit/test_podtemplate.py).
+    ("operator-only-template-env", {"template": {"spec": {"containers": [
+        {"name": "engine", "env": [{"name": "OMNISTAGE_FRONTEND_CACHE", "value": "lru"}]}]}}}),
+    ("operator-only-template-mount", {"template": {"spec": {"containers": [
+        {"name": "engine", "volumeMounts": [{"name": "x", "mountPath": "/etc/omnistage"}]}]}}}),
 ]
 
 

@@ -40,7 +40,8 @@ def _walk(schema, path):
 def test_every_spec_field_is_described_and_structural():
     spec = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     for path, node in _walk(spec, "spec"):
-        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), path
+        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields") \
+            or node.get("x-kubernetes-int-or-string"), path
         if not path.endswith("[]"):
             assert node.get("description"), f"{path} has no description (kubectl explain shows nothing)"
         for banned in ("$ref", "anyOf", "allOf", "title"):

@@ -4,6 +4,7 @@ import os
 
 import pytest
 import yaml
+from omnistage.api import DEFAULT_ENGINE_IMAGE
 from omnistage.render import render_children, target_from
 from omnistage.yamlio import dump_all
 
@@ -16,14 +17,14 @@ TOKEN, HEAD_IP, HEAD_UID = "golden-token", "127.77.0.10", "00000000-0000-0000-00
 
 def render_scenario(name: str) -> str:
     obj = yaml.safe_load((ROOT / f"tests/unit/scenarios/{name}.yaml").read_text())
-    t = target_from(obj)
+    t = target_from(obj, default_image=DEFAULT_ENGINE_IMAGE)
     header = f"# scenario {name}: effective cache mode {t.cache.mode} ({t.cache.reason})\n"
     return header + dump_all(render_children(t, TOKEN, HEAD_IP, HEAD_UID).all())
 
 
 def test_all_scenarios_present():
     assert set(SCENARIOS) >= {"static-single", "two-replicas", "dynamic-one", "cache-disabled", "text-only",
-                              "custom-placement"}
+                              "custom-placement", "pod-template"}
 
 
 @pytest.mark.parametrize("name", SCENARIOS)

@@ -128,6 +128,9 @@ REFUSED = [
     ("token", env("OMNISTAGE_MEMBERSHIP_TOKEN"), "spec.engine.env[1].name", "membership token"),
     ("token-file", env("OMNISTAGE_MEMBERSHIP_TOKEN_FILE"), "spec.engine.env[1].name", "OMNISTAGE_*"),
     ("any-omnistage-env", env("OMNISTAGE_SOMETHING_NEW"), "spec.engine.env[1].name", "OMNISTAGE_*"),
+    # env: the engine's address (the head binds the master address on $(POD_IP))
+    ("pod-ip", env("POD_IP"), "spec.engine.env[1].name", "POD_IP"),
+    ("vllm-host-ip", env("VLLM_HOST_IP"), "spec.engine.env[1].name", "VLLM_HOST_IP"),
     # stageOverrides: cache and replica keys at any depth, and stage env carrying the operator's variables
     ("nested-replicas", stage({"runtime": {"num_replicas": 3}}), "spec.engine.stageOverrides.runtime.num_replicas",
      "spec.replicas"),

@@ -10,12 +10,9 @@ from typing import Any
 from .. import api
 from ..api import OmniStageSpec
 from ..cachemode import CacheDecision, resolve_cache_mode
+from ..podtemplate import L_INSTANCE, L_MANAGED_BY, L_NAME, LABEL_PREFIX
 from ..validation import validate_omnistage
 
-LABEL_PREFIX = api.GROUP
-L_NAME = "app.kubernetes.io/name"
-L_INSTANCE = "app.kubernetes.io/instance"
-L_MANAGED_BY = "app.kubernetes.io/managed-by"
 L_OMNISTAGE = f"{LABEL_PREFIX}/omnistage"
 L_COMPONENT = f"{LABEL_PREFIX}/component"   # "engine" for every stage-0 pod: what the scale selector counts
 L_ROLE = f"{LABEL_PREFIX}/role"             # "head" or "replica"
@@ -37,6 +34,7 @@ class Target:
     uid: str | None
     spec: OmniStageSpec
     cache: CacheDecision
+    engine_image: str  # spec.engine.image, else the operator's default
 
     @property
     def distributed(self) -> bool:
@@ -47,13 +45,18 @@ class Target:
         return f"{self.name}-{suffix}"
 
 
-def target_from(obj: dict[str, Any]) -> Target:
-    """Validate an OmniStage object; raises validation.InvalidSpec (cache rule included)."""
+def target_from(obj: dict[str, Any], default_image: str | None = None) -> Target:
+    """Validate an OmniStage object; raises validation.InvalidSpec (cache rule included).
+
+    default_image is the engine image when spec.engine.image is unset; None means the operator's
+    configuration (api.operator_engine_image: OMNISTAGE_ENGINE_IMAGE, else the built-in default),
+    read here so that every renderer stays a pure function of the Target."""
     spec = validate_omnistage(obj)
     meta = obj.get("metadata") or {}
     decision = resolve_cache_mode(spec.cache.mode, spec.membership, spec.replicas, spec.model_kind,
                                   spec.cache.size_gib)
-    return Target(meta["name"], meta.get("namespace") or "default", meta.get("uid"), spec, decision)
+    image = spec.engine.image or default_image or api.operator_engine_image()
+    return Target(meta["name"], meta.get("namespace") or "default", meta.get("uid"), spec, decision, image)
 
 
 def labels(t: Target, role: str | None = None) -> dict[str, str]:
@@ -81,8 +84,10 @@ def selector(t: Target) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(t).items()))
 
 
-def metadata(t: Target, name: str, role: str | None = None, annotations: dict[str, str] | None = None) -> dict:
-    meta: dict[str, Any] = {"name": name, "namespace": t.namespace, "labels": labels(t, role)}
+def metadata(t: Target, name: str, role: str | None = None, annotations: dict[str, str] | None = None,
+             extra_labels: dict[str, str] | None = None) -> dict:
+    """extra_labels: the pod template's (validation refused the operator's keys among them)."""
+    meta: dict[str, Any] = {"name": name, "namespace": t.namespace, "labels": {**labels(t, role), **(extra_labels or {})}}
     if annotations:
         meta["annotations"] = annotations
     if t.uid:

@@ -8,10 +8,10 @@ from typing import Any
 import yaml
 
 from ..api import EffectiveCacheMode
+from ..podtemplate import CONFIG_DIR
 from .common import Target, config_hash, metadata
 
 CONFIG_KEY = "deploy.yaml"
-CONFIG_DIR = "/etc/omnistage"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 
 

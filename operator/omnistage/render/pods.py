@@ -7,6 +7,22 @@ from typing import Any
 
 from omnistage_engine_patches import contract
 
+from .. import podtemplate
+from ..api import EnvVar
+from ..podtemplate import (
+    CACHE_DIR,
+    CONFIG_DIR,
+    ENGINE_CONTAINER,
+    POD_IP_ENV,
+    SHM_DIR,
+    TOKEN_DIR,
+    V_CACHE,
+    V_CONFIG,
+    V_MODEL,
+    V_SHM,
+    V_TOKEN,
+    VLLM_HOST_IP_ENV,
+)
 from .common import (
     A_CONFIG_HASH,
     A_HEAD_UID,
@@ -17,13 +33,21 @@ from .common import (
     Target,
     config_hash,
     content_hash,
+    labels,
     metadata,
 )
-from .config import CONFIG_DIR, CONFIG_PATH, deploy_yaml
+from .config import CONFIG_PATH, deploy_yaml
 
-TOKEN_DIR = "/var/run/secrets/omnistage"
 TOKEN_KEY = "token"
-CACHE_DIR = "/root/.cache"
+# Host CPU and memory each engine container requests per GPU it holds (spec.template overrides
+# either). Sized for a 30B model such as Qwen3-Omni-30B-A3B on one H200: the API server, the
+# multimodal processor (media decoding, the frontend cache) and the engine core, which busy-polls a
+# core, want several cores; ~60 GB of bf16 weights pass through host memory while loading, next to
+# the processor and receiver caches and torch/CUDA's own footprint. Requests without limits: the pod
+# is Burstable, not BestEffort (first to be evicted under memory pressure), and a memory limit would
+# turn a loading spike into an OOM kill. An 8-GPU H200 node (~2 TB, ~200 cores) fits 8 such pods.
+CPU_REQUEST_PER_GPU = 8
+MEMORY_REQUEST_GIB_PER_GPU = 64
 # vLLM loads only allow-listed plugins when VLLM_PLUGINS is set; vllm-omni's own entry must stay in.
 VLLM_PLUGINS = f"vllm_omni_register_models,{contract.GENERAL_PLUGIN},{contract.ENDPOINT_PLUGIN}"
 
@@ -38,10 +62,10 @@ def replica_pod_name(t: Target, index: int) -> str:
 
 def _env(t: Target, role: str) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         # vLLM otherwise finds its address with a UDP route probe; the pod IP is the right answer.
-        {"name": "VLLM_HOST_IP", "value": "$(POD_IP)"},
+        {"name": VLLM_HOST_IP_ENV, "value": f"$({POD_IP_ENV})"},
         {"name": contract.VLLM_PLUGINS_ENV, "value": VLLM_PLUGINS},
         {"name": "VLLM_CACHE_ROOT", "value": f"{CACHE_DIR}/vllm"},
     ]
@@ -59,8 +83,13 @@ def _env(t: Target, role: str) -> list[dict[str, Any]]:
             # A replica gets traffic only once the operator has joined it, i.e. once the engine's
             # report proved the cache guarantee (CacheConsistent).
             env.append({"name": contract.ROUTE_JOINED_ONLY_ENV, "value": "1"})
-    env += [{"name": v.name, "value": v.value} for v in t.spec.engine.env]
-    return env
+    return env + [_user_env(v) for v in t.spec.engine.env]
+
+
+def _user_env(v: EnvVar) -> dict[str, Any]:
+    if v.value_from is not None:
+        return {"name": v.name, "valueFrom": v.value_from}
+    return {"name": v.name, "value": v.value}
 
 
 def _head_args(t: Target) -> list[str]:
@@ -68,7 +97,8 @@ def _head_args(t: Target) -> list[str]:
     args = ["serve", t.spec.model, "--omni", "--deploy-config", CONFIG_PATH, "--host", "0.0.0.0",
             "--port", str(e.http_port)]
     if t.distributed:
-        args += ["--stage-id", "0", "--omni-master-address", "$(POD_IP)", "--omni-master-port", str(e.master_port),
+        args += ["--stage-id", "0", "--omni-master-address", f"$({POD_IP_ENV})",
+                 "--omni-master-port", str(e.master_port),
                  "--stage-init-timeout", str(e.startup_timeout_seconds),
                  "--init-timeout", str(e.startup_timeout_seconds)]
     if not e.log_stats:
@@ -80,31 +110,31 @@ def _replica_args(t: Target, head_ip: str) -> list[str]:
     e = t.spec.engine
     return ["serve", t.spec.model, "--omni", "--headless", "--deploy-config", CONFIG_PATH,
             "--stage-id", "0", "--omni-master-address", head_ip, "--omni-master-port", str(e.master_port),
-            "--omni-replica-address", "$(POD_IP)", "--worker-backend", "multi_process"] + list(e.extra_args)
+            "--omni-replica-address", f"$({POD_IP_ENV})", "--worker-backend", "multi_process"] + list(e.extra_args)
 
 
 def _volumes(t: Target, role: str) -> tuple[list[dict], list[dict]]:
     volumes = [
-        {"name": "config", "configMap": {"name": t.child_name("config")}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": t.spec.shm_size}},
-        {"name": "cache", "emptyDir": {}},
+        {"name": V_CONFIG, "configMap": {"name": t.child_name("config")}},
+        {"name": V_SHM, "emptyDir": {"medium": "Memory", "sizeLimit": t.spec.shm_size}},
+        {"name": V_CACHE, "emptyDir": {}},
     ]
     mounts = [
-        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-        {"name": "dshm", "mountPath": "/dev/shm"},
-        {"name": "cache", "mountPath": CACHE_DIR},
+        {"name": V_CONFIG, "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": V_SHM, "mountPath": SHM_DIR},
+        {"name": V_CACHE, "mountPath": CACHE_DIR},
     ]
     if role == ROLE_HEAD:
-        volumes.append({"name": "membership-token", "secret": {"secretName": t.child_name("membership")}})
-        mounts.append({"name": "membership-token", "mountPath": TOKEN_DIR, "readOnly": True})
+        volumes.append({"name": V_TOKEN, "secret": {"secretName": t.child_name("membership")}})
+        mounts.append({"name": V_TOKEN, "mountPath": TOKEN_DIR, "readOnly": True})
     mv = t.spec.model_volume
     if mv is not None:
         if mv.pvc is not None:
-            volumes.append({"name": "model", "persistentVolumeClaim": {
+            volumes.append({"name": V_MODEL, "persistentVolumeClaim": {
                 "claimName": mv.pvc.claim_name, "readOnly": mv.pvc.read_only}})
         else:
-            volumes.append({"name": "model", "hostPath": {"path": mv.host_path.path, "type": "Directory"}})
-        mounts.append({"name": "model", "mountPath": mv.mount_path, "readOnly": True})
+            volumes.append({"name": V_MODEL, "hostPath": {"path": mv.host_path.path, "type": "Directory"}})
+        mounts.append({"name": V_MODEL, "mountPath": mv.mount_path, "readOnly": True})
     return volumes, mounts
 
 
@@ -112,12 +142,16 @@ def _pod_spec(t: Target, role: str, args: list[str]) -> dict[str, Any]:
     s = t.spec
     volumes, mounts = _volumes(t, role)
     container: dict[str, Any] = {
-        "name": "engine",
-        "image": s.engine.image,
+        "name": ENGINE_CONTAINER,
+        "image": t.engine_image,
         "command": ["vllm"],
         "args": args,
         "env": _env(t, role),
-        "resources": {"limits": {s.gpu.resource: str(s.gpu.count)}},
+        "resources": {
+            "limits": {s.gpu.resource: str(s.gpu.count)},
+            "requests": {"cpu": str(CPU_REQUEST_PER_GPU * s.gpu.count),
+                         "memory": f"{MEMORY_REQUEST_GIB_PER_GPU * s.gpu.count}Gi"},
+        },
         "volumeMounts": mounts,
     }
     if s.engine.image_pull_policy:
@@ -135,8 +169,7 @@ def _pod_spec(t: Target, role: str, args: list[str]) -> dict[str, Any]:
         container["readinessProbe"] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
                                        "failureThreshold": 3}
         container["livenessProbe"] = {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 6}
-    tolerations = [{"key": s.gpu.resource, "operator": "Exists", "effect": "NoSchedule"}]
-    tolerations += s.placement.tolerations
+    tolerations = [_gpu_toleration(t), *s.placement.tolerations]
     spec: dict[str, Any] = {
         "restartPolicy": "Never" if role == ROLE_REPLICA else "Always",
         "containers": [container],
@@ -156,14 +189,31 @@ def _pod_spec(t: Target, role: str, args: list[str]) -> dict[str, Any]:
     return spec
 
 
+def _gpu_toleration(t: Target) -> dict[str, Any]:
+    return {"key": t.spec.gpu.resource, "operator": "Exists", "effect": "NoSchedule"}
+
+
 def _pod(t: Target, name: str, role: str, spec: dict[str, Any], extra: dict[str, str]) -> dict[str, Any]:
+    """The pod from the operator's spec with spec.template merged onto it (strategic merge; what the
+    operator owns was refused by validation, so the merge cannot change it)."""
+    merged = podtemplate.overlay({"metadata": {"labels": labels(t, role)}, "spec": spec}, t.spec.template)
+    spec = merged["spec"]
+    # Tolerations are an atomic list: a template's list replaces the operator's, so the GPU
+    # toleration (the operator's, like the GPU limit) is put back.
+    if _gpu_toleration(t) not in spec.get("tolerations", []):
+        spec["tolerations"] = [_gpu_toleration(t), *spec.get("tolerations", [])]
+    overlay_meta = merged.get("metadata") or {}
     annotations = {
         A_CONFIG_HASH: config_hash(deploy_yaml(t)),
-        # One hash over the config and the pod spec: any change means the pod must be rolled.
-        A_TEMPLATE_HASH: content_hash({"config": deploy_yaml(t), "spec": spec, "extra": extra}),
+        # One hash over the config, the pod spec and the template's labels and annotations: any
+        # change means the pod must be rolled.
+        A_TEMPLATE_HASH: content_hash({"config": deploy_yaml(t), "spec": spec, "extra": extra,
+                                       "metadata": overlay_meta}),
         **extra,
+        **overlay_meta.get("annotations", {}),
     }
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata(t, name, role, annotations), "spec": spec}
+    meta = metadata(t, name, role, annotations, overlay_meta.get("labels"))
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 
 def render_head_pod(t: Target) -> dict[str, Any]:
