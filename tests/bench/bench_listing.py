@@ -45,7 +45,7 @@ def fake_head(head_cls: type, n_routes: int, *, live: int, in_flight: int, loop:
     """A head with ``n_routes`` routes on stage 0: replica 0 head-local, the last ``live`` ones
     attached, every other one registered and departed."""
     routes = {(0, r): SimpleNamespace(replica_host=f"10.0.{r // 250}.{r % 250}",
-                                      input_bind_address=f"tcp://10.9.0.1:{20000 + r}")
+                                      input_bind_address=f"tcp://127.9.0.1:{20000 + r}")
               for r in range(n_routes)}
     master = SimpleNamespace(_stage_routes=routes, _stage_configs=dict.fromkeys(routes),
                              _head_local_slots={(0, 0)}, _alloc_lock=threading.Lock())

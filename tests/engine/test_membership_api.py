@@ -695,8 +695,8 @@ def test_listing_at_16k_routes_lists_the_right_entries():
         live_ids = [0, *range(n - live, n)]
         # One more of each other state: a registration still attaching, a pending slot.
         for rid, registered in ((n, True), (n + 1, False)):
-            master._stage_routes[(0, rid)] = SimpleNamespace(replica_host="10.1.0.1",
-                                                             input_bind_address=f"tcp://10.9.0.1:{40000 + rid}")
+            master._stage_routes[(0, rid)] = SimpleNamespace(replica_host="127.1.0.1",
+                                                             input_bind_address=f"tcp://127.9.0.1:{40000 + rid}")
             if registered:
                 master._stage_configs[(0, rid)] = None
         draining_of(pool).add(live_ids[1])

@@ -220,7 +220,7 @@ REFUSED = [
      "spec.template.spec.containers[1].env[1].name", "VLLM_PLUGINS", False),
     ("env-cache", refused(engine_with(env=[{"name": "OMNISTAGE_FRONTEND_CACHE", "value": "lru"}])),
      "spec.template.spec.containers[1].env[0].name", "frontend cache", False),
-    ("env-master-address", refused(engine_with(env=[{"name": "POD_IP", "value": "10.0.0.1"}])),
+    ("env-master-address", refused(engine_with(env=[{"name": "POD_IP", "value": "127.0.0.9"}])),
      "spec.template.spec.containers[1].env[0].name", "address", False),
     ("mount-config", refused(engine_with(volumeMounts=[{"name": "x", "mountPath": "/etc/omnistage"}])),
      "spec.template.spec.containers[1].volumeMounts[0].mountPath", "deploy config", False),

@@ -114,9 +114,9 @@ REFUSED = [
     ("api-server-count", args("--api-server-count=2"), "spec.engine.extraArgs[1]", "--api-server-count"),
     ("api-server-count-alias", args("-asc", "2"), "spec.engine.extraArgs[1]", "-asc"),
     # extraArgs: membership flags, aliases and abbreviations included
-    ("master-address-alias", args("-oma=10.0.0.1"), "spec.engine.extraArgs[1]", "-oma"),
-    ("master-address-abbrev", args("--omni-master-a", "10.0.0.1"), "spec.engine.extraArgs[1]", "abbreviation"),
-    ("replica-address-abbrev", args("-or", "10.0.0.1"), "spec.engine.extraArgs[1]", "abbreviation"),
+    ("master-address-alias", args("-oma=127.0.0.9"), "spec.engine.extraArgs[1]", "-oma"),
+    ("master-address-abbrev", args("--omni-master-a", "127.0.0.9"), "spec.engine.extraArgs[1]", "abbreviation"),
+    ("replica-address-abbrev", args("-or", "127.0.0.9"), "spec.engine.extraArgs[1]", "abbreviation"),
     ("headless", args("--headless"), "spec.engine.extraArgs[1]", "--headless"),
     ("port", args("--port=8001"), "spec.engine.extraArgs[1]", "spec.engine.httpPort"),
     ("omni-again", args("--omni"), "spec.engine.extraArgs[1]", "--omni"),
