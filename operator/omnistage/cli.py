@@ -69,7 +69,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .operator_main import run  # kopf is imported only when the operator runs
 
     return run(namespaces=args.namespace, metrics_port=args.metrics_port, probe_port=args.probe_port,
-               bind=args.bind_address, engine_image=args.engine_image)
+               bind=args.bind_address, engine_image=args.engine_image,
+               lease_namespace=args.leader_election_namespace, lease_name=args.leader_election_id)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--bind-address", default="0.0.0.0", help="address for /metrics and the probes")
     run.add_argument("--engine-image", help=f"engine image of OmniStages that leave spec.engine.image unset "
                      f"(default: ${api.ENGINE_IMAGE_ENV}, else {api.DEFAULT_ENGINE_IMAGE})")
+    run.add_argument("--leader-election-namespace", help="namespace of the leader-election Lease (default: "
+                     "$POD_NAMESPACE, else the in-cluster ServiceAccount's; neither: no election, one replica only)")
+    run.add_argument("--leader-election-id", default="omnistage-operator", help="name of the leader-election Lease")
     run.set_defaults(func=cmd_run)
     return p
 

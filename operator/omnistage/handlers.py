@@ -10,7 +10,7 @@ import time
 
 import kopf
 
-from . import api, kube
+from . import api, kube, leader
 from .metrics import RECONCILE_ERRORS, RECONCILE_SECONDS, STATUS
 from .reconcile import reconcile
 from .render.common import L_COMPONENT, L_OMNISTAGE
@@ -38,6 +38,8 @@ def _emitter(body):
 
 
 def _run(namespace: str, name: str, body) -> None:
+    if not leader.is_leading():  # a follower replica does nothing (leader.py)
+        return
     start = time.monotonic()
     try:
         reconcile(namespace, name, _emitter(body))
@@ -68,6 +70,8 @@ def start_resync(**_) -> None:
 def _resync_forever() -> None:
     while True:
         time.sleep(RESYNC_SECONDS)
+        if not leader.is_leading():  # a follower does not even list (leader.py)
+            continue
         try:
             literal = WATCHED_NAMESPACES and not any(set("*?[") & set(p) for p in WATCHED_NAMESPACES)
             # Namespaced mode may not list cluster-wide (RBAC); globs need the cluster-wide list.
@@ -97,6 +101,8 @@ def _watched(namespace: str) -> bool:
 def on_engine_pod(namespace: str, labels, type: str, **_) -> None:
     """A replica that disappears or turns NotReady must leave the engine now, not after its
     30 s heartbeat timeout; a new head needs its replicas rolled."""
+    if not leader.is_leading():  # a follower does not even read (leader.py)
+        return
     owner = labels[L_OMNISTAGE]
     obj = kube.get_omnistage(namespace, owner)
     if obj is None:

@@ -157,3 +157,43 @@ def delete_pod(namespace: str, name: str, uid: str | None = None, grace_seconds:
 def patch_pod_annotations(namespace: str, name: str, annotations: dict[str, str | None]) -> None:
     core().patch_namespaced_pod(name, namespace, {"metadata": {"annotations": annotations}})
 
+
+
+# ----- leader election (operator/omnistage/leader.py): one coordination.k8s.io/v1 Lease ----------
+
+def coordination() -> client.CoordinationV1Api:
+    return client.CoordinationV1Api(api_client())
+
+
+def read_lease(namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return api_client().sanitize_for_serialization(coordination().read_namespaced_lease(name, namespace))
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def create_lease(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any] | None:
+    """Create the Lease; None when another replica created it first (409)."""
+    body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": name, "namespace": namespace}, "spec": spec}
+    try:
+        return api_client().sanitize_for_serialization(coordination().create_namespaced_lease(namespace, body))
+    except ApiException as e:
+        if e.status == 409:
+            return None
+        raise
+
+
+def replace_lease(namespace: str, name: str, resource_version: str, spec: dict[str, Any]) -> dict[str, Any] | None:
+    """Update (PUT) the Lease only if it is still at `resource_version`; None when another replica
+    wrote it in between (409). The precondition is what makes two replicas unable to both win."""
+    body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": name, "namespace": namespace, "resourceVersion": resource_version}, "spec": spec}
+    try:
+        return api_client().sanitize_for_serialization(coordination().replace_namespaced_lease(name, namespace, body))
+    except ApiException as e:
+        if e.status == 409:
+            return None
+        raise

@@ -7,12 +7,13 @@ import os
 
 import kopf
 
-from . import api, handlers
+from . import api, handlers, leader
 from .metrics import serve
 
 
 def run(namespaces: list[str], metrics_port: int, probe_port: int, bind: str = "0.0.0.0",
-        engine_image: str | None = None) -> int:
+        engine_image: str | None = None, lease_namespace: str | None = None,
+        lease_name: str = leader.LEASE_NAME) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if engine_image:
         # The flag beats the environment; the reconcile loop reads the default from there
@@ -21,11 +22,29 @@ def run(namespaces: list[str], metrics_port: int, probe_port: int, bind: str = "
     logging.getLogger(__name__).info("engine image where spec.engine.image is unset: %s",
                                      api.operator_engine_image())
     handlers.WATCHED_NAMESPACES[:] = namespaces
+    lease_namespace = lease_namespace or leader.default_namespace()
+    elector = None
+    if lease_namespace:
+        elector = leader.Elector(lease_namespace, leader.default_identity(), lease_name)
+        logging.getLogger(__name__).info("leader election: Lease %s/%s as %s; idle until it holds it",
+                                         lease_namespace, lease_name, elector.identity)
+        elector.start()
+    else:
+        logging.getLogger(__name__).warning(
+            "leader election off (no --leader-election-namespace, $POD_NAMESPACE or in-cluster namespace): "
+            "run exactly one replica")
+    leader.configure(elector)
     serve(metrics_port, bind)
-    kopf.run(
-        clusterwide=not namespaces,
-        namespaces=namespaces or None,
-        standalone=True,  # no KopfPeering CRDs: one operator replica (Deployment strategy Recreate)
-        liveness_endpoint=f"http://{bind}:{probe_port}/healthz" if probe_port else None,
-    )
+    try:
+        kopf.run(
+            clusterwide=not namespaces,
+            namespaces=namespaces or None,
+            # No KopfPeering: with equal priorities kopf's peering freezes every replica; the Lease
+            # (leader.py) decides who acts, and kopf runs in every replica so a follower is warm.
+            standalone=True,
+            liveness_endpoint=f"http://{bind}:{probe_port}/healthz" if probe_port else None,
+        )
+    finally:
+        if elector is not None:
+            elector.release()  # a clean stop (rolling update) hands over at once
     return 0

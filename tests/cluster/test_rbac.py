@@ -10,6 +10,9 @@
   operator's own client) and leaves an OmniStage there alone.
 * Children carry blockOwnerDeletion: with OwnerReferencesPermissionEnforcement (OpenShift) that
   needs omnistages/finalizers update; checked when the API server runs the plugin.
+* Leader election (issue 10 section 4): a Role in the operator's own namespace, in both modes,
+  grants create on Leases and get/update on the one Lease `omnistage-operator`; any other Lease,
+  namespace or verb is refused.
 """
 
 from __future__ import annotations
@@ -69,6 +72,16 @@ REVIEWED: dict[tuple[str, str, str], str] = {
     ("", "events", "create"): "kopf.event (the operator's Events)",
 }
 
+# The leader-election Role (rbac.yaml, in the operator's namespace): (group, resource, verb,
+# resourceNames) -> who needs it. The Role must be exactly these.
+LEASE = "omnistage-operator"
+REVIEWED_LEASE: dict[tuple[str, str, str, tuple[str, ...]], str] = {
+    ("coordination.k8s.io", "leases", "create", ()): "kube.create_lease (first replica up)",
+    ("coordination.k8s.io", "leases", "get", (LEASE,)): "kube.read_lease (every round)",
+    ("coordination.k8s.io", "leases", "update", (LEASE,)): "kube.replace_lease (renew, take over, release)",
+}
+LEASES = "leases.coordination.k8s.io"
+
 # Dropped in issue 9 (secrets patch, events patch, events.k8s.io, omnistages/status get) or never
 # needed; each must be refused to the operator's token.
 REFUSED: list[tuple[str, str, str | None]] = [
@@ -89,6 +102,11 @@ REFUSED: list[tuple[str, str, str | None]] = [
 
 def _expand(rules: list[dict]) -> set[tuple[str, str, str]]:
     return {(g, r, v) for rule in rules for g in rule.get("apiGroups", [])
+            for r in rule.get("resources", []) for v in rule.get("verbs", [])}
+
+
+def _expand_named(rules: list[dict]) -> set[tuple[str, str, str, tuple[str, ...]]]:
+    return {(g, r, v, tuple(rule.get("resourceNames") or ())) for rule in rules for g in rule.get("apiGroups", [])
             for r in rule.get("resources", []) for v in rule.get("verbs", [])}
 
 
@@ -115,6 +133,14 @@ def test_cluster_role_is_exactly_the_reviewed_set():
     extra = [d for d in yaml.safe_load_all(ROLE.read_text()) if d and d["kind"] == "ClusterRole"]
     assert [_expand(d["rules"]) for d in extra] == [{("apiextensions.k8s.io", "customresourcedefinitions", "list"),
                                                      ("apiextensions.k8s.io", "customresourcedefinitions", "watch")}]
+    # Leases: one namespaced Role, bound in the operator's namespace only, never cluster-wide.
+    roles = [d for d in docs if d["kind"] == "Role"]
+    assert [d["metadata"]["name"] for d in roles] == ["omnistage-operator-leader-election"]
+    assert roles[0]["metadata"]["namespace"] == "omnistage-system"
+    assert _expand_named(roles[0]["rules"]) == REVIEWED_LEASE.keys()
+    binding = next(d for d in docs if d["kind"] == "RoleBinding")
+    assert binding["metadata"]["namespace"] == "omnistage-system" and binding["roleRef"]["kind"] == "Role"
+    assert not any("leases" in r.get("resources", []) for r in role["rules"]), "Leases in the ClusterRole"
 
 
 def test_operator_token_has_exactly_the_granted_verbs(operator_identity, namespace):
@@ -128,6 +154,22 @@ def test_operator_token_has_exactly_the_granted_verbs(operator_identity, namespa
         print(f"[rbac]   {'yes' if yes else 'NO ':3} {verb:7} {resource + ('.' + group if group else ''):45} {why}")
         if not yes:
             wrong.append(f"{verb} {resource} refused")
+    home = ident.namespace  # the Lease lives in the operator's own namespace
+    for (group, resource, verb, names), why in sorted(REVIEWED_LEASE.items()):
+        target = f"{resource}.{group}" + (f"/{names[0]}" if names else "")
+        yes = ident.can_i(verb, target, home)
+        print(f"[rbac]   {'yes' if yes else 'NO ':3} {verb:7} {target + ' -n ' + home:45} {why}")
+        if not yes:
+            wrong.append(f"{verb} {target} in {home} refused")
+    for verb, target, where in [("list", LEASES, home), ("watch", LEASES, home), ("delete", f"{LEASES}/{LEASE}", home),
+                                ("patch", f"{LEASES}/{LEASE}", home), ("get", f"{LEASES}/kube-scheduler", home),
+                                ("update", f"{LEASES}/other", home), ("create", LEASES, namespace),
+                                ("get", f"{LEASES}/{LEASE}", namespace), ("update", f"{LEASES}/{LEASE}", namespace),
+                                ("update", f"{LEASES}/kube-controller-manager", "kube-system")]:
+        yes = ident.can_i(verb, target, where)
+        print(f"[rbac]   {'YES' if yes else 'no ':3} {verb:7} {target + ' -n ' + where:45} (must be refused)")
+        if yes:
+            wrong.append(f"{verb} {target} in {where} granted")
     for verb, name, sub in REFUSED:
         yes = ident.can_i(verb, name, None if name in ("nodes", "namespaces", CRDS) or "rbac" in name else namespace,
                           sub)
@@ -156,6 +198,8 @@ def test_namespaced_operator_reconciles_its_namespace_and_cannot_reach_another(
             ("get", "secrets", home, None, True), ("create", "pods", home, None, True),
             ("patch", f"omnistages.{GROUP}", home, "status", True),
             ("list", CRDS, None, None, True),  # kopf's CRD observer (the overlay's discovery role)
+            ("update", f"{LEASES}/{LEASE}", home, None, True), ("create", LEASES, home, None, True),
+            ("update", f"{LEASES}/{LEASE}", other, None, False), ("create", LEASES, other, None, False),
             ("get", "secrets", other, None, False), ("list", "pods", other, None, False),
             ("create", "pods", other, None, False), ("list", f"omnistages.{GROUP}", other, None, False),
             ("list", f"omnistages.{GROUP}", None, None, False), ("list", "namespaces", None, None, False),
@@ -188,13 +232,18 @@ def test_namespaced_operator_reconciles_its_namespace_and_cannot_reach_another(
         standin = (StandinRuntime(kubeconfig=kubeconfig, namespaces=[home], state_dir=tmp_path / "standin")
                    if local_cluster else contextlib.nullcontext())
         with standin:
-            op = OperatorProcess(ident.kubeconfig, tmp_path / "operator.log", namespaces=[home], env=ident.env)
+            # With the Deployment's downward-API environment, so it also elects itself leader through
+            # the namespaced Lease grant (a refusal would show in its log, checked below).
+            op = OperatorProcess(ident.kubeconfig, tmp_path / "operator.log", namespaces=[home],
+                                 env={**ident.env, "POD_NAMESPACE": home, "POD_NAME": "omnistage-operator-0"})
             op.start()
             try:
                 for ns in (home, other):
                     kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(_sample(replicas=1)))
                 wait_for(f"the OmniStage in {home} Ready with its head", lambda: converged(
                     kubectl, home, "qwen3-omni", 1), timeout=READY_TIMEOUT, interval=1)
+                lease = kubectl.json("get", "lease", LEASE, "-n", home)["spec"]
+                assert lease["holderIdentity"] == "omnistage-operator-0", lease
 
                 # ... and leaves the OmniStage in `other` alone: nothing rendered, no status, for two
                 # full resync periods after `home` converged (a negative needs a bounded look).
