@@ -23,6 +23,26 @@ R_ENGINE_UNREPORTED = "EngineUnreported"  # the head has not said what it runs (
 R_PATCH_NOT_APPLIED = "PatchNotApplied"  # a patch the mode needs is skipped or disabled in the engine
 R_CACHE_MISMATCH = "CacheMismatch"  # the frontend built another cache than the OmniStage promises
 
+# ConfigRendered / Ready reasons.
+R_RENDERED = "Rendered"
+R_INVALID_SPEC = "InvalidSpec"
+
+# Event reasons (and Progressing reasons: what a pass did), one spelling for plan.py and act.py.
+R_CONFIG_RENDERED = "ConfigRendered"  # the ConfigMap was created or changed
+R_CHILD_SYNCED = "ChildSynced"  # a Service or the NetworkPolicy was created or changed
+R_CREATED_HEAD = "CreatedHead"
+R_ROLLING_HEAD = "RollingHead"
+R_HEAD_RESTARTED = "HeadRestarted"
+R_ROLLED_REPLICA = "RolledReplica"  # it belonged to a previous head
+R_REPLACED_REPLICA = "ReplacedReplica"  # its engine exited or it turned NotReady
+R_ROLLING_REPLICA = "RollingReplica"  # its pod template changed
+R_SCALED_DOWN = "ScaledDown"
+R_SCALED_UP = "ScaledUp"
+R_JOINED = "Joined"
+R_LEFT = "Left"
+R_DRAIN_TIMEOUT = "DrainTimeout"
+R_LEAVE_FAILED = "LeaveFailed"
+
 
 @dataclass(frozen=True)
 class Cond:
@@ -52,7 +72,7 @@ def merge(previous: list[dict[str, Any]], new: list[Cond], generation: int | Non
 def ready(head_ready: bool, replicas_available: bool, membership_synced: bool, config_ok: bool,
           cache_consistent: bool) -> Cond:
     if not config_ok:
-        return Cond(READY, False, "InvalidSpec", "the spec is invalid; see ConfigRendered")
+        return Cond(READY, False, R_INVALID_SPEC, "the spec is invalid; see ConfigRendered")
     missing = [n for n, ok in ((HEAD_READY, head_ready), (REPLICAS_AVAILABLE, replicas_available),
                                (MEMBERSHIP_SYNCED, membership_synced), (CACHE_CONSISTENT, cache_consistent)) if not ok]
     if missing:

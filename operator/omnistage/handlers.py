@@ -1,4 +1,7 @@
-"""kopf registrations, kept thin: every trigger runs the same reconcile()."""
+"""kopf registrations, kept thin: every trigger queues the same reconcile() for its OmniStage.
+
+Handlers and the resync thread only enqueue (workqueue.QUEUE): a bounded pool runs the passes, one
+OmniStage at a time per key, so a slow head delays nobody else and a handler never waits on one."""
 
 from __future__ import annotations
 
@@ -10,10 +13,12 @@ import time
 
 import kopf
 
-from . import api, kube, leader
-from .metrics import RECONCILE_ERRORS, RECONCILE_SECONDS, STATUS
-from .reconcile import reconcile
+from . import api, kube, leader, metrics
+from .act import DRAINS
+from .metrics import RECONCILE_SECONDS, STATUS
+from .reconcile import forget, reconcile
 from .render.common import L_COMPONENT, L_OMNISTAGE
+from .workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
 RESYNC_SECONDS = 5.0
@@ -26,7 +31,7 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=prefix)
     settings.watching.server_timeout = 60
     settings.posting.level = logging.INFO
-    # Several OmniStages reconcile in parallel; each one is serialised by reconcile()'s lock.
+    # Handlers only enqueue; the reconcile passes run on QUEUE's workers.
     settings.execution.max_workers = 8
 
 
@@ -34,20 +39,45 @@ def _emitter(body):
     ref = {"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND,
            "metadata": {"name": body["metadata"]["name"], "namespace": body["metadata"]["namespace"],
                         "uid": body["metadata"]["uid"]}}
-    return lambda etype, reason, message: kopf.event(ref, type=etype, reason=reason, message=message)
+
+    def emit(etype: str, reason: str, message: str) -> None:
+        try:
+            kopf.event(ref, type=etype, reason=reason, message=message)
+        except LookupError:  # no kopf posting context in this thread: an Event is not worth a failed pass
+            log.warning("%s/%s: Event %s not posted: %s", ref["metadata"]["namespace"], ref["metadata"]["name"],
+                        reason, message)
+    return emit
 
 
-def _run(namespace: str, name: str, body) -> None:
-    if not leader.is_leading():  # a follower replica does nothing (leader.py)
+def _work(namespace: str, name: str) -> None:
+    """One queued pass, measured; the series of an OmniStage found gone are removed after it."""
+    if not leader.is_leading():  # leadership lost while this pass was queued
         return
-    start = time.monotonic()
+    start, gone = time.monotonic(), False
     try:
-        reconcile(namespace, name, _emitter(body))
+        gone = reconcile(namespace, name, None, emitter=_emitter) is None
     except Exception as err:
-        RECONCILE_ERRORS.labels(namespace, name, type(err).__name__).inc()
+        metrics.reconcile_failed(namespace, name, type(err).__name__)
         raise
     finally:
         RECONCILE_SECONDS.labels(namespace, name).observe(time.monotonic() - start)
+        if gone:
+            metrics.forget(namespace, name)
+            forget(namespace, name)
+
+
+QUEUE = WorkQueue(_work, workers=8)
+DRAINS.on_done = QUEUE.enqueue  # a finished drain is deleted by the next pass, now
+
+
+def _run(namespace: str, name: str, body=None, from_kopf: bool = True) -> None:
+    if not leader.is_leading():  # a follower replica does nothing (leader.py)
+        return
+    if from_kopf:
+        # kopf posts Events through context variables that exist in its handlers' context (not yet
+        # in startup's): the workers run in a copy of the latest handler's.
+        QUEUE.context = contextvars.copy_context()
+    QUEUE.enqueue(namespace, name)
 
 
 @kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
@@ -63,7 +93,7 @@ def start_resync(**_) -> None:
     event announced (a head engine restarted in place, a lost watch). A plain thread, not a kopf
     timer: kopf timers put a finalizer on each OmniStage, which then blocks namespace deletion
     whenever the operator is down or the namespace refuses the children."""
-    ctx = contextvars.copy_context()  # kopf's event posting lives in context variables
+    ctx = contextvars.copy_context()
     threading.Thread(target=ctx.run, args=(_resync_forever,), name="omnistage-resync", daemon=True).start()
 
 
@@ -84,10 +114,7 @@ def _resync_forever() -> None:
             ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
             if not _watched(ns):
                 continue
-            try:
-                _run(ns, name, obj)
-            except Exception:
-                log.exception("resync of %s/%s failed", ns, name)
+            _run(ns, name, obj, from_kopf=False)  # queued: the loop never waits on a head
 
 
 WATCHED_NAMESPACES: list[str] = []  # set by operator_main.run; globs as kopf accepts them; [] = all
@@ -103,17 +130,15 @@ def on_engine_pod(namespace: str, labels, type: str, **_) -> None:
     30 s heartbeat timeout; a new head needs its replicas rolled."""
     if not leader.is_leading():  # a follower does not even read (leader.py)
         return
-    owner = labels[L_OMNISTAGE]
-    obj = kube.get_omnistage(namespace, owner)
-    if obj is None:
-        return
-    _run(namespace, owner, obj)
+    _run(namespace, labels[L_OMNISTAGE])
 
 
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
 def on_omnistage_event(namespace: str, name: str, type: str, **_) -> None:
     if type == "DELETED":
-        STATUS.observe(namespace, name, None)
+        # A last pass finds it gone and removes its metric series (after any pass still running).
+        metrics.forget(namespace, name)
+        _run(namespace, name)
 
 
 @kopf.on.probe(id="omnistages")

@@ -3,11 +3,16 @@ report, the membership listing, join and leave. Paths and field values come from
 contract module, so the two sides cannot drift apart.
 
 Calls are idempotent on the engine side, so transient failures (head still starting, connection
-refused, 5xx) are retried with backoff; a 4xx is an answer and is returned to the caller."""
+refused, 5xx) are retried with backoff; a 4xx is an answer and is returned to the caller.
+
+Timeouts are tight: these calls run on the reconcile workers (a draining leave runs on act.DRAINS),
+and a head that does not answer within them is reported unreachable rather than waited for. An
+unreachable head costs at most about CONNECT_SECONDS x attempts + the backoff per call."""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +22,12 @@ from omnistage_engine_patches import contract
 
 from .metrics import MEMBERSHIP_CALLS, MEMBERSHIP_SECONDS
 
+log = logging.getLogger(__name__)
 _pool = urllib3.PoolManager(retries=False)
+
+CONNECT_SECONDS = 1.0  # the head is in the cluster network: a connect takes milliseconds or never
+READ_SECONDS = 3.0  # report, listing and an undrained leave answer in milliseconds
+JOIN_SECONDS = 10.0  # a join attaches the replica's client to the stage pool on the head
 
 
 class HeadRefused(RuntimeError):
@@ -60,7 +70,7 @@ def _call(op: str, method: str, head: HeadClient, path: str, body: dict[str, Any
                 method, head.url(path),
                 body=json.dumps(body).encode() if body is not None else None,
                 headers={"Authorization": f"Bearer {head.token}", "Content-Type": "application/json"},
-                timeout=urllib3.Timeout(connect=2.0, read=timeout),
+                timeout=urllib3.Timeout(connect=CONNECT_SECONDS, read=timeout),
             )
         except urllib3.exceptions.HTTPError as err:
             MEMBERSHIP_CALLS.labels(op, "unreachable").inc()
@@ -84,27 +94,34 @@ def _call(op: str, method: str, head: HeadClient, path: str, body: dict[str, Any
         if attempt + 1 < attempts:
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
-    raise HeadUnreachable(f"{op} at {head.url(path)}: {last}")
+    # The message lands in conditions and Events: keep it stable across passes (urllib3's text
+    # carries object addresses), the full error goes to the log.
+    log.info("%s at %s: no answer: %s", op, head.url(path), last)
+    reason = str(last) if isinstance(last, HeadRefused) else type(last).__name__
+    raise HeadUnreachable(f"{op} at {head.url(path)}: no answer ({reason})")
 
 
 def report(head: HeadClient, attempts: int = 2) -> dict[str, Any]:
     """What the head process really runs (contract.EngineReport)."""
-    return _call("report", "GET", head, contract.ENGINE_PATH, None, timeout=10, attempts=attempts)
+    return _call("report", "GET", head, contract.ENGINE_PATH, None, timeout=READ_SECONDS, attempts=attempts)
 
 
 def listing(head: HeadClient, attempts: int = 2) -> dict[str, Any]:
-    return _call("list", "GET", head, contract.MEMBERSHIP_PATH, None, timeout=10, attempts=attempts)
+    return _call("list", "GET", head, contract.MEMBERSHIP_PATH, None, timeout=READ_SECONDS,
+                 attempts=attempts)
 
 
 def join(head: HeadClient, pod: str, ip: str, stage: int = 0) -> dict[str, Any]:
-    return _call("join", "POST", head, contract.JOIN_PATH, {"stage": stage, "pod": pod, "ip": ip}, timeout=30,
-                 attempts=3)
+    return _call("join", "POST", head, contract.JOIN_PATH, {"stage": stage, "pod": pod, "ip": ip},
+                 timeout=JOIN_SECONDS, attempts=2)
 
 
 def leave(head: HeadClient, replica_id: int, drain_seconds: int, stage: int = 0) -> dict[str, Any]:
-    """Stop routing to the replica, drain it up to `drain_seconds`, detach it, drop its metrics."""
+    """Stop routing to the replica, drain it up to `drain_seconds`, detach it, drop its metrics.
+    The head answers when drained, so a draining leave (drain_seconds > 0) belongs on act.DRAINS."""
     body = {"stage": stage, "replicaId": replica_id, "drainTimeoutSeconds": drain_seconds}
-    return _call("leave", "POST", head, contract.LEAVE_PATH, body, timeout=drain_seconds + 15, attempts=3)
+    return _call("leave", "POST", head, contract.LEAVE_PATH, body, timeout=drain_seconds + READ_SECONDS,
+                 attempts=3 if drain_seconds else 2)
 
 
 def members(listing: dict[str, Any], stage: int = 0) -> list[dict[str, Any]]:

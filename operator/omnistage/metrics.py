@@ -22,6 +22,33 @@ MEMBERSHIP_SECONDS = Histogram(
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
 
 
+_series_lock = threading.Lock()
+_error_types: dict[tuple[str, str], set[str]] = {}  # the RECONCILE_ERRORS label values made per OmniStage
+
+
+def reconcile_failed(namespace: str, name: str, error: str) -> None:
+    with _series_lock:
+        _error_types.setdefault((namespace, name), set()).add(error)
+    RECONCILE_ERRORS.labels(namespace, name, error).inc()
+
+
+def forget(namespace: str, name: str) -> None:
+    """Remove every series of a deleted OmniStage: at fleet scale, series of OmniStages long gone
+    would otherwise grow the scrape (and Prometheus' memory) without end."""
+    with _series_lock:
+        errors = _error_types.pop((namespace, name), set())
+    for error in errors:
+        try:
+            RECONCILE_ERRORS.remove(namespace, name, error)
+        except KeyError:
+            pass
+    try:
+        RECONCILE_SECONDS.remove(namespace, name)
+    except KeyError:
+        pass
+    STATUS.observe(namespace, name, None)
+
+
 class StatusCollector(Collector):
     """Reads the status each reconcile last wrote; nothing here is state the operator acts on."""
 

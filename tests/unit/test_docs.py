@@ -95,9 +95,13 @@ def test_reference_has_a_row_for_every_field_and_rule():
 # ----- troubleshooting: every reason the operator sets --------------------------------------------------
 
 def _literals(node: ast.AST):
-    """String constants an expression can evaluate to (through `x if c else y` and `a or b`)."""
+    """String constants an expression can evaluate to (through `x if c else y`, `a or b` and the named
+    constants of conditions.py, R_* and the condition types)."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         yield node.value
+    elif isinstance(node, ast.Name) and isinstance(getattr(conditions, node.id, None), str) \
+            and node.id.isupper():
+        yield getattr(conditions, node.id)
     elif isinstance(node, ast.IfExp):
         yield from _literals(node.body)
         yield from _literals(node.orelse)
@@ -124,14 +128,14 @@ def condition_reasons() -> set[str]:
 
 
 def progressing_actions() -> set[str]:
-    """What a pass appends to Progressing's reason: p.progressing.append(X) and _retire(p, pod, drain, X, why)."""
+    """What a pass appends to Progressing's reason: self.progressing.append(X) and _retire(pod, drain, X, why)."""
     found = set()
     for call, _ in _calls("append"):
         target = call.func.value if isinstance(call.func, ast.Attribute) else None
         if isinstance(target, ast.Attribute) and target.attr == "progressing":
             found |= set(_literals(call.args[0]))
     for call, _ in _calls("_retire"):
-        found |= set(_literals(call.args[3]))
+        found |= set(_literals(call.args[-2]))  # the reason: second to last, whatever comes first
     return found
 
 

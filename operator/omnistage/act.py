@@ -1,0 +1,145 @@
+"""The act step: executes plan.py's actions, one API or head call each, and decides nothing.
+
+The one thing it does not do inline is a draining `leave`: the head's leave endpoint answers only
+when the replica is drained (up to spec.engine.drainTimeoutSeconds), so it runs on a small executor
+of its own (DRAINS). Its outcome is recorded by pod uid and read by the next pass's plan (which then
+deletes the pod), and the OmniStage is queued again as soon as the leave returns.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from . import head_client, kube
+from .conditions import R_CHILD_SYNCED, R_CONFIG_RENDERED, R_DRAIN_TIMEOUT, R_JOINED, R_LEAVE_FAILED, R_LEFT
+from .head_client import HeadClient, HeadRefused, HeadUnreachable
+from .plan import (
+    DRAIN_DONE,
+    DRAIN_FAILED,
+    DRAIN_RUNNING,
+    Action,
+    Annotate,
+    CreatePod,
+    DeletePod,
+    Emit,
+    EnsureChild,
+    Forget,
+    Join,
+    StartLeave,
+)
+
+log = logging.getLogger(__name__)
+
+# Emits a Kubernetes Event on the OmniStage: (type "Normal"|"Warning", reason, message).
+EmitFn = Callable[[str, str, str], None]
+
+
+class Drains:
+    """Draining leaves, off the reconcile workers: a bounded pool, and the state of each by pod uid
+    (in memory only: after an operator restart the plan sees no record for a pod that carries the
+    `leaving` annotation and simply starts the leave again; the head's leave is idempotent)."""
+
+    def __init__(self, workers: int = 4):
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="omnistage-drain")
+        self._lock = threading.Lock()
+        self._state: dict[tuple[str, str], dict[str, str]] = {}  # (namespace, name) -> pod uid -> DRAIN_*
+        self.on_done: Callable[[str, str], None] = lambda namespace, name: None  # set by handlers: enqueue
+
+    def states(self, namespace: str, name: str) -> dict[str, str]:
+        with self._lock:
+            return dict(self._state.get((namespace, name), {}))
+
+    def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
+        with self._lock:
+            if uid is None:
+                self._state.pop((namespace, name), None)
+            else:
+                self._state.get((namespace, name), {}).pop(uid, None)
+
+    def _set(self, key: tuple[str, str], uid: str, state: str) -> None:
+        with self._lock:
+            self._state.setdefault(key, {})[uid] = state
+
+    def start(self, namespace: str, name: str, client: HeadClient, a: StartLeave, emit: EmitFn) -> None:
+        key = (namespace, name)
+        with self._lock:
+            if self._state.get(key, {}).get(a.uid) == DRAIN_RUNNING:
+                return
+            self._state.setdefault(key, {})[a.uid] = DRAIN_RUNNING
+
+        def run() -> None:
+            state = DRAIN_DONE
+            try:
+                ack = head_client.leave(client, a.replica_id, a.drain_seconds)
+                drained = ack.get("drained", True)
+                emit("Normal" if drained else "Warning", R_LEFT if drained else R_DRAIN_TIMEOUT,
+                     f"replica {a.replica_id} ({a.pod}) left the engine"
+                     + ("" if drained else f" after the {a.drain_seconds}s drain timeout with requests in flight"))
+            except (HeadUnreachable, HeadRefused) as err:
+                # The head cannot route to a replica it cannot reach either; its heartbeat timeout
+                # detaches the replica. Deleting keeps the scale-down moving.
+                state = DRAIN_FAILED
+                emit("Warning", R_LEAVE_FAILED, f"leave for {a.pod} failed ({err}); deleting anyway")
+            except Exception:  # never lose the record: a stuck RUNNING would hold the pod forever
+                state = DRAIN_FAILED
+                log.exception("leave for %s/%s failed", namespace, a.pod)
+            self._set(key, a.uid, state)
+            self.on_done(namespace, name)
+
+        # kopf posts Events through context variables: the drain thread runs in the caller's.
+        self._pool.submit(contextvars.copy_context().run, run)
+
+
+DRAINS = Drains()
+
+
+def act(namespace: str, actions: list[Action], client: HeadClient | None, emit: EmitFn, owner: str,
+        drains: Drains = DRAINS) -> list[str]:
+    """Execute in order; return what could not be done that status should say (membership problems)."""
+    problems: list[str] = []
+    for a in actions:
+        if isinstance(a, Emit):
+            emit(a.type, a.reason, a.message)
+        elif isinstance(a, EnsureChild):
+            result = kube.ensure(a.obj, a.compare)
+            if result != "unchanged":
+                emit("Normal", R_CONFIG_RENDERED if a.obj["kind"] == "ConfigMap" else R_CHILD_SYNCED,
+                     f"{a.obj['kind']} {a.obj['metadata']['name']} {result}")
+        elif isinstance(a, CreatePod):
+            pod, created = kube.create(a.obj)
+            if created:
+                emit("Normal", a.reason, a.message.format(pod=pod["metadata"]["name"]))
+        elif isinstance(a, DeletePod):
+            kube.delete_pod(namespace, a.name, uid=a.uid)
+            drains.forget(namespace, owner, a.uid)
+            if a.reason:
+                emit("Normal", a.reason, a.message)
+        elif isinstance(a, Annotate):
+            kube.patch_pod_annotations(namespace, a.name, a.annotations)
+        elif isinstance(a, StartLeave):
+            if client is not None:
+                drains.start(namespace, owner, client, a, emit)
+        elif isinstance(a, Forget):
+            try:
+                head_client.leave(client, a.replica_id, 0)
+                emit("Normal", R_LEFT, f"replica {a.replica_id} ({a.who}) left: its pod is gone")
+            except (HeadUnreachable, HeadRefused) as err:
+                problems.append(f"leave for departed replica {a.replica_id} failed: {err}")
+        elif isinstance(a, Join):
+            try:
+                ack = head_client.join(client, a.pod, a.ip)
+                emit("Normal", R_JOINED, f"replica pod {a.pod} joined the engine as replica {ack.get('replicaId')}")
+            except HeadRefused as err:
+                # Not registered, not attached, or the newest registration from this IP is a detached
+                # predecessor (kwok reuses pod IPs): wait. A replica whose engine really died fails
+                # its pod, and the failed pod is replaced by a later pass.
+                problems.append(f"{a.pod} has not joined yet: {err.explain()}")
+            except HeadUnreachable as err:
+                problems.append(f"join for {a.pod} failed: {err}")
+        else:  # pragma: no cover - a new action type without an executor is a programming error
+            raise TypeError(f"no executor for {a!r}")
+    return problems

@@ -1,0 +1,190 @@
+"""Issue 10 section 3: one slow head or a 30 s drain never delays another OmniStage.
+
+The work queue (one pass per OmniStage at a time, a bounded pool across OmniStages), the drain
+executor (a draining leave runs off the reconcile workers and is finished by a later pass), and
+the removal of a deleted OmniStage's metric series."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from omnistage import act as act_module
+from omnistage import metrics
+from omnistage.act import Drains, act
+from omnistage.head_client import HeadClient, HeadUnreachable
+from omnistage.plan import DRAIN_DONE, DRAIN_FAILED, DRAIN_RUNNING, Annotate, StartLeave
+from omnistage.workqueue import WorkQueue
+from prometheus_client import REGISTRY
+
+HEAD = HeadClient("127.0.0.1", 9, "token")
+
+
+def wait(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+# ---- the work queue ------------------------------------------------------------------------------
+
+def test_a_slow_omnistage_does_not_delay_another():
+    release, done = threading.Event(), []
+
+    def work(ns, name):
+        if name == "slow":
+            release.wait(10)  # a head that does not answer
+        done.append(name)
+
+    q = WorkQueue(work, workers=2)
+    q.enqueue("ns", "slow")
+    start = time.monotonic()
+    q.enqueue("ns", "fast")
+    assert wait(lambda: "fast" in done)
+    assert time.monotonic() - start < 1.0 and "slow" not in done
+    release.set()
+    assert wait(lambda: "slow" in done)
+
+
+def test_one_omnistage_is_never_reconciled_twice_at_once_and_no_trigger_is_lost():
+    running, overlaps, runs = set(), [], []
+    gate = threading.Event()
+
+    def work(ns, name):
+        if name in running:
+            overlaps.append(name)
+        running.add(name)
+        runs.append(name)
+        gate.wait(5)
+        running.discard(name)
+
+    q = WorkQueue(work, workers=4)
+    assert q.enqueue("ns", "a") is True
+    assert wait(lambda: runs == ["a"])
+    # Three triggers while it runs: one more pass afterwards, not three, and never in parallel.
+    assert [q.enqueue("ns", "a") for _ in range(3)] == [False, False, False]
+    gate.set()
+    assert wait(lambda: len(runs) == 2 and q.pending() == 0)
+    time.sleep(0.1)
+    assert runs == ["a", "a"] and overlaps == []
+
+
+def test_a_failing_pass_does_not_stop_the_worker():
+    runs = []
+
+    def work(ns, name):
+        runs.append(name)
+        raise RuntimeError("API server said no")
+
+    q = WorkQueue(work, workers=1)
+    q.enqueue("ns", "a")
+    assert wait(lambda: runs == ["a"] and q.pending() == 0)
+    q.enqueue("ns", "b")
+    assert wait(lambda: runs == ["a", "b"])
+
+
+# ---- drains --------------------------------------------------------------------------------------
+
+def test_a_30s_drain_does_not_block_the_reconcile_pass(monkeypatch):
+    """The act step returns at once; the leave runs on the drain pool, its end is recorded and the
+    OmniStage queued again, and the next pass (tests/unit/test_plan.py) deletes the pod."""
+    monkeypatch.setattr(act_module.kube, "patch_pod_annotations", lambda *a: None)
+    drains, finished, events, release = Drains(workers=2), [], [], threading.Event()
+    drains.on_done = lambda ns, name: finished.append((ns, name))
+    calls = []
+
+    def slow_leave(client, replica_id, drain_seconds):
+        calls.append((replica_id, drain_seconds))
+        release.wait(10)  # stands in for the head draining for up to drain_seconds
+        return {"drained": True}
+
+    monkeypatch.setattr(act_module.head_client, "leave", slow_leave)
+    start = time.monotonic()
+    leave = StartLeave("r-2", "uid-r2", 2, 30)
+    problems = act("ns", [Annotate("r-2", {"serving.omnistage.io/leaving": "ScaledDown"}), leave], HEAD,
+                   lambda *e: events.append(e), "ost", drains=drains)
+    took = time.monotonic() - start
+    assert problems == [] and took < 0.5, f"act waited {took:.2f}s for a drain"
+    assert wait(lambda: calls == [(2, 30)])
+    assert drains.states("ns", "ost") == {"uid-r2": DRAIN_RUNNING}
+    # A second pass while it drains does not start a second leave.
+    act("ns", [leave], HEAD, lambda *e: None, "ost", drains=drains)
+    release.set()
+    assert wait(lambda: drains.states("ns", "ost") == {"uid-r2": DRAIN_DONE})
+    assert calls == [(2, 30)] and finished == [("ns", "ost")]
+    assert events == [("Normal", "Left", "replica 2 (r-2) left the engine")]
+
+
+def test_a_leave_the_head_cannot_take_is_recorded_failed(monkeypatch):
+    drains, events = Drains(workers=1), []
+
+    def unreachable(client, replica_id, drain_seconds):
+        raise HeadUnreachable("leave at head: timed out")
+
+    monkeypatch.setattr(act_module.head_client, "leave", unreachable)
+    act("ns", [StartLeave("r-2", "uid-r2", 2, 30)], HEAD, lambda *e: events.append(e), "ost", drains=drains)
+    assert wait(lambda: drains.states("ns", "ost") == {"uid-r2": DRAIN_FAILED})
+    assert events[0][:2] == ("Warning", "LeaveFailed")
+
+
+def test_many_slow_drains_leave_the_reconcile_workers_free(monkeypatch):
+    """Measured: 8 OmniStages each scaling down while their heads drain for 1 s; the passes of all
+    of them finish in well under one drain."""
+    monkeypatch.setattr(act_module.head_client, "leave", lambda c, r, d: (time.sleep(1.0), {"drained": True})[1])
+    drains = Drains(workers=2)
+    passes = []
+
+    def work(ns, name):
+        act(ns, [StartLeave(f"{name}-r", f"uid-{name}", 1, 30)], HEAD, lambda *e: None, name, drains=drains)
+        passes.append(name)
+
+    q = WorkQueue(work, workers=2)
+    start = time.monotonic()
+    for i in range(8):
+        q.enqueue("ns", f"ost-{i}")
+    assert wait(lambda: len(passes) == 8)
+    elapsed = time.monotonic() - start
+    print(f"8 passes with a draining leave each: {elapsed * 1000:.0f} ms")
+    assert elapsed < 0.5
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+def _series(name: str, namespace: str, ost: str) -> list:
+    return [s for m in REGISTRY.collect() if m.name == name for s in m.samples
+            if s.labels.get("namespace") == namespace and s.labels.get("name") == ost]
+
+
+def test_series_of_a_deleted_omnistage_are_removed():
+    ns, other = "metrics-ns", "kept"
+    for ost in ("gone", other):
+        metrics.RECONCILE_SECONDS.labels(ns, ost).observe(0.1)
+        metrics.reconcile_failed(ns, ost, "ApiException")
+        metrics.reconcile_failed(ns, ost, "TimeoutError")
+        metrics.STATUS.observe(ns, ost, {"replicas": 2, "conditions": [{"type": "Ready", "status": "True"}]})
+    for family in ("omnistage_reconcile_duration_seconds", "omnistage_reconcile_errors", "omnistage_replicas",
+                   "omnistage_condition"):
+        assert _series(family, ns, "gone"), f"negative control: no {family} series before the delete"
+    metrics.forget(ns, "gone")
+    for family in ("omnistage_reconcile_duration_seconds", "omnistage_reconcile_errors", "omnistage_replicas",
+                   "omnistage_condition"):
+        assert _series(family, ns, "gone") == [], f"{family} still has a series of the deleted OmniStage"
+        assert _series(family, ns, other), f"{family} lost the series of an OmniStage that still exists"
+    metrics.forget(ns, "gone")  # twice (the DELETED event and the last pass): harmless
+    metrics.forget(ns, other)
+
+
+def test_an_event_that_cannot_be_posted_does_not_fail_the_pass():
+    """Outside kopf's posting context kopf.event raises LookupError; the pass goes on (negative
+    control: kopf.event itself does raise here)."""
+    import kopf
+    import pytest
+    from omnistage import handlers
+
+    ref = {"metadata": {"name": "ost", "namespace": "ns", "uid": "u"}}
+    with pytest.raises(LookupError):
+        kopf.event({"apiVersion": "v1", "kind": "Pod", **ref}, type="Normal", reason="R", message="m")
+    handlers._emitter(ref)("Normal", "Joined", "replica pod r-1 joined")

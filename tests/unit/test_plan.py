@@ -1,0 +1,343 @@
+"""plan(): the reconcile decision on a table of situations, with no API server and no head.
+
+Each situation is an observation (pods as the API returns them, the head's report and listing, the
+drains in flight) and the actions and status the plan must produce from it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from omnistage import plan as plan_module
+from omnistage import pods
+from omnistage.conditions import (
+    CACHE_CONSISTENT,
+    CONFIG_RENDERED,
+    MEMBERSHIP_SYNCED,
+    PROGRESSING,
+    R_CACHE_MISMATCH,
+    R_CONSISTENT,
+    R_ENGINE_UNREPORTED,
+    READY,
+)
+from omnistage.plan import (
+    DRAIN_DONE,
+    DRAIN_FAILED,
+    DRAIN_RUNNING,
+    Annotate,
+    CreatePod,
+    DeletePod,
+    Emit,
+    EnsureChild,
+    Forget,
+    Join,
+    Observed,
+    StartLeave,
+    plan,
+)
+from omnistage.render import render_head_pod, render_replica_pod, target_from
+from omnistage.validation import InvalidSpec
+from omnistage_engine_patches import contract
+
+from .conftest import SAMPLE
+
+HEAD_IP, HEAD_UID, BOOT = "127.77.0.10", "head-uid", "boot-1"
+AT = "2026-11-30T12:00:00Z"
+ALL_APPLIED = {name: {"outcome": contract.APPLIED} for name in contract.PATCHES}
+
+
+def omnistage(replicas=3, **spec):
+    obj = copy.deepcopy(SAMPLE)
+    obj["spec"].update(replicas=replicas, **spec)
+    obj["metadata"].update(namespace="serving", uid="ost-uid", generation=1)
+    obj["status"] = {"head": {"pod": "qwen3-omni-head", "uid": HEAD_UID, "bootId": BOOT}}
+    return obj
+
+
+def ready_status(ip, ready=True, phase="Running"):
+    return {"podIP": ip, "phase": phase, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+
+
+def head(t, *, ready=True, template="same", phase="Running"):
+    pod = render_head_pod(t)
+    pod["metadata"].update(uid=HEAD_UID, creationTimestamp="2026-11-30T00:00:00Z")
+    if template != "same":
+        pod["metadata"]["annotations"][pods.A_TEMPLATE_HASH] = "old"
+    pod["spec"]["nodeName"] = "h200-0"
+    pod["status"] = ready_status(HEAD_IP, ready, phase)
+    return pod
+
+
+def replica(t, i, *, ready=True, head_uid=HEAD_UID, leaving=None, phase="Running", template="same"):
+    pod = render_replica_pod(t, i, HEAD_IP, head_uid)
+    pod["metadata"].update(uid=f"uid-r{i}", creationTimestamp=f"2026-11-30T0{i}:00:00Z")
+    if leaving:
+        pod["metadata"]["annotations"][pods.A_LEAVING] = leaving
+    if template != "same":
+        pod["metadata"]["annotations"][pods.A_TEMPLATE_HASH] = "old"
+    pod["spec"]["nodeName"] = f"h200-{i}"
+    pod["status"] = ready_status(f"127.77.0.{10 + i}", ready, phase)
+    return pod
+
+
+def member(pod, replica_id, state=contract.ATTACHED):
+    return {"replicaId": replica_id, "pod": pods.name(pod), "host": pods.ip(pod), "state": state}
+
+
+def listing(*members, boot=BOOT):
+    local = {"replicaId": 0, "local": True, "host": HEAD_IP, "state": contract.ATTACHED}
+    return {"bootId": boot, "epoch": 7, "stages": {"0": [local, *members]}}
+
+
+def report(t, cache_class=None):
+    if cache_class is None:
+        cache_class = next(c for c, mode in contract.CACHE_CLASS_MODES.items() if mode == str(t.cache.mode))
+    return {"bootId": BOOT, "frontendCache": {"cacheClass": cache_class, "mode": contract.frontend_mode(cache_class)},
+            "patches": ALL_APPLIED}
+
+
+def situation(replicas=3, pods_=None, members=None, **kw):
+    """A head and `replicas - 1` joined, Ready replicas unless told otherwise."""
+    obj = omnistage(replicas)
+    t = target_from(obj)
+    rs = pods_(t) if pods_ else [replica(t, i) for i in range(1, replicas)]
+    ms = members(rs) if members else [member(r, i) for i, r in enumerate(rs, 1)]
+    o = {"obj": obj, "head": head(t), "replicas": tuple(rs), "head_reachable": True, "report": report(t),
+         "listing": listing(*ms)}
+    o.update(kw)
+    return t, Observed(**{k: v(t) if callable(v) and k in ("head", "report") else v for k, v in o.items()})
+
+
+def of(actions, kind):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def changes(actions):
+    return [a for a in actions if not isinstance(a, Emit | EnsureChild)]
+
+
+def cond(status, ctype):
+    return next(c for c in status["conditions"] if c["type"] == ctype)
+
+
+# ---- the table -----------------------------------------------------------------------------------
+
+def test_at_rest_nothing_changes_and_ready():
+    t, o = situation(3)
+    actions, status = plan(t, o, AT)
+    assert changes(actions) == []
+    assert len(of(actions, EnsureChild)) == 4  # ConfigMap, two Services, NetworkPolicy
+    assert cond(status, READY)["status"] == "True"
+    assert [m["state"] for m in status["members"]] == ["Joined", "Joined"]
+    assert status["registeredReplicas"] == 3 and status["updatedReplicas"] == 3
+
+
+def test_no_head_creates_the_head_and_no_replica():
+    t, o = situation(3, pods_=lambda t: [], members=lambda rs: [], head=None, head_reachable=False, report=None,
+                     listing=None)
+    actions, status = plan(t, o, AT)
+    creates = of(actions, CreatePod)
+    assert [c.obj["metadata"]["name"] for c in creates] == ["qwen3-omni-head"]
+    assert "CreatingHead" in cond(status, PROGRESSING)["reason"]
+
+
+def test_scale_up_creates_the_lowest_free_indices():
+    t, o = situation(4, pods_=lambda t: [replica(t, 2)], members=lambda rs: [member(rs[0], 5)])
+    actions, _ = plan(t, o, AT)
+    assert [pods.index(c.obj) for c in of(actions, CreatePod)] == [1, 3]
+    assert of(actions, DeletePod) == [] and of(actions, StartLeave) == []
+
+
+def test_scale_down_starts_drains_of_the_newest_and_deletes_nothing_yet():
+    t, o = situation(2, pods_=lambda t: [replica(t, 1), replica(t, 2), replica(t, 3)])
+    actions, status = plan(t, o, AT)
+    leaves = of(actions, StartLeave)
+    assert [(a.pod, a.replica_id, a.drain_seconds) for a in leaves] == [
+        ("qwen3-omni-replica-3", 3, t.spec.engine.drain_timeout_seconds),
+        ("qwen3-omni-replica-2", 2, t.spec.engine.drain_timeout_seconds)]
+    assert {a.name for a in of(actions, Annotate)} == {"qwen3-omni-replica-2", "qwen3-omni-replica-3"}
+    assert of(actions, DeletePod) == []  # the pods stay until their drain is over
+    assert [m["state"] for m in status["members"]] == ["Joined", "Leaving", "Leaving"]
+    assert "ScaledDown" in cond(status, PROGRESSING)["reason"]
+
+
+def test_victims_are_chosen_by_choose_victims_unscheduled_first():
+    def rs(t):
+        unscheduled = replica(t, 1, ready=False)
+        unscheduled["spec"].pop("nodeName")
+        return [unscheduled, replica(t, 2), replica(t, 3)]
+    t, o = situation(3, pods_=rs, members=lambda rs: [member(r, i) for i, r in enumerate(rs[1:], 2)])
+    actions, _ = plan(t, o, AT)
+    # Not a member (never joined): nothing to drain, deleted at once.
+    assert [(a.name, a.reason) for a in of(actions, DeletePod)] == [("qwen3-omni-replica-1", "ScaledDown")]
+    assert of(actions, StartLeave) == []
+
+
+@pytest.mark.parametrize(("drain", "expect"), [
+    (DRAIN_RUNNING, "wait"), (DRAIN_DONE, "delete"), (DRAIN_FAILED, "delete"), (None, "leave again")])
+def test_a_draining_replica_is_finished_on_a_later_pass(drain, expect):
+    t, o = situation(2, pods_=lambda t: [replica(t, 1), replica(t, 2, leaving="ScaledDown")],
+                     drains={"uid-r2": drain} if drain else {})
+    actions, status = plan(t, o, AT)
+    leaving = [a for a in changes(actions) if getattr(a, "name", getattr(a, "pod", None)) == "qwen3-omni-replica-2"]
+    if expect == "wait":
+        assert leaving == []
+    elif expect == "delete":
+        assert leaving == [DeletePod("qwen3-omni-replica-2", "uid-r2", "ScaledDown",
+                                     "deleted replica pod qwen3-omni-replica-2: spec.replicas is 2")]
+    else:  # an operator restarted mid-drain: the annotation says a leave was decided, tell the head again
+        assert leaving == [StartLeave("qwen3-omni-replica-2", "uid-r2", 2, t.spec.engine.drain_timeout_seconds)]
+    assert of(actions, CreatePod) == []  # the leaving pod is not replaced: spec.replicas is met
+    states = [m["state"] for m in status["members"]]
+    assert states == (["Joined"] if expect == "delete" else ["Joined", "Leaving"])
+
+
+def test_a_leaving_replica_the_head_no_longer_lists_is_deleted():
+    t, o = situation(2, pods_=lambda t: [replica(t, 1), replica(t, 2, leaving="ScaledDown")],
+                     members=lambda rs: [member(rs[0], 1), member(rs[1], 2, state=contract.LEFT)])
+    actions, _ = plan(t, o, AT)
+    assert [a.name for a in of(actions, DeletePod)] == ["qwen3-omni-replica-2"]
+    assert of(actions, StartLeave) == []
+
+
+def test_head_engine_restarted_rolls_every_replica_and_joins_nobody():
+    t, o = situation(3, listing=listing(boot="boot-2"))
+    actions, status = plan(t, o, AT)
+    assert {a.name for a in of(actions, DeletePod)} == {"qwen3-omni-replica-1", "qwen3-omni-replica-2"}
+    assert any(e.reason == "HeadRestarted" for e in of(actions, Emit))
+    assert of(actions, Join) == []
+    # Their successors get new names: the old ones are still terminating under theirs.
+    assert [pods.index(c.obj) for c in of(actions, CreatePod)] == [3, 4]
+    assert status["head"]["bootId"] == BOOT  # the report's boot id (fixture); the listing's in the next pass
+
+
+def test_head_template_changed_rolls_the_head_first():
+    t, o = situation(3, head=lambda t: head(t, template="old"))
+    actions, status = plan(t, o, AT)
+    assert [a.name for a in of(actions, DeletePod)] == ["qwen3-omni-head"]
+    assert of(actions, StartLeave) == [] and of(actions, Join) == [] and of(actions, CreatePod) == []
+    assert "RollingHead" in cond(status, PROGRESSING)["reason"]
+
+
+@pytest.mark.parametrize(("make", "reason"), [
+    (lambda t: replica(t, 2, head_uid="previous-head"), "RolledReplica"),
+    (lambda t: replica(t, 2, phase="Failed"), "ReplacedReplica"),
+    (lambda t: replica(t, 2, ready=False), "ReplacedReplica"),
+])
+def test_stale_replicas_leave_without_a_drain(make, reason):
+    t, o = situation(3, pods_=lambda t: [replica(t, 1), make(t)])
+    actions, _ = plan(t, o, AT)
+    assert of(actions, Annotate) == [Annotate("qwen3-omni-replica-2", {pods.A_LEAVING: reason})]
+    # Listed by the head (same name): told to leave with no drain; the pod goes when it has.
+    assert [(a.pod, a.drain_seconds) for a in of(actions, StartLeave)] == [("qwen3-omni-replica-2", 0)]
+    # Its replacement does not wait for it (a new index).
+    assert [pods.index(c.obj) for c in of(actions, CreatePod)] == [3]
+
+
+def test_stale_replica_the_head_does_not_know_is_deleted_at_once():
+    t, o = situation(3, pods_=lambda t: [replica(t, 1), replica(t, 2, head_uid="previous-head")],
+                     members=lambda rs: [member(rs[0], 1)])
+    actions, _ = plan(t, o, AT)
+    assert [(a.name, a.reason) for a in of(actions, DeletePod)] == [("qwen3-omni-replica-2", "RolledReplica")]
+
+
+def test_invalid_spec_deletes_nothing():
+    _, o = situation(3)
+    actions, status = plan(InvalidSpec([("spec.cache.mode", "lru needs a static single replica")]), o, AT)
+    assert changes(actions) == []
+    assert [e.reason for e in of(actions, Emit)] == ["InvalidSpec"]
+    assert cond(status, CONFIG_RENDERED)["status"] == "False" and cond(status, READY)["reason"] == "InvalidSpec"
+    # Said once: the same invalid spec on the next pass emits nothing.
+    again, _ = plan(InvalidSpec([("spec.cache.mode", "lru needs a static single replica")]),
+                    Observed({**o.obj, "status": status}), AT)
+    assert again == []
+
+
+def test_unreachable_head_no_membership_calls_scale_down_deletes_without_a_drain():
+    t, o = situation(2, pods_=lambda t: [replica(t, 1), replica(t, 2)], report=None, listing=None,
+                     report_problem="head unreachable: timed out", listing_problem="timed out")
+    actions, status = plan(t, o, AT)
+    assert of(actions, Join) == [] and of(actions, Forget) == [] and of(actions, StartLeave) == []
+    # Nobody to tell: its heartbeat timeout detaches the replica; the scale-down does not wait.
+    assert [a.name for a in of(actions, DeletePod)] == ["qwen3-omni-replica-2"]
+    assert cond(status, CACHE_CONSISTENT)["reason"] == R_ENGINE_UNREPORTED
+    assert cond(status, MEMBERSHIP_SYNCED)["message"] == "head unreachable: timed out"
+    assert cond(status, READY)["status"] == "False"
+
+
+def test_joins_are_held_while_cache_consistent_is_false():
+    t, o = situation(3, members=lambda rs: [], report=lambda t: report(t, "MultiModalProcessorSenderCache"))
+    actions, status = plan(t, o, AT)
+    assert of(actions, Join) == []
+    assert cond(status, CACHE_CONSISTENT)["reason"] == R_CACHE_MISMATCH
+    assert [e.reason for e in of(actions, Emit)] == [R_CACHE_MISMATCH]
+    assert all(m["state"] == "Joining" and m["reason"] == f"{CACHE_CONSISTENT}: {R_CACHE_MISMATCH}"
+               for m in status["members"])
+    assert "is not joined" in cond(status, MEMBERSHIP_SYNCED)["message"]
+
+
+def test_ready_unjoined_replicas_join_once_cache_consistent():
+    t, o = situation(3, members=lambda rs: [member(rs[0], 1)])
+    actions, status = plan(t, o, AT)
+    assert of(actions, Join) == [Join("qwen3-omni-replica-2", "127.77.0.12")]
+    assert cond(status, CACHE_CONSISTENT)["reason"] == R_CONSISTENT
+
+
+def test_a_member_whose_pod_is_gone_is_forgotten():
+    t, o = situation(3, members=lambda rs: [member(rs[0], 1), member(rs[1], 2),
+                                            {"replicaId": 9, "pod": "qwen3-omni-replica-9", "host": "127.77.0.99",
+                                             "state": contract.ATTACHED}])
+    actions, _ = plan(t, o, AT)
+    assert of(actions, Forget) == [Forget(9, "qwen3-omni-replica-9")]
+
+
+def test_template_change_rolls_one_replica_at_a_time():
+    rs = lambda t: [replica(t, 1, template="old"), replica(t, 2, template="old"), replica(t, 3, template="old")]
+    t, o = situation(4, pods_=rs)
+    actions, _ = plan(t, o, AT)
+    assert [(a.pod, a.drain_seconds) for a in of(actions, StartLeave)] == [
+        ("qwen3-omni-replica-1", t.spec.engine.drain_timeout_seconds)]
+    # While that one drains, no second one starts.
+    draining = lambda t: [replica(t, 1, template="old", leaving="RollingReplica"), *rs(t)[1:]]
+    t, o = situation(4, pods_=draining, drains={"uid-r1": DRAIN_RUNNING})
+    actions, _ = plan(t, o, AT)
+    assert of(actions, StartLeave) == [] and of(actions, DeletePod) == []
+    # Its replacement (a new index) is created while it drains; the next roll waits for it to be Ready.
+    assert [pods.index(c.obj) for c in of(actions, CreatePod)] == [4]
+
+
+def test_a_roll_waits_for_every_other_replica_to_be_ready():
+    t, o = situation(3, pods_=lambda t: [replica(t, 1, template="old"), replica(t, 2, ready=False)],
+                     members=lambda rs: [member(rs[0], 1)])
+    actions, _ = plan(t, o, AT)
+    assert of(actions, StartLeave) == [] and of(actions, DeletePod) == []
+
+
+# ---- properties ----------------------------------------------------------------------------------
+
+def test_plan_is_pure_same_input_same_output_input_untouched():
+    t, o = situation(2, pods_=lambda t: [replica(t, 1), replica(t, 2), replica(t, 3, template="old")])
+    before = copy.deepcopy(o)
+    first = plan(t, o, AT)
+    assert o == before
+    assert plan(t, o, AT) == first
+
+
+def test_each_pass_renders_the_desired_pods_once(monkeypatch):
+    calls = {"head": 0, "replica": []}
+    real_head, real_replica = plan_module.render_head_pod, plan_module.render_replica_pod
+
+    def count_head(t):
+        calls["head"] += 1
+        return real_head(t)
+
+    def count_replica(t, i, ip, uid):
+        calls["replica"].append(i)
+        return real_replica(t, i, ip, uid)
+
+    monkeypatch.setattr(plan_module, "render_head_pod", count_head)
+    monkeypatch.setattr(plan_module, "render_replica_pod", count_replica)
+    t, o = situation(5, pods_=lambda t: [replica(t, 1), replica(t, 2, template="old")])
+    plan(t, o, AT)
+    assert calls["head"] == 1
+    assert sorted(calls["replica"]) == sorted(set(calls["replica"])) and calls["replica"]
