@@ -6,7 +6,7 @@ every vLLM process. A name that crosses the wire or the pod spec is written here
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import TypedDict
 
 # ---- HTTP paths on the head's OpenAI port (bearer token: TOKEN_FILE_ENV / TOKEN_ENV) ----------
 API_PREFIX = "/omnistage/v1"
@@ -109,10 +109,3 @@ def frontend_mode(cache_class: str | None) -> str:
         return CACHE_NONE
     return CACHE_CLASS_MODES.get(cache_class, "unknown")
 
-
-def report_field(report: dict[str, Any], *path: str) -> Any:
-    """report["a"]["b"]... or None, for answers from heads of another plugin version."""
-    value: Any = report
-    for key in path:
-        value = value.get(key) if isinstance(value, dict) else None
-    return value
