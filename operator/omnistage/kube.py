@@ -51,9 +51,19 @@ def list_omnistages(namespace: str | None = None) -> list[dict[str, Any]]:
     return custom().list_cluster_custom_object(api.GROUP, api.VERSION, api.PLURAL)["items"]
 
 
-def patch_status(namespace: str, name: str, status: dict[str, Any]) -> None:
+def patch_status(namespace: str, name: str, status: dict[str, Any], previous: dict[str, Any] | None) -> None:
     custom().patch_namespaced_custom_object_status(
-        api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": status})
+        api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": merge_patch(previous or {}, status)})
+
+
+def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns `old` into `new`. A key `new` leaves out is sent
+    as null: a plain merge patch keeps it, and so a replaced head's stale bootId once survived
+    next to its successor's uid, which read as an engine restart and rolled every replica twice."""
+    out: dict[str, Any] = {k: None for k in old if k not in new}
+    for k, v in new.items():
+        out[k] = merge_patch(old[k], v) if isinstance(v, dict) and isinstance(old.get(k), dict) else v
+    return out
 
 
 def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:

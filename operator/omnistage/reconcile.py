@@ -70,7 +70,7 @@ def reconcile(namespace: str, name: str, emit: Emit | None,
                 return None
             raise
         if status != obj.get("status"):
-            kube.patch_status(namespace, name, status)
+            kube.patch_status(namespace, name, status, obj.get("status"))
         STATUS.observe(namespace, name, {**status, "desiredReplicas": obj["spec"].get("replicas", 1)})
         return status
 

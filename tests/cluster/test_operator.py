@@ -444,6 +444,8 @@ def test_head_pod_deleted_replicas_rolled_membership_replayed(kubectl, wait_for,
     assert obj["status"]["head"]["uid"] != old_head["uid"]
     assert obj["status"]["head"]["bootId"] != old_head["bootId"]
     assert len(engine_pods(kubectl, namespace, role="replica")) == 2
+    # Rolled once, for the new head: a replaced pod is not an engine restart of the new one.
+    assert [e["message"] for e in events(kubectl, namespace) if e["reason"] == "HeadRestarted"] == []
 
 
 def test_head_engine_restarted_in_place_replicas_rolled(kubectl, wait_for, namespace, operator, standin, tmp_path):

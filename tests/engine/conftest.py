@@ -23,6 +23,7 @@ only when vllm_omni cannot be imported.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import json
@@ -104,6 +105,19 @@ def engine_patches() -> dict[str, Any]:
     else:
         vllm_plugins.load_general_plugins()
     return _patching.outcomes()
+
+
+@pytest.fixture(autouse=True)
+def shm_ring_name(monkeypatch: pytest.MonkeyPatch):
+    """One SHM ring name per test, unlinked afterwards. vLLM's SHM sender creates the ring under
+    the name in the environment and unlinks it only when it is garbage-collected: a sender kept
+    alive by a reference cycle made the next test's sender fail with FileExistsError (CI), or
+    unlinked a later test's ring of the same name when it was finally collected."""
+    name = f"omnistage_test_{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv("VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME", name)
+    yield name
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"/dev/shm/{name}")
 
 
 def patch_applied(name: str) -> bool:

@@ -341,3 +341,58 @@ def test_each_pass_renders_the_desired_pods_once(monkeypatch):
     plan(t, o, AT)
     assert calls["head"] == 1
     assert sorted(calls["replica"]) == sorted(set(calls["replica"])) and calls["replica"]
+
+
+def apply_merge_patch(target, patch):
+    """RFC 7386, as the API server applies a status patch."""
+    out = dict(target)
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = apply_merge_patch(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def test_a_replaced_head_never_reads_as_an_engine_restart():
+    """The head pod is deleted and re-created: its replicas roll once, for the new head. The status
+    is carried between passes the way the API server stores it (a merge patch from kube.merge_patch);
+    with a plain merge patch the old head's bootId stayed next to the new head's uid, and the new
+    head's first listing then read as an engine restart that rolled the new replicas a second time."""
+    from omnistage.kube import merge_patch
+
+    t, o = situation(3)
+    stored = o.obj["status"]
+
+    def passes(observed):
+        nonlocal stored
+        obj = {**o.obj, "status": stored}
+        actions, status = plan(t, Observed(**{**observed, "obj": obj}), AT)
+        stored = apply_merge_patch(stored, merge_patch(stored, status))
+        return actions
+
+    base = {"head_reachable": True, "replicas": o.replicas}
+    passes({**base, "head": o.head, "report": o.report, "listing": o.listing})  # at rest, boot-1
+    passes({**base, "head": None, "head_reachable": False})  # the old pod is gone: head re-created
+    new_head = head(t, ready=False)
+    new_head["metadata"]["uid"] = "head-uid-2"
+    passes({**base, "head": new_head, "head_reachable": False})  # not Ready yet: replicas rolled
+    new_head = head(t)
+    new_head["metadata"]["uid"] = "head-uid-2"
+    fresh = [replica(t, i, head_uid="head-uid-2") for i in (3, 4)]
+    actions = passes({"head": new_head, "replicas": tuple(fresh), "head_reachable": True,
+                      "report": {**report(t), "bootId": "boot-2"}, "listing": listing(boot="boot-2")})
+    assert not any(e.reason == "HeadRestarted" for e in of(actions, Emit))
+    assert of(actions, DeletePod) == []
+    assert stored["head"] == {"pod": "qwen3-omni-head", "uid": "head-uid-2", "ip": HEAD_IP, "bootId": "boot-2"}
+
+
+def test_merge_patch_sends_null_for_what_the_new_status_leaves_out():
+    from omnistage.kube import merge_patch
+
+    old = {"head": {"uid": "a", "bootId": "b", "ip": "127.0.0.1"}, "engine": {"x": 1}, "replicas": 3}
+    new = {"head": {"uid": "c"}, "replicas": 3}
+    assert merge_patch(old, new) == {"head": {"uid": "c", "bootId": None, "ip": None}, "engine": None, "replicas": 3}
+    assert apply_merge_patch(old, merge_patch(old, new)) == new
