@@ -101,7 +101,7 @@ demo-down:
 	OMNISTAGE_VENV=$(VENV) bash hack/demo.sh down
 
 # Benchmarks (tests/bench/): figures printed, nothing asserted.
-# bench-cache: the price of the processor-only stage-0 cache on the engine tier (real vLLM / vllm-omni
+# bench-cache: the price of the processor-only (and the opt-in replica-aware) stage-0 cache on the engine tier (real vLLM / vllm-omni
 # request path, no cluster, a few minutes on 2 cores); the plot and tables go to /tmp/omnistage-bench.
 .PHONY: bench-cache bench
 bench-cache: setup
@@ -115,7 +115,17 @@ bench: setup
 	$(PY) tests/bench/bench_cache.py
 	$(PY) tests/bench/bench_listing.py
 	@if [ -n "$(BENCH_CLUSTER)" ]; then \
-	  $(PY) tests/bench/bench_membership.py; \
+	  $(PY) tests/bench/bench_membership.py && \
+	  flock /tmp/omnistage-cluster-suite.lock $(PY) tests/bench/bench_fleet.py $(FLEET_ARGS); \
 	else \
-	  echo "bench_membership skipped: it needs the local control plane (make bench BENCH_CLUSTER=1)"; \
+	  echo "bench_membership and bench_fleet skipped: they need the local control plane (make bench BENCH_CLUSTER=1)"; \
 	fi
+
+# bench-fleet: the operator at 1, 50, 200 and 1,000 OmniStages on its own local control plane
+# (/tmp/omnistage-fleet, other ports; simulated H200 nodes added as needed): RSS, CPU and API
+# requests per minute at rest, scale reaction, reconvergence after a restart, and the same with 10%
+# of the heads unreachable. FLEET_ARGS="--n 1,50 --window 30" for a shorter run.
+FLEET_ARGS ?=
+.PHONY: bench-fleet
+bench-fleet: setup
+	flock /tmp/omnistage-cluster-suite.lock $(PY) tests/bench/bench_fleet.py $(FLEET_ARGS)

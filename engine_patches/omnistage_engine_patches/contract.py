@@ -25,12 +25,15 @@ FRONTEND_CACHE_ENV = "OMNISTAGE_FRONTEND_CACHE"
 DISABLE_PATCHES_ENV = "OMNISTAGE_DISABLE_PATCHES"
 #: "1": remote replicas get no traffic until the operator joins them (the operator sets it).
 ROUTE_JOINED_ONLY_ENV = "OMNISTAGE_ROUTE_JOINED_ONLY"
+#: PORTS_PER_POD: connector ports leave out the replica id (one replica per pod; connector_ports.py).
+CONNECTOR_PORTS_ENV = "OMNISTAGE_CONNECTOR_PORTS"
+PORTS_PER_POD = "per-pod"
 VLLM_PLUGINS_ENV = "VLLM_PLUGINS"
 GENERAL_PLUGIN = "omnistage_engine_patches"
 ENDPOINT_PLUGIN = "omnistage_membership"
 #: Every name the operator owns in an engine container's environment.
 OPERATOR_OWNED_ENV = (TOKEN_FILE_ENV, TOKEN_ENV, FRONTEND_CACHE_ENV, DISABLE_PATCHES_ENV, ROUTE_JOINED_ONLY_ENV,
-                      VLLM_PLUGINS_ENV)
+                      CONNECTOR_PORTS_ENV, VLLM_PLUGINS_ENV)
 
 # ---- patches ------------------------------------------------------------------------------------
 FRONTEND_CACHE = "frontend_cache"
@@ -38,7 +41,11 @@ UUID_SCOPE = "uuid_scope"
 REPLICA_METRICS = "replica_metrics"
 MM_CACHE_METRICS = "mm_cache_metrics"
 MEMBERSHIP = "membership"
-PATCHES = (FRONTEND_CACHE, UUID_SCOPE, REPLICA_METRICS, MM_CACHE_METRICS, MEMBERSHIP)
+CONNECTOR_PORTS = "connector_ports"
+#: Cache mode CACHE_REPLICA_AWARE: per-replica mirrors of the receiver caches; tensors omitted per replica.
+REPLICA_AWARE_CACHE = "replica_aware_cache"
+PATCHES = (FRONTEND_CACHE, UUID_SCOPE, REPLICA_METRICS, MM_CACHE_METRICS, MEMBERSHIP, CONNECTOR_PORTS,
+           REPLICA_AWARE_CACHE)
 
 # A patch's outcome in this process.
 APPLIED = "applied"
@@ -50,6 +57,9 @@ EFFECTIVE_OUTCOMES = frozenset({APPLIED, UPSTREAM_FIXED})  # the defect is fixed
 
 # ---- the stage-0 frontend cache (the same spellings as the operator's EffectiveCacheMode) -------
 CACHE_PROCESSOR_ONLY = "processor-only"
+#: processor-only on the frontend, plus per-replica mirrors of the replicas' receiver caches: a tensor
+#: is omitted only for a replica whose mirror holds it (decided after the replica is chosen).
+CACHE_REPLICA_AWARE = "replica-aware"
 CACHE_LRU = "lru"
 CACHE_SHM = "shm"
 CACHE_DISABLED = "disabled"
@@ -88,7 +98,7 @@ class PatchReport(TypedDict):
 
 class FrontendCacheReport(TypedDict):
     cacheClass: str | None  # vLLM's class name, None when no cache was built
-    mode: str  # CACHE_CLASS_MODES value, CACHE_NONE, or "unknown" for a class we do not know
+    mode: str  # CACHE_CLASS_MODES value, CACHE_REPLICA_AWARE, CACHE_NONE, or "unknown" for a class we do not know
     requested: str | None  # FRONTEND_CACHE_ENV as the plugin read it (None: no operator)
 
 
@@ -104,8 +114,11 @@ class EngineReport(TypedDict):
     patches: dict[str, PatchReport]
 
 
-def frontend_mode(cache_class: str | None) -> str:
+def frontend_mode(cache_class: str | None, replica_aware: bool = False) -> str:
+    """The mode a frontend implements: its cache class, and whether the replica-aware dispatch
+    (which omits tensors per replica on top of the processor-only cache) is live."""
     if cache_class is None:
         return CACHE_NONE
-    return CACHE_CLASS_MODES.get(cache_class, "unknown")
+    mode = CACHE_CLASS_MODES.get(cache_class, "unknown")
+    return CACHE_REPLICA_AWARE if replica_aware and mode == CACHE_PROCESSOR_ONLY else mode
 

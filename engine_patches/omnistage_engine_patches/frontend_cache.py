@@ -29,7 +29,8 @@ that window (none in 0.30.0) and every renderer built outside it keep vLLM's cho
 The operator's decision is the authority: when `contract.FRONTEND_CACHE_ENV` names the mode the
 operator resolved (`status.effectiveCacheMode`), that mode is built, so the OmniStage can never
 promise one cache while the engine runs another. `processor-only` is built even for a static
-single replica; `disabled` and `not-applicable` build no cache (as vLLM does for size 0); a
+single replica; `replica-aware` builds processor-only too and switches on the per-replica dispatch
+of `replica_aware_cache` (which omits tensors per replica after the replica is chosen); `disabled` and `not-applicable` build no cache (as vLLM does for size 0); a
 sender mode (`lru`, `shm`) keeps vLLM's choice only while this process's own detection agrees
 that membership cannot change, and otherwise falls back to processor-only (fail closed). Without
 the variable (no operator) the detection above decides.
@@ -48,7 +49,7 @@ import logging
 import os
 from typing import Any
 
-from . import contract
+from . import contract, replica_aware_cache
 from ._patching import Outcome, UpstreamFixed, apply_patch, demote, is_ours, mark
 
 NAME = contract.FRONTEND_CACHE
@@ -104,6 +105,9 @@ def stage0_needs_processor_only(engine: Any) -> bool:
 # vLLM's cache type names (`MultiModalRegistry._get_cache_type`) for the modes the operator names.
 _PROCESSOR_ONLY = "processor_only"
 _NO_CACHE = (contract.CACHE_DISABLED, contract.CACHE_NOT_APPLICABLE)
+# replica-aware keeps the processed items on a processor-only frontend; `replica_aware_cache`
+# omits tensors per replica at dispatch.
+_PROCESSOR_ONLY_FRONTENDS = (contract.CACHE_PROCESSOR_ONLY, contract.CACHE_REPLICA_AWARE)
 
 
 def choose_cache_type(vllm_choice: str | None, requested: str | None, needs_processor_only: bool) -> str | None:
@@ -114,7 +118,7 @@ def choose_cache_type(vllm_choice: str | None, requested: str | None, needs_proc
     """
     if vllm_choice is None or requested in _NO_CACHE:
         return None
-    if requested == contract.CACHE_PROCESSOR_ONLY or needs_processor_only:
+    if requested in _PROCESSOR_ONLY_FRONTENDS or needs_processor_only:
         return _PROCESSOR_ONLY
     return vllm_choice  # a sender cache on one fixed replica (the operator asked, detection agrees)
 
@@ -122,7 +126,7 @@ def choose_cache_type(vllm_choice: str | None, requested: str | None, needs_proc
 def requested_mode() -> str | None:
     """The operator's resolved mode from the head's environment; an unknown value counts as none."""
     value = os.environ.get(contract.FRONTEND_CACHE_ENV, "").strip() or None
-    known = (*contract.CACHE_CLASS_MODES.values(), *_NO_CACHE)
+    known = (*contract.CACHE_CLASS_MODES.values(), contract.CACHE_REPLICA_AWARE, *_NO_CACHE)
     if value is not None and value not in known:
         logger.warning("%s=%r is not a cache mode this plugin knows; deciding by detection",
                        contract.FRONTEND_CACHE_ENV, value)
@@ -190,6 +194,7 @@ def _install() -> str | None:
     def _initialize_stages(self: Any, stage_init_timeout: int) -> None:
         token = _INITIALIZING_ENGINE.set(self)
         self._omnistage_stage0_cache_decided = False
+        replica_aware_cache.activate(None)  # until this engine's stage-0 frontend asks for it
         try:
             result = original_init_stages(self, stage_init_timeout)
         finally:
@@ -208,6 +213,9 @@ def _install() -> str | None:
         engine._omnistage_stage0_cache_decided = True
         vllm_choice = self._get_cache_type(vllm_config)
         chosen = choose_cache_type(vllm_choice, requested_mode(), stage0_needs_processor_only(engine))
+        replica_aware = chosen == _PROCESSOR_ONLY and requested_mode() == contract.CACHE_REPLICA_AWARE
+        replica_aware_cache.activate(
+            vllm_config.model_config.get_multimodal_config().mm_processor_cache_gb if replica_aware else None)
         if chosen == vllm_choice:
             return original_cache_ctor(self, vllm_config)
         logger.info("stage-0 frontend: %s cache replaced by %s (%s=%s, distributed=%s)", vllm_choice,

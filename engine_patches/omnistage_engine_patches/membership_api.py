@@ -24,6 +24,11 @@ Routes (all JSON)::
        Answers on any head, distributed or not, also before the engine is ready (fields it
        cannot know yet are null) and with the membership patch off.
 
+  GET  /omnistage/v1/engine and /omnistage/v1/membership (without ``all``) answer with an ETag
+       and honour If-None-Match: 304, no body, while the answer the caller holds still stands (the
+       listing's ETag is the boot id and the membership epoch, so an unchanged head builds no
+       listing): the operator's cheap probe of every head, every few seconds.
+
   GET  /omnistage/v1/membership[?all=true[&limit=500][&after=<stage>:<replicaId>]]
        200 {"bootId": str, "epoch": int, "distributed": true, "metricsEnabled": bool,
             "stages": {"0": [Replica, ...], ...}, "next": str | null}
@@ -78,6 +83,7 @@ Routes (all JSON)::
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
@@ -86,7 +92,7 @@ from argparse import Namespace
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from . import contract, report
@@ -260,10 +266,11 @@ def _error(err: MembershipError) -> JSONResponse:
     return JSONResponse(body, status_code=err.status, headers=headers)
 
 
-async def _handle(request: Request, op) -> JSONResponse:
+async def _handle(request: Request, op) -> Response:
     try:
         _authorize(request)
-        return JSONResponse(await op())
+        answer = await op()
+        return answer if isinstance(answer, Response) else JSONResponse(answer)
     except MembershipError as err:
         if err.status >= 500:
             logger.warning("membership %s %s: %s %s", request.method, request.url.path, err.code, err.message)
@@ -273,20 +280,48 @@ async def _handle(request: Request, op) -> JSONResponse:
         return _error(MembershipError(500, INTERNAL_ERROR, "internal error, see the head's log"))
 
 
+# ---- conditional GETs: the operator's cheap probe -------------------------------------------------
+# The operator polls every head every few seconds; at rest nothing changed. It sends back the ETag
+# of the answer it holds (If-None-Match) and gets 304 with no body while that answer still stands.
+# The listing's ETag is the boot id and the membership epoch (bumped by every join, leave, attach
+# and detach), so a probe of an unchanged head builds no listing; the report's is a digest of it.
+
+
+def listing_etag(boot_id: str, epoch: int) -> str:
+    return f'"{boot_id}.{epoch}"'
+
+
+def report_etag(body: dict[str, Any]) -> str:
+    return '"' + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:24] + '"'
+
+
+def _conditional(request: Request, body: dict[str, Any], etag: str | None) -> Response:
+    if etag is not None and request.headers.get("if-none-match") == etag:
+        return Response(status_code=304, headers={"ETag": etag})
+    return JSONResponse(body, headers={"ETag": etag} if etag else None)
+
+
 @router.get(contract.ENGINE_PATH)
-async def engine_report(request: Request) -> JSONResponse:
+async def engine_report(request: Request) -> Response:
     async def op():
-        return report.build(_engine_client_or_none(request))  # never raises, engine or not
+        body = report.build(_engine_client_or_none(request))  # never raises, engine or not
+        return _conditional(request, body, report_etag(body))
 
     return await _handle(request, op)
 
 
 @router.get(contract.MEMBERSHIP_PATH)
-async def list_membership(request: Request) -> JSONResponse:
+async def list_membership(request: Request) -> Response:
     async def op():
         include_all, limit, after = _page_query(request)
         head = LiveHead.locate(_engine_client(request))
-        return await head.snapshot(include_all=include_all, limit=limit, after=after)
+        if include_all:  # pages of every route: not what the probe is for
+            return await head.snapshot(include_all=True, limit=limit, after=after)
+        etag = listing_etag(report.BOOT_ID, head.state.epoch)
+        if request.headers.get("if-none-match") == etag:
+            return Response(status_code=304, headers={"ETag": etag})  # no listing built
+        body = await head.snapshot()
+        return _conditional(request, body, listing_etag(body["bootId"], body["epoch"]))
 
     return await _handle(request, op)
 

@@ -10,7 +10,14 @@ test_patching.py` checks this chain.
 
 from __future__ import annotations
 
-from . import frontend_cache, membership_hooks, replica_metrics, uuid_scope
+from . import (
+    connector_ports,
+    frontend_cache,
+    membership_hooks,
+    replica_aware_cache,
+    replica_metrics,
+    uuid_scope,
+)
 from ._patching import Outcome
 
 
@@ -21,4 +28,6 @@ def apply_all() -> list[Outcome]:
         uuid_scope.apply(),  # defect 2: no replica-scoped UUID write-back into the caller's prompt
         *replica_metrics.apply(),  # defect 3: replica_metrics (series follow membership), mm_cache_metrics
         membership_hooks.apply(),  # the head's membership hooks behind the endpoint (membership_api)
+        connector_ports.apply(),  # stages >= 1: connector ports without the replica term (one replica per pod)
+        replica_aware_cache.apply(),  # cache mode replica-aware: tensors omitted per replica, after the pick
     ]

@@ -3,7 +3,8 @@
 The operator holds `Ready` on this report (condition `CacheConsistent`), so everything in it is
 read from the live process, never from a decision function: the versions of the installed
 distributions, each patch's recorded outcome, and the class of the multimodal cache the stage-0
-frontend renderer actually holds (`renderer.mm_processor_cache`, the object the chat path uses).
+frontend renderer actually holds (`renderer.mm_processor_cache`, the object the chat path uses),
+and whether the replica-aware dispatch is live on top of it (mode `replica-aware`).
 Building the report never raises: a part that cannot be read is reported as unknown.
 """
 
@@ -14,7 +15,7 @@ import uuid
 from importlib import metadata
 from typing import Any
 
-from . import contract
+from . import contract, replica_aware_cache
 from ._patching import outcomes
 
 logger = logging.getLogger("omnistage_engine_patches.report")
@@ -57,7 +58,10 @@ def frontend_cache(engine_client: Any) -> contract.FrontendCacheReport | None:
         logger.debug("reading the frontend cache failed", exc_info=True)
         return {"cacheClass": None, "mode": "unknown", "requested": requested_mode()}
     name = type(cache).__name__ if cache is not None else None
-    return {"cacheClass": name, "mode": contract.frontend_mode(name), "requested": requested_mode()}
+    # replica-aware is processor-only plus the per-replica dispatch: live only when the patch is in
+    # and this process's stage-0 frontend switched it on.
+    replica_aware = replica_aware_cache.dispatch() is not None
+    return {"cacheClass": name, "mode": contract.frontend_mode(name, replica_aware), "requested": requested_mode()}
 
 
 def _distributed(engine_client: Any) -> bool | None:

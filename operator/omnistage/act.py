@@ -1,4 +1,6 @@
 """The act step: executes plan.py's actions, one API or head call each, and decides nothing.
+Every object a write returns goes into the watch-fed store (informer.STATE.wrote), so the next
+pass does not act again on a change the watch has not delivered yet.
 
 The one thing it does not do inline is a draining `leave`: the head's leave endpoint answers only
 when the replica is drained (up to spec.engine.drainTimeoutSeconds), so it runs on a small executor
@@ -17,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from . import head_client, kube
 from .conditions import R_CHILD_SYNCED, R_CONFIG_RENDERED, R_DRAIN_TIMEOUT, R_JOINED, R_LEAVE_FAILED, R_LEFT
 from .head_client import HeadClient, HeadRefused, HeadUnreachable
+from .informer import STATE
 from .plan import (
     DRAIN_DONE,
     DRAIN_FAILED,
@@ -105,21 +108,24 @@ def act(namespace: str, actions: list[Action], client: HeadClient | None, emit: 
         if isinstance(a, Emit):
             emit(a.type, a.reason, a.message)
         elif isinstance(a, EnsureChild):
-            result = kube.ensure(a.obj, a.compare)
+            meta = a.obj["metadata"]
+            result, child = kube.apply(a.obj, a.compare, STATE.of(a.obj["kind"]).get(meta["namespace"], meta["name"]))
             if result != "unchanged":
+                STATE.wrote(child)
                 emit("Normal", R_CONFIG_RENDERED if a.obj["kind"] == "ConfigMap" else R_CHILD_SYNCED,
                      f"{a.obj['kind']} {a.obj['metadata']['name']} {result}")
         elif isinstance(a, CreatePod):
             pod, created = kube.create(a.obj)
+            STATE.wrote(pod)
             if created:
                 emit("Normal", a.reason, a.message.format(pod=pod["metadata"]["name"]))
         elif isinstance(a, DeletePod):
-            kube.delete_pod(namespace, a.name, uid=a.uid)
+            STATE.wrote(kube.delete_pod(namespace, a.name, uid=a.uid))
             drains.forget(namespace, owner, a.uid)
             if a.reason:
                 emit("Normal", a.reason, a.message)
         elif isinstance(a, Annotate):
-            kube.patch_pod_annotations(namespace, a.name, a.annotations)
+            STATE.wrote(kube.patch_pod_annotations(namespace, a.name, a.annotations))
         elif isinstance(a, StartLeave):
             if client is not None:
                 drains.start(namespace, owner, client, a, emit)

@@ -66,6 +66,7 @@ class _Model(BaseModel):
 class CacheMode(StrEnum):
     AUTO = "auto"
     PROCESSOR_ONLY = "processor-only"
+    REPLICA_AWARE = "replica-aware"  # opt-in: processor-only plus per-replica mirrors (docs/cache-modes.md)
     LRU = "lru"
     SHM = "shm"
     DISABLED = "disabled"
@@ -73,6 +74,7 @@ class CacheMode(StrEnum):
 
 class EffectiveCacheMode(StrEnum):
     PROCESSOR_ONLY = "processor-only"
+    REPLICA_AWARE = "replica-aware"
     LRU = "lru"
     SHM = "shm"
     DISABLED = "disabled"
@@ -97,7 +99,9 @@ class CacheSpec(_Model):
         description=(
             "Frontend multimodal cache. auto: processor-only whenever replicas can join or leave "
             "(membership dynamic or replicas > 1), else lru. processor-only: the frontend keeps processed "
-            "items and always sends full tensors to the replica. lru/shm: vLLM's sender caches, which omit "
+            "items and always sends full tensors to the replica. replica-aware (opt-in): processor-only on the "
+            "frontend, and a tensor is left out only for a replica known to hold it (a per-replica mirror of its "
+            "receiver cache, decided after the replica is chosen); allowed with any membership. lru/shm: vLLM's sender caches, which omit "
             "tensors the frontend believes the replica holds; only valid for membership static with 1 replica "
             "(shm is same-host only). disabled: no frontend cache."
         ),
@@ -228,7 +232,9 @@ class OmniStageSpec(_Model):
 
     model: str = Field(min_length=1, description="Model name or path served by `vllm serve` (e.g. Qwen/Qwen3-Omni-30B-A3B-Instruct).")
     pipeline: str | None = Field(
-        None, description="vllm-omni pipeline registry key written into the deploy config (e.g. qwen3_omni_moe_thinker_only)."
+        None, max_length=128,
+        description="vllm-omni pipeline registry key written into the deploy config (e.g. qwen3_omni_moe_thinker_only). "
+        "Single-stage pipelines only: this operator runs stage 0.",
     )
     model_kind: ModelKind = Field(
         ModelKind.MULTIMODAL, description="multimodal (has a multimodal processor cache) or text-only (no cache to manage)."
@@ -302,7 +308,8 @@ class EngineStatus(_Model):
     frontend_cache_class: str | None = Field(
         None, description="vLLM class of the multimodal cache the stage-0 frontend built (none: no cache).")
     frontend_cache_mode: str | None = Field(
-        None, description="The mode that class implements (processor-only, lru, shm, none); must match effectiveCacheMode.")
+        None, description=("The mode that class implements (processor-only, replica-aware, lru, shm, none); must match "
+                     "effectiveCacheMode."))
     patches: dict[str, str] = Field(
         default_factory=dict,
         description="Each engine patch's outcome: applied, skipped, disabled or upstream-fixed.")

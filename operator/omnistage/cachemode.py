@@ -4,7 +4,9 @@ vLLM's sender caches (lru, shm) omit a tensor from IPC when the frontend has see
 before, assuming the receiving engine still holds it. That holds for one fixed replica only:
 once a second replica exists, or may join later, a request can land on a replica that never
 received the tensor and fails with an empty 200. So whenever membership can change the
-frontend must use the processor-only cache, which always sends the full tensor.
+frontend must use the processor-only cache, which always sends the full tensor, or the opt-in
+replica-aware mode, which decides per replica after the replica is chosen (`auto` never picks it
+until it has run on GPUs: docs/cache-modes.md).
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ def resolve_cache_mode(requested: str, membership: str, replicas: int, model_kin
         return CacheDecision(EffectiveCacheMode.DISABLED, "cache.sizeGiB is 0: no cache")
     if requested == CacheMode.PROCESSOR_ONLY:
         return CacheDecision(EffectiveCacheMode.PROCESSOR_ONLY, "processor-only requested in spec")
+    if requested == CacheMode.REPLICA_AWARE:
+        return CacheDecision(EffectiveCacheMode.REPLICA_AWARE,
+                             "replica-aware requested in spec: tensors omitted per replica, after the pick")
     if requested == CacheMode.AUTO:
         if dynamic:
             why = "membership is dynamic" if membership == Membership.DYNAMIC else f"{replicas} replicas"

@@ -28,6 +28,7 @@ PLUGIN_ADVICE = (f"use an engine image with {SUPPORTED_ENGINE} installed, and ke
 # The mode the report names for each effective cache mode the operator resolves.
 _EXPECTED_FRONTEND = {
     contract.CACHE_PROCESSOR_ONLY: contract.CACHE_PROCESSOR_ONLY,
+    contract.CACHE_REPLICA_AWARE: contract.CACHE_REPLICA_AWARE,
     contract.CACHE_LRU: contract.CACHE_LRU,
     contract.CACHE_SHM: contract.CACHE_SHM,
     contract.CACHE_DISABLED: contract.CACHE_NONE,
@@ -45,11 +46,16 @@ class Verdict:
 def required_patches(effective_mode: str, distributed: bool) -> list[str]:
     """The patches the effective mode and the topology depend on.
 
-    processor-only: the plugin builds it (vLLM 0.30.0 has no knob for it). Distributed: UUID
+    processor-only: the plugin builds it (vLLM 0.30.0 has no knob for it). replica-aware: that, plus
+    the dispatch that omits tensors per replica (`replica_aware_cache`). Distributed: UUID
     scoping must not write replica keys into callers' prompts (defect 2), and the membership
     hooks hold unjoined replicas unroutable and serve join/leave.
     """
-    needed = [contract.FRONTEND_CACHE] if effective_mode == contract.CACHE_PROCESSOR_ONLY else []
+    needed = {
+        contract.CACHE_PROCESSOR_ONLY: [contract.FRONTEND_CACHE],
+        # the processor-only frontend, plus the per-replica dispatch on top of it
+        contract.CACHE_REPLICA_AWARE: [contract.FRONTEND_CACHE, contract.REPLICA_AWARE_CACHE],
+    }.get(effective_mode, [])
     if distributed:
         needed += [contract.UUID_SCOPE, contract.MEMBERSHIP]
     return needed

@@ -10,18 +10,20 @@ import fnmatch
 import logging
 import threading
 import time
+import zlib
 
 import kopf
 
-from . import api, kube, leader, metrics
+from . import api, leader, metrics
 from .act import DRAINS
+from .informer import STATE
 from .metrics import RECONCILE_SECONDS, STATUS
-from .reconcile import forget, reconcile
-from .render.common import L_COMPONENT, L_OMNISTAGE
+from .reconcile import forget, probe, reconcile
 from .workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
-RESYNC_SECONDS = 5.0
+RESYNC_SECONDS = 5.0  # every OmniStage's head is probed this often
+FULL_RESYNC_SECONDS = 60.0  # and every OmniStage gets a full pass this often (spread over the period)
 
 
 @kopf.on.startup()
@@ -29,7 +31,7 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     prefix = api.GROUP
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=prefix)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=prefix)
-    settings.watching.server_timeout = 60
+    settings.watching.server_timeout = 300  # a watch resumed every 5 min, not every minute: API requests at rest
     settings.posting.level = logging.INFO
     # Handlers only enqueue; the reconcile passes run on QUEUE's workers.
     settings.execution.max_workers = 8
@@ -70,6 +72,18 @@ QUEUE = WorkQueue(_work, workers=8)
 DRAINS.on_done = QUEUE.enqueue  # a finished drain is deleted by the next pass, now
 
 
+def _probe(namespace: str, name: str) -> None:
+    """The resync's cheap look at an OmniStage at rest: its head's conditional GET; a full pass
+    only when the head said something new (reconcile.probe)."""
+    if leader.is_leading() and probe(namespace, name):
+        QUEUE.enqueue(namespace, name)
+
+
+# Probes have workers of their own: a head that hangs (up to the read timeout) holds a prober,
+# never a reconcile worker, so a scale waits on no dead head.
+PROBES = WorkQueue(_probe, workers=8)
+
+
 def _run(namespace: str, name: str, body=None, from_kopf: bool = True) -> None:
     if not leader.is_leading():  # a follower replica does nothing (leader.py)
         return
@@ -89,32 +103,45 @@ def on_change(namespace: str, name: str, body, **_) -> None:
 
 @kopf.on.startup()
 def start_resync(**_) -> None:
-    """Level-based safety net: every few seconds reconcile every OmniStage, catching whatever no
-    event announced (a head engine restarted in place, a lost watch). A plain thread, not a kopf
-    timer: kopf timers put a finalizer on each OmniStage, which then blocks namespace deletion
-    whenever the operator is down or the namespace refuses the children."""
+    """The watch-fed store (informer.py), and the level-based safety net: every RESYNC_SECONDS each
+    OmniStage's head is probed (one conditional GET, 304 at rest; a full pass when it said
+    something new or the OmniStage was not at rest) and every FULL_RESYNC_SECONDS each gets a full
+    pass (spread over the period, so a scale never waits behind the whole fleet). Neither costs an
+    API request. The probe is what notices a head engine restarted in place (new boot id: 200)
+    within RESYNC_SECONDS. A plain thread, not a kopf timer: kopf timers put a finalizer on each
+    OmniStage, which then blocks namespace deletion whenever the operator is down or the namespace
+    refuses the children."""
     ctx = contextvars.copy_context()
+    literal = WATCHED_NAMESPACES and not any(set("*?[") & set(p) for p in WATCHED_NAMESPACES)
+    # Namespaced mode may not list cluster-wide (RBAC); globs need the cluster-wide watch.
+    scopes: list[str | None] = list(WATCHED_NAMESPACES) if literal else [None]
+    STATE.start(scopes, on_change=_on_watched)  # called from the informers' threads
     threading.Thread(target=ctx.run, args=(_resync_forever,), name="omnistage-resync", daemon=True).start()
 
 
+def _on_watched(namespace: str, name: str) -> None:
+    """An engine pod or a child changed: a replica that disappears or turns NotReady must leave the
+    engine now, not after its 30 s heartbeat timeout; a new head needs its replicas rolled; a
+    child edited by someone else is put back."""
+    if _watched(namespace):
+        _run(namespace, name, from_kopf=False)
+
+
 def _resync_forever() -> None:
+    slots, tick = max(1, round(FULL_RESYNC_SECONDS / RESYNC_SECONDS)), 0
     while True:
         time.sleep(RESYNC_SECONDS)
-        if not leader.is_leading():  # a follower does not even list (leader.py)
+        tick += 1
+        if not leader.is_leading():  # a follower does nothing (leader.py)
             continue
-        try:
-            literal = WATCHED_NAMESPACES and not any(set("*?[") & set(p) for p in WATCHED_NAMESPACES)
-            # Namespaced mode may not list cluster-wide (RBAC); globs need the cluster-wide list.
-            items = [o for ns in WATCHED_NAMESPACES for o in kube.list_omnistages(ns)] if literal \
-                else kube.list_omnistages()
-        except Exception:
-            log.exception("resync: listing OmniStages failed")
-            continue
-        for obj in items:
+        for obj in STATE.omnistages.all():
             ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
             if not _watched(ns):
                 continue
-            _run(ns, name, obj, from_kopf=False)  # queued: the loop never waits on a head
+            if zlib.crc32(f"{ns}/{name}".encode()) % slots == tick % slots:
+                _run(ns, name, obj, from_kopf=False)  # its full pass of the period
+            else:
+                PROBES.enqueue(ns, name)  # queued: the loop never waits on a head
 
 
 WATCHED_NAMESPACES: list[str] = []  # set by operator_main.run; globs as kopf accepts them; [] = all
@@ -122,15 +149,6 @@ WATCHED_NAMESPACES: list[str] = []  # set by operator_main.run; globs as kopf ac
 
 def _watched(namespace: str) -> bool:
     return not WATCHED_NAMESPACES or any(fnmatch.fnmatchcase(namespace, p) for p in WATCHED_NAMESPACES)
-
-
-@kopf.on.event("pods", labels={L_COMPONENT: "engine", L_OMNISTAGE: kopf.PRESENT})
-def on_engine_pod(namespace: str, labels, type: str, **_) -> None:
-    """A replica that disappears or turns NotReady must leave the engine now, not after its
-    30 s heartbeat timeout; a new head needs its replicas rolled."""
-    if not leader.is_leading():  # a follower does not even read (leader.py)
-        return
-    _run(namespace, labels[L_OMNISTAGE])
 
 
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)

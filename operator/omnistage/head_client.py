@@ -62,21 +62,34 @@ class HeadClient:
 
 def _call(op: str, method: str, head: HeadClient, path: str, body: dict[str, Any] | None, timeout: float,
           attempts: int) -> dict[str, Any]:
+    data, _ = _conditional_call(op, method, head, path, body, timeout, attempts, None)
+    assert data is not None  # only a conditional request is answered 304
+    return data
+
+
+def _conditional_call(op: str, method: str, head: HeadClient, path: str, body: dict[str, Any] | None,
+                      timeout: float, attempts: int, etag: str | None) -> tuple[dict[str, Any] | None, str | None]:
+    """(answer, its ETag); (None, etag) when the head answered 304 to If-None-Match: etag."""
     delay, last = 0.2, None
+    headers = {"Authorization": f"Bearer {head.token}", "Content-Type": "application/json"}
+    if etag:
+        headers["If-None-Match"] = etag
     for attempt in range(attempts):
         start = time.monotonic()
         try:
             resp = _pool.request(
                 method, head.url(path),
                 body=json.dumps(body).encode() if body is not None else None,
-                headers={"Authorization": f"Bearer {head.token}", "Content-Type": "application/json"},
-                timeout=urllib3.Timeout(connect=CONNECT_SECONDS, read=timeout),
+                headers=headers, timeout=urllib3.Timeout(connect=CONNECT_SECONDS, read=timeout),
             )
         except urllib3.exceptions.HTTPError as err:
             MEMBERSHIP_CALLS.labels(op, "unreachable").inc()
             last = err
         else:
             MEMBERSHIP_SECONDS.labels(op).observe(time.monotonic() - start)
+            if resp.status == 304 and etag:
+                MEMBERSHIP_CALLS.labels(op, "not_modified").inc()
+                return None, etag
             try:
                 data = json.loads(resp.data or b"{}")
             except ValueError:
@@ -85,7 +98,7 @@ def _call(op: str, method: str, head: HeadClient, path: str, body: dict[str, Any
                 data = {"error": f"unexpected answer {str(data)[:200]}"}
             if resp.status < 300:
                 MEMBERSHIP_CALLS.labels(op, "ok").inc()
-                return data
+                return data, resp.headers.get("ETag")
             if resp.status < 500:
                 MEMBERSHIP_CALLS.labels(op, f"http_{resp.status}").inc()
                 raise HeadRefused(op, resp.status, data)
@@ -109,6 +122,18 @@ def report(head: HeadClient, attempts: int = 2) -> dict[str, Any]:
 def listing(head: HeadClient, attempts: int = 2) -> dict[str, Any]:
     return _call("list", "GET", head, contract.MEMBERSHIP_PATH, None, timeout=READ_SECONDS,
                  attempts=attempts)
+
+
+def report_if_changed(head: HeadClient, etag: str | None, attempts: int = 2) -> tuple[dict[str, Any] | None, str | None]:
+    """The report and its ETag; (None, etag) while the report behind `etag` still stands."""
+    return _conditional_call("report", "GET", head, contract.ENGINE_PATH, None, READ_SECONDS, attempts, etag)
+
+
+def listing_if_changed(head: HeadClient, etag: str | None,
+                       attempts: int = 2) -> tuple[dict[str, Any] | None, str | None]:
+    """The listing and its ETag; (None, etag) while the head's boot id and membership epoch are
+    those behind `etag`: the cheap probe a pass at rest makes instead of a listing."""
+    return _conditional_call("list", "GET", head, contract.MEMBERSHIP_PATH, None, READ_SECONDS, attempts, etag)
 
 
 def join(head: HeadClient, pod: str, ip: str, stage: int = 0) -> dict[str, Any]:

@@ -14,6 +14,8 @@ from . import api
 
 log = logging.getLogger(__name__)
 
+FIELD_MANAGER = "omnistage-operator"  # the one server-side-apply field manager of every child
+
 
 @cache
 def api_client() -> client.ApiClient:
@@ -45,14 +47,9 @@ def get_omnistage(namespace: str, name: str) -> dict[str, Any] | None:
         raise
 
 
-def list_omnistages(namespace: str | None = None) -> list[dict[str, Any]]:
-    if namespace:
-        return custom().list_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL)["items"]
-    return custom().list_cluster_custom_object(api.GROUP, api.VERSION, api.PLURAL)["items"]
-
-
-def patch_status(namespace: str, name: str, status: dict[str, Any], previous: dict[str, Any] | None) -> None:
-    custom().patch_namespaced_custom_object_status(
+def patch_status(namespace: str, name: str, status: dict[str, Any],
+                 previous: dict[str, Any] | None) -> dict[str, Any]:
+    return custom().patch_namespaced_custom_object_status(
         api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": merge_patch(previous or {}, status)})
 
 
@@ -66,32 +63,21 @@ def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:
-    pods = core().list_namespaced_pod(namespace, label_selector=selector)
-    return [api_client().sanitize_for_serialization(p) for p in pods.items]
-
-
 def _reader(kind: str):
-    return {
-        "ConfigMap": core().read_namespaced_config_map,
+    return {  # the membership token, and a pod whose create answered 409 (the rest comes from watches)
         "Secret": core().read_namespaced_secret,
-        "Service": core().read_namespaced_service,
         "Pod": core().read_namespaced_pod,
-        "NetworkPolicy": networking().read_namespaced_network_policy,
     }[kind]
 
 
 def _creator(kind: str):
     return {
-        "ConfigMap": core().create_namespaced_config_map,
         "Secret": core().create_namespaced_secret,
-        "Service": core().create_namespaced_service,
         "Pod": core().create_namespaced_pod,
-        "NetworkPolicy": networking().create_namespaced_network_policy,
     }[kind]
 
 
-def _patcher(kind: str):
+def _applier(kind: str):
     return {
         "ConfigMap": core().patch_namespaced_config_map,
         "Service": core().patch_namespaced_service,
@@ -113,30 +99,37 @@ def create(obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     meta = obj["metadata"]
     try:
         made = _creator(obj["kind"])(meta["namespace"], obj)
-        return api_client().sanitize_for_serialization(made), True
+        return _with_kind(api_client().sanitize_for_serialization(made), obj["kind"]), True
     except ApiException as e:
         if e.status != 409:
             raise
     existing = read(obj["kind"], meta["namespace"], meta["name"])
     if existing is None:  # deleted in between; the next reconcile creates it
         raise RuntimeError(f"{obj['kind']} {meta['name']} vanished right after a conflict")
-    return existing, False
+    return _with_kind(existing, obj["kind"]), False
 
 
-def ensure(obj: dict[str, Any], compare: tuple[str, ...]) -> str:
-    """Create the object, or patch it when any of the `compare` top-level fields differ.
-    Returns "created", "updated" or "unchanged"."""
-    existing, created = create(obj)
-    if created:
-        return "created"
-    drift = {k: obj[k] for k in compare if _differs(obj.get(k), existing.get(k))}
-    labels_drift = _differs(obj["metadata"].get("labels"), existing["metadata"].get("labels"))
-    annotations_drift = _differs(obj["metadata"].get("annotations"), existing["metadata"].get("annotations"))
-    if not drift and not labels_drift and not annotations_drift:
-        return "unchanged"
-    patch = {**drift, "metadata": {k: obj["metadata"][k] for k in ("labels", "annotations") if k in obj["metadata"]}}
-    _patcher(obj["kind"])(obj["metadata"]["name"], obj["metadata"]["namespace"], patch)
-    return "updated"
+def _with_kind(obj: dict[str, Any], kind: str) -> dict[str, Any]:
+    return {**obj, "kind": obj.get("kind") or kind}  # typed responses leave kind out
+
+
+def apply(obj: dict[str, Any], compare: tuple[str, ...], existing: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """Server-side apply of a child the operator owns (one field manager, conflicts forced), unless
+    `existing` (the watch-fed copy) already holds every rendered `compare` field, label and
+    annotation: an unchanged child costs no request. Returns ("created" | "updated" | "unchanged",
+    the object as the API server holds it)."""
+    if existing is not None and not _drifted(obj, existing, compare):
+        return "unchanged", existing
+    meta = obj["metadata"]
+    applied = _applier(obj["kind"])(meta["name"], meta["namespace"], obj, field_manager=FIELD_MANAGER, force=True,
+                                    _content_type="application/apply-patch+yaml")
+    return ("created" if existing is None else "updated"), _with_kind(
+        api_client().sanitize_for_serialization(applied), obj["kind"])
+
+
+def _drifted(obj: dict[str, Any], existing: dict[str, Any], compare: tuple[str, ...]) -> bool:
+    return any(_differs(obj.get(k), existing.get(k)) for k in compare) or any(
+        _differs(obj["metadata"].get(k), existing["metadata"].get(k)) for k in ("labels", "annotations"))
 
 
 def _differs(want: Any, have: Any) -> bool:
@@ -149,23 +142,27 @@ def _differs(want: Any, have: Any) -> bool:
     return want != have and not (want in (None, {}, []) and have in (None, {}, []))
 
 
-def delete_pod(namespace: str, name: str, uid: str | None = None, grace_seconds: int | None = None) -> bool:
-    """Delete a pod (only the incarnation `uid`, when given). False when it was already gone."""
+def delete_pod(namespace: str, name: str, uid: str | None = None,
+               grace_seconds: int | None = None) -> dict[str, Any] | None:
+    """Delete a pod (only the incarnation `uid`, when given): the pod as the deletion left it
+    (deletionTimestamp set), or None when it was already gone."""
     body = client.V1DeleteOptions(
         preconditions=client.V1Preconditions(uid=uid) if uid else None,
         grace_period_seconds=grace_seconds,
     )
     try:
-        core().delete_namespaced_pod(name, namespace, body=body)
-        return True
+        gone = core().delete_namespaced_pod(name, namespace, body=body)
     except ApiException as e:
         if e.status in (404, 409):
-            return False
+            return None
         raise
+    out = api_client().sanitize_for_serialization(gone)
+    return _with_kind(out, "Pod") if isinstance(out, dict) and out.get("metadata", {}).get("uid") else None
 
 
-def patch_pod_annotations(namespace: str, name: str, annotations: dict[str, str | None]) -> None:
-    core().patch_namespaced_pod(name, namespace, {"metadata": {"annotations": annotations}})
+def patch_pod_annotations(namespace: str, name: str, annotations: dict[str, str | None]) -> dict[str, Any]:
+    pod = core().patch_namespaced_pod(name, namespace, {"metadata": {"annotations": annotations}})
+    return _with_kind(api_client().sanitize_for_serialization(pod), "Pod")
 
 
 

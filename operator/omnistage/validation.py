@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from . import podtemplate as pt
 from .api import MAX_NAME_LENGTH, OPERATOR_OWNED_FLAGS, OmniStageSpec
 from .cachemode import SENDER_CACHE_WITH_DYNAMIC_MEMBERSHIP, membership_can_change
+from .known_pipelines import PIPELINES as KNOWN_PIPELINES
 
 # Keys of the rendered stage 0 that carry the cache or the replica count. vllm-omni reads them at
 # the top of a stage and inside its nested blocks (runtime:, engine_args:, engine_extras:), so a
@@ -285,10 +286,23 @@ def _model_volume_one_source(spec: OmniStageSpec) -> bool:
     return mv is None or (mv.pvc is not None) + (mv.host_path is not None) == 1
 
 
+# Pipelines with stages 1..n: the head waits at startup for a replica of every remote stage, and this
+# operator starts none yet, so such a head would never turn Ready. Refused until stages 1..n run here.
+MULTI_STAGE_PIPELINES = sorted(key for key, stages in KNOWN_PIPELINES.items() if len(stages) > 1)
+SINGLE_STAGE_EXAMPLES = ("qwen3_omni_moe_thinker_only", "qwen2_5_omni_thinker_only", "ming_flash_omni_thinker_only")
+
 _FLAGS_INSTEAD = ("the operator renders them: set spec.cache for the multimodal cache, spec.replicas for "
                   "replicas, spec.engine.httpPort/masterPort for ports and spec.engine.stageOverrides for other stage-0 keys")
 
 SPEC_RULES = [
+    Rule(
+        ".pipeline",
+        "!has(self.pipeline) || !(self.pipeline in [" + ", ".join(f"'{p}'" for p in MULTI_STAGE_PIPELINES) + "])",
+        "spec.pipeline names a multi-stage vllm-omni pipeline (stages after stage 0, e.g. qwen3_omni_moe: thinker, "
+        "talker, code2wav); this operator runs stage 0 only, and the head would wait for the other stages forever. "
+        "Use a single-stage pipeline such as " + ", ".join(SINGLE_STAGE_EXAMPLES),
+        _unless(lambda s: s.pipeline not in MULTI_STAGE_PIPELINES),
+    ),
     Rule(
         ".cache.mode",
         "!(self.cache.mode in ['lru', 'shm'] && (self.membership == 'dynamic' || self.replicas > 1))",

@@ -1,4 +1,4 @@
-"""The price of the processor-only stage-0 cache: a benchmark that prints figures and asserts nothing.
+"""The price of the processor-only (and replica-aware) stage-0 cache: a benchmark that prints figures, asserts nothing.
 
 What it measures, per cell (modality x workload x mode x stage-0 replicas x routing policy):
 
@@ -23,7 +23,14 @@ head), `disabled` (`mm_processor_cache_gb: 0`: no frontend and no receiver cache
 negative control, `lru-unpatched`: that same sender-cache frontend's requests routed to 2 or 4
 replicas, which is what vllm-omni 0.30.0 does without the plugin (no retry and no invalidation on
 a miss: vllm-omni ignores `mm_cache_miss_hashes`). Its errors show that the error columns can see
-errors.
+errors. `replica-aware` (opt-in, issue 11 section 2): the processor-only frontend built with the
+operator's `OMNISTAGE_FRONTEND_CACHE=replica-aware`; in its cells each replica sits behind a real
+head-side `StageEngineCoreClient` (conftest's `WireReplica`: constructor, ZMQ socket and EngineCore
+process stood in), so the plugin strips per replica inside the client's real `add_request_async`,
+the client's own `MsgpackEncoder` encodes, and misses come back through its `get_output_async`
+(vLLM's `_handle_mm_cache_miss`). Its extra figures: the mirrors' memory, misses re-sent in full,
+and the items sent in full against the floor of the routing (distinct replica x media pairs).
+After the main table a second one sets replica-aware against processor-only, cell by cell.
 
 Workloads (each `--requests` requests, 40 by default): `multi-turn` (`--requests / --turns`
 users, 5 turns each, interleaved in a shuffled order each round; turn k carries k media items:
@@ -113,7 +120,7 @@ sys.path.insert(0, str(ROOT))  # runnable as a script: `python tests/bench/bench
 # set when its conftest is imported, before anything imports vLLM: import it first.
 from tests.engine import conftest as engine_tier
 
-MODES = ("lru", "lru-unpatched", "processor-only", "disabled")
+MODES = ("lru", "lru-unpatched", "processor-only", "replica-aware", "disabled")
 REPLICAS = (1, 2, 4)
 POLICIES = ("round-robin", "least-queue-length")
 WORKLOADS = ("multi-turn", "repeated", "all-new")
@@ -313,6 +320,9 @@ FRONTEND = {
     # mode: (distributed head?, model kwargs, the cache class the frontend must hold)
     "lru": (False, {}, "MultiModalProcessorSenderCache"),
     "processor-only": (True, {}, "MultiModalProcessorOnlyCache"),
+    # The operator's OMNISTAGE_FRONTEND_CACHE=replica-aware: the same processor-only frontend, plus
+    # the plugin's per-replica dispatch (switched on when this frontend is built).
+    "replica-aware": (True, {}, "MultiModalProcessorOnlyCache"),
     "disabled": (True, {"mm_processor_cache_gb": 0}, "NoneType"),
 }
 
@@ -338,10 +348,13 @@ class FrontendRun:
 
 def build_frontend(model_dir: Path, mode: str) -> tuple[Any, Any]:
     import pytest
+    from omnistage_engine_patches import contract
 
     distributed, kwargs, expected = FRONTEND[mode]
     vllm_config = make_vllm_config(model_dir, **kwargs)
     with pytest.MonkeyPatch.context() as mp:
+        if mode == contract.CACHE_REPLICA_AWARE:  # only an operator asks for it (opt-in)
+            mp.setenv(contract.FRONTEND_CACHE_ENV, mode)
         engine = engine_tier.stage0_engine_builder(mp)(vllm_config, replicas=1, distributed=distributed)
     got = type(engine.input_processor.renderer.mm_processor_cache).__name__
     if got != expected:
@@ -451,6 +464,9 @@ class Cell:
     items_sent: int = 0
     items_omitted: int = 0
     receiver_bytes: int = 0  # sum over replicas of their receiver caches' accounting
+    mirror_bytes: int = 0  # replica-aware: the frontend's per-replica mirrors (keys and sizes), estimated
+    misses_resent: int = 0  # replica-aware: misses the head re-sent in full (not failed)
+    floor_items: int = 0  # the fewest full items any cache could send with this routing: distinct (replica, media)
     per_replica: list[int] = field(default_factory=list)
     ref_bytes: float | None = None
     ref_cpu_ms: float | None = None
@@ -485,6 +501,80 @@ def same_features(used: Any, truth: Any) -> bool:
         elif a != b:
             return False
     return True
+
+
+def mirror_footprint(d: Any) -> int:
+    """Python memory of the replica-aware mirrors: per entry its key, its metadata object and the
+    LRU's bookkeeping (an estimate with sys.getsizeof; they hold no tensors)."""
+    total = 0
+    for mirror in list(d._mirrors.values()):
+        for key, meta in mirror._cache.cache.items():
+            total += sys.getsizeof(key) + sys.getsizeof(meta) + sys.getsizeof(vars(meta)) + 3 * 8 + 100
+    return total
+
+
+async def run_replica_aware_cell(cell: Cell, fe: FrontendRun, truth: dict[int, Any], seed: int) -> Cell:
+    """The replica-aware cell: each replica behind a real head-side `StageEngineCoreClient`
+    (conftest's `WireReplica`); the plugin's wrapper strips per replica before the client's own
+    `MsgpackEncoder` encodes; outputs (and misses) come back through `get_output_async`."""
+    from omnistage_engine_patches import replica_aware_cache
+    from vllm.v1.engine import FinishReason
+    from vllm_omni.distributed.omni_coordinator.load_balancer import (
+        LeastQueueLengthBalancer,
+        RoundRobinBalancer,
+    )
+    from vllm_omni.engine.stage_pool import StagePool
+
+    dispatch = replica_aware_cache.dispatch()
+    if dispatch is None:
+        raise SystemExit("replica-aware: the dispatch is not live (is the replica_aware_cache patch disabled?)")
+    replicas = {i: engine_tier.WireReplica(fe.vllm_config, i) for i in range(cell.replicas)}
+    clients = [replicas[i].client for i in range(cell.replicas)]
+    pool = StagePool(0, clients, stage_vllm_config=fe.vllm_config)
+    hub = SimulatedHub([c.client_addresses["input_address"] for c in clients], fe.rendered, seed)
+    pool.attach_hub(hub)
+    pool.attach_load_balancer(RoundRobinBalancer() if cell.policy == "round-robin" else LeastQueueLengthBalancer())
+    random.seed(seed)
+    cell.per_replica = [0] * cell.replicas
+    cell.cache_acct, cell.cache_held = fe.cache_acct, fe.cache_held
+    before = dispatch.stats.copy()
+    served: set[tuple[int, int]] = set()
+    for i, r in enumerate(fe.rendered):
+        hub.at(i)
+        rep = replicas
+        start = time.process_time()
+        rid = await pool.pick(r.request_id)
+        wire0 = rep[rid].wire_bytes
+        await pool._llm_client(rid).add_request_async(r.request)  # StagePool.submit_initial's tail
+        cell.route_encode_cpu_s += time.process_time() - start
+        cell.render_cpu_s += r.cpu_s
+        cell.requests += 1
+        cell.per_replica[rid] += 1
+        cell.bytes_total += rep[rid].wire_bytes - wire0
+        hub.assign(i, clients[rid].client_addresses["input_address"])
+        served.update((rid, m) for m in r.media)
+        failed = False
+        while rep[rid].drain() or not rep[rid].client.outputs_queue.empty():
+            while not rep[rid].client.outputs_queue.empty():
+                outputs = await rep[rid].client.get_output_async()  # misses are handled in here
+                failed |= any(o.finish_reason == FinishReason.ERROR for o in outputs.outputs)
+        if failed:
+            cell.misses += 1
+        else:
+            used = rep[rid].used[r.request_id]
+            if any(not same_features(f.data, truth[m]) for f, m in zip(used, r.media, strict=True)):
+                cell.stale += 1
+        pool.release_binding(r.request_id)
+    delta = dispatch.stats - before
+    cell.items_sent, cell.items_omitted = delta["items_sent"], delta["items_omitted"]
+    cell.misses_resent = delta["misses_resent"]
+    cell.floor_items = len(served)
+    cell.mirror_bytes = mirror_footprint(dispatch)
+    for rep_ in replicas.values():
+        if rep_.cache is not None:
+            cell.receiver_bytes += int(rep_.cache._cache.currsize)
+        dispatch.drop(rep_.client, "end of the cell")
+    return cell
 
 
 async def run_cell(cell: Cell, fe: FrontendRun, truth: dict[int, Any], seed: int) -> Cell:
@@ -568,7 +658,7 @@ async def run_all(args: argparse.Namespace, model_dirs: dict[str, Path], media: 
         log(f"{label}: {len(requests)} requests, {sum(len(r.media) for r in requests)} media items "
             f"({len({m for r in requests for m in r.media})} distinct)")
         truth: dict[int, Any] = {}
-        for mode in ("disabled", "processor-only", "lru"):
+        for mode in ("disabled", "processor-only", "replica-aware", "lru"):
             fe = await run_frontend(model_dirs[modality], mode, requests, label)
             if mode == "disabled":  # no cache anywhere: what was processed is the truth
                 for r in fe.rendered:
@@ -580,12 +670,14 @@ async def run_all(args: argparse.Namespace, model_dirs: dict[str, Path], media: 
             for cell_mode in ((mode,) if mode != "lru" else ("lru", "lru-unpatched")):
                 for n, policy in cells_for(cell_mode):
                     cell = Cell(modality, wl, cell_mode, n, policy)
-                    await run_cell(cell, fe, truth, seed_of(modality, wl, n, policy))
+                    run = run_replica_aware_cell if cell_mode == "replica-aware" else run_cell
+                    await run(cell, fe, truth, seed_of(modality, wl, n, policy))
                     cells.append(cell)
                     if cell_mode == "lru":
                         ref = cell
                     log(f"  {label} {cell_mode} x{n} {policy}: {cell.bytes_per_req / MB:.2f} MB/req, "
                         f"{cell.cpu_ms_per_req:.0f} ms CPU/req, misses {cell.misses}, stale {cell.stale}, "
+                        f"items omitted {cell.items_omitted}/{cell.items_sent + cell.items_omitted}, "
                         f"requests per replica {cell.per_replica}")
             del fe
             gc.collect()
@@ -612,7 +704,7 @@ def item_size_report(request: Any) -> dict[str, Any]:
 
 # ---- output ------------------------------------------------------------------------------------
 HEADER = ("modality", "workload", "mode", "repl", "policy", "MB/req", "x lru", "CPU ms/req", "x lru",
-          "cache acct MB", "held MB", "miss/1k", "stale/1k")
+          "cache acct MB", "held MB", "mirrors KB", "miss/1k", "resent/1k", "stale/1k")
 
 
 def table_rows(cells: list[Cell]) -> list[tuple[str, ...]]:
@@ -623,10 +715,49 @@ def table_rows(cells: list[Cell]) -> list[tuple[str, ...]]:
         rows.append((
             c.modality, c.workload, c.mode, str(c.replicas), c.policy, f"{c.bytes_per_req / MB:.3f}",
             f"{ratio:.1f}", f"{c.cpu_ms_per_req:.0f}", f"{cpu_ratio:.1f}", f"{c.cache_acct / MB:.1f}",
-            f"{c.cache_held / MB:.1f}",
-            f"{c.misses_per_1k:.0f}", f"{c.stale_per_1k:.0f}",
+            f"{c.cache_held / MB:.1f}", f"{c.mirror_bytes / 1e3:.1f}",
+            f"{c.misses_per_1k:.0f}", f"{1000 * c.misses_resent / max(1, c.requests):.0f}", f"{c.stale_per_1k:.0f}",
         ))
     return rows
+
+
+def goal_rows(cells: list[Cell]) -> list[tuple[str, ...]]:
+    """replica-aware against processor-only, same modality x workload x replicas x policy: bytes
+    (goal <= 10% on multi-turn with 2 and 4 replicas), errors (goal 0) and frontend memory (goal
+    <= 1.2x: the frontend cache plus the mirrors, against the frontend cache)."""
+    rows = []
+    for c in cells:
+        if c.mode != "replica-aware":
+            continue
+        po = pick(cells, c.modality, c.workload, "processor-only", c.replicas, c.policy)
+        if po is None:
+            continue
+        mem = (c.cache_acct + c.mirror_bytes) / max(1, po.cache_acct)
+        rows.append((c.modality, c.workload, str(c.replicas), c.policy,
+                     f"{100 * c.bytes_per_req / po.bytes_per_req:.1f}%", f"{c.cpu_ms_per_req / po.cpu_ms_per_req:.2f}",
+                     f"{mem:.4f}", str(c.misses + c.stale), str(c.misses_resent),
+                     f"{c.items_sent}/{c.floor_items}", f"{100 * po_floor(cells, c) / po.bytes_per_req:.1f}%"))
+    return rows
+
+
+GOAL_HEADER = ("modality", "workload", "repl", "policy", "bytes vs p-o", "CPU vs p-o", "memory vs p-o", "errors",
+               "resent", "full items/floor", "lru 1 replica vs p-o")
+
+
+def po_floor(cells: list[Cell], c: Cell) -> float:
+    """The bytes per request of lru on one static replica (each distinct item sent once): no
+    cache on any number of replicas can send less."""
+    ref = pick(cells, c.modality, c.workload, "lru", 1, "static")
+    return ref.bytes_per_req if ref is not None else float("nan")
+
+
+def print_rows(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
 
 
 def print_table(cells: list[Cell]) -> str:
@@ -693,6 +824,8 @@ class Axis:
 PLOT_SERIES = [
     ("lru, 1 static replica (reference)", "#4c72b0", ("lru", 1, "static")),
     ("processor-only, 2 replicas, round robin", "#dd8452", ("processor-only", 2, "round-robin")),
+    ("replica-aware, 2 replicas, round robin", "#937860", ("replica-aware", 2, "round-robin")),
+    ("replica-aware, 4 replicas, round robin", "#da8bc3", ("replica-aware", 4, "round-robin")),
     ("disabled, 2 replicas, round robin", "#55a868", ("disabled", 2, "round-robin")),
     ("lru unpatched, 2 replicas, round robin", "#c44e52", ("lru-unpatched", 2, "round-robin")),
     ("lru unpatched, 4 replicas, least queue", "#8172b3", ("lru-unpatched", 4, "least-queue-length")),
@@ -798,6 +931,10 @@ def main() -> int:
     if not engine_tier.patch_applied("frontend_cache"):
         print("the frontend_cache patch is not applied (OMNISTAGE_DISABLE_PATCHES?): nothing to measure")
         return 2
+    if not engine_tier.patch_applied(contract.REPLICA_AWARE_CACHE):
+        print("the replica_aware_cache patch is not applied (OMNISTAGE_DISABLE_PATCHES?): the replica-aware "
+              "mode cannot be measured")
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-models-") as tmp:
@@ -817,6 +954,13 @@ def main() -> int:
         print(f"processed item, {m}: {what} -> {s['bytes']:,} bytes ({tensors}); {s['tokens']} placeholder tokens")
     print()
     text = print_table(cells)
+    print()
+    print("replica-aware against processor-only (same cell): bytes per request, CPU per request, frontend memory "
+          "(cache + mirrors), errors (misses that failed a request + stale), misses re-sent in full, items sent in "
+          "full against the floor (distinct replica x media pairs the routing produced), and lru on one replica "
+          "(each distinct item once) against processor-only")
+    goal = print_rows(GOAL_HEADER, goal_rows(cells))
+    text += "\n\n" + goal
     svg, md, js = out / "cache.svg", out / "cache.md", out / "cache.json"
     svg_plot(cells, args.modalities, svg)
     plots = [svg]
@@ -824,7 +968,9 @@ def main() -> int:
         png = out / "cache.png"
         if subprocess.run(["rsvg-convert", str(svg), "-o", str(png)], check=False).returncode == 0:
             plots.append(png)
-    md.write_text(markdown_table(cells))
+    goal_md = ["| " + " | ".join(GOAL_HEADER) + " |", "|" + "|".join("---" for _ in GOAL_HEADER) + "|"]
+    goal_md += ["| " + " | ".join(r) + " |" for r in goal_rows(cells)]
+    md.write_text(markdown_table(cells) + "\n" + "\n".join(goal_md) + "\n")
     wall, cpu = time.monotonic() - wall0, time.process_time() - cpu0
     js.write_text(json.dumps({
         "item_sizes": sizes,

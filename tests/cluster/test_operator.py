@@ -739,3 +739,27 @@ def test_pod_template_reaches_engine_pods_and_a_change_rolls_them(kubectl, wait_
     for pod in engine_pods(kubectl, namespace):
         container = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
         assert container["resources"]["requests"]["cpu"] == "3" and pod["metadata"]["labels"]["team"] == "multimodal"
+
+
+def test_replica_aware_mode_rendered_reported_and_in_status(kubectl, wait_for, namespace, operator, tmp_path):
+    """cache.mode replica-aware (opt-in, issue 11): allowed with dynamic membership; the operator renders
+    it (ConfigMap annotation, the head's OMNISTAGE_FRONTEND_CACHE), the head reports it (its frontend runs
+    the replica_aware_cache dispatch on MultiModalProcessorOnlyCache), and CacheConsistent, status.engine
+    and the Cache column say replica-aware; replicas join as for processor-only."""
+    n = 2
+    apply(kubectl, namespace, tmp_path, sample(**{"replicas": n, "cache.mode": "replica-aware"}))
+    obj = wait_ready(kubectl, wait_for, namespace, n)
+    st = obj["status"]
+    assert st["effectiveCacheMode"] == "replica-aware"
+    cm = kubectl.json("get", "configmap", f"{NAME}-config", "-n", namespace)
+    assert cm["metadata"]["annotations"]["serving.omnistage.io/effective-cache-mode"] == "replica-aware"
+    head = engine_pods(kubectl, namespace, role="head")[0]
+    assert {e["name"]: e.get("value") for e in head["spec"]["containers"][0]["env"]}["OMNISTAGE_FRONTEND_CACHE"] \
+        == "replica-aware"
+    assert st["engine"]["frontendCacheClass"] == "MultiModalProcessorOnlyCache", st["engine"]
+    assert st["engine"]["frontendCacheMode"] == "replica-aware", st["engine"]
+    assert st["engine"]["patches"]["replica_aware_cache"] == "applied", st["engine"]
+    assert is_true(obj, "CacheConsistent") and "replica-aware" in condition(obj, "CacheConsistent")["message"]
+    assert all(m["state"] == "Joined" for m in st["members"]) and len(st["members"]) == n - 1
+    row = kubectl("get", "omnistage", NAME, "-n", namespace, "--no-headers").stdout.split()
+    assert row[:5] == [NAME, str(n), str(n), str(n), "replica-aware"], row

@@ -464,3 +464,106 @@ def pixel_digest(item: Any) -> str:
     if item is None or "pixel_values" not in item:
         return "no-tensor"
     return hashlib.sha256(item["pixel_values"].data.contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+# ---- a replica behind a real head-side client (the wire) ---------------------------------------
+class WireReplica(Replica):
+    """A stage-0 replica behind the head-side client vllm-omni really uses: a
+    `StageEngineCoreClient` whose `add_request_async` / `get_output_async` / `shutdown` are
+    vLLM's and vllm-omni's own (and whatever the plugin wrapped on them), so a request is
+    msgpack-encoded by the client's real `MsgpackEncoder` exactly as it would be for the wire.
+
+    Stood in (there is no EngineCore process): the client's constructor (it would handshake with
+    an EngineCore), its ZMQ sockets and its output task. `_send_input_message` puts the encoded
+    frames into this replica's inbox (in order, as a ZMQ socket does; an optional `send_delay`
+    makes the send's awaitable finish later, as a busy socket would), and outputs are put on the
+    client's `outputs_queue` after a round trip through the real encoder/decoder. `drain()` is
+    the replica's input thread: decode each message with `MsgpackDecoder(OmniEngineCoreRequest)`,
+    run the receiver cache as `EngineCore.preprocess_add_request` does, and answer a miss with
+    the real `EngineCoreProc._handle_mm_cache_miss` (`mm_cache_miss_hashes`), a success with a
+    finished output.
+    """
+
+    def __init__(self, vllm_config: Any, replica_id: int, *, send_delay: Any = None) -> None:
+        super().__init__(vllm_config, replica_id)
+        self.inbox: list[list[memoryview]] = []
+        self.wire_bytes = 0
+        self.used: dict[str, list[Any]] = {}  # request id -> the features this replica used
+        self.misses: list[str] = []  # request ids this replica answered with a cache miss
+        self.send_delay = send_delay
+        self.client = make_wire_client(self)
+
+    def deliver(self, message: tuple[Any, ...]) -> None:
+        from vllm.v1.engine import EngineCoreRequestType
+
+        if bytes(message[0]) != EngineCoreRequestType.ADD.value:
+            return  # an abort or a utility call: nothing for the receiver cache
+        # ZMQ sends with copy=False: the frames still point at the tensors; the copy (the wire)
+        # happens in drain(), on the replica's side of the socket.
+        frames = [memoryview(f) for f in message[1:]]  # [0] is the request type
+        self.wire_bytes += sum(f.nbytes for f in frames)
+        self.inbox.append(frames)
+
+    def drain(self) -> int:
+        """Process every message received so far, in order; return how many."""
+        import queue
+
+        from vllm.multimodal.cache import MultiModalCacheMissError
+        from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+        from vllm.v1.engine.core import EngineCoreProc
+        from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+        from vllm_omni.engine import OmniEngineCoreRequest
+
+        decoder, encoder = MsgpackDecoder(OmniEngineCoreRequest), MsgpackEncoder()
+        out_decoder = MsgpackDecoder(EngineCoreOutputs)
+        n = 0
+        while self.inbox:
+            frames, n = [bytearray(f) for f in self.inbox.pop(0)], n + 1
+            request = decoder.decode(frames)
+            try:
+                self.used[request.request_id] = self.receive(request)
+            except MultiModalCacheMissError as err:
+                self.misses.append(request.request_id)
+                answers: queue.Queue = queue.Queue()
+                EngineCoreProc._handle_mm_cache_miss(SimpleNamespace(output_queue=answers, engine_index=0),
+                                                     request, err)
+                outputs = answers.get_nowait()[1]
+            else:
+                outputs = EngineCoreOutputs(outputs=[EngineCoreOutput(
+                    request_id=request.request_id, new_token_ids=[1], finish_reason=FinishReason.LENGTH)],
+                    finished_requests={request.request_id})
+            self.client.outputs_queue.put_nowait(out_decoder.decode(encoder.encode(outputs)))
+        return n
+
+
+def make_wire_client(replica: WireReplica) -> Any:
+    """The real `StageEngineCoreClient` class, built without its constructor (see WireReplica)."""
+    import asyncio
+
+    from vllm.v1.serial_utils import MsgpackEncoder
+    from vllm_omni.engine.stage_engine_core_client import StageEngineCoreClient
+
+    class WireStageClient(StageEngineCoreClient):
+        def _send_input_message(self, message: Any, engine: Any) -> Any:
+            self.ensure_alive()
+            replica.deliver(message)
+
+            async def sent() -> None:
+                await asyncio.sleep(replica.send_delay() if replica.send_delay else 0)
+
+            return sent()
+
+        def _ensure_output_queue_task(self) -> None:
+            pass  # the task reading a real EngineCore's output socket
+
+    client = object.__new__(WireStageClient)
+    StandInStageClient.__init__(client, replica.replica_id)
+    client.stage_id = 0
+    client.vllm_config = replica.vllm_config
+    client.encoder = MsgpackEncoder()
+    client.client_index = 0
+    client.core_engine = (0).to_bytes(2, "little")
+    client.resources = SimpleNamespace(engine_dead=False, engine_manager=None)
+    client._finalizer = SimpleNamespace(detach=lambda: None)  # nothing to clean up
+    client.outputs_queue = asyncio.Queue()
+    return client

@@ -9,7 +9,9 @@ then the operator's real CacheConsistent rule on that report.
 
 Tests marked "regression" fail with the frontend patch off:
     OMNISTAGE_DISABLE_PATCHES=frontend_cache pytest tests/engine/test_engine_report.py
-(the report then names vLLM's sender cache where the OmniStage promises processor-only).
+(the report then names vLLM's sender cache where the OmniStage promises processor-only); the
+`replica-aware` rows also fail with OMNISTAGE_DISABLE_PATCHES=replica_aware_cache (the report then
+says processor-only, and CacheConsistent is False).
 """
 
 from __future__ import annotations
@@ -80,6 +82,18 @@ TABLE = [
                  id="unchanged-text-only-dynamic-2"),
     pytest.param({"membership": "static", "replicas": 1, "modelKind": "text-only"}, "not-applicable", False, NONE,
                  id="unchanged-text-only-static-1"),
+    # replica-aware: the processor-only frontend plus the per-replica dispatch; the report says
+    # replica-aware only while the dispatch is live (with the patch off: processor-only, a mismatch).
+    pytest.param({"membership": "dynamic", "replicas": 2, "cache": {"mode": "replica-aware"}}, "replica-aware", True,
+                 PO, id="regression-replica-aware-dynamic-2"),
+    pytest.param({"membership": "dynamic", "replicas": 1, "cache": {"mode": "replica-aware"}}, "replica-aware", True,
+                 PO, id="regression-replica-aware-dynamic-1"),
+    pytest.param({"membership": "static", "replicas": 1, "cache": {"mode": "replica-aware"}}, "replica-aware", False,
+                 PO, id="regression-replica-aware-static-1"),
+    pytest.param({"membership": "dynamic", "replicas": 2, "cache": {"mode": "replica-aware", "sizeGiB": 0}},
+                 "disabled", True, NONE, id="unchanged-replica-aware-size-0-dynamic-2"),
+    pytest.param({"membership": "dynamic", "replicas": 2, "modelKind": "text-only", "cache": {"mode": "replica-aware"}},
+                 "not-applicable", True, NONE, id="unchanged-replica-aware-text-only-dynamic-2"),
 ]
 
 
@@ -94,6 +108,7 @@ def test_cache_mode_x_membership_builds_what_the_status_says(
     r = report.build(engine)
     assert r["frontendCache"]["cacheClass"] == built  # the report reads the live renderer
     assert r["frontendCache"]["requested"] == effective
+    assert r["frontendCache"]["mode"] == (effective if built else contract.CACHE_NONE)
     verdict = engine_truth.check(effective, distributed, r)
     assert verdict.consistent, verdict.message
 

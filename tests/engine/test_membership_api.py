@@ -581,6 +581,50 @@ def test_engine_report(head, http_app):
         assert status == 503 and body["error"] in ("EngineNotReady", "MembershipPatchDisabled"), body
 
 
+def _get_with_etag(api: Api, path: str, etag: str | None = None, token: str | None = TOKEN) -> tuple[int, Any, str]:
+    req = urllib.request.Request(api.url + path, method="GET")
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    if etag is not None:
+        req.add_header("If-None-Match", etag)
+    try:
+        with _OPENER.open(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read()), resp.headers.get("ETag")
+    except urllib.error.HTTPError as err:
+        return err.code, (err.read() or b"").decode(), err.headers.get("ETag")
+
+
+def test_conditional_gets_are_the_operators_cheap_probe(head):
+    """The operator probes every head every few seconds with the ETag of what it holds: 304 and no
+    body while the listing's boot id and epoch (or the report) are unchanged, 200 with the new
+    answer when they moved. Negative controls: a stale or foreign ETag, and no token, never get 304."""
+    engine, api = head()
+    status, body, etag = _get_with_etag(api, BASE_PATH)
+    assert status == 200 and etag == f'"{body["bootId"]}.{body["epoch"]}"'
+    status, empty, same = _get_with_etag(api, BASE_PATH, etag)
+    assert (status, empty, same) == (304, "", etag)
+    replica = start_replica(engine)  # its attach bumps the epoch
+    status, moved, etag2 = _get_with_etag(api, BASE_PATH, etag)
+    assert status == 200 and moved["epoch"] > body["epoch"] and etag2 != etag
+    assert replica.replica_id in {m["replicaId"] for m in moved["stages"]["0"]}
+    assert _get_with_etag(api, BASE_PATH, etag2)[0] == 304
+    replica.down()  # the head drops it: the epoch moves again
+    wait_for(lambda: _get_with_etag(api, BASE_PATH, etag2)[0] == 200, 10, what="the detach to move the epoch")
+    # Another boot of the head (same epoch) is a change; pages of every route are never 304.
+    epoch = api.list()["epoch"]
+    assert _get_with_etag(api, BASE_PATH, f'"{"0" * 32}.{epoch}"')[0] == 200
+    status, _page, page_etag = _get_with_etag(api, BASE_PATH + "?all=true", f'"{report.BOOT_ID}.{epoch}"')
+    assert status == 200 and page_etag is None
+    # The report: 304 while it is the same document.
+    status, rep, retag = _get_with_etag(api, contract.ENGINE_PATH)
+    assert status == 200 and rep["bootId"] == report.BOOT_ID and retag
+    assert _get_with_etag(api, contract.ENGINE_PATH, retag)[0] == 304
+    assert _get_with_etag(api, contract.ENGINE_PATH, '"stale"')[0] == 200
+    # Without the token the ETag reveals nothing: 401 first.
+    assert _get_with_etag(api, BASE_PATH, etag2, token=None)[0] == 401
+    assert _get_with_etag(api, contract.ENGINE_PATH, retag, token=None)[0] == 401
+
+
 def test_listing_pages_with_all(head):
     engine, api = head()
     replicas = [start_replica(engine) for _ in range(2)]

@@ -37,6 +37,8 @@ INSTALLS = {
     contract.REPLICA_METRICS: "replica_metrics:_install_replica_metrics",
     contract.MM_CACHE_METRICS: "replica_metrics:_install_mm_cache_metrics",
     contract.MEMBERSHIP: "membership_hooks:_install",
+    contract.CONNECTOR_PORTS: "connector_ports:_install",
+    contract.REPLICA_AWARE_CACHE: "replica_aware_cache:_install",
 }
 
 

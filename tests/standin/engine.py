@@ -297,7 +297,7 @@ def standin_frontend(engine: Any) -> SimpleNamespace:
     process, where vLLM itself chooses `lru`; with the frontend patch not applied, vLLM's `lru`
     stays. The instance is not initialised: the stand-in frontend processes no media, and the
     engine report only reads its class."""
-    from omnistage_engine_patches import _patching, contract, frontend_cache
+    from omnistage_engine_patches import _patching, contract, frontend_cache, replica_aware_cache
 
     mode = os.environ.get(FRONTEND_KNOB)
     if not mode:
@@ -306,6 +306,11 @@ def standin_frontend(engine: Any) -> SimpleNamespace:
             chosen = frontend_cache.choose_cache_type("lru", frontend_cache.requested_mode(),
                                                       frontend_cache.stage0_needs_processor_only(engine))
             mode = {"processor_only": contract.CACHE_PROCESSOR_ONLY, None: contract.CACHE_NONE}.get(chosen, chosen)
+            # As the real frontend_cache does for replica-aware: the per-replica dispatch on top
+            # (the deploy config's default size; the stand-in sends no media).
+            replica_aware = mode == contract.CACHE_PROCESSOR_ONLY and \
+                frontend_cache.requested_mode() == contract.CACHE_REPLICA_AWARE
+            replica_aware_cache.activate(4.0 if replica_aware else None)
     cls = _CACHE_CLASSES.get(mode)
     cache = object.__new__(cls) if cls is not None else None
     logger.info("stand-in stage-0 frontend: %s", type(cache).__name__ if cache is not None else "no cache")

@@ -7,23 +7,24 @@ from omnistage.cachemode import CacheModeRejected, resolve_cache_mode
 
 REJECT = "rejected"
 MEMBERSHIP_REPLICAS = [("static", 1), ("static", 2), ("static", 8), ("dynamic", 1), ("dynamic", 2), ("dynamic", 8)]
-MODES = ["auto", "processor-only", "lru", "shm", "disabled"]
+MODES = ["auto", "processor-only", "replica-aware", "lru", "shm", "disabled"]
 KINDS = ["multimodal", "text-only"]
 
 # Only a static single replica keeps a fixed membership: there a sender cache is safe.
 STATIC_SINGLE = {
-    "multimodal": {"auto": "lru", "processor-only": "processor-only", "lru": "lru", "shm": "shm",
-                   "disabled": "disabled"},
-    "text-only": {"auto": "not-applicable", "processor-only": "not-applicable", "lru": "not-applicable",
-                  "shm": "not-applicable", "disabled": "not-applicable"},
+    "multimodal": {"auto": "lru", "processor-only": "processor-only", "replica-aware": "replica-aware",
+                   "lru": "lru", "shm": "shm", "disabled": "disabled"},
+    "text-only": {"auto": "not-applicable", "processor-only": "not-applicable", "replica-aware": "not-applicable",
+                  "lru": "not-applicable", "shm": "not-applicable", "disabled": "not-applicable"},
 }
-# Everything else can gain or lose replicas: auto means processor-only, sender caches are refused
-# (for text-only models too: the spec is invalid whatever the model).
+# Everything else can gain or lose replicas: auto means processor-only (replica-aware stays opt-in
+# until it has run on GPUs), replica-aware is allowed, sender caches are refused (for text-only
+# models too: the spec is invalid whatever the model).
 CHANGING = {
-    "multimodal": {"auto": "processor-only", "processor-only": "processor-only", "lru": REJECT, "shm": REJECT,
-                   "disabled": "disabled"},
-    "text-only": {"auto": "not-applicable", "processor-only": "not-applicable", "lru": REJECT, "shm": REJECT,
-                  "disabled": "not-applicable"},
+    "multimodal": {"auto": "processor-only", "processor-only": "processor-only", "replica-aware": "replica-aware",
+                   "lru": REJECT, "shm": REJECT, "disabled": "disabled"},
+    "text-only": {"auto": "not-applicable", "processor-only": "not-applicable", "replica-aware": "not-applicable",
+                  "lru": REJECT, "shm": REJECT, "disabled": "not-applicable"},
 }
 
 
@@ -36,7 +37,7 @@ CASES = list(itertools.product(MEMBERSHIP_REPLICAS, MODES, KINDS))
 
 
 def test_table_covers_every_combination():
-    assert len(CASES) == 2 * 3 * 5 * 2
+    assert len(CASES) == 2 * 3 * 6 * 2
 
 
 @pytest.mark.parametrize(("mr", "mode", "kind"), CASES, ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else v)
@@ -54,7 +55,7 @@ def test_cache_mode(mr, mode, kind):
 
 
 @pytest.mark.parametrize(("membership", "replicas"), MEMBERSHIP_REPLICAS)
-@pytest.mark.parametrize("mode", ["auto", "processor-only"])
+@pytest.mark.parametrize("mode", ["auto", "processor-only", "replica-aware"])
 def test_size_zero_is_disabled(membership, replicas, mode):
     """vLLM builds no cache of size 0, so the status must not promise processor-only or lru."""
     decision = resolve_cache_mode(mode, membership, replicas, "multimodal", size_gib=0)

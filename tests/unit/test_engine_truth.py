@@ -12,11 +12,12 @@ from omnistage_engine_patches import contract
 ALL_APPLIED = {name: {"outcome": contract.APPLIED, "reason": "applied"} for name in contract.PATCHES}
 
 
-def report(cache_class: str | None, patches: dict | None = None, **extra) -> dict:
+def report(cache_class: str | None, patches: dict | None = None, replica_aware: bool = False, **extra) -> dict:
     return {
         "bootId": "b1", "pluginVersion": "0.2.0", "vllmVersion": "0.30.0", "vllmOmniVersion": "0.30.0",
         "distributed": True,
-        "frontendCache": {"cacheClass": cache_class, "mode": contract.frontend_mode(cache_class), "requested": None},
+        "frontendCache": {"cacheClass": cache_class, "mode": contract.frontend_mode(cache_class, replica_aware),
+                          "requested": None},
         "patches": copy.deepcopy(patches if patches is not None else ALL_APPLIED),
         **extra,
     }
@@ -67,6 +68,34 @@ def test_verdict_table(mode, distributed, cache_class, patches, reason):
     assert verdict.consistent is (reason == R_CONSISTENT)
 
 
+PO = "MultiModalProcessorOnlyCache"
+
+
+@pytest.mark.parametrize(
+    ("mode", "distributed", "cache_class", "replica_aware", "patches", "reason"),
+    [
+        ("replica-aware", True, PO, True, ALL_APPLIED, R_CONSISTENT),
+        ("replica-aware", False, PO, True, with_outcome("uuid_scope", contract.SKIPPED), R_CONSISTENT),
+        # The frontend is processor-only but the per-replica dispatch is not live: a mismatch
+        # (safe, every tensor is sent, but not what the OmniStage promises).
+        ("replica-aware", True, PO, False, ALL_APPLIED, R_CACHE_MISMATCH),
+        ("replica-aware", True, PO, False, with_outcome("replica_aware_cache", contract.SKIPPED), R_PATCH_NOT_APPLIED),
+        ("replica-aware", True, PO, False, with_outcome("replica_aware_cache", contract.DISABLED),
+         R_PATCH_NOT_APPLIED),
+        ("replica-aware", True, PO, True, with_outcome("frontend_cache", contract.SKIPPED), R_PATCH_NOT_APPLIED),
+        ("replica-aware", True, "MultiModalProcessorSenderCache", False, ALL_APPLIED, R_CACHE_MISMATCH),
+        # A head that strips per replica while the OmniStage promises processor-only.
+        ("processor-only", True, PO, True, ALL_APPLIED, R_CACHE_MISMATCH),
+        # processor-only never needs the replica-aware patch.
+        ("processor-only", True, PO, False, with_outcome("replica_aware_cache", contract.SKIPPED), R_CONSISTENT),
+    ],
+)
+def test_verdict_table_replica_aware(mode, distributed, cache_class, replica_aware, patches, reason):
+    verdict = engine_truth.check(mode, distributed, report(cache_class, patches, replica_aware))
+    assert verdict.reason == reason, verdict.message
+    assert verdict.consistent is (reason == R_CONSISTENT)
+
+
 def test_no_report_is_unreported_and_says_why():
     verdict = engine_truth.check("processor-only", True, None, "head unreachable: connection refused")
     assert (verdict.consistent, verdict.reason) == (False, R_ENGINE_UNREPORTED)
@@ -93,3 +122,10 @@ def test_summary_for_status():
     assert s["frontendCacheMode"] == "processor-only"
     assert s["patches"]["uuid_scope"] == "disabled" and s["patches"]["frontend_cache"] == "applied"
     assert engine_truth.summary(None) is None
+
+
+def test_summary_shows_replica_aware():
+    """status.engine names the mode the head really runs: replica-aware only while its dispatch is live."""
+    s = engine_truth.summary(report("MultiModalProcessorOnlyCache", replica_aware=True))
+    assert (s["frontendCacheClass"], s["frontendCacheMode"]) == ("MultiModalProcessorOnlyCache", "replica-aware")
+    assert s["patches"]["replica_aware_cache"] == "applied"

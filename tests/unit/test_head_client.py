@@ -5,8 +5,9 @@ from __future__ import annotations
 import socket
 
 import pytest
-from omnistage import head_client
+from omnistage import head_client, reconcile
 from omnistage.head_client import HeadClient, HeadUnreachable
+from omnistage_engine_patches import contract
 
 
 def _free_loopback_port() -> int:
@@ -25,3 +26,140 @@ def test_unreachable_head_message_is_stable():
     assert len(messages) == 1, messages
     (message,) = messages
     assert "no answer" in message and " at 0x" not in message
+
+
+# ---- the operator's probe: conditional GETs (the head side: tests/engine/test_membership_api.py) ----
+
+class _Head:
+    """A head on loopback that answers like the membership endpoint: ETag, 304 on If-None-Match.
+    Only the HTTP exchange is simulated here; the real endpoint is tested in the engine tier."""
+
+    def __init__(self) -> None:
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.boot, self.epoch, self.distributed_known = "boot-1", 1, True
+        self.requests: list[tuple[str, str | None]] = []
+        head = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_GET(self):
+                head.requests.append((self.path, self.headers.get("If-None-Match")))
+                if self.path == contract.MEMBERSHIP_PATH:
+                    body = {"bootId": head.boot, "epoch": head.epoch, "stages": {"0": []}}
+                    etag = f'"{head.boot}.{head.epoch}"'
+                else:
+                    body = {"bootId": head.boot, "distributed": True if head.distributed_known else None,
+                            "frontendCache": {"mode": "processor-only"} if head.distributed_known else None}
+                    etag = f'"{json.dumps(body, sort_keys=True)}"'.replace(" ", "")
+                if self.headers.get("If-None-Match") == etag:
+                    self.send_response(304)
+                    self.send_header("ETag", etag)
+                    self.end_headers()
+                    return
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("ETag", etag)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.client = HeadClient("127.0.0.1", self.server.server_address[1], "token")
+
+    def paths(self) -> list[str]:
+        out = [p for p, _ in self.requests]
+        self.requests.clear()
+        return out
+
+
+@pytest.fixture
+def fake_head():
+    head = _Head()
+    yield head
+    head.server.shutdown()
+
+
+def test_conditional_get_returns_none_while_unchanged(fake_head):
+    body, etag = head_client.listing_if_changed(fake_head.client, None)
+    assert body["epoch"] == 1 and etag == '"boot-1.1"'
+    assert head_client.listing_if_changed(fake_head.client, etag) == (None, etag)
+    fake_head.epoch = 2
+    body, etag2 = head_client.listing_if_changed(fake_head.client, etag)
+    assert body["epoch"] == 2 and etag2 != etag
+
+
+def test_a_pass_at_rest_probes_once_and_a_new_boot_refetches_the_report(fake_head):
+    view = reconcile.HeadView("head-uid")
+    report, listing, rp, lp = reconcile.ask_head(fake_head.client, view, distributed=True)
+    assert (rp, lp) == (None, None) and report["bootId"] == listing["bootId"] == "boot-1"
+    assert fake_head.paths() == [contract.MEMBERSHIP_PATH, contract.ENGINE_PATH]
+    for _ in range(3):  # at rest: the listing probe only, answered 304; the copies are handed on
+        assert reconcile.ask_head(fake_head.client, view, distributed=True)[:2] == (report, listing)
+        assert fake_head.paths() == [contract.MEMBERSHIP_PATH]
+    fake_head.epoch = 2  # a join/leave elsewhere: the listing again, not the report
+    _, listing, _, _ = reconcile.ask_head(fake_head.client, view, distributed=True)
+    assert listing["epoch"] == 2 and fake_head.paths() == [contract.MEMBERSHIP_PATH]
+    fake_head.boot = "boot-2"  # the head engine restarted in place: both
+    report, listing, _, _ = reconcile.ask_head(fake_head.client, view, distributed=True)
+    assert report["bootId"] == listing["bootId"] == "boot-2"
+    assert fake_head.paths() == [contract.MEMBERSHIP_PATH, contract.ENGINE_PATH]
+
+
+def test_an_unsettled_report_is_asked_again_and_a_static_head_probes_its_report(fake_head):
+    fake_head.distributed_known = False  # the engine is not built yet
+    view = reconcile.HeadView("head-uid")
+    reconcile.ask_head(fake_head.client, view, distributed=True)
+    fake_head.paths()
+    reconcile.ask_head(fake_head.client, view, distributed=True)
+    assert fake_head.paths() == [contract.MEMBERSHIP_PATH, contract.ENGINE_PATH]
+    static = reconcile.HeadView("other")
+    report, listing, _, _ = reconcile.ask_head(fake_head.client, static, distributed=False)
+    assert listing is None and report is not None
+    reconcile.ask_head(fake_head.client, static, distributed=False)
+    assert [inm is not None for _, inm in fake_head.requests] == [False, True]  # the second is conditional
+
+
+def test_an_unreachable_head_is_asked_once_per_pass():
+    head = HeadClient("127.0.0.1", _free_loopback_port(), "token")
+    report, listing, rp, lp = reconcile.ask_head(head, reconcile.HeadView("u"), distributed=True)
+    assert report is None and listing is None and rp.startswith("head unreachable") and lp
+
+
+def test_a_dead_head_is_not_dialled_again_before_its_backoff(monkeypatch):
+    head = HeadClient("127.0.0.1", _free_loopback_port(), "token")
+    view = reconcile.HeadView("u")
+    first = reconcile.ask_head(head, view, distributed=True)
+    dials = []
+
+    def dial(*args, **kwargs):
+        dials.append(args)
+        raise HeadUnreachable("still dead")
+
+    monkeypatch.setattr(head_client, "_conditional_call", dial)
+    assert reconcile.ask_head(head, view, distributed=True) == first and dials == []  # same answer, no dial
+    view.retry_at = 0.0  # the backoff is over (or the head pod changed): dialled, once, without a retry
+    assert reconcile.ask_head(head, view, distributed=True)[2] == "head unreachable: still dead"
+    assert len(dials) == 1 and dials[0][-2] == 1  # attempts=1
+    assert view.failures == 2 and view.retry_at > 0
+
+
+def test_the_resync_probe_queues_a_pass_only_when_the_head_said_something_new(fake_head):
+    key = ("ns", "probe-test")
+    view = reconcile.HEADS[key] = reconcile.HeadView("head-uid")
+    answers = reconcile.ask_head(fake_head.client, view, distributed=True)
+    reconcile.RESTING[key] = reconcile.Resting(("...", reconcile._head_part(view, *answers)), fake_head.client, True)
+    try:
+        fake_head.paths()
+        assert reconcile.probe(*key) is False and fake_head.paths() == [contract.MEMBERSHIP_PATH]
+        fake_head.epoch = 7
+        assert reconcile.probe(*key) is True
+        reconcile.RESTING.pop(key)
+        assert reconcile.probe(*key) is True and fake_head.paths() == [contract.MEMBERSHIP_PATH]  # not at rest
+    finally:
+        reconcile.forget(*key)

@@ -107,6 +107,18 @@ def test_processor_only_is_rendered_for_the_engine_plugin():
     assert "vllm_omni_register_models" in env["VLLM_PLUGINS"].split(",")
 
 
+@pytest.mark.parametrize(("membership", "replicas"), [("dynamic", 2), ("static", 1)])
+def test_replica_aware_is_rendered_for_the_engine_plugin(membership, replicas):
+    """Opt-in replica-aware: the same deploy-config keys as processor-only (the mirrors take the
+    replicas' receiver capacity from mm_processor_cache_gb) and the mode in the head's env."""
+    t = target(replicas=replicas, membership=membership, cache={"mode": "replica-aware", "sizeGiB": 2})
+    assert str(t.cache.mode) == "replica-aware" and "replica-aware requested" in t.cache.reason
+    stage0 = yaml.safe_load(render_children(t, "tok", HEAD_IP, HEAD_UID).configmap["data"]["deploy.yaml"])["stages"][0]
+    assert (stage0["mm_processor_cache_gb"], stage0["mm_processor_cache_type"]) == (2, "lru")
+    env = {e["name"]: e.get("value") for e in render_head_pod(t)["spec"]["containers"][0]["env"]}
+    assert env["OMNISTAGE_FRONTEND_CACHE"] == "replica-aware"
+
+
 def test_network_policy_admits_only_own_replicas_to_engine_ports():
     np = render_children(target(replicas=2), "tok", HEAD_IP, HEAD_UID).network_policy
     engine_rule, http_rule = np["spec"]["ingress"]

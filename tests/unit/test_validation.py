@@ -43,6 +43,9 @@ INVALID = [
     ("two-volumes", with_spec(modelVolume={"pvc": {"claimName": "w"}, "hostPath": {"path": "/w"}}),
      "spec.modelVolume", "exactly one"),
     ("no-model", with_spec(model=""), "spec.model", "at least 1 character"),
+    # The head would wait forever for stages 1..n this operator does not start.
+    ("multi-stage-pipeline", with_spec(pipeline="qwen3_omni_moe"), "spec.pipeline", "qwen3_omni_moe_thinker_only"),
+    ("pipeline-too-long", with_spec(pipeline="p" * 129), "spec.pipeline", "at most 128"),
 ]
 
 
@@ -223,3 +226,11 @@ def test_operator_only_rules_cover_what_cel_cannot():
 
 def test_sample_file_is_the_fixture():
     assert SAMPLE == yaml.safe_load((ROOT / "manifests/samples/omnistage.yaml").read_text())
+
+
+@pytest.mark.parametrize("pipeline", ["qwen3_omni_moe_thinker_only", "qwen2_5_omni_thinker_only",
+                                      "my_org_out_of_tree_pipeline"])
+def test_single_stage_and_unknown_pipelines_are_accepted(pipeline):
+    """An unknown key may be an out-of-tree pipeline the engine image registers: the operator cannot
+    know its stages, so it does not refuse it (the head's own error says more than a guess would)."""
+    assert validate_omnistage(with_spec(pipeline=pipeline)).pipeline == pipeline

@@ -18,7 +18,9 @@ CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 def _cache_keys(mode: str, size_gib: float) -> dict[str, Any]:
     """Stage-0 cache settings. processor-only has no vLLM 0.30.0 knob: the config keeps an lru
     size (the processor-only cache and the replicas' receiver caches are sized by it) and the
-    engine plugin swaps the frontend to MultiModalProcessorOnlyCache (OMNISTAGE_FRONTEND_CACHE)."""
+    engine plugin swaps the frontend to MultiModalProcessorOnlyCache (OMNISTAGE_FRONTEND_CACHE).
+    replica-aware renders the same keys: its per-replica mirrors take their capacity from that
+    size, which is what each replica's receiver cache is built with."""
     if mode == EffectiveCacheMode.NOT_APPLICABLE:
         return {}
     if mode == EffectiveCacheMode.DISABLED or size_gib == 0:

@@ -1,0 +1,71 @@
+"""informer.Informer's store: watch events, the operator's own writes (write-through) and their order.
+The list + watch loop itself runs against the real API server in the cluster tier."""
+
+from __future__ import annotations
+
+from omnistage.informer import Informer
+from omnistage.render.common import L_OMNISTAGE
+
+
+def pod(name: str, rv: int, owner: str = "s1", **extra) -> dict:
+    return {"kind": "Pod", "metadata": {"name": name, "namespace": "ns", "resourceVersion": str(rv),
+                                        "labels": {L_OMNISTAGE: owner}, "managedFields": [{"manager": "x"}],
+                                        **extra}}
+
+
+def informer(changes: list | None = None) -> Informer:
+    inf = Informer("Pod", lambda scope: (None, ()), None, lambda o: o["metadata"]["labels"].get(L_OMNISTAGE))
+    if changes is not None:
+        inf.on_change = lambda ns, name: changes.append((ns, name))
+    return inf
+
+
+def test_events_index_by_omnistage_and_trim_managed_fields():
+    changes: list = []
+    inf = informer(changes)
+    inf._event("ADDED", pod("a", 1))
+    inf._event("ADDED", pod("b", 2, owner="s2"))
+    assert [p["metadata"]["name"] for p in inf.owned("ns", "s1")] == ["a"]
+    assert "managedFields" not in inf.get("ns", "a")["metadata"]
+    inf._event("DELETED", pod("a", 3))
+    assert inf.get("ns", "a") is None and inf.owned("ns", "s1") == []
+    assert changes == [("ns", "s1"), ("ns", "s2"), ("ns", "s1")]
+
+
+def test_a_write_is_seen_at_once_unless_the_watch_already_has_newer():
+    inf = informer()
+    inf._event("ADDED", pod("a", 5))
+    inf.wrote(pod("a", 7, deletionTimestamp="now"))  # our delete: the next pass must not delete again
+    assert inf.get("ns", "a")["metadata"]["deletionTimestamp"] == "now"
+    inf._event("MODIFIED", pod("a", 6))  # a late, older event does not undo it
+    assert inf.get("ns", "a")["metadata"]["resourceVersion"] == "7"
+    inf._event("DELETED", pod("a", 8))
+    inf.wrote(pod("a", 7))  # a write answered before the deletion arrives after it: no ghost
+    assert inf.get("ns", "a") is None
+    inf.wrote(pod("a", 9))  # a new incarnation under the same name is taken
+    assert inf.get("ns", "a")["metadata"]["resourceVersion"] == "9"
+
+
+def test_a_relist_replaces_the_scope():
+    inf = informer()
+    inf._event("ADDED", pod("a", 1))
+    inf._replace("ns", [pod("b", 2)])
+    assert inf.get("ns", "a") is None and inf.get("ns", "b") is not None
+
+
+def test_an_omnistage_is_queued_for_a_new_generation_not_for_its_status():
+    from omnistage.informer import ClusterState
+
+    changes: list = []
+    inf = ClusterState().omnistages
+    inf.on_change = lambda ns, name: changes.append(name)
+
+    def stage(rv: int, generation: int, status: dict | None = None) -> dict:
+        return {"kind": "OmniStage", "metadata": {"name": "s1", "namespace": "ns", "resourceVersion": str(rv),
+                                                  "generation": generation}, "status": status or {}}
+
+    inf._event("ADDED", stage(1, 1))
+    inf._event("MODIFIED", stage(2, 1, {"replicas": 1}))  # the operator's own status write
+    inf._event("MODIFIED", stage(3, 2))  # kubectl scale
+    inf._event("DELETED", stage(4, 2))
+    assert changes == ["s1", "s1", "s1"]
