@@ -832,6 +832,11 @@ def test_standin_processes(tmp_path):
         status, body = api.join("replica-a", replica_ip)
         assert status == 200 and body["replicaId"] == 1 and body["local"] is False
         assert replica_lines(api.metrics(), 1)
+        # The head lists a replica as soon as it allocated its route, a moment before the replica has
+        # read the reply; a SIGTERM in between exits without DOWN (nothing registered yet, as far as
+        # the replica knows), and the head then waits out its 30 s heartbeat timeout (seen in CI).
+        wait_for(lambda: b" up (coord=" in (tmp_path / "replica.log").read_bytes(), 60, 0.1,
+                 what="the replica to log that it is up (then a signal leads to DOWN)")
         replica.send_signal(signal.SIGTERM)
         assert replica.wait(30) == 0
         wait_for(lambda: 1 not in api.members(), 15, what="the head to detach the replica after its DOWN")
