@@ -4,13 +4,15 @@ idempotent verbs the reconcile loop needs on top of it."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from functools import cache
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
-from kubernetes import client, config
+from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
-from . import api
+from . import api, metrics
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +25,32 @@ def api_client() -> client.ApiClient:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    return client.ApiClient()
+    api = client.ApiClient()
+    send = api.rest_client.request
+
+    def counted(method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+        # What the operator costs the API server, visible to whoever runs it (and to bench_fleet).
+        metrics.API_REQUESTS.labels(*request_kind(method, url, kwargs.get("query_params"))).inc()
+        return send(method, url, *args, **kwargs)
+
+    api.rest_client.request = counted
+    return api
+
+
+def request_kind(method: str, url: str, query: Any = None) -> tuple[str, str]:
+    """(verb, resource) of one API request, as the API server's apiserver_request_total names them:
+    GET /api/v1/namespaces/ns/pods -> ("list", "pods"); ...?watch=true -> ("watch", "pods")."""
+    path = urlsplit(url).path.strip("/").split("/")
+    rest = path[2:] if path[:1] == ["api"] else path[3:]  # drop api/v1 or apis/GROUP/VERSION
+    if rest[:1] == ["namespaces"] and len(rest) > 2:
+        rest = rest[2:]
+    resource, named = (rest[0] if rest else ""), len(rest) > 1
+    params = dict(query or []) | dict(parse_qsl(urlsplit(url).query))
+    if str(params.get("watch", "")).lower() == "true":
+        return "watch", resource
+    verb = {"GET": "get" if named else "list", "POST": "create", "PUT": "update",
+            "PATCH": "patch", "DELETE": "delete"}.get(method.upper(), method.lower())
+    return verb, resource
 
 
 def core() -> client.CoreV1Api:
@@ -204,3 +231,23 @@ def replace_lease(namespace: str, name: str, resource_version: str, spec: dict[s
         if e.status == 409:
             return None
         raise
+
+
+def watch_lease(namespace: str, name: str, resource_version: str, idle_timeout: float
+                ) -> Iterator[dict[str, Any] | None]:
+    """The Lease's changes after `resource_version` (None: deleted), from one watch that the server
+    ends after 5 minutes. A watch that delivers nothing for `idle_timeout` s raises urllib3's
+    ReadTimeoutError: that silence is what a follower waits for."""
+    w = watch.Watch()
+    try:
+        for event in w.stream(coordination().list_namespaced_lease, namespace, field_selector=f"metadata.name={name}",
+                              resource_version=resource_version, timeout_seconds=300,
+                              _request_timeout=(5, idle_timeout)):
+            if event["type"] in ("ADDED", "MODIFIED"):
+                yield api_client().sanitize_for_serialization(event["object"])
+            elif event["type"] == "DELETED":
+                yield None
+            elif event["type"] == "ERROR":  # e.g. 410 Gone: the caller reads the Lease afresh
+                raise RuntimeError(f"Lease watch error: {event.get('raw_object')}")
+    finally:
+        w.stop()

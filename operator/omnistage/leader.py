@@ -5,16 +5,20 @@ priorities, it does not elect), it needs the KopfPeering CRDs, and it pauses onl
 not the resync thread (handlers.py). This follows client-go's leaderelection instead:
 
 * the Lease holds `holderIdentity` (the pod name), `leaseDurationSeconds`, `renewTime`; every write
-  is a PUT with the resourceVersion read just before, so of two replicas racing for it one gets 409;
-* the leader renews every RENEW_PERIOD; a follower polls every RETRY_PERIOD and takes the Lease
-  over once it has seen the same record unchanged for LEASE_DURATION *by its own clock* (the
-  holder's renewTime is never compared with the local clock, so clock skew cannot shorten a lease);
+  is a PUT with the resourceVersion this replica last knew, so of two replicas racing for it one
+  gets 409 (and then reads the Lease afresh);
+* the leader renews every RENEW_PERIOD with one PUT and no read: its own last write is what it
+  knows. A follower watches the Lease (one watch, resumed every few minutes) instead of polling it,
+  and takes it over once it has seen the same record unchanged for LEASE_DURATION *by its own
+  clock* (the holder's renewTime is never compared with the local clock, so clock skew cannot
+  shorten a lease). At rest a leader-elected pair so costs the API server RENEW_PERIOD's 6 writes a
+  minute, where client-go's read-then-write every 2 s (follower) and 5 s (leader) costs 54;
 * the leader counts itself leading only until RENEW_DEADLINE after the start of its last successful
   renewal; RENEW_DEADLINE < LEASE_DURATION, so a leader cut off from the API server stops acting at
   least LEASE_DURATION - RENEW_DEADLINE before anybody else may start.
 
 `decide` and `leading` are the pure rules (tests/unit/test_leader.py); `Elector` applies them with
-kube.py's Lease calls. While `is_leading()` is False the operator does nothing (handlers.py checks it
+kube.py's Lease calls (read, create, replace, watch). While `is_leading()` is False the operator does nothing (handlers.py checks it
 before every reconcile and in the resync loop); its probe still answers, so it stays Ready.
 """
 
@@ -26,7 +30,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,10 +39,10 @@ from prometheus_client import Gauge
 log = logging.getLogger(__name__)
 
 LEASE_NAME = "omnistage-operator"
-LEASE_DURATION = 15.0  # s a follower waits, after it last saw the Lease change, before taking it
-RENEW_DEADLINE = 10.0  # s after its last successful renewal a leader stops acting
-RENEW_PERIOD = 5.0     # s between a leader's renewals (two may fail before RENEW_DEADLINE)
-RETRY_PERIOD = 2.0     # s between a follower's looks at the Lease, and a leader's retries after a failure
+LEASE_DURATION = 20.0  # s a follower waits, after it last saw the Lease change, before taking it
+RENEW_DEADLINE = 15.0  # s after its last successful renewal a leader stops acting
+RENEW_PERIOD = 10.0    # s between a leader's renewals (6 writes a minute; two retries fit before RENEW_DEADLINE)
+RETRY_PERIOD = 2.0     # s between retries after a failure, and a follower's looks when it cannot watch
 
 LEADER = Gauge("omnistage_operator_leader", "1 while this operator replica holds the leader Lease.")
 
@@ -91,6 +95,8 @@ class LeaseClient(Protocol):
     def create_lease(self, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any] | None: ...
     def replace_lease(self, namespace: str, name: str, resource_version: str,
                       spec: dict[str, Any]) -> dict[str, Any] | None: ...
+    def watch_lease(self, namespace: str, name: str, resource_version: str,
+                    idle_timeout: float) -> Iterator[dict[str, Any] | None]: ...
 
 
 class Elector:
@@ -102,6 +108,10 @@ class Elector:
         self.namespace, self.identity, self.name, self.timing = namespace, identity, name, timing
         self.client, self.clock, self.wall = client, clock, wall
         self._renewed_at: float | None = None
+        self._known: dict[str, Any] | None = None  # the Lease as last read, written or watched (None: absent)
+        # Whether `_known` is current without a read: true after this replica's own write (until a 409
+        # says otherwise) and while the watch delivered every change; a follower without a watch reads.
+        self._fresh = False
         self._seen: tuple[str | None, float] = (None, 0.0)  # (resourceVersion, local time first seen)
         self._was_leading = False
         self._lock = threading.Lock()  # is_leading() is asked from kopf's workers and the resync thread
@@ -122,14 +132,22 @@ class Elector:
         log.warning("leader election: %s %s Lease %s/%s", self.identity,
                     "now holds the" if now_leading else "no longer holds the", self.namespace, self.name)
 
+    def observe(self, lease: dict[str, Any] | None, at: float | None = None) -> None:
+        """Record the Lease as read, written or delivered by the watch; its version's first sighting
+        starts the follower's LEASE_DURATION."""
+        self._known, self._fresh = lease, True
+        version = (lease or {}).get("metadata", {}).get("resourceVersion")
+        if version != self._seen[0]:
+            self._seen = (version, self.clock() if at is None else at)
+
     def step(self) -> float:
-        """One round: read the Lease, create/renew/acquire it or wait. Returns the seconds until the next."""
+        """One round: create/renew/acquire the Lease or wait, from what this replica knows of it (read
+        only when that is not current). Returns the seconds until the next round."""
         started = self.clock()  # the lease counts from before the request, never from its answer
         try:
-            lease = self.client.read_lease(self.namespace, self.name)
-            version = (lease or {}).get("metadata", {}).get("resourceVersion")
-            if version != self._seen[0]:
-                self._seen = (version, started)
+            if not self._fresh:
+                self.observe(self.client.read_lease(self.namespace, self.name), started)
+            lease, self._fresh = self._known, False
             action = decide(self.identity, lease, self._seen[1], started)
             if action == WAIT:
                 if (lease or {}).get("spec", {}).get("holderIdentity") != self.identity:
@@ -139,12 +157,13 @@ class Elector:
             if action == CREATE:
                 written = self.client.create_lease(self.namespace, self.name, spec)
             else:
+                version = lease["metadata"]["resourceVersion"]
                 written = self.client.replace_lease(self.namespace, self.name, version, spec)
-            if written is None:  # 409: another replica wrote first; it leads
+            if written is None:  # 409: another replica wrote first; it leads (the next round reads)
                 self._renewed_at = None
             else:
                 self._renewed_at = started
-                self._seen = (written.get("metadata", {}).get("resourceVersion"), started)
+                self.observe(written, started)
                 if action != RENEW:
                     log.warning("leader election: %s took Lease %s/%s (%s)", self.identity, self.namespace,
                                 self.name, action)
@@ -156,6 +175,41 @@ class Elector:
     def _next(self, failed: bool = False) -> float:
         self.is_leading()  # logs a transition as soon as it happens
         return self.timing.renew_period if self._renewed_at is not None and not failed else self.timing.retry_period
+
+    def follow(self) -> float:
+        """While another replica holds the Lease: watch it, instead of polling, until it may be taken
+        over (LEASE_DURATION after the last change this replica saw: the watch then stays idle that
+        long and ends with a read timeout) or it is released or deleted. One watch carries every
+        renewal; the server ends it after a few minutes and it is resumed. Returns the seconds until
+        the next step: 0 to decide now, RETRY_PERIOD after a failed watch (the next step reads)."""
+        try:
+            while not self._stop.is_set():
+                if not self._following():
+                    return 0.0
+                lease = self._known
+                left = lease["spec"].get("leaseDurationSeconds") or self.timing.duration
+                left -= self.clock() - self._seen[1]
+                if left <= 0:
+                    self._fresh = True  # silent for the whole lease: what is known is current
+                    return 0.0
+                for event in self.client.watch_lease(self.namespace, self.name, lease["metadata"]["resourceVersion"],
+                                                     left + 0.5):
+                    self.observe(event)
+                    if self._stop.is_set() or not self._following():
+                        return 0.0  # released (or deleted): decide at once
+        except Exception as err:  # noqa: BLE001 -- a read timeout is silence; anything else: read again
+            if not _is_timeout(err):
+                log.warning("leader election: watching Lease %s/%s failed (%s); reading it", self.namespace,
+                         self.name, err)
+                self._fresh = False
+                return self.timing.retry_period
+            self._fresh = True  # nothing changed for the rest of the lease
+        return 0.0
+
+    def _following(self) -> bool:
+        """Another replica holds the Lease as far as this one knows, and the client can watch it."""
+        holder = ((self._known or {}).get("spec") or {}).get("holderIdentity")
+        return holder not in (None, "", self.identity) and hasattr(self.client, "watch_lease")
 
     def _spec(self, lease: dict[str, Any] | None, action: str) -> dict[str, Any]:
         old = (lease or {}).get("spec") or {}
@@ -169,6 +223,8 @@ class Elector:
         delay = 0.0
         while not self._stop.wait(delay):
             delay = self.step()
+            if self._renewed_at is None and self._following():
+                delay = self.follow()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run, name="omnistage-leader", daemon=True)
@@ -176,11 +232,11 @@ class Elector:
 
     def release(self) -> None:
         """On a clean shutdown: stop acting, then hand the Lease back so the other replica takes it
-        at its next look (RETRY_PERIOD) instead of after LEASE_DURATION."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10)
+        at once (its watch sees the release) instead of after LEASE_DURATION."""
         was = self._renewed_at is not None
+        self._stop.set()
+        if self._thread is not None and was:  # a follower's thread may sit in a watch: not waited for
+            self._thread.join(10)
         self._renewed_at = None
         self.is_leading()
         if not was:
@@ -193,6 +249,15 @@ class Elector:
                 log.warning("leader election: %s released Lease %s/%s", self.identity, self.namespace, self.name)
         except Exception:  # the Lease then expires after LEASE_DURATION instead
             log.exception("leader election: releasing Lease %s/%s failed", self.namespace, self.name)
+
+
+def _is_timeout(err: BaseException) -> bool:
+    """A watch that saw nothing for its idle timeout (urllib3's ReadTimeoutError, possibly wrapped)."""
+    while err is not None:
+        if "timeout" in type(err).__name__.lower() or "timed out" in str(err).lower():
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 _elector: Elector | None = None

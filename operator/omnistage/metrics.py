@@ -20,6 +20,11 @@ MEMBERSHIP_CALLS = Counter(
 MEMBERSHIP_SECONDS = Histogram(
     "omnistage_membership_call_duration_seconds", "Latency of membership calls.", ["op"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+API_REQUESTS = Counter(
+    "omnistage_operator_api_requests_total",
+    "Requests this operator replica sent the Kubernetes API server through its client (kube.py: the "
+    "watch-fed stores, writes, the leader-election Lease; not kopf's own watch of OmniStages), by verb "
+    "(get, list, watch, create, update, patch, delete) and resource.", ["verb", "resource"])
 
 
 _series_lock = threading.Lock()

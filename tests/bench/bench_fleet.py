@@ -9,9 +9,23 @@ For each N (OmniStages are added, never removed, so the fleet grows from one N t
                   on the operator's resources (OPERATOR_RESOURCES) over a window with the operator
                   running, minus the same window without it; "all req/min" the same over every
                   resource but node heartbeats (noisier: the controllers' and kwok's traffic)
+  lease_req_min   the same on Leases: the pair's leader election, on top of kwok's node-lease
+                  heartbeats (their noise grows with the nodes: read it at small N)
+  own_req_min     the operators' own count of the requests they sent (omnistage_operator_api_requests_total
+                  on /metrics, Lease included, kopf's watch of OmniStages not), exact; "-" for an
+                  operator tree without that metric
+  lease_req_min   the same on Leases: the pair's leader election, on top of kwok's node-lease
+                  heartbeats (their noise grows with the nodes: read it at small N)
+  own_req_min     the operators' own count of the requests they sent (omnistage_operator_api_requests_total
+                  on /metrics, Lease included, kopf's watch of OmniStages not), exact; "-" for an
+                  operator tree without that metric
   scale_s         `replicas: 1 -> 2` on one OmniStage until its replica pod exists (others at rest)
   reconverge_s    operator killed, every OmniStage's NetworkPolicy deleted, operator started:
                   seconds from its start until all N NetworkPolicies are back
+
+The operator runs as deployed: a leader-elected pair (POD_NAMESPACE, POD_NAME as the Deployment
+sets them; the Lease in the bench namespace). RSS and CPU are the leader's; a restart keeps the
+leader's identity, as a container restart in the same pod does.
 
 Conditions as in the issue: one namespace, single-GPU OmniStages with `membership: dynamic`, heads
 on simulated H200 nodes (kwok; nodes added as needed) with nothing listening on their HTTP port.
@@ -131,18 +145,31 @@ OPERATOR_RESOURCES = ("omnistages", "pods", "configmaps", "services", "secrets",
 NODE_HEARTBEATS = ("leases", "nodes")
 
 
-def api_requests(kubectl: list[str]) -> tuple[float, float]:
-    """apiserver_request_total summed (on the operator's resources, on every resource but node heartbeats)."""
+def api_requests(kubectl: list[str]) -> tuple[float, float, float]:
+    """apiserver_request_total summed (on the operator's resources, on every resource but node
+    heartbeats, on Leases)."""
     text = subprocess.run([*kubectl, "get", "--raw", "/metrics"], check=True, capture_output=True, text=True,
                           timeout=60).stdout
-    ours = every = 0.0
+    ours = every = leases = 0.0
     for m in re.finditer(r"^apiserver_request_total\{([^}]*)\} (\S+)$", text, re.MULTILINE):
         resource = (re.search(r'resource="([^"]*)"', m.group(1)) or [None, ""])[1]
         if resource in OPERATOR_RESOURCES:
             ours += float(m.group(2))
         if resource not in NODE_HEARTBEATS:
             every += float(m.group(2))
-    return ours, every
+        if resource == "leases":
+            leases += float(m.group(2))
+    return ours, every, leases
+
+
+def own_requests(operators: list[OperatorProcess]) -> float | None:
+    """The operators' own request count (omnistage_operator_api_requests_total), None if they lack it."""
+    total, seen = 0.0, False
+    for op in operators:
+        text = op.metrics() or ""
+        for m in re.finditer(r"^omnistage_operator_api_requests_total\{[^}]*\} (\S+)$", text, re.MULTILINE):
+            total, seen = total + float(m.group(1)), True
+    return total if seen else None
 
 
 def proc_cpu_seconds(pid: int) -> float:
@@ -244,7 +271,11 @@ class Fleet:
         self.net = client.NetworkingV1Api(api)
         self.kubectl = [kubectl_binary(), f"--kubeconfig={kubeconfig}"]
         env = {"PYTHONPATH": str(operator_tree / "operator")} if operator_tree else {}
-        self.operator = OperatorProcess(kubeconfig, state / "operator.log", namespaces=[NAMESPACE], env=env)
+        # As deployed: two replicas electing a leader over a Lease (here in the bench namespace).
+        self.operator, self.follower = (
+            OperatorProcess(kubeconfig, state / f"operator-{i}.log", namespaces=[NAMESPACE],
+                            env={**env, "POD_NAMESPACE": NAMESPACE, "POD_NAME": f"fleet-operator-{i}"})
+            for i in (0, 1))
         self.window = window
         self.fakes: FakeHeads | None = None
 
@@ -291,11 +322,15 @@ class Fleet:
         log(f"  measuring {what} for {self.window:.0f}s")
         pid = self.operator.popen.pid if self.operator.alive() else None
         cpu0 = proc_cpu_seconds(pid) if pid else 0.0
-        r0, t0 = api_requests(self.kubectl), time.monotonic()
+        pair = [op for op in (self.operator, self.follower) if op.alive()]
+        own0, r0, t0 = own_requests(pair), api_requests(self.kubectl), time.monotonic()
         time.sleep(self.window)
-        r1, t1 = api_requests(self.kubectl), time.monotonic()
+        r1, t1, own1 = api_requests(self.kubectl), time.monotonic(), own_requests(pair)
         minutes = (t1 - t0) / 60
-        out = {"api_req_min": (r1[0] - r0[0]) / minutes, "api_all_min": (r1[1] - r0[1]) / minutes}
+        out = {"api_req_min": (r1[0] - r0[0]) / minutes, "api_all_min": (r1[1] - r0[1]) / minutes,
+               "lease_req_min": (r1[2] - r0[2]) / minutes}
+        if own0 is not None and own1 is not None:
+            out["own_req_min"] = (own1 - own0) / minutes
         if pid:
             out["cpu_s_min"] = (proc_cpu_seconds(pid) - cpu0) / minutes
             out["rss_mb"] = proc_rss_mb(pid)
@@ -314,6 +349,12 @@ class Fleet:
              timeout=120, interval=0.2)
         return took
 
+    def start_pair(self) -> None:
+        """The leader first (it keeps its identity, so it renews at once), then the follower."""
+        for op in (self.operator, self.follower):
+            if not op.alive():
+                op.start()
+
     def restart_reconverge(self, n: int) -> float:
         self.operator.kill()
         self.net.delete_collection_namespaced_network_policy(NAMESPACE)
@@ -328,8 +369,7 @@ class Fleet:
         self.grow(n)
         if self.fakes:
             self.fakes.stop()
-        if not self.operator.alive():
-            self.operator.start()
+        self.start_pair()
         t0 = time.monotonic()
         wait(f"{n} OmniStages converged", lambda: self.converged(n), timeout=3600, interval=2)
         log(f"N={n}: converged after {time.monotonic() - t0:.0f}s (nothing listening on the heads)")
@@ -337,15 +377,14 @@ class Fleet:
         row["scale_s"] = self.scale_reaction(names(n)[-1])
         log(f"  scale reaction {row['scale_s']:.2f}s")
         self.operator.kill()
+        self.follower.kill()
         baseline = self.rest("the baseline (no operator)")
-        base, base_all = baseline["api_req_min"], baseline["api_all_min"]
-        row["api_req_min"] -= base
-        row["api_all_min"] -= base_all
-        row["baseline_req_min"], row["baseline_all_min"] = base, base_all
+        base = {k: baseline[k] for k in ("api_req_min", "api_all_min", "lease_req_min")}
+        subtract(row, base)
         self.net.delete_collection_namespaced_network_policy(NAMESPACE)
         wait("every NetworkPolicy deleted", lambda: self.policies() == 0, timeout=120, interval=0.2)
         t0 = time.monotonic()
-        self.operator.start()
+        self.start_pair()
         wait(f"{n} NetworkPolicies back", lambda: self.policies() >= n, timeout=1800, interval=0.2)
         row["reconverge_s"] = time.monotonic() - t0
         log(f"  reconverged after a restart in {row['reconverge_s']:.1f}s")
@@ -360,9 +399,7 @@ class Fleet:
         wait("the heads' answers in status", lambda: self.fakes.requests >= len(ips) - len(self.fakes.hang),
              timeout=600)
         row2: dict[str, Any] = {"N": n, "heads": "10% unreachable", **self.rest("at rest, heads answering")}
-        row2["api_req_min"] -= base
-        row2["api_all_min"] -= base_all
-        row2["baseline_req_min"], row2["baseline_all_min"] = base, base_all
+        subtract(row2, base)
         row2["scale_s"] = self.scale_reaction(names(n)[-1])
         log(f"  scale reaction {row2['scale_s']:.2f}s")
         row2["reconverge_s"] = self.restart_reconverge(n)
@@ -371,11 +408,20 @@ class Fleet:
         return rows
 
 
+def subtract(row: dict[str, Any], baseline: dict[str, float]) -> None:
+    """Request rates minus the same window without the operator; the baselines kept for the table."""
+    for key, value in baseline.items():
+        row[key] -= value
+        row[key.replace("_min", "_base")] = value
+
+
 def table(rows: list[dict[str, Any]], title: str) -> str:
     cols = [("N", "OmniStages", "{:d}"), ("heads", "heads", "{}"), ("rss_mb", "RSS MB", "{:.0f}"),
             ("cpu_s_min", "CPU s/min", "{:.2f}"), ("api_req_min", "API req/min", "{:.0f}"),
-            ("baseline_req_min", "(baseline)", "{:.0f}"), ("api_all_min", "all req/min", "{:.0f}"),
-            ("baseline_all_min", "(baseline)", "{:.0f}"), ("scale_s", "scale s", "{:.2f}"),
+            ("api_req_base", "(baseline)", "{:.0f}"), ("api_all_min", "all req/min", "{:.0f}"),
+            ("api_all_base", "(baseline)", "{:.0f}"), ("lease_req_min", "Lease req/min", "{:.0f}"),
+            ("lease_req_base", "(baseline)", "{:.0f}"), ("own_req_min", "own count req/min", "{:.1f}"),
+            ("scale_s", "scale s", "{:.2f}"),
             ("reconverge_s", "reconverge s", "{:.1f}")]
     out = [title, "| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -406,6 +452,7 @@ def main() -> int:
             print(table(rows, f"fleet benchmark {args.label} (so far)"), flush=True)
     finally:
         fleet.operator.stop()
+        fleet.follower.stop()
         if fleet.fakes:
             fleet.fakes.stop()
         if not args.keep:  # the next run starts from an empty namespace and free GPUs

@@ -80,8 +80,9 @@ REVIEWED: dict[tuple[str, str, str], str] = {
 LEASE = "omnistage-operator"
 REVIEWED_LEASE: dict[tuple[str, str, str, tuple[str, ...]], str] = {
     ("coordination.k8s.io", "leases", "create", ()): "kube.create_lease (first replica up)",
-    ("coordination.k8s.io", "leases", "get", (LEASE,)): "kube.read_lease (every round)",
+    ("coordination.k8s.io", "leases", "get", (LEASE,)): "kube.read_lease (first look, after a conflict)",
     ("coordination.k8s.io", "leases", "update", (LEASE,)): "kube.replace_lease (renew, take over, release)",
+    ("coordination.k8s.io", "leases", "watch", (LEASE,)): "kube.watch_lease (a follower, metadata.name selector)",
 }
 LEASES = "leases.coordination.k8s.io"
 
@@ -168,7 +169,8 @@ def test_operator_token_has_exactly_the_granted_verbs(operator_identity, namespa
             wrong.append(f"{verb} {target} in {home} refused")
     for verb, target, where in [("list", LEASES, home), ("watch", LEASES, home), ("delete", f"{LEASES}/{LEASE}", home),
                                 ("patch", f"{LEASES}/{LEASE}", home), ("get", f"{LEASES}/kube-scheduler", home),
-                                ("update", f"{LEASES}/other", home), ("create", LEASES, namespace),
+                                ("update", f"{LEASES}/other", home), ("watch", f"{LEASES}/other", home),
+                                ("create", LEASES, namespace),
                                 ("get", f"{LEASES}/{LEASE}", namespace), ("update", f"{LEASES}/{LEASE}", namespace),
                                 ("update", f"{LEASES}/kube-controller-manager", "kube-system")]:
         yes = ident.can_i(verb, target, where)

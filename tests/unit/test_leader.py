@@ -4,6 +4,7 @@ an in-memory Lease store with the API server's optimistic concurrency and a fake
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import pytest
 from omnistage import leader
@@ -44,18 +45,21 @@ def test_timing_must_stop_a_leader_before_a_follower_may_start():
 
 
 class Store:
-    """One Lease with resourceVersion preconditions (409 -> None, as kube.py returns)."""
+    """One Lease with resourceVersion preconditions (409 -> None, as kube.py returns). It cannot be
+    watched, so a follower reads it every round (the polling fallback)."""
 
     def __init__(self):
         self.obj: dict | None = None
         self.version = 0
         self.fail = False
+        self.calls: Counter = Counter()
 
     def _check(self):
         if self.fail:
             raise ConnectionError("API server unreachable")
 
     def read_lease(self, namespace, name):
+        self.calls["read"] += 1
         self._check()
         return copy.deepcopy(self.obj)
 
@@ -65,10 +69,12 @@ class Store:
         return copy.deepcopy(self.obj)
 
     def create_lease(self, namespace, name, spec):
+        self.calls["create"] += 1
         self._check()
         return None if self.obj is not None else self._write(spec)
 
     def replace_lease(self, namespace, name, resource_version, spec):
+        self.calls["replace"] += 1
         self._check()
         if self.obj is None or self.obj["metadata"]["resourceVersion"] != resource_version:
             return None
@@ -203,3 +209,104 @@ def test_default_namespace_and_identity(monkeypatch, tmp_path):
     monkeypatch.setattr(leader, "SA_NAMESPACE_FILE", str(tmp_path / "ns"))
     assert leader.default_namespace() == "omnistage-system"
     assert leader.default_identity().endswith(f"-{__import__('os').getpid()}")
+
+
+# ----- at rest: what the Lease costs the API server ---------------------------------------------------
+
+class WatchedStore(Store):
+    """A Store that can also be watched. A watch plays `script`: "renew" (the leader renews after
+    RENEW_PERIOD, delivered as an event), "release" (the leader releases, delivered), "end" (the
+    server closes the watch) or "silence" (nothing for the idle timeout: the read times out)."""
+
+    def __init__(self, clock, script):
+        super().__init__()
+        self.clock, self.script, self.leader = clock, list(script), None
+
+    def watch_lease(self, namespace, name, resource_version, idle_timeout):
+        self.calls["watch"] += 1
+        while self.script:
+            step = self.script.pop(0)
+            if step == "end":
+                return
+            if step == "silence":
+                self.clock.t += idle_timeout
+                raise TimeoutError("read timed out")
+            if step == "error":
+                raise RuntimeError("410 Gone")
+            if step == "renew":
+                self.clock.t += leader.RENEW_PERIOD
+                self.leader.step()
+            elif step == "release":
+                self.leader.release()
+            yield copy.deepcopy(self.obj)
+        raise AssertionError("the follower watched beyond the script")
+
+
+def watched_pair(script):
+    clock = Clock()
+    store = WatchedStore(clock, script)
+    a = Elector("ns", "a", client=store, clock=clock, wall=lambda: "T")
+    b = Elector("ns", "b", client=store, clock=clock, wall=lambda: "T")
+    store.leader = a
+    a.step()
+    b.step()
+    return store, clock, a, b
+
+
+def test_a_leader_at_rest_writes_once_per_renewal_and_never_reads():
+    store, clock, a, _ = pair()
+    a.step()
+    calls = Counter(store.calls)
+    for _ in range(int(60 / leader.RENEW_PERIOD)):
+        clock.t += leader.RENEW_PERIOD
+        assert a.step() == leader.RENEW_PERIOD and a.is_leading()
+    per_minute = store.calls - calls
+    assert per_minute == Counter(replace=60 / leader.RENEW_PERIOD), per_minute
+    assert sum(per_minute.values()) < 10  # issue 10: < 10 API requests a minute at rest, in total
+
+
+def test_a_watching_follower_makes_no_request_per_renewal():
+    store, clock, _a, b = watched_pair(["renew"] * 12 + ["end"] + ["renew"] * 6 + ["silence"])
+    before = Counter(store.calls)
+    t0 = clock.t
+    assert b.follow() == 0.0      # 18 renewals (3 minutes), then the leader fell silent
+    assert Counter(store.calls) - before == Counter(watch=2, replace=18), store.calls - before
+    assert not b.is_leading() and clock.t - t0 >= 18 * leader.RENEW_PERIOD + leader.LEASE_DURATION
+    b.step()                      # silent for the whole lease: taken over without a read
+    assert b.is_leading() and store.obj["spec"]["holderIdentity"] == "b"
+    assert store.calls["read"] == 2  # a's and b's first looks only
+
+
+def test_a_watching_follower_never_takes_over_while_renewals_arrive():
+    store, _clock, a, b = watched_pair(["renew"] * 30 + ["end"])
+    b._stop.set()                  # ends follow() once the script is played (its loop checks it)
+    b.follow()
+    b._stop.clear()
+    b.step()
+    assert a.is_leading() and not b.is_leading() and store.obj["spec"]["holderIdentity"] == "a"
+
+
+def test_the_watch_sees_a_release_at_once():
+    _store, clock, _a, b = watched_pair(["release"])
+    t0 = clock.t
+    assert b.follow() == 0.0
+    b.step()
+    assert b.is_leading() and clock.t == t0  # no lease duration waited
+
+
+def test_a_failed_watch_makes_the_follower_read():
+    store, _, _a, b = watched_pair(["error"])
+    assert b.follow() == leader.RETRY_PERIOD
+    b.step()
+    assert store.calls["read"] == 3 and not b.is_leading()  # a's and b's first looks, then b's read
+
+
+def test_a_follower_that_saw_a_renewal_misses_nothing_on_a_stale_write():
+    """A 409 (someone wrote after what this replica knew) never makes it lead, and it reads next."""
+    store, _clock, a, b = watched_pair(["silence"])
+    b.follow()                     # b's watch timed out, but a renewed over a connection b never saw
+    a.step()
+    b.step()                       # b acts on its stale record: PUT with the old version -> 409
+    assert not b.is_leading() and store.obj["spec"]["holderIdentity"] == "a"
+    b.step()
+    assert store.calls["read"] == 3 and not b.is_leading()  # the first looks, then b's read
