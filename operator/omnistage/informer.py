@@ -50,14 +50,25 @@ def _trim(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
+def _trim_pod(obj: dict[str, Any]) -> dict[str, Any]:
+    """A pod's spec (containers, env, volumes, tolerations and the API server's defaults: half the
+    pod) is never read back, only where it was scheduled; the template hash annotation says which
+    spec it runs. At 1,000 OmniStages this is about a third of the stores' memory."""
+    obj = _trim(obj)
+    spec = obj.get("spec") or {}
+    obj["spec"] = {"nodeName": spec["nodeName"]} if spec.get("nodeName") else {}
+    return obj
+
+
 class Informer:
     """One kind: list + watch per scope (a namespace, or None for cluster-wide)."""
 
     def __init__(self, kind: str, list_call: Callable[..., Any], selector: str | None,
                  owner: Callable[[dict[str, Any]], str | None], on_change: OnChange | None = None,
-                 significant: Callable[[dict[str, Any] | None, dict[str, Any]], bool] = lambda old, new: True):
+                 significant: Callable[[dict[str, Any] | None, dict[str, Any]], bool] = lambda old, new: True,
+                 trim: Callable[[dict[str, Any]], dict[str, Any]] = _trim):
         self.kind, self._list_call, self.selector, self._owner = kind, list_call, selector, owner
-        self.on_change, self._significant = on_change, significant
+        self.on_change, self._significant, self._trim = on_change, significant, trim
         self._lock = threading.Lock()
         self._items: dict[Key, dict[str, Any]] = {}
         self._by_owner: dict[Key, dict[str, dict[str, Any]]] = {}
@@ -112,7 +123,7 @@ class Informer:
         already delivered something newer (or the deletion)."""
         if not obj or not obj.get("metadata"):
             return
-        obj = _trim(obj)
+        obj = self._trim(obj)
         key, rv = (obj["metadata"].get("namespace") or "", obj["metadata"]["name"]), _rv(obj)
         with self._lock:
             have = self._items.get(key)
@@ -123,7 +134,7 @@ class Informer:
             self._put(obj)
 
     def _event(self, etype: str, obj: dict[str, Any]) -> None:
-        obj = _trim(obj)
+        obj = self._trim(obj)
         key = (obj["metadata"].get("namespace") or "", obj["metadata"]["name"])
         with self._lock:
             have = self._items.get(key)
@@ -145,7 +156,7 @@ class Informer:
             for key in [k for k in self._items if scope is None or k[0] == scope]:
                 self._unindex(key, self._items.pop(key))
             for obj in items:
-                self._put(_trim(obj))
+                self._put(self._trim(obj))
 
     # -- the list + watch loop
     def start(self, scopes: list[str | None]) -> None:
@@ -242,7 +253,7 @@ class ClusterState:
                                    significant=lambda old, new: old is None or old["metadata"].get(
                                        "generation") != new["metadata"].get("generation"))
         self.pods = Informer("Pod", _core_lister("list_namespaced_pod", "list_pod_for_all_namespaces"),
-                             f"{L_COMPONENT}=engine,{L_OMNISTAGE}", _label(L_OMNISTAGE))
+                             f"{L_COMPONENT}=engine,{L_OMNISTAGE}", _label(L_OMNISTAGE), trim=_trim_pod)
         self.children = {
             "ConfigMap": Informer("ConfigMap", _core_lister("list_namespaced_config_map",
                                                             "list_config_map_for_all_namespaces"),
@@ -258,7 +269,8 @@ class ClusterState:
 
     def start(self, scopes: list[str | None], on_change: OnChange) -> None:
         """`on_change` is called for every watch event on an engine pod or a child and for every new
-        generation of an OmniStage (not for the initial list: the resync and kopf's resume queue those)."""
+        OmniStage or generation of one (not for the initial list: the resync queues those within
+        RESYNC_SECONDS; a pass finds nothing in the store until the list is in)."""
         for inf in self.informers():
             inf.on_change = on_change
             inf.start(scopes)

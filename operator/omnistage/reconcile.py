@@ -90,6 +90,7 @@ class HeadView:
     head_rv: str | None = None  # the head pod's resourceVersion when it was last dialled
     unreachable: str | None = None  # the HeadUnreachable message of the last dial
     failures: int = 0  # dials in a row without an answer
+    answered: bool = False  # this head incarnation answered at least once
     retry_at: float = 0.0
 
 
@@ -258,7 +259,10 @@ def ask_head(client: HeadClient, view: HeadView, distributed: bool) -> tuple[
     then dialled once, without a retry."""
     if view.unreachable is not None and time.monotonic() < view.retry_at:
         return None, None, f"head unreachable: {view.unreachable}", view.unreachable
-    attempts = 1 if view.unreachable is not None else 2
+    # A retry is for a head that has answered before (a blip); a head this operator never heard from
+    # (after a start, a new head) or that did not answer last time is dialled once: its backoff
+    # retries it in 5 s anyway, and after a restart a hanging head so holds a worker 3 s, not 6.
+    attempts = 2 if view.answered and view.unreachable is None else 1
     report_problem = listing_problem = None
     view.token_refused = False
     try:
@@ -272,7 +276,7 @@ def ask_head(client: HeadClient, view: HeadView, distributed: bool) -> tuple[
                 listing_problem = str(err)
             boot = (view.listing or {}).get("bootId")
             if view.listing is not None and _settled(view.report) and view.report.get("bootId") == boot:
-                view.unreachable, view.failures = None, 0
+                view.unreachable, view.failures, view.answered = None, 0, True
                 return view.report, view.listing, None, None
         try:
             fresh, view.report_etag = head_client.report_if_changed(client, view.report_etag, attempts)
@@ -284,10 +288,13 @@ def ask_head(client: HeadClient, view: HeadView, distributed: bool) -> tuple[
     except HeadUnreachable as err:
         view.report = view.listing = view.report_etag = view.listing_etag = None
         view.failures += 1
+        if view.failures == 1:
+            log.info("head unreachable: %s; dialled again after %s s", err, "/".join(
+                f"{s:.0f}" for s in UNREACHABLE_RETRY_SECONDS))
         backoff = UNREACHABLE_RETRY_SECONDS[min(view.failures, len(UNREACHABLE_RETRY_SECONDS)) - 1]
         view.unreachable, view.retry_at = str(err), time.monotonic() + backoff
         return None, None, f"head unreachable: {err}", str(err)
-    view.unreachable, view.failures = None, 0
+    view.unreachable, view.failures, view.answered = None, 0, True
     return view.report, (view.listing if distributed and listing_problem is None else None), \
         report_problem, listing_problem
 

@@ -162,6 +162,14 @@ def api_requests(kubectl: list[str]) -> tuple[float, float, float]:
     return ours, every, leases
 
 
+def omnistage_patches(kubectl: list[str]) -> float:
+    """PATCHes of OmniStages (their status) the API server has answered so far."""
+    text = subprocess.run([*kubectl, "get", "--raw", "/metrics"], check=True, capture_output=True, text=True,
+                          timeout=60).stdout
+    return sum(float(m.group(2)) for m in re.finditer(r"^apiserver_request_total\{([^}]*)\} (\S+)$", text, re.MULTILINE)
+               if 'resource="omnistages"' in m.group(1) and 'verb="PATCH"' in m.group(1))
+
+
 def own_requests(operators: list[OperatorProcess]) -> float | None:
     """The operators' own request count (omnistage_operator_api_requests_total), None if they lack it."""
     total, seen = 0.0, False
@@ -316,9 +324,23 @@ class Fleet:
         heads = sum(1 for p in self.heads() if p.status.pod_ip)
         return with_status >= n and heads >= n and self.policies() >= n
 
-    def rest(self, what: str) -> dict[str, float]:
+    def settle(self, n: int, limit: float = 180.0) -> None:
+        """Until the operator stopped writing OmniStages (status patches: the tail of a convergence,
+        which at 1,000 outlasts a fixed pause): at most max(1, N/200) PATCHes in 5 s, for both trees."""
+        time.sleep(10)
+        start, last = time.monotonic(), omnistage_patches(self.kubectl)
+        while time.monotonic() - start < limit:
+            time.sleep(5)
+            now = omnistage_patches(self.kubectl)
+            if now - last <= max(1, n // 200):
+                return
+            log(f"  settling: {now - last:.0f} OmniStage writes in the last 5s")
+            last = now
+        log(f"  still writing after {limit:.0f}s; measuring anyway")
+
+    def rest(self, what: str, n: int = 0) -> dict[str, float]:
         """One window with nothing but the operator (if running) at work."""
-        time.sleep(10)  # settle: the last passes of the convergence and their watch events
+        self.settle(n)
         log(f"  measuring {what} for {self.window:.0f}s")
         pid = self.operator.popen.pid if self.operator.alive() else None
         cpu0 = proc_cpu_seconds(pid) if pid else 0.0
@@ -373,7 +395,7 @@ class Fleet:
         t0 = time.monotonic()
         wait(f"{n} OmniStages converged", lambda: self.converged(n), timeout=3600, interval=2)
         log(f"N={n}: converged after {time.monotonic() - t0:.0f}s (nothing listening on the heads)")
-        row: dict[str, Any] = {"N": n, "heads": "none listening", **self.rest("at rest")}
+        row: dict[str, Any] = {"N": n, "heads": "none listening", **self.rest("at rest", n)}
         row["scale_s"] = self.scale_reaction(names(n)[-1])
         log(f"  scale reaction {row['scale_s']:.2f}s")
         self.operator.kill()
@@ -398,7 +420,7 @@ class Fleet:
         log(f"  fake heads on {len(ips)} IPs, {len(self.fakes.hang)} of them never answer")
         wait("the heads' answers in status", lambda: self.fakes.requests >= len(ips) - len(self.fakes.hang),
              timeout=600)
-        row2: dict[str, Any] = {"N": n, "heads": "10% unreachable", **self.rest("at rest, heads answering")}
+        row2: dict[str, Any] = {"N": n, "heads": "10% unreachable", **self.rest("at rest, heads answering", n)}
         subtract(row2, base)
         row2["scale_s"] = self.scale_reaction(names(n)[-1])
         log(f"  scale reaction {row2['scale_s']:.2f}s")

@@ -69,3 +69,19 @@ def test_an_omnistage_is_queued_for_a_new_generation_not_for_its_status():
     inf._event("MODIFIED", stage(3, 2))  # kubectl scale
     inf._event("DELETED", stage(4, 2))
     assert changes == ["s1", "s1", "s1"]
+
+
+def test_a_pod_is_kept_without_its_spec_but_where_it_runs():
+    """Only spec.nodeName is read back (pods.scheduled); the rest of a pod's spec is half its memory."""
+    from omnistage.informer import STATE
+    full = pod("a", 1)
+    full["spec"] = {"nodeName": "h200-0", "containers": [{"name": "engine", "image": "x", "env": [{"name": "A"}]}]}
+    STATE.pods._event("ADDED", full)
+    try:
+        assert STATE.pods.get("ns", "a")["spec"] == {"nodeName": "h200-0"}
+        unscheduled = pod("a", 2)
+        unscheduled["spec"] = {"containers": []}
+        STATE.pods.wrote(unscheduled)
+        assert STATE.pods.get("ns", "a")["spec"] == {}
+    finally:
+        STATE.pods._delete(("ns", "a"), 3)
