@@ -63,6 +63,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # runnable as a script
 
+import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from omnistage_engine_patches import contract
@@ -77,6 +78,12 @@ NAMESPACE = "fleet"
 HTTP_PORT = 18431  # the heads' port: distinct from every other local test's
 GROUP, VERSION, PLURAL = "serving.omnistage.io", "v1alpha1", "omnistages"
 GPUS_PER_NODE = 8
+# The plain values of the operator Deployment's env (manifests/base/deployment.yaml), which the
+# operator under test gets as deployed (the before tree's Deployment had none of them).
+DEPLOYMENT_ENV = {e["name"]: e["value"] for doc in yaml.safe_load_all((ROOT / "manifests/base/deployment.yaml").read_text())
+                  if doc and doc.get("kind") == "Deployment"
+                  for e in doc["spec"]["template"]["spec"]["containers"][0].get("env") or []
+                  if "value" in e and e["name"] != "OMNISTAGE_ENGINE_IMAGE"}
 
 
 def log(msg: str) -> None:
@@ -282,7 +289,7 @@ class Fleet:
         # As deployed: two replicas electing a leader over a Lease (here in the bench namespace).
         self.operator, self.follower = (
             OperatorProcess(kubeconfig, state / f"operator-{i}.log", namespaces=[NAMESPACE],
-                            env={**env, "POD_NAMESPACE": NAMESPACE, "POD_NAME": f"fleet-operator-{i}"})
+                            env={**env, **DEPLOYMENT_ENV, "POD_NAMESPACE": NAMESPACE, "POD_NAME": f"fleet-operator-{i}"})
             for i in (0, 1))
         self.window = window
         self.fakes: FakeHeads | None = None
