@@ -44,8 +44,11 @@ MEMBERSHIP = "membership"
 CONNECTOR_PORTS = "connector_ports"
 #: Cache mode CACHE_REPLICA_AWARE: per-replica mirrors of the receiver caches; tensors omitted per replica.
 REPLICA_AWARE_CACHE = "replica_aware_cache"
+#: Cache mode CACHE_REPLICA_AWARE only: a stage-0 request goes to the replica whose mirror holds most of
+#: its media, within a load bound. Saves bytes only; replica-aware is correct without it.
+REPLICA_AFFINITY = "replica_affinity"
 PATCHES = (FRONTEND_CACHE, UUID_SCOPE, REPLICA_METRICS, MM_CACHE_METRICS, MEMBERSHIP, CONNECTOR_PORTS,
-           REPLICA_AWARE_CACHE)
+           REPLICA_AWARE_CACHE, REPLICA_AFFINITY)
 
 # A patch's outcome in this process.
 APPLIED = "applied"

@@ -14,6 +14,7 @@ from . import (
     connector_ports,
     frontend_cache,
     membership_hooks,
+    replica_affinity,
     replica_aware_cache,
     replica_metrics,
     uuid_scope,
@@ -30,4 +31,5 @@ def apply_all() -> list[Outcome]:
         membership_hooks.apply(),  # the head's membership hooks behind the endpoint (membership_api)
         connector_ports.apply(),  # stages >= 1: connector ports without the replica term (one replica per pod)
         replica_aware_cache.apply(),  # cache mode replica-aware: tensors omitted per replica, after the pick
+        replica_affinity.apply(),  # cache mode replica-aware: the pick prefers the replica holding the media
     ]

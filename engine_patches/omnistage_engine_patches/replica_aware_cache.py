@@ -38,6 +38,10 @@ decision later, per replica, at the last point before the request is encoded for
   two keep the suffix property from then on (every key of a request ends at the MRU end of both,
   and the receiver evicts what the mirror would evict, or earlier entries the mirror never had).
 
+Which replica a request goes to is not decided here: vllm-omni's balancer picks it, or, with the
+patch `replica_affinity` (replica_affinity.py), the replica whose mirror holds most of the
+request's media (`ReplicaAwareDispatch.held_bytes`), within a load bound.
+
 Only stage-0 clients of a head whose frontend was built for `replica-aware` (`activate`, called by
 `frontend_cache` when it builds that frontend) are affected; every other client, and every head in
 another mode, keeps upstream behaviour. If vLLM's client changed shape the patch records itself
@@ -106,6 +110,12 @@ def mirror_class() -> type:
             """LRU order, least recent first (what tests compare with the receiver's)."""
             return list(self._cache.keys())
 
+        def held_bytes(self, keys: set[str]) -> int:
+            """Bytes of `keys` the replica holds, read without touching the LRU order (`cache` is
+            vLLM's read-only view): asking must not change what the replica is predicted to evict."""
+            view = self._cache.cache
+            return sum(view[k].item_size for k in keys if k in view)
+
     return ReceiverMirror
 
 
@@ -132,6 +142,14 @@ class ReplicaAwareDispatch:
         if mirror is None:  # a new registration: an empty mirror, as its receiver is empty
             mirror = self._mirrors[client] = mirror_class()(self.capacity_gb)
         return mirror
+
+    def held_bytes(self, client: Any, features: Any) -> int:
+        """Bytes of these features' items `client`'s replica is known to hold (0 without a mirror:
+        a new, dropped or unknown registration holds nothing as far as the head knows)."""
+        keys = {f.mm_hash or f.identifier for f in features or ()}  # the receiver's key
+        with self._lock:
+            mirror = self._mirrors.get(client)
+            return mirror.held_bytes(keys) if mirror is not None else 0
 
     def outgoing(self, client: Any, request: Any) -> Any:
         """The request to encode for `client`: a copy without the tensors its mirror holds (the

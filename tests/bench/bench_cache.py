@@ -30,13 +30,24 @@ process stood in), so the plugin strips per replica inside the client's real `ad
 the client's own `MsgpackEncoder` encodes, and misses come back through its `get_output_async`
 (vLLM's `_handle_mm_cache_miss`). Its extra figures: the mirrors' memory, misses re-sent in full,
 and the items sent in full against the floor of the routing (distinct replica x media pairs).
-After the main table a second one sets replica-aware against processor-only, cell by cell.
+replica-aware also runs with the policies `round-robin+affinity` and `least-queue-length+affinity`:
+the same balancer, but each request enters through the real `StagePool.submit_initial`, which the
+`replica_affinity` patch wraps (stage 0 prefers the replica whose mirror holds most of the
+request's media, within a load bound; the balancer decides when nobody holds anything). Its load
+figure is the head's bindings: in every replica-aware cell a request's binding is released when
+the request finishes on the virtual clock below (the orchestrator's `release_bindings`), which
+round robin and least-queue-length do not read. After the main table a second one sets
+replica-aware against processor-only, cell by cell (an affinity policy against its balancer's
+processor-only cell), with the load balance: requests per replica, their max/min, and the largest
+gap in requests in flight between two replicas seen at any routing.
 
 Workloads (each `--requests` requests, 40 by default): `multi-turn` (`--requests / --turns`
 users, 5 turns each, interleaved in a shuffled order each round; turn k carries k media items:
-the k-1 of its earlier turns plus one new one), `repeated` (each request a new user with one item
-drawn from 5 popular items, skewed), `all-new` (each request one item never seen before). Each
-workload runs once with images and once with audio.
+the k-1 of its earlier turns plus one new one), `multi-turn-20` (the same with 20 turns and
+`--long-users` users, 4 by default: 80 requests; by default audio only, `--long-modalities`: with
+images each processor-only request would encode ~64 MB), `repeated` (each request a new user with
+one item drawn from 5 popular items, skewed), `all-new` (each request one item never seen
+before). Each workload runs once with images and once with audio.
 
 Real (nothing mocked):
 * vLLM 0.30.0 and vllm-omni 0.30.0 code: the stage-0 frontend built by vllm-omni's
@@ -67,7 +78,9 @@ Stood in:
 * the coordinator hub (`get_replicas_for_stage`) and the replicas' load: least-queue-length
   needs each replica's `queue_length`, which a vllm-omni replica reports as its scheduler's
   unfinished requests in a heartbeat every 5 s. Simulated here on a virtual clock: Poisson
-  arrivals sized so that each replica has 4 requests in flight on average; a request stays
+  arrivals sized so that each replica would have 4 requests in flight on average, except that a
+  conversation's next turn arrives only once the answer to its previous turn is complete (the
+  clock waits for it: with few conversations fewer requests are in flight); a request stays
   unfinished for 2.0 s (about 100 output tokens at 20 ms) plus its prompt tokens / 10,000 per s
   of prefill (continuous batching: no queueing delay); each replica samples its count every
   5 s (heartbeats staggered across replicas) and the hub shows the last sample. Ties go to
@@ -82,10 +95,13 @@ Stood in:
   CPU is that frontend's; route + encode CPU is measured in each cell;
 * the time model above and the client (data URLs are made here before the clock starts).
 
-Usage (from the repo root; about 2-4 minutes on 2 cores; progress is printed):
+Usage (from the repo root; several minutes on 2 cores; progress is printed):
 
   python tests/bench/bench_cache.py [--requests 40] [--turns 5] [--modalities image,audio]
+                                    [--long-users 4] [--long-modalities audio]
                                     [--out /tmp/omnistage-bench]
+
+A quick subset: `--modalities audio --requests 10 --long-users 1`.
 
 It prints the table, writes `cache.svg` (the plot, hand-written SVG: matplotlib is not a
 dependency; also `cache.png` when `rsvg-convert` is on PATH), `cache.md` (the table as Markdown)
@@ -123,8 +139,12 @@ from tests.engine import conftest as engine_tier
 MODES = ("lru", "lru-unpatched", "processor-only", "replica-aware", "disabled")
 REPLICAS = (1, 2, 4)
 POLICIES = ("round-robin", "least-queue-length")
-WORKLOADS = ("multi-turn", "repeated", "all-new")
+#: replica-aware only: the same balancer, with the `replica_affinity` patch steering stage 0.
+AFFINITY = "+affinity"
+AFFINITY_POLICIES = tuple(p + AFFINITY for p in POLICIES)
+WORKLOADS = ("multi-turn", "multi-turn-20", "repeated", "all-new")
 TURNS = 5  # multi-turn: turns per conversation
+LONG_TURNS = 20  # multi-turn-20: turns per conversation (`--long-users` users)
 POPULAR = 5  # repeated: size of the popular pool
 MAX_TOKENS = 100
 # The simulated load behind least-queue-length (see the docstring).
@@ -289,7 +309,7 @@ def workload(name: str, modality: str, n: int, media: Media, turns: int = TURNS)
                                             {"type": "text", "text": PROMPT[modality]}]}
 
     out: list[WorkloadRequest] = []
-    if name == "multi-turn":
+    if name.startswith("multi-turn"):
         users = max(1, n // turns)
         rng = random.Random(5)
         for k in range(1, turns + 1):  # interleaved: every user's turn k before anyone's turn k+1
@@ -334,6 +354,7 @@ class Rendered:
     media: list[int]
     tokens: int
     cpu_s: float
+    user: int  # the conversation (multi-turn) or the one-off user
 
 
 @dataclass
@@ -392,7 +413,7 @@ async def run_frontend(model_dir: Path, mode: str, requests: list[WorkloadReques
             request_id, prompt, sampling_params_list=[SamplingParams(max_tokens=MAX_TOKENS)]
         )
         cpu = time.process_time() - start
-        rendered.append(Rendered(request_id, msg.prompt, req.media, len(msg.prompt.prompt_token_ids), cpu))
+        rendered.append(Rendered(request_id, msg.prompt, req.media, len(msg.prompt.prompt_token_ids), cpu, req.user))
         if (i + 1) % 10 == 0 or i + 1 == len(requests):
             log(f"  {label} {mode}: rendered {i + 1}/{len(requests)}")
     acct, held = cache_figures(renderer.mm_processor_cache)
@@ -411,9 +432,13 @@ class SimulatedHub:
         rate = IN_FLIGHT_PER_REPLICA * len(addrs) / mean
         rng = random.Random(seed)
         t, self.arrivals = 0.0, []
-        for _ in rendered:
-            t += rng.expovariate(rate)
+        answered: dict[int, float] = {}  # user -> when its last request finishes
+        for r, service in zip(rendered, self.service):
+            # A user sends its next turn only after the answer to the previous one: the clock
+            # waits for it (requests keep their workload order, so time never runs backwards).
+            t = max(t + rng.expovariate(rate), answered.get(r.user, 0.0))
             self.arrivals.append(t)
+            answered[r.user] = t + service
         self.now = 0.0
         self.assigned: list[tuple[str, float, float]] = []  # (addr, start, end)
         self.phase = {a: i * HEARTBEAT_S / len(addrs) for i, a in enumerate(addrs)}
@@ -468,8 +493,17 @@ class Cell:
     misses_resent: int = 0  # replica-aware: misses the head re-sent in full (not failed)
     floor_items: int = 0  # the fewest full items any cache could send with this routing: distinct (replica, media)
     per_replica: list[int] = field(default_factory=list)
+    peak_in_flight_skew: int = 0  # replica-aware: the largest (max - min) of in-flight requests at any routing
+    steering: dict[str, int] = field(default_factory=dict)  # replica-aware + affinity: replica_affinity.STATS
     ref_bytes: float | None = None
     ref_cpu_ms: float | None = None
+
+    @property
+    def balance(self) -> str:
+        """Requests per replica, most over fewest (1.00: even; inf: a replica got none)."""
+        if not self.per_replica:
+            return "-"
+        return f"{max(self.per_replica) / min(self.per_replica):.2f}" if min(self.per_replica) else "inf"
 
     @property
     def bytes_per_req(self) -> float:
@@ -503,6 +537,14 @@ def same_features(used: Any, truth: Any) -> bool:
     return True
 
 
+def in_flight_skew(pool: Any, replicas: int) -> int:
+    """Most minus fewest requests in flight per replica, by the head's bindings (affinity's load)."""
+    from omnistage_engine_patches import replica_affinity
+
+    load = replica_affinity.in_flight(pool)
+    return max(load[r] for r in range(replicas)) - min(load[r] for r in range(replicas))
+
+
 def mirror_footprint(d: Any) -> int:
     """Python memory of the replica-aware mirrors: per entry its key, its metadata object and the
     LRU's bookkeeping (an estimate with sys.getsizeof; they hold no tensors)."""
@@ -513,16 +555,56 @@ def mirror_footprint(d: Any) -> int:
     return total
 
 
-async def run_replica_aware_cell(cell: Cell, fe: FrontendRun, truth: dict[int, Any], seed: int) -> Cell:
-    """The replica-aware cell: each replica behind a real head-side `StageEngineCoreClient`
-    (conftest's `WireReplica`); the plugin's wrapper strips per replica before the client's own
-    `MsgpackEncoder` encodes; outputs (and misses) come back through `get_output_async`."""
-    from omnistage_engine_patches import replica_aware_cache
-    from vllm.v1.engine import FinishReason
+def balancer(policy: str) -> Any:
+    """vllm-omni's balancer that `--omni-lb-policy` names (an affinity policy: its fallback)."""
     from vllm_omni.distributed.omni_coordinator.load_balancer import (
         LeastQueueLengthBalancer,
         RoundRobinBalancer,
     )
+
+    return RoundRobinBalancer() if policy.startswith("round-robin") else LeastQueueLengthBalancer()
+
+
+class Bindings:
+    """The head's stage-0 bindings live until the request finishes on the virtual clock (the
+    orchestrator's `release_bindings`): they are the in-flight load `replica_affinity` bounds.
+    Round robin and least-queue-length do not read them."""
+
+    def __init__(self, pool: Any, hub: SimulatedHub) -> None:
+        self.pool, self.hub, self.ends = pool, hub, []
+
+    def finish_until(self, now: float) -> None:
+        keep = []
+        for end, request_id in self.ends:
+            if end <= now:
+                self.pool.release_binding(request_id)
+            else:
+                keep.append((end, request_id))
+        self.ends = keep
+
+    def started(self, i: int, request_id: str) -> None:
+        self.ends.append((self.hub.arrivals[i] + self.hub.service[i], request_id))
+
+
+async def route(pool: Any, policy: str, request_id: str, request: Any) -> int:
+    """Upstream's routing: `pick`, then the chosen client's `add_request_async` (submit_initial's
+    route and tail, without the affinity wrapper); an affinity policy enters through the real,
+    wrapped `StagePool.submit_initial`."""
+    if policy.endswith(AFFINITY):
+        return await pool.submit_initial(request_id, engine_tier.stand_in_request_state(MAX_TOKENS), request)
+    rid = await pool.pick(request_id)
+    await pool._llm_client(rid).add_request_async(request)
+    return rid
+
+
+async def run_replica_aware_cell(cell: Cell, fe: FrontendRun, truth: dict[int, Any], seed: int) -> Cell:
+    """The replica-aware cell: each replica behind a real head-side `StageEngineCoreClient`
+    (conftest's `WireReplica`); the plugin's wrapper strips per replica before the client's own
+    `MsgpackEncoder` encodes; outputs (and misses) come back through `get_output_async`. An
+    affinity cell routes through the real `StagePool.submit_initial` (the `replica_affinity`
+    wrapper), with the orchestrator's output processor and request state stood in."""
+    from omnistage_engine_patches import replica_affinity, replica_aware_cache
+    from vllm.v1.engine import FinishReason
     from vllm_omni.engine.stage_pool import StagePool
 
     dispatch = replica_aware_cache.dispatch()
@@ -530,27 +612,31 @@ async def run_replica_aware_cell(cell: Cell, fe: FrontendRun, truth: dict[int, A
         raise SystemExit("replica-aware: the dispatch is not live (is the replica_aware_cache patch disabled?)")
     replicas = {i: engine_tier.WireReplica(fe.vllm_config, i) for i in range(cell.replicas)}
     clients = [replicas[i].client for i in range(cell.replicas)]
-    pool = StagePool(0, clients, stage_vllm_config=fe.vllm_config)
+    pool = StagePool(0, clients, output_processor=engine_tier.StandInOutputProcessor(),
+                     stage_vllm_config=fe.vllm_config)
     hub = SimulatedHub([c.client_addresses["input_address"] for c in clients], fe.rendered, seed)
     pool.attach_hub(hub)
-    pool.attach_load_balancer(RoundRobinBalancer() if cell.policy == "round-robin" else LeastQueueLengthBalancer())
+    pool.attach_load_balancer(balancer(cell.policy))
+    bindings = Bindings(pool, hub)
     random.seed(seed)
     cell.per_replica = [0] * cell.replicas
     cell.cache_acct, cell.cache_held = fe.cache_acct, fe.cache_held
-    before = dispatch.stats.copy()
+    before, steering = dispatch.stats.copy(), replica_affinity.STATS.copy()
     served: set[tuple[int, int]] = set()
     for i, r in enumerate(fe.rendered):
         hub.at(i)
+        bindings.finish_until(hub.now)
         rep = replicas
         start = time.process_time()
-        rid = await pool.pick(r.request_id)
-        wire0 = rep[rid].wire_bytes
-        await pool._llm_client(rid).add_request_async(r.request)  # StagePool.submit_initial's tail
+        wire0 = sum(x.wire_bytes for x in rep.values())
+        rid = await route(pool, cell.policy, r.request_id, r.request)
         cell.route_encode_cpu_s += time.process_time() - start
+        cell.peak_in_flight_skew = max(cell.peak_in_flight_skew, in_flight_skew(pool, cell.replicas))
+        bindings.started(i, r.request_id)
         cell.render_cpu_s += r.cpu_s
         cell.requests += 1
         cell.per_replica[rid] += 1
-        cell.bytes_total += rep[rid].wire_bytes - wire0
+        cell.bytes_total += sum(x.wire_bytes for x in rep.values()) - wire0
         hub.assign(i, clients[rid].client_addresses["input_address"])
         served.update((rid, m) for m in r.media)
         failed = False
@@ -564,7 +650,8 @@ async def run_replica_aware_cell(cell: Cell, fe: FrontendRun, truth: dict[int, A
             used = rep[rid].used[r.request_id]
             if any(not same_features(f.data, truth[m]) for f, m in zip(used, r.media, strict=True)):
                 cell.stale += 1
-        pool.release_binding(r.request_id)
+    bindings.finish_until(math.inf)
+    cell.steering = dict(replica_affinity.STATS - steering)
     delta = dispatch.stats - before
     cell.items_sent, cell.items_omitted = delta["items_sent"], delta["items_omitted"]
     cell.misses_resent = delta["misses_resent"]
@@ -580,10 +667,6 @@ async def run_replica_aware_cell(cell: Cell, fe: FrontendRun, truth: dict[int, A
 async def run_cell(cell: Cell, fe: FrontendRun, truth: dict[int, Any], seed: int) -> Cell:
     from vllm.multimodal.cache import MultiModalCacheMissError
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
-    from vllm_omni.distributed.omni_coordinator.load_balancer import (
-        LeastQueueLengthBalancer,
-        RoundRobinBalancer,
-    )
     from vllm_omni.engine import OmniEngineCoreRequest
     from vllm_omni.engine.stage_pool import StagePool
 
@@ -593,9 +676,7 @@ async def run_cell(cell: Cell, fe: FrontendRun, truth: dict[int, Any], seed: int
     if cell.policy != "static":  # a distributed head: hub + the balancer --omni-lb-policy names
         hub = SimulatedHub([c.client_addresses["input_address"] for c in clients], fe.rendered, seed)
         pool.attach_hub(hub)
-        pool.attach_load_balancer(
-            RoundRobinBalancer() if cell.policy == "round-robin" else LeastQueueLengthBalancer()
-        )
+        pool.attach_load_balancer(balancer(cell.policy))
     random.seed(seed)  # LeastQueueLengthBalancer breaks ties with random.choice
     replicas = {i: engine_tier.Replica(fe.vllm_config, i) for i in range(cell.replicas)}
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(OmniEngineCoreRequest)
@@ -641,7 +722,22 @@ def cells_for(mode: str) -> list[tuple[int, str]]:
         return [(1, "static")]
     if mode == "lru-unpatched":
         return [(n, p) for n in REPLICAS if n > 1 for p in POLICIES]
+    if mode == "replica-aware":
+        return [(n, p) for n in REPLICAS for p in POLICIES + AFFINITY_POLICIES]
     return [(n, p) for n in REPLICAS for p in POLICIES]
+
+
+def combos_for(args: argparse.Namespace) -> list[tuple[str, str, int, int]]:
+    """(modality, workload, requests, turns) in run order; multi-turn-20 only for `--long-modalities`."""
+    out = []
+    for m in args.modalities:
+        for wl in WORKLOADS:
+            if wl == "multi-turn-20":
+                if m in args.long_modalities:
+                    out.append((m, wl, args.long_users * LONG_TURNS, LONG_TURNS))
+            else:
+                out.append((m, wl, args.requests, args.turns))
+    return out
 
 
 def seed_of(*parts: Any) -> int:
@@ -651,10 +747,10 @@ def seed_of(*parts: Any) -> int:
 async def run_all(args: argparse.Namespace, model_dirs: dict[str, Path], media: Media) -> tuple[list[Cell], dict]:
     cells: list[Cell] = []
     sizes: dict[str, dict[str, Any]] = {}
-    combos = [(m, w) for m in args.modalities for w in WORKLOADS]
-    for n_combo, (modality, wl) in enumerate(combos, 1):
+    combos = combos_for(args)
+    for n_combo, (modality, wl, n_requests, turns) in enumerate(combos, 1):
         label = f"[{n_combo}/{len(combos)}] {modality}/{wl}"
-        requests = workload(wl, modality, args.requests, media, args.turns)
+        requests = workload(wl, modality, n_requests, media, turns)
         log(f"{label}: {len(requests)} requests, {sum(len(r.media) for r in requests)} media items "
             f"({len({m for r in requests for m in r.media})} distinct)")
         truth: dict[int, Any] = {}
@@ -678,7 +774,8 @@ async def run_all(args: argparse.Namespace, model_dirs: dict[str, Path], media: 
                     log(f"  {label} {cell_mode} x{n} {policy}: {cell.bytes_per_req / MB:.2f} MB/req, "
                         f"{cell.cpu_ms_per_req:.0f} ms CPU/req, misses {cell.misses}, stale {cell.stale}, "
                         f"items omitted {cell.items_omitted}/{cell.items_sent + cell.items_omitted}, "
-                        f"requests per replica {cell.per_replica}")
+                        f"requests per replica {cell.per_replica}"
+                        + (f", steering {cell.steering}" if cell.steering else ""))
             del fe
             gc.collect()
             if ref is not None:
@@ -729,19 +826,21 @@ def goal_rows(cells: list[Cell]) -> list[tuple[str, ...]]:
     for c in cells:
         if c.mode != "replica-aware":
             continue
-        po = pick(cells, c.modality, c.workload, "processor-only", c.replicas, c.policy)
+        po = pick(cells, c.modality, c.workload, "processor-only", c.replicas, c.policy.removesuffix(AFFINITY))
         if po is None:
             continue
         mem = (c.cache_acct + c.mirror_bytes) / max(1, po.cache_acct)
         rows.append((c.modality, c.workload, str(c.replicas), c.policy,
                      f"{100 * c.bytes_per_req / po.bytes_per_req:.1f}%", f"{c.cpu_ms_per_req / po.cpu_ms_per_req:.2f}",
                      f"{mem:.4f}", str(c.misses + c.stale), str(c.misses_resent),
-                     f"{c.items_sent}/{c.floor_items}", f"{100 * po_floor(cells, c) / po.bytes_per_req:.1f}%"))
+                     f"{c.items_sent}/{c.floor_items}", f"{100 * po_floor(cells, c) / po.bytes_per_req:.1f}%",
+                     "/".join(map(str, c.per_replica)), c.balance, str(c.peak_in_flight_skew)))
     return rows
 
 
 GOAL_HEADER = ("modality", "workload", "repl", "policy", "bytes vs p-o", "CPU vs p-o", "memory vs p-o", "errors",
-               "resent", "full items/floor", "lru 1 replica vs p-o")
+               "resent", "full items/floor", "lru 1 replica vs p-o", "requests per replica", "max/min",
+               "peak in-flight skew")
 
 
 def po_floor(cells: list[Cell], c: Cell) -> float:
@@ -826,6 +925,8 @@ PLOT_SERIES = [
     ("processor-only, 2 replicas, round robin", "#dd8452", ("processor-only", 2, "round-robin")),
     ("replica-aware, 2 replicas, round robin", "#937860", ("replica-aware", 2, "round-robin")),
     ("replica-aware, 4 replicas, round robin", "#da8bc3", ("replica-aware", 4, "round-robin")),
+    ("replica-aware + affinity, 2 replicas, round robin", "#8c613c", ("replica-aware", 2, "round-robin" + AFFINITY)),
+    ("replica-aware + affinity, 4 replicas, round robin", "#e8a0d8", ("replica-aware", 4, "round-robin" + AFFINITY)),
     ("disabled, 2 replicas, round robin", "#55a868", ("disabled", 2, "round-robin")),
     ("lru unpatched, 2 replicas, round robin", "#c44e52", ("lru-unpatched", 2, "round-robin")),
     ("lru unpatched, 4 replicas, least queue", "#8172b3", ("lru-unpatched", 4, "least-queue-length")),
@@ -839,9 +940,8 @@ PLOT_PANELS = [
 ]
 
 
-def svg_plot(cells: list[Cell], modalities: list[str], path: Path) -> None:
+def svg_plot(cells: list[Cell], groups: list[tuple[str, str]], path: Path) -> None:
     """Four bar panels, one group per modality x workload (hand-written SVG, no plotting library)."""
-    groups = [(m, w) for m in modalities for w in WORKLOADS]
     width, panel_h, top, left, right = 1180, 250, 80, 70, 20
     height = top + len(PLOT_PANELS) * (panel_h + 40) + 20
     el = [
@@ -913,10 +1013,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=40, help="requests per workload (default 40)")
     ap.add_argument("--turns", type=int, default=TURNS, help=f"multi-turn: turns per conversation (default {TURNS})")
+    ap.add_argument("--long-users", type=int, default=4,
+                    help=f"multi-turn-20: conversations of {LONG_TURNS} turns (default 4: 80 requests)")
+    ap.add_argument("--long-modalities", default="audio",
+                    help="modalities that run multi-turn-20 (default audio; an image run encodes ~64 MB per "
+                         "processor-only request), empty for none")
     ap.add_argument("--modalities", default="image,audio", help="comma-separated: image,audio")
     ap.add_argument("--out", default="/tmp/omnistage-bench", help="directory for cache.svg/.md/.json")
     args = ap.parse_args()
     args.modalities = [m for m in args.modalities.split(",") if m]
+    args.long_modalities = [m for m in args.long_modalities.split(",") if m]
     wall0, cpu0 = START
     if engine_tier.VLLM_OMNI_IMPORT_ERROR:
         print(f"bench-cache needs vllm_omni 0.30.0 (make setup): {engine_tier.VLLM_OMNI_IMPORT_ERROR}")
@@ -931,10 +1037,11 @@ def main() -> int:
     if not engine_tier.patch_applied("frontend_cache"):
         print("the frontend_cache patch is not applied (OMNISTAGE_DISABLE_PATCHES?): nothing to measure")
         return 2
-    if not engine_tier.patch_applied(contract.REPLICA_AWARE_CACHE):
-        print("the replica_aware_cache patch is not applied (OMNISTAGE_DISABLE_PATCHES?): the replica-aware "
-              "mode cannot be measured")
-        return 2
+    for name in (contract.REPLICA_AWARE_CACHE, contract.REPLICA_AFFINITY):
+        if not engine_tier.patch_applied(name):
+            print(f"the {name} patch is not applied (OMNISTAGE_DISABLE_PATCHES?): the replica-aware mode "
+                  "cannot be measured")
+            return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-models-") as tmp:
@@ -943,9 +1050,8 @@ def main() -> int:
                       "audio": build_audio_model(Path(tmp) / "tiny-qwen2-audio")}
         media = Media()
         log("making the media (1000x1000 JPEGs, 30 s WAVs) ...")
-        for m in args.modalities:
-            for wl in WORKLOADS:
-                workload(wl, m, args.requests, media, args.turns)
+        for m, wl, n_requests, turns in combos_for(args):
+            workload(wl, m, n_requests, media, turns)
         cells, sizes = asyncio.run(run_all(args, model_dirs, media))
     print()
     for m, s in sizes.items():
@@ -955,14 +1061,16 @@ def main() -> int:
     print()
     text = print_table(cells)
     print()
-    print("replica-aware against processor-only (same cell): bytes per request, CPU per request, frontend memory "
-          "(cache + mirrors), errors (misses that failed a request + stale), misses re-sent in full, items sent in "
-          "full against the floor (distinct replica x media pairs the routing produced), and lru on one replica "
-          "(each distinct item once) against processor-only")
+    print("replica-aware against processor-only (same cell; an affinity policy against its fallback balancer): "
+          "bytes per request, CPU per request, frontend memory (cache + mirrors), errors (misses that failed a "
+          "request + stale), misses re-sent in full, items sent in full against the floor (distinct replica x media "
+          "pairs the routing produced), lru on one replica (each distinct item once) against processor-only, and "
+          "the load balance: requests per replica, their max/min, and the largest gap in requests in flight "
+          "(head bindings) between two replicas at any routing")
     goal = print_rows(GOAL_HEADER, goal_rows(cells))
     text += "\n\n" + goal
     svg, md, js = out / "cache.svg", out / "cache.md", out / "cache.json"
-    svg_plot(cells, args.modalities, svg)
+    svg_plot(cells, [(m, wl) for m, wl, _n, _t in combos_for(args)], svg)
     plots = [svg]
     if shutil.which("rsvg-convert"):  # a PNG too where librsvg's converter happens to be installed
         png = out / "cache.png"

@@ -335,6 +335,24 @@ class StandInStageClient:
         self.client_addresses = {"input_address": f"tcp://127.0.0.1:{41000 + replica_id}"}
 
 
+class StandInOutputProcessor:
+    """Stands in for the orchestrator's output processor, which `StagePool.submit_initial` hands a
+    request to before it routes it (nothing here reads outputs through it)."""
+
+    def add_request(self, **_kwargs: Any) -> None:
+        pass
+
+    def remove_request(self, _request_id: str) -> None:
+        pass
+
+
+def stand_in_request_state(max_tokens: int = 4) -> Any:
+    """The part of the orchestrator's `OrchestratorRequestState` `submit_initial` reads."""
+    from vllm import SamplingParams
+
+    return SimpleNamespace(sampling_params_list=[SamplingParams(max_tokens=max_tokens)])
+
+
 class StandInStageRuntime:
     """Stands in for vllm-omni's `StageRuntime` / `DistStageRuntime`.
 

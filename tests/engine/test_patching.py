@@ -39,6 +39,7 @@ INSTALLS = {
     contract.MEMBERSHIP: "membership_hooks:_install",
     contract.CONNECTOR_PORTS: "connector_ports:_install",
     contract.REPLICA_AWARE_CACHE: "replica_aware_cache:_install",
+    contract.REPLICA_AFFINITY: "replica_affinity:_install",
 }
 
 
