@@ -60,8 +60,13 @@ def frontend_cache(engine_client: Any) -> contract.FrontendCacheReport | None:
     name = type(cache).__name__ if cache is not None else None
     # replica-aware is processor-only plus the per-replica dispatch: live only when the patch is in
     # and this process's stage-0 frontend switched it on.
-    replica_aware = replica_aware_cache.dispatch() is not None
-    return {"cacheClass": name, "mode": contract.frontend_mode(name, replica_aware), "requested": requested_mode()}
+    dispatch = replica_aware_cache.dispatch()
+    out = {"cacheClass": name, "mode": contract.frontend_mode(name, dispatch is not None), "requested": requested_mode()}
+    if dispatch is not None:
+        # What the per-replica decision did since the head started (items sent in full / omitted,
+        # mirrors dropped, misses reported / re-sent / passed on): how a GPU run judges the mode.
+        out["replicaAware"] = dict(dispatch.stats)
+    return out
 
 
 def _distributed(engine_client: Any) -> bool | None:

@@ -387,7 +387,8 @@ def test_report_names_replica_aware(aware):
     r = report.build(d.engine)
     # With the patch off: mode processor-only (the operator then holds CacheConsistent False).
     assert r["frontendCache"] == {"cacheClass": "MultiModalProcessorOnlyCache", "mode": contract.CACHE_REPLICA_AWARE,
-                                  "requested": contract.CACHE_REPLICA_AWARE}
+                                  "requested": contract.CACHE_REPLICA_AWARE,
+                                  "replicaAware": dict(replica_aware_cache.dispatch().stats)}
     assert r["patches"][PATCH]["outcome"] == _patching.outcomes()[PATCH].outcome
 
 
