@@ -197,10 +197,10 @@ def start_replica(engine: Any, *, seen_up: bool = True) -> SimulatedReplica:
     return replica
 
 
-def bind_request(engine: Any, replica_id: int, request_id: str) -> None:
+def bind_request(engine: Any, replica_id: int, request_id: str, *, stage_id: int = 0) -> None:
     """Route a request the way the orchestrator does (``StagePool.pick``) until it lands on
     ``replica_id``; requests that landed elsewhere are finished (``release_binding``)."""
-    pool = engine.stage0
+    pool = engine.stage_pools[stage_id]
     for n in range(8):  # round robin over a handful of replicas: bounded
         rid = f"{request_id}-probe{n}"
         picked = engine.on_loop(lambda rid=rid: pool.pick(rid))
@@ -211,8 +211,8 @@ def bind_request(engine: Any, replica_id: int, request_id: str) -> None:
     raise AssertionError(f"the load balancer never picked replica {replica_id}")
 
 
-def fresh_picks(engine: Any, n: int) -> list[int]:
-    pool = engine.stage0
+def fresh_picks(engine: Any, n: int, *, stage_id: int = 0) -> list[int]:
+    pool = engine.stage_pools[stage_id]
     picks = []
     for i in range(n):
         rid = f"fresh-{time.monotonic_ns()}-{i}"
