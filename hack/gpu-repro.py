@@ -5,7 +5,11 @@ Against a running OmniStage it checks, through `kubectl port-forward` to its API
 script only ever dials 127.0.0.1):
   1. the same new audio sent three times gives three answers (the defect: stop, error, stop);
   2. 64 concurrent requests repeating one audio all finish without finish_reason "error";
-  3. kubectl scale 1 -> 2 with stats on: the new replica's vllm:* series appear on the head's
+  3. 8 conversations of 4 turns at once, each turn sending a new audio clip and every earlier one
+     again (as chat clients do), all finish without "error": the multi-turn traffic a replicated
+     stage-0 cache must survive, in every cache mode (for `replica-aware`, the run that decides
+     whether `auto` may resolve to it: docs/cache-modes.md);
+  4. kubectl scale 1 -> 2 with stats on: the new replica's vllm:* series appear on the head's
      /metrics before it served traffic, and disappear after scaling back to 1.
 
     hack/gpu-repro.py --namespace serving --name qwen3-omni [--model SERVED_NAME]
@@ -203,10 +207,29 @@ class Answer:
         return self.finish_reason == "error"
 
 
+def _user_turn(audio_b64: str) -> dict[str, Any]:
+    return {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": audio_b64, "format": "wav"}},
+                                        {"type": "text", "text": "Describe this sound in three words."}]}
+
+
 def chat(base_url: str, model: str, audio_b64: str, timeout: float = 300) -> Answer:
-    body = {"model": model, "max_tokens": 16, "messages": [{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {"data": audio_b64, "format": "wav"}},
-        {"type": "text", "text": "Describe this sound in three words."}]}]}
+    return complete(base_url, model, [_user_turn(audio_b64)], timeout)
+
+
+def converse(base_url: str, model: str, clips: list[str], timeout: float = 300) -> list[Answer]:
+    """One conversation, a turn per clip; turn k carries clips 0..k (the history is re-sent)."""
+    messages: list[dict[str, Any]] = []
+    answers = []
+    for clip in clips:
+        messages.append(_user_turn(clip))
+        answer = complete(base_url, model, messages, timeout)
+        answers.append(answer)
+        messages.append({"role": "assistant", "content": answer.content or "(no answer)"})
+    return answers
+
+
+def complete(base_url: str, model: str, messages: list[dict[str, Any]], timeout: float = 300) -> Answer:
+    body = {"model": model, "max_tokens": 16, "messages": messages}
     req = urllib.request.Request(_loopback(f"{base_url}/v1/chat/completions"), data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with _OPENER.open(req, timeout=timeout) as resp:
@@ -307,7 +330,7 @@ def port_forward_argv(namespace: str, name: str, port: int) -> list[str]:
 
 def reproduce(stage: OmniStage, base_url: str, model: str, ready_timeout: float, log: Log = _print,
               wait: Callable[..., None] = wait_converged) -> list[str]:
-    """The three checks; returns the problems found (empty: pass). Scales the OmniStage to 2, 1, 2, 1."""
+    """The four checks; returns the problems found (empty: pass). Scales the OmniStage to 2, 1, 2, 1."""
     problems: list[str] = []
     stage.scale(2)
     wait(stage, 2, ready_timeout, log=log)
@@ -322,6 +345,14 @@ def reproduce(stage: OmniStage, base_url: str, model: str, ready_timeout: float,
     log(f"64 concurrent repeats: {errors} errors")
     if errors:
         problems.append(f"64 concurrent repeats: {errors} finished with finish_reason=error")
+    base = 440 + time.time() % 400
+    talks = [[tone_wav(base + 7 * (4 * c + t)) for t in range(4)] for c in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        turns = [a for answers in pool.map(lambda clips: converse(base_url, model, clips), talks) for a in answers]
+    errors = sum(a.failed for a in turns)
+    log(f"8 conversations x 4 turns (history re-sent): {errors} errors in {len(turns)} turns")
+    if errors:
+        problems.append(f"multi-turn conversations: {errors} of {len(turns)} turns finished with finish_reason=error")
     stage.scale(1)
     wait(stage, 1, ready_timeout, log=log)
     before = head_replica_series(base_url)

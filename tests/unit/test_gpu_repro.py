@@ -115,7 +115,9 @@ FAKE_KUBECTL = textwrap.dedent('''\
                     n = seen["chats"]
                 if s["chat"] == "http500":
                     return self.reply(500, '{"error": "boom"}')
-                finish = "error" if s["chat"] == "defect" and n % 2 == 0 else "stop"
+                later_turn = len(body["messages"]) > 1
+                finish = "error" if (s["chat"] == "defect" and n % 2 == 0
+                                     or s["chat"] == "multi-turn" and later_turn) else "stop"
                 content = "" if finish == "error" else "a pure tone"
                 self.reply(200, json.dumps({"model": body["model"], "choices": [
                     {"finish_reason": finish, "message": {"role": "assistant", "content": content}}]}))
@@ -197,6 +199,17 @@ def test_the_defect_fails_the_run(fake_kubectl):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL" in proc.stdout and "same audio three times" in proc.stdout and "64 concurrent repeats" in proc.stdout
     assert state_of(state)["replicas"] == 1
+
+
+def test_errors_on_later_turns_of_a_conversation_fail_the_run(fake_kubectl):
+    """A cache that survives single requests but not a conversation re-sending its history (the
+    mirror of a replica-aware head out of step with its replica) is caught by the multi-turn check."""
+    _state, write = fake_kubectl
+    write(chat="multi-turn")
+    proc = run_script()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "multi-turn conversations: 24 of 32 turns finished with finish_reason=error" in proc.stdout
+    assert "64 concurrent repeats: 0 errors" in proc.stdout
 
 
 def test_series_of_a_departed_replica_fail_the_run(fake_kubectl):
