@@ -1,7 +1,8 @@
 """The operator's table of vllm-omni pipelines (operator/omnistage/known_pipelines.py) against the
-installed vllm-omni's real registry (`OMNI_PIPELINES`), read by the same code that generates the
-table (hack/gen-known-pipelines.py). A vllm-omni upgrade that adds, drops or reshapes a pipeline
-fails here until the table is regenerated."""
+installed vllm-omni's real registry (`OMNI_PIPELINES`) and shipped deploy YAMLs (SHIPPED_DEPLOY, read
+with vllm-omni's `resolve_deploy_yaml` and `load_omni_transfer_config`), by the same code that generates
+the table (hack/gen-known-pipelines.py). A vllm-omni upgrade that adds, drops or reshapes a pipeline
+or changes a shipped deploy config the operator renders from fails here until the table is regenerated."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def test_the_table_is_the_installed_registry():
     gen = _generator()
     assert known_pipelines.VLLM_OMNI_VERSION == metadata.version("vllm-omni")
     assert known_pipelines.PIPELINES == gen.registry_table(), "run: python hack/gen-known-pipelines.py"
+    assert known_pipelines.SHIPPED_DEPLOY == gen.shipped_table(), "run: python hack/gen-known-pipelines.py"
 
 
 def test_qwen3_omni_resolves_to_the_speech_pipeline_and_its_thinker_only_variant():

@@ -29,30 +29,50 @@ def _cache_keys(mode: str, size_gib: float) -> dict[str, Any]:
     return {"mm_processor_cache_gb": size_gib, "mm_processor_cache_type": sender}
 
 
-def render_deploy_config(t: Target) -> dict[str, Any]:
+# Engine settings with one name in EngineSpec, render/stages.StageEngine and the deploy YAML; unset
+# (None) ones are left out, so a stage keeps what its shipped deploy config says.
+ENGINE_KEYS = ("tensor_parallel_size", "gpu_memory_utilization", "max_num_seqs", "max_model_len")
+
+
+def engine_keys(e: Any) -> dict[str, Any]:
+    return {k: getattr(e, k) for k in ENGINE_KEYS if getattr(e, k) is not None}
+
+
+def pod_devices(count: int) -> str:
+    """A stage's `devices`: the pod's own GPUs, which the device plugin numbers from 0 in every pod."""
+    return ",".join(str(i) for i in range(count))
+
+
+def stage0_deploy(t: Target) -> dict[str, Any]:
+    """The stage-0 entry of `stages:`, the head's and every stage-0 replica's."""
     e = t.spec.engine
     stage0: dict[str, Any] = {
         "stage_id": 0,
         # The head's own replica; headless replicas join through registration, so the head
         # never waits for them at startup and kubectl scale needs no config change.
         "num_replicas": 1,
-        "devices": ",".join(str(i) for i in range(t.spec.gpu.count)),
-        "tensor_parallel_size": e.tensor_parallel_size,
-        "gpu_memory_utilization": e.gpu_memory_utilization,
+        "devices": pod_devices(t.spec.gpu.count),
+        **engine_keys(e),
     }
-    if e.max_num_seqs is not None:
-        stage0["max_num_seqs"] = e.max_num_seqs
-    if e.max_model_len is not None:
-        stage0["max_model_len"] = e.max_model_len
     stage0.update(_cache_keys(t.cache.mode, t.spec.cache.size_gib))
     stage0.update(e.stage_overrides)
+    return stage0
+
+
+def pipeline_keys(t: Target) -> dict[str, Any]:
+    """Top-level keys vllm-omni applies to every stage."""
+    keys: dict[str, Any] = {"distributed_executor_backend": "mp"}
+    if t.spec.engine.enable_prefix_caching is not None:
+        keys["enable_prefix_caching"] = t.spec.engine.enable_prefix_caching
+    return keys
+
+
+def render_deploy_config(t: Target) -> dict[str, Any]:
     config: dict[str, Any] = {}
     if t.spec.pipeline:
         config["pipeline"] = t.spec.pipeline
-    config["distributed_executor_backend"] = "mp"
-    if e.enable_prefix_caching is not None:
-        config["enable_prefix_caching"] = e.enable_prefix_caching
-    config["stages"] = [stage0]
+    config.update(pipeline_keys(t))
+    config["stages"] = [stage0_deploy(t)]
     return config
 
 

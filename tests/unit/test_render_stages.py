@@ -1,0 +1,190 @@
+"""The whole pipeline's deploy config (render/stages.py): every stage of qwen3_omni_moe from vllm-omni's
+shipped deploy YAML (the generated table in known_pipelines.py), stage 0 as today's renderer makes it,
+each remote stage waited for once, NIXL or the shipped SHM connector on every edge. Goldens regenerate
+with `make golden`; tests/engine/test_stage_config.py feeds the same renders to vllm-omni's parsers."""
+
+import copy
+import os
+
+import pytest
+import yaml
+from omnistage.api import DEFAULT_ENGINE_IMAGE
+from omnistage.known_pipelines import SHIPPED_DEPLOY
+from omnistage.render import render_deploy_config, target_from
+from omnistage.render.stages import (
+    NIXL,
+    StageEngine,
+    Transport,
+    TransportMode,
+    render_pipeline_deploy_config,
+)
+from omnistage.validation import InvalidSpec
+
+from .conftest import ROOT, SAMPLE
+
+GOLDEN = ROOT / "tests/unit/golden"
+PIPELINE = "qwen3_omni_moe"
+# Stage 1 (talker) with its own engine settings; stage 2 (code2wav) keeps the shipped ones.
+STAGES = [StageEngine(1, gpu_memory_utilization=0.8, max_num_seqs=32), StageEngine(2)]
+BASE_PORT = 42000
+
+
+def target(**spec):
+    obj = copy.deepcopy(SAMPLE)
+    obj["spec"].update(spec)
+    return target_from(obj, default_image=DEFAULT_ENGINE_IMAGE)
+
+
+def render(mode=TransportMode.NETWORK, stages=STAGES, pipeline=PIPELINE, t=None, **transport):
+    return render_pipeline_deploy_config(t or target(), pipeline, stages,
+                                         Transport(mode=mode, **{"base_port": BASE_PORT, **transport}))
+
+
+def by_id(config):
+    return {s["stage_id"]: s for s in config["stages"]}
+
+
+def problems(**kwargs):
+    with pytest.raises(InvalidSpec) as err:
+        render(**kwargs)
+    return err.value.problems
+
+
+@pytest.mark.parametrize("mode", list(TransportMode))
+def test_golden(mode):
+    path = GOLDEN / f"stages-{PIPELINE}-{mode}.yaml"
+    got = f"# {PIPELINE}, transport {mode}, basePort {BASE_PORT}: render/stages.py\n" + yaml.safe_dump(
+        render(mode), sort_keys=False)
+    if os.environ.get("OMNISTAGE_UPDATE_GOLDEN") == "1":
+        path.write_text(got)
+    assert path.exists(), f"no golden file for {path.name}: run `make golden`"
+    assert got == path.read_text(), f"rendering of {path.name} changed: review, then `make golden`"
+
+
+@pytest.mark.parametrize("mode", list(TransportMode))
+def test_every_stage_once_remote_ones_waited_for_once(mode):
+    stages = by_id(render(mode))
+    assert sorted(stages) == [0, 1, 2]
+    assert {sid: s["num_replicas"] for sid, s in stages.items()} == {0: 1, 1: 1, 2: 1}
+    # Each stage runs in its own pod(s): devices are the pod's GPUs, numbered from 0.
+    assert {s["devices"] for s in stages.values()} == {"0"}
+
+
+def test_stage0_is_todays_stage0_over_the_shipped_one():
+    t = target(engine={"gpuMemoryUtilization": 0.85, "maxNumSeqs": 16, "stageOverrides": {"max_num_batched_tokens": 8192}})
+    today = render_deploy_config(t)["stages"][0]
+    stage0 = by_id(render(t=t))[0]
+    assert today.items() <= stage0.items()
+    shipped = SHIPPED_DEPLOY[PIPELINE]["config"]["stages"][0]
+    assert stage0["default_sampling_params"] == shipped["default_sampling_params"]
+    assert stage0["moe_backend"] == shipped["moe_backend"]
+
+
+def test_remote_stage_settings_override_the_shipped_ones_and_unset_ones_keep_them():
+    shipped = {s["stage_id"]: s for s in SHIPPED_DEPLOY[PIPELINE]["config"]["stages"]}
+    stages = by_id(render(stages=[StageEngine(1, gpu_memory_utilization=0.8, tensor_parallel_size=2,
+                                              stage_overrides={"enforce_eager": True}), StageEngine(2)]))
+    assert stages[1]["gpu_memory_utilization"] == 0.8 and stages[1]["tensor_parallel_size"] == 2
+    assert stages[1]["devices"] == "0,1" and stages[1]["enforce_eager"] is True
+    assert stages[1]["max_num_seqs"] == shipped[1]["max_num_seqs"]
+    assert stages[2]["gpu_memory_utilization"] == shipped[2]["gpu_memory_utilization"]
+    assert "tensor_parallel_size" not in stages[2]
+
+
+def test_the_pipeline_is_named_so_every_pod_resolves_the_same_one():
+    config = render()
+    assert config["pipeline"] == PIPELINE
+    assert config["distributed_executor_backend"] == "mp" and config["async_chunk"] is True
+
+
+def test_network_puts_one_nixl_spec_on_every_edge():
+    config = render()
+    assert list(config["connectors"]) == ["omnistage_nixl"]
+    spec = config["connectors"]["omnistage_nixl"]
+    assert spec["name"] == NIXL
+    assert spec["extra"] == {
+        # The shipped connector's model tuning (read by the talker -> code2wav chunker), kept.
+        "initial_codec_chunk_frames": 4, "codec_chunk_frames": 25, "codec_left_context_frames": 25,
+        "backends": ["UCX"], "host": "auto", "zmq_port": BASE_PORT}
+    stages = by_id(config)
+    assert "input_connectors" not in stages[0]
+    assert stages[1]["input_connectors"] == {"from_stage_0": "omnistage_nixl"}
+    assert stages[2]["input_connectors"] == {"from_stage_1": "omnistage_nixl"}
+    assert not any(s.get("output_connectors") for s in stages.values())
+
+
+def test_same_node_keeps_the_shipped_shared_memory_connector():
+    config = render(TransportMode.SAME_NODE)
+    shipped = SHIPPED_DEPLOY[PIPELINE]["config"]
+    assert config["connectors"] == shipped["connectors"]
+    assert config["connectors"]["connector_of_shared_memory"]["name"] == "SharedMemoryConnector"
+    stages = by_id(config)
+    assert stages[1]["input_connectors"] == {"from_stage_0": "connector_of_shared_memory"}
+    assert stages[2]["input_connectors"] == {"from_stage_1": "connector_of_shared_memory"}
+
+
+def test_protocol_does_not_change_the_deploy_config():
+    # UCX picks TCP or RDMA from the pods' environment; the connector spec is the same.
+    assert render(protocol="rdma") == render(protocol="tcp")
+
+
+def test_the_table_is_not_modified_by_a_render():
+    before = copy.deepcopy(SHIPPED_DEPLOY)
+    render()
+    render(TransportMode.SAME_NODE)
+    assert SHIPPED_DEPLOY == before
+
+
+def test_an_unknown_pipeline_is_refused():
+    [(field, message)] = problems(pipeline="qwen9_omni")
+    assert field == "spec.pipeline" and "'qwen9_omni' is not a vllm-omni pipeline" in message
+    assert "qwen3_omni_moe" in message
+
+
+def test_a_single_stage_pipeline_is_refused():
+    [(field, message)] = problems(pipeline="qwen3_omni_moe_thinker_only")
+    assert field == "spec.pipeline" and "without spec.stages" in message
+
+
+def test_a_multi_stage_pipeline_without_a_shipped_table_entry_is_refused():
+    [(field, message)] = problems(pipeline="qwen2_5_omni")
+    assert field == "spec.pipeline" and "does not run 'qwen2_5_omni' across pods yet" in message
+    assert "qwen3_omni_moe" in message
+
+
+def test_an_unknown_stage_id_is_refused():
+    [(field, message)] = problems(stages=[StageEngine(1), StageEngine(3)])
+    assert field == "spec.stages[1].stageId"
+    assert "qwen3_omni_moe has no stage 3" in message and "list stages 1..2 (talker, code2wav)" in message
+
+
+def test_stage_0_belongs_to_spec_engine():
+    [(field, message)] = problems(stages=[StageEngine(0), StageEngine(1), StageEngine(2)])
+    assert field == "spec.stages[0].stageId" and "set by spec.engine" in message
+
+
+@pytest.mark.parametrize("ids", [[2], [1], [2, 1], [1, 1, 2], []])
+def test_missing_repeated_or_unordered_stage_ids_are_refused(ids):
+    [(field, message)] = problems(stages=[StageEngine(i) for i in ids])
+    assert field == "spec.stages"
+    assert f"got stage ids {', '.join(map(str, ids)) or 'none'}; list stages 1..2" in message
+    assert "once each, in order" in message
+
+
+@pytest.mark.parametrize("transport, field, fragment", [
+    ({"mode": "cluster"}, "spec.transport.mode", "'cluster': use one of network, sameNode"),
+    ({"protocol": "udp"}, "spec.transport.protocol", "'udp': use one of tcp, rdma"),
+    ({"mode": "sameNode", "protocol": "rdma"}, "spec.transport.protocol", "set mode network or protocol tcp"),
+    ({"base_port": 80}, "spec.transport.basePort", "80: use 1024..64512"),
+    ({"base_port": 65000}, "spec.transport.basePort", "65000: use 1024..64512"),
+    ({"base_port": 7900}, "spec.transport.basePort", "7900..8923 hold spec.engine.httpPort 8000"),
+    ({"base_port": 24500}, "spec.transport.basePort", "hold spec.engine.masterPort 25000"),
+])
+def test_an_invalid_transport_is_refused(transport, field, fragment):
+    [(got_field, message)] = problems(**transport)
+    assert got_field == field and fragment in message
+
+
+def test_every_problem_is_reported_at_once():
+    fields = [f for f, _ in problems(stages=[StageEngine(5)], mode="x", base_port=1)]
+    assert fields == ["spec.stages[0].stageId", "spec.transport.mode", "spec.transport.basePort"]
