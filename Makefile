@@ -3,7 +3,7 @@ VENV ?= $(HOME)/.cache/omnistage/venv
 export OMNISTAGE_VENV := $(VENV)
 PY := $(VENV)/bin/python
 
-.PHONY: setup test test-unit test-engine test-cluster demo lint crd golden k8s-bins cluster-up cluster-down e2e-kind
+.PHONY: setup test test-unit test-engine test-connector test-cluster demo lint crd golden k8s-bins cluster-up cluster-down e2e-kind
 
 setup:
 	bash hack/setup.sh
@@ -17,6 +17,11 @@ test-unit: setup
 
 test-engine: setup
 	$(PY) -m pytest tests/engine
+
+# The data path between stage pods on the CPU: vllm-omni's connector resolution, and a NIXL chain
+# 0 -> 1 -> 2 over UCX/TCP between processes on 127.x addresses (skipped without the nixl packages).
+test-connector: setup
+	$(PY) -m pytest tests/connector
 
 test-cluster: setup
 	$(PY) -m pytest tests/cluster
@@ -46,7 +51,7 @@ docs: setup
 
 # Regenerate the rendering golden files (review the diff before committing).
 golden: setup
-	OMNISTAGE_UPDATE_GOLDEN=1 $(PY) -m pytest tests/unit/test_render_golden.py -q
+	OMNISTAGE_UPDATE_GOLDEN=1 $(PY) -m pytest tests/unit/test_render_golden.py tests/unit/test_render_stages.py -q -k golden
 
 # Local control plane for the cluster tests (hack/cluster-up.sh): etcd, kube-apiserver,
 # kube-controller-manager, kube-scheduler and kwok, built from their Go modules into
