@@ -393,22 +393,27 @@ class StandinEngine(AsyncOmniEngine):
         self.orchestrator_thread.start()
         self._wait_for_orchestrator_init(startup_future, int(startup_timeout))
 
-    def _initialize_stages(self, stage_init_timeout: int) -> None:
-        self._runtime = StandinDistStageRuntime(
-            vllm_config=self._standin_vllm_config,
+    def _start_runtime(self, runtime_class: Any, **kwargs: Any) -> None:
+        """Build and start the (stand-in) stage runtime on this head's master address, and take its
+        stage pools as the engine's, as vllm-omni's `_initialize_stages` does."""
+        self._runtime = runtime_class(
             bind_ip=self._omni_master_address,
             master_port=self._omni_master_port,
             request_queue=self.request_queue,
             log_stats=self._log_stats,
             heartbeat_timeout=self._omni_heartbeat_timeout,
             lb_policy=self._omni_lb_policy,
+            **kwargs,
             **self._standin_options,
         )
         self._runtime.initialize()
         self.stage_pools = self._runtime.stage_pools
         self.stage_clients = [pool.stage_client for pool in self.stage_pools]
-        self.stage_vllm_configs = [self._standin_vllm_config]
         self.output_processors = [pool.output_processor for pool in self.stage_pools]
+
+    def _initialize_stages(self, stage_init_timeout: int) -> None:
+        self._start_runtime(StandinDistStageRuntime, vllm_config=self._standin_vllm_config)
+        self.stage_vllm_configs = [self._standin_vllm_config]
         self.input_processor = self._standin_input_processor or standin_frontend(self)
         self.supported_tasks = ("generate",)
 

@@ -315,21 +315,8 @@ class MultiStageEngine(StandinEngine):
         self.stage_configs = options.stages
         self.num_stages = len(options.stages)
         self.async_chunk = options.async_chunk
-        self._runtime = MultiStageRuntime(
-            options=options,
-            bind_ip=self._omni_master_address,
-            master_port=self._omni_master_port,
-            request_queue=self.request_queue,
-            log_stats=self._log_stats,
-            heartbeat_timeout=self._omni_heartbeat_timeout,
-            lb_policy=self._omni_lb_policy,
-            **self._standin_options,
-        )
-        self._runtime.initialize()
-        self.stage_pools = self._runtime.stage_pools
-        self.stage_clients = [pool.stage_client for pool in self.stage_pools]
+        self._start_runtime(MultiStageRuntime, options=options)
         self.stage_vllm_configs = list(options.stage_vllm_configs)
-        self.output_processors = [pool.output_processor for pool in self.stage_pools]
         self.input_processor = SimpleNamespace(renderer=SimpleNamespace(mm_processor_cache=None))  # text only
         self.supported_tasks = ("generate",)
 
