@@ -145,10 +145,10 @@ def _watched(namespace: str) -> bool:
 
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
 def on_omnistage_event(namespace: str, name: str, type: str, **_) -> None:
-    """The one kopf handler that sees OmniStages. A new OmniStage or generation (spec, scale) reaches
-    the queue from the watch-fed store (informer.py), and after a start the resync queues every
-    OmniStage within RESYNC_SECONDS: no create/update/resume handler, so kopf never writes its
-    progress annotations (one PATCH per OmniStage on every start and every spec change)."""
+    """The one kopf handler that sees OmniStages. A new OmniStage or generation (spec, scale), and
+    every OmniStage listed at a start, reach the queue from the watch-fed store (informer.py): no
+    create/update/resume handler, so kopf never writes its progress annotations (one PATCH per
+    OmniStage on every start and every spec change)."""
     # kopf posts Events through context variables that exist in its handlers' context (not yet in
     # startup's): the workers run in a copy of the latest handler's.
     QUEUE.context = contextvars.copy_context()

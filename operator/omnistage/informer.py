@@ -66,9 +66,10 @@ class Informer:
     def __init__(self, kind: str, list_call: Callable[..., Any], selector: str | None,
                  owner: Callable[[dict[str, Any]], str | None], on_change: OnChange | None = None,
                  significant: Callable[[dict[str, Any] | None, dict[str, Any]], bool] = lambda old, new: True,
-                 trim: Callable[[dict[str, Any]], dict[str, Any]] = _trim):
+                 trim: Callable[[dict[str, Any]], dict[str, Any]] = _trim, notify_listed: bool = False):
         self.kind, self._list_call, self.selector, self._owner = kind, list_call, selector, owner
         self.on_change, self._significant, self._trim = on_change, significant, trim
+        self._notify_listed = notify_listed
         self._lock = threading.Lock()
         self._items: dict[Key, dict[str, Any]] = {}
         self._by_owner: dict[Key, dict[str, dict[str, Any]]] = {}
@@ -174,7 +175,13 @@ class Informer:
         fn, args, kw = self._call(scope)
         resp = fn(*args, **kw, _preload_content=False)
         data = json.loads(resp.data)
-        self._replace(scope, [{**o, "kind": o.get("kind") or self.kind} for o in data.get("items") or []])
+        items = [{**o, "kind": o.get("kind") or self.kind} for o in data.get("items") or []]
+        self._replace(scope, items)
+        if self._notify_listed and self.on_change is not None:
+            for obj in items:  # what kopf's resume did: every listed object gets a pass now
+                owner = self._owner(obj)
+                if owner:
+                    self.on_change(obj["metadata"].get("namespace") or "", owner)
         return data["metadata"]["resourceVersion"]
 
     def _run(self, scope: str | None) -> None:
@@ -249,9 +256,12 @@ class ClusterState:
         # An OmniStage's own status writes are not worth a pass; a new generation (spec, scale) is,
         # even when kopf's handler queued it first: that pass may have read the store before this
         # event reached it.
+        # Every OmniStage listed (at a start, on becoming leader) is queued at once, as kopf's resume
+        # handler did, rather than at the resync's first tick.
         self.omnistages = Informer(api.KIND, _omnistage_lister, None, lambda o: o["metadata"]["name"],
                                    significant=lambda old, new: old is None or old["metadata"].get(
-                                       "generation") != new["metadata"].get("generation"))
+                                       "generation") != new["metadata"].get("generation"),
+                                   notify_listed=True)
         self.pods = Informer("Pod", _core_lister("list_namespaced_pod", "list_pod_for_all_namespaces"),
                              f"{L_COMPONENT}=engine,{L_OMNISTAGE}", _label(L_OMNISTAGE), trim=_trim_pod)
         self.children = {
@@ -268,9 +278,9 @@ class ClusterState:
         return [self.omnistages, self.pods, *self.children.values()]
 
     def start(self, scopes: list[str | None], on_change: OnChange) -> None:
-        """`on_change` is called for every watch event on an engine pod or a child and for every new
-        OmniStage or generation of one (not for the initial list: the resync queues those within
-        RESYNC_SECONDS; a pass finds nothing in the store until the list is in)."""
+        """`on_change` is called for every watch event on an engine pod or a child, for every new
+        OmniStage or generation of one, and for every OmniStage a list returned (a start, a new
+        leader, a relist)."""
         for inf in self.informers():
             inf.on_change = on_change
             inf.start(scopes)

@@ -85,3 +85,24 @@ def test_a_pod_is_kept_without_its_spec_but_where_it_runs():
         assert STATE.pods.get("ns", "a")["spec"] == {}
     finally:
         STATE.pods._delete(("ns", "a"), 3)
+
+
+def test_a_listed_omnistage_is_queued_at_once_when_asked():
+    """After a start (or on becoming leader) every OmniStage gets a pass as soon as the list is in,
+    as kopf's resume handler did; the pods' and children's lists queue nothing."""
+    import json as _json
+    from types import SimpleNamespace
+
+    body = {"metadata": {"resourceVersion": "9"}, "items": [
+        {"metadata": {"name": "a", "namespace": "ns", "resourceVersion": "3"}},
+        {"metadata": {"name": "b", "namespace": "ns", "resourceVersion": "4"}}]}
+
+    def lister(scope):
+        return (lambda *args, **kwargs: SimpleNamespace(data=_json.dumps(body).encode())), ()
+
+    for notify, want in ((True, [("ns", "a"), ("ns", "b")]), (False, [])):
+        changes: list = []
+        inf = Informer("OmniStage", lister, None, lambda o: o["metadata"]["name"], notify_listed=notify)
+        inf.on_change = lambda ns, name, changes=changes: changes.append((ns, name))
+        assert inf._list("ns") == "9" and inf.get("ns", "b") is not None
+        assert changes == want
