@@ -18,8 +18,9 @@ not the resync thread (handlers.py). This follows client-go's leaderelection ins
   least LEASE_DURATION - RENEW_DEADLINE before anybody else may start.
 
 `decide` and `leading` are the pure rules (tests/unit/test_leader.py); `Elector` applies them with
-kube.py's Lease calls (read, create, replace, watch). While `is_leading()` is False the operator does nothing (handlers.py checks it
-before every reconcile and in the resync loop); its probe still answers, so it stays Ready.
+kube.py's Lease calls (read, create, replace, watch). While `is_leading()` is False the operator
+does nothing (handlers.py checks it before every reconcile and in the resync loop); its probe still
+answers, so it stays Ready.
 """
 
 from __future__ import annotations
@@ -199,8 +200,8 @@ class Elector:
                         return 0.0  # released (or deleted): decide at once
         except Exception as err:  # noqa: BLE001 -- a read timeout is silence; anything else: read again
             if not _is_timeout(err):
-                log.warning("leader election: watching Lease %s/%s failed (%s); reading it", self.namespace,
-                         self.name, err)
+                log.warning("leader election: watching Lease %s/%s failed (%s); reading it",
+                            self.namespace, self.name, err)
                 self._fresh = False
                 return self.timing.retry_period
             self._fresh = True  # nothing changed for the rest of the lease

@@ -152,29 +152,30 @@ OPERATOR_RESOURCES = ("omnistages", "pods", "configmaps", "services", "secrets",
 NODE_HEARTBEATS = ("leases", "nodes")
 
 
+def request_totals(kubectl: list[str]) -> list[tuple[dict[str, str], float]]:
+    """The API server's apiserver_request_total samples: (labels, count)."""
+    text = subprocess.run([*kubectl, "get", "--raw", "/metrics"], check=True, capture_output=True, text=True,
+                          timeout=60).stdout
+    return [(dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))), float(m.group(2)))
+            for m in re.finditer(r"^apiserver_request_total\{([^}]*)\} (\S+)$", text, re.MULTILINE)]
+
+
 def api_requests(kubectl: list[str]) -> tuple[float, float, float]:
     """apiserver_request_total summed (on the operator's resources, on every resource but node
     heartbeats, on Leases)."""
-    text = subprocess.run([*kubectl, "get", "--raw", "/metrics"], check=True, capture_output=True, text=True,
-                          timeout=60).stdout
     ours = every = leases = 0.0
-    for m in re.finditer(r"^apiserver_request_total\{([^}]*)\} (\S+)$", text, re.MULTILINE):
-        resource = (re.search(r'resource="([^"]*)"', m.group(1)) or [None, ""])[1]
-        if resource in OPERATOR_RESOURCES:
-            ours += float(m.group(2))
-        if resource not in NODE_HEARTBEATS:
-            every += float(m.group(2))
-        if resource == "leases":
-            leases += float(m.group(2))
+    for labels, count in request_totals(kubectl):
+        resource = labels.get("resource", "")
+        ours += count if resource in OPERATOR_RESOURCES else 0.0
+        every += count if resource not in NODE_HEARTBEATS else 0.0
+        leases += count if resource == "leases" else 0.0
     return ours, every, leases
 
 
 def omnistage_patches(kubectl: list[str]) -> float:
     """PATCHes of OmniStages (their status) the API server has answered so far."""
-    text = subprocess.run([*kubectl, "get", "--raw", "/metrics"], check=True, capture_output=True, text=True,
-                          timeout=60).stdout
-    return sum(float(m.group(2)) for m in re.finditer(r"^apiserver_request_total\{([^}]*)\} (\S+)$", text, re.MULTILINE)
-               if 'resource="omnistages"' in m.group(1) and 'verb="PATCH"' in m.group(1))
+    return sum(count for labels, count in request_totals(kubectl)
+               if labels.get("resource") == "omnistages" and labels.get("verb") == "PATCH")
 
 
 def own_requests(operators: list[OperatorProcess]) -> float | None:

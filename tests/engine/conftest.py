@@ -26,6 +26,7 @@ import base64
 import contextlib
 import hashlib
 import io
+import itertools
 import json
 import os
 import threading
@@ -118,6 +119,22 @@ def shm_ring_name(monkeypatch: pytest.MonkeyPatch):
     yield name
     with contextlib.suppress(FileNotFoundError):
         os.unlink(f"/dev/shm/{name}")
+
+
+def _loopback_addresses():
+    """Loopback "pod IPs" (any 127/8 address binds on Linux without configuration), one sequence for
+    every engine-tier module of this process, so no two of them hand out the same address; a /16
+    (127.76) no cluster test uses, a /24 block per process so parallel runs never meet."""
+    first = (os.getpid() % 50) * 4 + 1
+    for i in itertools.count():
+        yield f"127.76.{first + i // 254}.{i % 254 + 1}"
+
+
+_LOOPBACK = _loopback_addresses()
+
+
+def loopback_ip() -> str:
+    return next(_LOOPBACK)
 
 
 def patch_applied(name: str) -> bool:

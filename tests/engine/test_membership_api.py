@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import http.client
-import itertools
 import json
 import os
 import signal
@@ -51,6 +50,7 @@ from omnistage_engine_patches.membership_hooks import draining_of, held_of, stat
 from omnistage_engine_patches.membership_ops import LiveHead
 
 from tests.bench.bench_listing import fake_head
+from tests.engine.conftest import loopback_ip
 from tests.standin.engine import (
     HttpServerThread,
     StandinEngineClient,
@@ -67,12 +67,8 @@ pytestmark = pytest.mark.engine
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "membership-token-for-tests"
-_ips = (f"127.75.{(os.getpid() % 200) + 1}.{n}" for n in itertools.count(1))
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback, never a proxy
 
-
-def _ip() -> str:
-    return next(_ips)
 
 
 class Api:
@@ -150,7 +146,7 @@ def http_app(token_file, monkeypatch):
     servers: list[HttpServerThread] = []
 
     def make(engine_client: Any) -> Api:
-        ip = _ip()
+        ip = loopback_ip()
         server = HttpServerThread(build_http_app(engine_client, ip, 0), ip, free_port(ip))
         server.__enter__()
         servers.append(server)
@@ -168,7 +164,7 @@ def head(text_config, token_file, monkeypatch):
     stack: list[Any] = []
 
     def make(**options: Any) -> tuple[Any, Api]:
-        ip = _ip()
+        ip = loopback_ip()
         ctx = standin_head(text_config, ip, **options)
         engine = ctx.__enter__()
         stack.append(ctx)
@@ -186,7 +182,7 @@ def head(text_config, token_file, monkeypatch):
 
 
 def start_replica(engine: Any, *, seen_up: bool = True) -> SimulatedReplica:
-    replica = SimulatedReplica(engine._omni_master_address, engine._omni_master_port, _ip()).start()
+    replica = SimulatedReplica(engine._omni_master_address, engine._omni_master_port, loopback_ip()).start()
     wait_for(lambda: replica.replica_id in engine.attached_replica_ids(), 10, what="attach")
     if seen_up:
         # vllm-omni's watcher detaches a replica only after it has seen it UP (see
@@ -269,7 +265,7 @@ def test_authentication(head, token_file, monkeypatch):
 
 def test_join_returns_the_assigned_id_and_registers_series(head):
     engine, api = head()
-    ip = _ip()
+    ip = loopback_ip()
     status, body = api.join("replica-a", ip, waitSeconds=0)
     assert (status, body["error"]) == (404, "ReplicaNotRegistered") and body["ip"] == ip
     replica = SimulatedReplica(engine._omni_master_address, engine._omni_master_port, ip).start()
@@ -296,7 +292,7 @@ def test_join_returns_the_assigned_id_and_registers_series(head):
 
 def test_join_waits_for_the_head_side_attach(head):
     engine, api = head(attach_delay=1.5)
-    ip = _ip()
+    ip = loopback_ip()
     replica = SimulatedReplica(engine._omni_master_address, engine._omni_master_port, ip).start()
     try:
         status, body = api.join("replica-a", ip, waitSeconds=0)
@@ -432,7 +428,7 @@ def test_failed_detach_restores_routing(head):
 
 def test_leave_during_attach_leaves_no_zombie(head):
     engine, api = head(attach_delay=1.0)
-    ip = _ip()
+    ip = loopback_ip()
     replica = SimulatedReplica(engine._omni_master_address, engine._omni_master_port, ip).start()
     rid = replica.replica_id
     try:
@@ -473,7 +469,7 @@ def test_distributed_head_shutdown_completes(text_config):
     membership watcher it gathers stops only on an event set after the gather): shutdown gives up
     after 30 s and defers the runtime cleanup to a thread that waits forever. The membership
     patch sets that event when the orchestrator's shutdown begins."""
-    with standin_head(text_config, _ip()) as engine:
+    with standin_head(text_config, loopback_ip()) as engine:
         replica = start_replica(engine)
         runtime = engine._runtime
         coordinator = runtime._coordinator_runtime
@@ -708,7 +704,7 @@ def test_a_failed_attach_is_recorded_as_detached(head):
     def broken_factory(stage_id, replica_id):
         raise RuntimeError("injected handshake failure")
 
-    ip = _ip()
+    ip = loopback_ip()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(controller, "_remote_replica_factory", broken_factory)
         replica = SimulatedReplica(engine._omni_master_address, engine._omni_master_port, ip).start()
@@ -801,7 +797,7 @@ def test_departed_replicas_stay_departed_after_many_leaves(monkeypatch):
 def test_standin_processes(tmp_path):
     """``python -m tests.standin.head`` and ``python -m tests.standin.replica`` on loopback pod
     IPs: register, join, metrics, DOWN on SIGTERM, clean head exit on SIGTERM."""
-    head_ip, replica_ip = _ip(), _ip()
+    head_ip, replica_ip = loopback_ip(), loopback_ip()
     master_port, http_port = free_port(head_ip), free_port(head_ip)
     (tmp_path / "token").write_text(TOKEN)
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}

@@ -29,7 +29,6 @@ expect the port the installed arithmetic gives (``sender_port``), so they hold e
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import queue
 import threading
@@ -45,7 +44,7 @@ pytest.importorskip("vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run
 from omnistage_engine_patches import contract
 from omnistage_engine_patches.membership_ops import LiveHead, MembershipError
 
-from tests.engine.conftest import patch_applied
+from tests.engine.conftest import loopback_ip, patch_applied
 from tests.engine.test_membership_api import bind_request, fresh_picks
 from tests.standin.engine import (
     HttpServerThread,
@@ -65,11 +64,7 @@ from tests.standin.multistage import (
 
 pytestmark = pytest.mark.engine
 
-_ips = (f"127.76.{(os.getpid() % 200) + 1}.{n}" for n in itertools.count(1))
 
-
-def _ip() -> str:
-    return next(_ips)
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +87,13 @@ def pipeline(model_dir):
             specs, [stage_vllm_config(model_dir, s, len(specs), async_chunk=async_chunk) for s in specs],
             stage_init_timeout=stage_init_timeout, async_chunk=async_chunk,
         )
-        head = PipelineHead(options, _ip(), **engine_kwargs)
+        head = PipelineHead(options, loopback_ip(), **engine_kwargs)
         heads.append(head)
         head.start()
         if start:
             for spec in specs[1:]:
                 for _ in range(spec.num_replicas):
-                    head.replica(spec.stage_id, _ip())
+                    head.replica(spec.stage_id, loopback_ip())
             head.wait_started(120)
         return head
 
@@ -120,7 +115,7 @@ def attach(head: PipelineHead, stage_id: int, ip: str | None = None):
     """A dynamic replica of ``stage_id``: registers (auto-assign past the planned slots), the head
     attaches it through ``on_register``, the watcher sees it UP (then DOWN detaches it)."""
     engine = head.engine
-    replica = head.replica(stage_id, ip or _ip())
+    replica = head.replica(stage_id, ip or loopback_ip())
     rid = replica.replica_id
     wait_for(lambda: rid in engine.attached_replica_ids(stage_id), 15, what=f"stage {stage_id} replica {rid} attach")
     addr = engine.client(stage_id, rid).client_addresses["input_address"]
@@ -157,7 +152,7 @@ def test_head_blocks_until_each_remote_stage_registered(pipeline):
     slot 0 (auto-assign, no ``on_register``: exactly one head-side client per slot), and the
     client carries the registrant's pod IP as ``replica_host``."""
     head = pipeline(start=False)
-    talker_ip, code2wav_ip = _ip(), _ip()
+    talker_ip, code2wav_ip = loopback_ip(), loopback_ip()
     talker = head.replica(1, talker_ip)
     assert talker.replica_id == 0  # the planned slot, not a fresh id
     # The stage-1 slot is bootstrapped: its head-side client exists ...
@@ -184,7 +179,7 @@ def test_head_fails_after_the_stage_init_timeout(pipeline):
     ``get_stage_config`` wait times out and the head's startup fails with that error; the runtime
     cleans up (master and coordinator stopped, the stage-1 client shut down)."""
     head = pipeline(start=False, stage_init_timeout=2)
-    head.replica(1, _ip())
+    head.replica(1, loopback_ip())
     with pytest.raises(RuntimeError, match="Orchestrator initialization failed") as failed:
         head.wait_started(60)
     assert "Timed out waiting for stage config for stage 2 replica 0" in str(failed.value)
@@ -268,7 +263,7 @@ def test_a_pod_hosting_two_stages_leaves_both(pipeline):
     head = pipeline()
     engine = head.engine
     ops = live(engine)
-    speech_ip = _ip()
+    speech_ip = loopback_ip()
     talker, code2wav = attach(head, 1, speech_ip), attach(head, 2, speech_ip)
     for stage_id, replica in ((1, talker), (2, code2wav)):
         body = asyncio.run(ops.join(stage_id, "speech-a", speech_ip))
@@ -529,12 +524,12 @@ def test_connector_port_of_replica_id_16(pipeline, monkeypatch):
     head = pipeline()
     engine = head.engine
     for _ in range(16):  # ids 1..16 (0 is the planned slot)
-        head.replica(1, _ip(), up=False)
+        head.replica(1, loopback_ip(), up=False)
     wait_for(lambda: 16 in engine.attached_replica_ids(1), 30, what="stage-1 replica 16 to attach")
     info = engine.client(1, 16).get_payload_sender_info()
     assert info == {"host": head.replicas[-1].bind_ip, "zmq_port": CONNECTOR_BASE_PORT + 1}
     monkeypatch.delenv(contract.CONNECTOR_PORTS_ENV)  # a head without the operator's setting
-    late = head.replica(1, _ip(), up=False)
+    late = head.replica(1, loopback_ip(), up=False)
     assert late.replica_id == 17
     wait_for(lambda: listing(engine, include_all=True)["1"][17]["state"] == "detached", 30,
              what="the failed attach of replica 17")

@@ -23,8 +23,6 @@ Docstrings starting "Regression:" are the tests that fail when the patch is swit
 from __future__ import annotations
 
 import asyncio
-import itertools
-import os
 import time
 from typing import Any
 
@@ -39,17 +37,11 @@ from prometheus_client import REGISTRY
 from tests.standin.engine import build_vllm_config, standin_head, wait_for, write_tiny_model
 from tests.standin.replica import SimulatedReplica
 
-from .conftest import image_data_url, patch_applied
+from .conftest import image_data_url, loopback_ip, patch_applied
 
 pytestmark = pytest.mark.engine
 
-# Loopback "pod IPs" for this module (any 127/8 address binds on Linux without configuration);
-# a different /16 than the cluster tests use, so parallel runs never meet.
-_ips = (f"127.76.{(os.getpid() % 200) + 1}.{n}" for n in itertools.count(1))
 
-
-def _ip() -> str:
-    return next(_ips)
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +108,10 @@ def leave(engine: Any, replica_id: int, drain: float = 0.0) -> dict[str, Any]:
 
 def test_series_exist_at_join_zero_valued_before_traffic(text_config):
     """Regression: A replica's series exist as soon as the head attaches it, before any stats tick."""
-    with standin_head(text_config, _ip(), stats_interval=None) as engine:  # no stats batch, ever
+    with standin_head(text_config, loopback_ip(), stats_interval=None) as engine:  # no stats batch, ever
         local = replica_samples("0")
         assert len({name for name, _ in local}) > 30, "the head-local replica has the full vllm:* set"
-        replica = join(engine, _ip())
+        replica = join(engine, loopback_ip())
         rid = str(replica.replica_id)
         try:
             samples = replica_samples(rid)
@@ -145,8 +137,8 @@ def test_series_removed_when_replica_departs(text_config, how):
     # Replicas heartbeat every 5 s (vllm-omni's client), so a timeout must exceed that; 6 s keeps
     # the hard-kill case short.
     timeout = 6.0 if how == "heartbeat-timeout" else 30.0
-    with standin_head(text_config, _ip(), stats_interval=0.1, heartbeat_timeout=timeout) as engine:
-        replica = join(engine, _ip(), seen_up=True)
+    with standin_head(text_config, loopback_ip(), stats_interval=0.1, heartbeat_timeout=timeout) as engine:
+        replica = join(engine, loopback_ip(), seen_up=True)
         rid = replica.replica_id
         wait_for(lambda: replica_samples(str(rid)), 5, what="series of the new replica")
         local_before = set(replica_samples("0"))
@@ -178,8 +170,8 @@ def test_late_stats_batch_from_departed_replica_does_not_resurrect_series(text_c
     from vllm.v1.engine import EngineCoreOutputs
     from vllm.v1.metrics.stats import SchedulerStats
 
-    with standin_head(text_config, _ip(), stats_interval=None) as engine:
-        replica = join(engine, _ip())
+    with standin_head(text_config, loopback_ip(), stats_interval=None) as engine:
+        replica = join(engine, loopback_ip())
         rid = replica.replica_id
         leave(engine, rid)
         replica.down()
@@ -199,12 +191,12 @@ def test_churn_keeps_label_sets_bounded(text_config):
     cycles = 50
     # The legacy polling loop (VLLM_OMNI_EVENT_DRIVEN_ORCH off) reads a new replica at once; the
     # event-driven one only after its 0.5 s reader reconcile.
-    with standin_head(text_config, _ip(), stats_interval=0.01, event_driven=False) as engine:
+    with standin_head(text_config, loopback_ip(), stats_interval=0.01, event_driven=False) as engine:
         baseline = len(replica_samples("0"))
         started = time.monotonic()
         ids = []
         for _ in range(cycles):
-            replica = join(engine, _ip())
+            replica = join(engine, loopback_ip())
             ids.append(replica.replica_id)
             client = engine.stage0.clients[replica.replica_id]
             # Each replica serves its stats path before it leaves (so its series exist with or
@@ -233,12 +225,12 @@ def test_replicas_added_after_start_record_stats_without_error(text_config):
     orchestrator's output processing never raises (0.29's KeyError (0, 1); a ValueError from a
     reused engine index)."""
     gauge = ("vllm:num_requests_running", (("model_name", "tiny"),))
-    with standin_head(text_config, _ip(), stats_interval=0.02) as engine:
-        first = join(engine, _ip())
-        second = join(engine, _ip())
+    with standin_head(text_config, loopback_ip(), stats_interval=0.02) as engine:
+        first = join(engine, loopback_ip())
+        second = join(engine, loopback_ip())
         leave(engine, first.replica_id)
         first.down()
-        third = join(engine, _ip())  # joins after a departure
+        third = join(engine, loopback_ip())  # joins after a departure
         clients = {c.replica_id: c for c in engine._runtime.remote_clients}
         for n, replica in ((5, second), (6, third)):
             clients[replica.replica_id].reported_running = n
@@ -277,7 +269,7 @@ def test_frontend_mm_cache_hits_and_queries(make_vllm_config):
     def value(name: str) -> float | None:
         return REGISTRY.get_sample_value(name, labels)
 
-    with standin_head(vllm_config, _ip(), stats_interval=0.02, input_processor=input_processor):
+    with standin_head(vllm_config, loopback_ip(), stats_interval=0.02, input_processor=input_processor):
         assert value("vllm:mm_cache_queries_total") == 0.0
         assert value("vllm:mm_cache_hits_total") == 0.0
         for image in (1, 1, 2, 1):  # the chat route: the frontend cache is consulted per item
@@ -290,7 +282,7 @@ def test_frontend_mm_cache_hits_and_queries(make_vllm_config):
 
 def test_text_only_frontend_gets_no_frontend_series(text_config):
     """Guard: A head without a multimodal frontend cache exports no frontend series (nothing to count)."""
-    with standin_head(text_config, _ip(), stats_interval=0.02):
+    with standin_head(text_config, loopback_ip(), stats_interval=0.02):
         time.sleep(0.2)  # several stats ticks
         assert "frontend" not in replica_label_values()
 
