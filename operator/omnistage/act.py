@@ -16,8 +16,18 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from . import head_client, kube
-from .conditions import R_CHILD_SYNCED, R_CONFIG_RENDERED, R_DRAIN_TIMEOUT, R_JOINED, R_LEAVE_FAILED, R_LEFT
+from kubernetes.client.exceptions import ApiException
+
+from . import api, head_client, kube
+from .conditions import (
+    R_CHILD_SYNCED,
+    R_CONFIG_RENDERED,
+    R_CREATE_REFUSED,
+    R_DRAIN_TIMEOUT,
+    R_JOINED,
+    R_LEAVE_FAILED,
+    R_LEFT,
+)
 from .head_client import HeadClient, HeadRefused, HeadUnreachable
 from .informer import STATE
 from .plan import (
@@ -32,6 +42,7 @@ from .plan import (
     EnsureChild,
     Forget,
     Join,
+    PoolStatus,
     StartLeave,
 )
 
@@ -74,23 +85,31 @@ class Drains:
                 return
             self._state.setdefault(key, {})[a.uid] = DRAIN_RUNNING
 
-        def run() -> None:
-            state = DRAIN_DONE
+        def leave(stage: int, replica_id: int) -> str:
+            who = f"replica {replica_id}" + (f" of stage {stage}" if stage else "")
             try:
-                ack = head_client.leave(client, a.replica_id, a.drain_seconds)
+                ack = head_client.leave(client, replica_id, a.drain_seconds, stage)
                 drained = ack.get("drained", True)
                 emit("Normal" if drained else "Warning", R_LEFT if drained else R_DRAIN_TIMEOUT,
-                     f"replica {a.replica_id} ({a.pod}) left the engine"
+                     f"{who} ({a.pod}) left the engine"
                      + ("" if drained else f" after the {a.drain_seconds}s drain timeout with requests in flight"))
+                return DRAIN_DONE
             except (HeadUnreachable, HeadRefused) as err:
                 # The head cannot route to a replica it cannot reach either; its heartbeat timeout
                 # detaches the replica. Deleting keeps the scale-down moving.
-                state = DRAIN_FAILED
-                emit("Warning", R_LEAVE_FAILED, f"leave for {a.pod} failed ({err}); deleting anyway")
+                emit("Warning", R_LEAVE_FAILED, f"leave for {who} ({a.pod}) failed ({err}); deleting anyway")
             except Exception:  # never lose the record: a stuck RUNNING would hold the pod forever
-                state = DRAIN_FAILED
                 log.exception("leave for %s/%s failed", namespace, a.pod)
-            self._set(key, a.uid, state)
+            return DRAIN_FAILED
+
+        def run() -> None:
+            # A pool pod's stages drain side by side: its deletion waits for the slowest, not the sum.
+            if len(a.leaves) == 1:
+                states = [leave(*a.leaves[0])]
+            else:
+                with ThreadPoolExecutor(max_workers=len(a.leaves), thread_name_prefix="omnistage-leave") as each:
+                    states = list(each.map(lambda sr: leave(*sr), a.leaves))
+            self._set(key, a.uid, DRAIN_FAILED if DRAIN_FAILED in states else DRAIN_DONE)
             self.on_done(namespace, name)
 
         # kopf posts Events through context variables: the drain thread runs in the caller's.
@@ -115,7 +134,17 @@ def act(namespace: str, actions: list[Action], client: HeadClient | None, emit: 
                 emit("Normal", R_CONFIG_RENDERED if a.obj["kind"] == "ConfigMap" else R_CHILD_SYNCED,
                      f"{a.obj['kind']} {a.obj['metadata']['name']} {result}")
         elif isinstance(a, CreatePod):
-            pod, created = kube.create(a.obj)
+            try:
+                pod, created = kube.create(a.obj)
+            except ApiException as err:
+                if err.status not in (403, 422):
+                    raise
+                # Refused by admission (e.g. Pod Security refusing sameNode's hostPath /dev/shm) or a
+                # quota: no later pass will do better until someone acts, so say it where people look.
+                why = f"creating pod {a.obj['metadata']['name']} was refused ({err.status}): {kube.reason_of(err)}"
+                emit("Warning", R_CREATE_REFUSED, why)
+                problems.append(why)
+                continue
             STATE.wrote(pod)
             if created:
                 emit("Normal", a.reason, a.message.format(pod=pod["metadata"]["name"]))
@@ -130,15 +159,17 @@ def act(namespace: str, actions: list[Action], client: HeadClient | None, emit: 
             if client is not None:
                 drains.start(namespace, owner, client, a, emit)
         elif isinstance(a, Forget):
+            who = f"replica {a.replica_id}" + (f" of stage {a.stage}" if a.stage else "")
             try:
-                head_client.leave(client, a.replica_id, 0)
-                emit("Normal", R_LEFT, f"replica {a.replica_id} ({a.who}) left: its pod is gone")
+                head_client.leave(client, a.replica_id, 0, a.stage)
+                emit("Normal", R_LEFT, f"{who} ({a.who}) left: its pod is gone")
             except (HeadUnreachable, HeadRefused) as err:
-                problems.append(f"leave for departed replica {a.replica_id} failed: {err}")
+                problems.append(f"leave for departed {who} failed: {err}")
         elif isinstance(a, Join):
             try:
-                ack = head_client.join(client, a.pod, a.ip)
-                emit("Normal", R_JOINED, f"replica pod {a.pod} joined the engine as replica {ack.get('replicaId')}")
+                ack = head_client.join(client, a.pod, a.ip, a.stage)
+                kind = f"pool pod {a.pod} joined stage {a.stage}" if a.stage else f"replica pod {a.pod} joined the engine"
+                emit("Normal", R_JOINED, f"{kind} as replica {ack.get('replicaId')}")
             except HeadRefused as err:
                 # Not registered, not attached, or the newest registration from this IP is a detached
                 # predecessor (kwok reuses pod IPs): wait. A replica whose engine really died fails
@@ -146,6 +177,13 @@ def act(namespace: str, actions: list[Action], client: HeadClient | None, emit: 
                 problems.append(f"{a.pod} has not joined yet: {err.explain()}")
             except HeadUnreachable as err:
                 problems.append(f"join for {a.pod} failed: {err}")
+        elif isinstance(a, PoolStatus):
+            pool = STATE.pools.get(namespace, a.name)
+            try:
+                STATE.wrote(kube.patch_status(namespace, a.name, a.status, (pool or {}).get("status"), api.POOL_PLURAL))
+            except ApiException as err:
+                if err.status != 404:  # deleted since the watch delivered it: nothing to describe
+                    raise
         else:  # pragma: no cover - a new action type without an executor is a programming error
             raise TypeError(f"no executor for {a!r}")
     return problems

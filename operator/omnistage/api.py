@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -20,6 +20,10 @@ KIND = "OmniStage"
 PLURAL = "omnistages"
 SINGULAR = "omnistage"
 SHORT_NAMES = ["ost"]
+POOL_KIND = "OmniStagePool"
+POOL_PLURAL = "omnistagepools"
+POOL_SINGULAR = "omnistagepool"
+POOL_SHORT_NAMES = ["osp"]
 
 # The engine image of OmniStages that leave spec.engine.image unset comes from the operator's
 # configuration, never from a CRD default: a default is written into every stored object, so an
@@ -227,6 +231,72 @@ class ModelVolumeSpec(_Model):
     host_path: HostPathSource | None = Field(None, description="Mount a directory of the node.")
 
 
+class StageEngineSpec(_Model):
+    """A remote stage's engine settings; unset ones keep the pipeline's shipped deploy config."""
+
+    tensor_parallel_size: int | None = Field(None, ge=1, description="GPUs per replica of this stage.")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="Fraction of each GPU's memory this stage may use; stages sharing a pod's GPU "
+        "split it (the shipped Qwen3-Omni layout: talker 0.6, code2wav 0.1).")
+    max_num_seqs: int | None = Field(None, ge=1, description="Maximum concurrent sequences per replica of this stage.")
+    max_model_len: int | None = Field(None, ge=1, description="Maximum context length of this stage.")
+    stage_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra keys merged into this stage of the rendered deploy config (as spec.engine.stageOverrides "
+        "for stage 0; the same keys are refused).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+class StageSpec(_Model):
+    """One stage after stage 0. Its settings are the pipeline's config (one ConfigMap: changing them rolls
+    the head and every pod); its capacity is an OmniStagePool's."""
+
+    id: int = Field(ge=1, le=15, description="Stage id in the pipeline (1..n-1, in order).")
+    name: str | None = Field(
+        None, max_length=63, description="The pipeline's name for the stage (e.g. talker); checked when set.")
+    engine: StageEngineSpec = Field(
+        default_factory=StageEngineSpec, json_schema_extra={"default": {}}, description="Engine settings of the stage.")
+
+
+class TransportMode(StrEnum):
+    NETWORK = "network"      # stages in any pods, on any nodes: NIXL over UCX
+    SAME_NODE = "sameNode"   # every engine pod on one node, one shared /dev/shm: the shipped SharedMemoryConnector
+
+
+class TransportProtocol(StrEnum):
+    # UCX picks TCP or RDMA from its environment (UCX_TLS, UCX_NET_DEVICES), not from the connector
+    # spec: the deploy config is the same for both; the pods' environment differs.
+    TCP = "tcp"
+    RDMA = "rdma"
+
+
+# A connector port is basePort + purpose offset (0, 100, 200) + 16 * local rank + from_stage
+# (vllm-omni initialization.py:48-80); the replica-id term is 0 with one replica per pod (the
+# connector_ports patch). So basePort..basePort+1023 holds every port a pod's connectors bind.
+CONNECTOR_PORT_SPAN = 1024
+
+
+class TransportSpec(_Model):
+    """How stage k's outputs reach stage k+1 (multi-stage pipelines only)."""
+
+    mode: TransportMode = Field(
+        TransportMode.NETWORK,
+        description="network: NixlConnector (UCX) on every edge, engine pods on any nodes. sameNode: the pipeline's "
+        "shipped SharedMemoryConnector; every engine pod on the head's node, sharing a host directory as /dev/shm "
+        "(needs a namespace that allows hostPath volumes).")
+    protocol: TransportProtocol = Field(
+        TransportProtocol.TCP,
+        description="tcp or rdma (network only). tcp sets UCX_TLS=tcp,sm,self unless env sets UCX_TLS; rdma leaves "
+        "UCX to pick the RDMA device (give the pods the NIC resource and IPC_LOCK through spec.template).")
+    base_port: int = Field(
+        30000, ge=1024, le=65536 - CONNECTOR_PORT_SPAN,
+        description=f"First connector port; each engine pod's connectors bind basePort..basePort+{CONNECTOR_PORT_SPAN - 1}.")
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=64,
+        description="Environment of every engine pod for the transport (UCX_TLS, UCX_NET_DEVICES, ...).")
+
+
 class OmniStageSpec(_Model):
     """Desired state of an OmniStage: one head pod plus replicas-1 headless stage-0 replica pods."""
 
@@ -234,8 +304,16 @@ class OmniStageSpec(_Model):
     pipeline: str | None = Field(
         None, max_length=128,
         description="vllm-omni pipeline registry key written into the deploy config (e.g. qwen3_omni_moe_thinker_only). "
-        "Single-stage pipelines only: this operator runs stage 0.",
+        "A multi-stage pipeline (e.g. qwen3_omni_moe) needs spec.stages and OmniStagePools for stages 1..n-1.",
     )
+    stages: list[StageSpec] = Field(
+        default_factory=list, max_length=15,
+        description="Every stage after stage 0 of a multi-stage spec.pipeline, ids 1..n-1 in order. Their replicas "
+        "run in OmniStagePool pods; the head waits at startup for one replica of each.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["id"]},
+    )
+    transport: TransportSpec | None = Field(
+        None, description="How data moves between stages (with spec.stages; unset: network over TCP from port 30000).")
     model_kind: ModelKind = Field(
         ModelKind.MULTIMODAL, description="multimodal (has a multimodal processor cache) or text-only (no cache to manage)."
     )
@@ -315,6 +393,15 @@ class EngineStatus(_Model):
         description="Each engine patch's outcome: applied, skipped, disabled or upstream-fixed.")
 
 
+class StageStatus(_Model):
+    id: int = Field(description="Stage id.")
+    name: str | None = Field(None, description="The pipeline's name for the stage.")
+    pool: str | None = Field(None, description="The OmniStagePool that runs it (none: no pool covers it).")
+    desired: int = Field(0, description="Replicas its pool wants.")
+    ready: int = Field(0, description="Its pool's Ready pods.")
+    registered: int = Field(0, description="Replicas of the stage joined on the head.")
+
+
 class OmniStageStatus(_Model):
     """Observed state, written only by the operator."""
 
@@ -335,4 +422,54 @@ class OmniStageStatus(_Model):
     engine: EngineStatus | None = Field(None, description="What the head's engine reported it runs.")
     membership_epoch: int | None = Field(None, description="Membership epoch last acknowledged by the head.")
     members: list[MemberStatus] = Field(default_factory=list, description="Replica pods and their membership.")
-    conditions: list[Condition] = Field(default_factory=list, description="Ready, HeadReady, ReplicasAvailable, MembershipSynced, CacheConsistent, ConfigRendered, Progressing, ReplicaFailure.")
+    stages: list[StageStatus] = Field(
+        default_factory=list, description="Stages after stage 0: their pool and replicas (multi-stage pipelines).")
+    conditions: list[Condition] = Field(default_factory=list, description="Ready, HeadReady, ReplicasAvailable, MembershipSynced, CacheConsistent, ConfigRendered, Progressing, ReplicaFailure; StagesCovered and StagesReady with spec.stages.")
+
+
+# ---- OmniStagePool: the capacity of stages 1..n-1 ---------------------------------------------------
+
+class OmniStagePoolSpec(_Model):
+    """A group of pods, each running one headless replica of every stage in stageIds, for an
+    OmniStage with spec.stages. The pool is the only writer of its replica count (scale subresource)."""
+
+    omni_stage: str = Field(min_length=1, max_length=MAX_NAME_LENGTH, description="The OmniStage (same namespace).")
+    stage_ids: list[Annotated[int, Field(ge=1, le=15)]] = Field(
+        min_length=1, max_length=15,
+        description="Stages each pod runs, one process per stage, sharing the pod's GPUs (numbered from 0 for every "
+        "stage). Every stage >= 1 of the OmniStage belongs to exactly one pool.",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    replicas: int = Field(
+        1, ge=1, le=256,
+        description="Pods (one replica of each stage per pod); at least 1: the head waits for one replica of each "
+        "remote stage. Change with `kubectl scale omnistagepool`.")
+    gpu: GpuSpec = Field(default_factory=GpuSpec, json_schema_extra={"default": {}}, description="GPUs per pod.")
+    placement: PlacementSpec = Field(
+        default_factory=PlacementSpec, json_schema_extra={"default": {}},
+        description="Extra scheduling constraints of the pool's pods (instead of the OmniStage's placement; the "
+        "OmniStage's spec.template applies to them too).")
+    drain_timeout_seconds: int = Field(
+        300, ge=0, le=3600,
+        description="How long a leaving pod's replicas may finish in-flight requests. A downstream replica is bound "
+        "to a request for its whole answer (a full audio reply), hence longer than stage 0's default.")
+
+
+class PoolMemberStatus(_Model):
+    pod: str = Field(description="Pod name.")
+    ip: str | None = Field(None, description="Pod IP.")
+    state: str = Field(description="Pending, Joining, Joined (every stage of the pod joined) or Leaving.")
+    replica_ids: dict[str, int] = Field(
+        default_factory=dict, description="Replica id the head assigned to this pod, by stage id.")
+
+
+class OmniStagePoolStatus(_Model):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    observed_generation: int | None = Field(None, description="Spec generation the status describes.")
+    replicas: int = Field(0, description="Pods that exist.")
+    ready_replicas: int = Field(0, description="Pods that are Ready.")
+    registered_replicas: int = Field(0, description="Pods joined on the head for every one of their stages.")
+    selector: str = Field("", description="Label selector of the counted pods (scale subresource).")
+    members: list[PoolMemberStatus] = Field(default_factory=list, description="Pods and their membership.")
+    conditions: list[Condition] = Field(default_factory=list, description="Ready.")

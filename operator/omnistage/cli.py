@@ -8,9 +8,10 @@ import sys
 
 import yaml
 
-from . import api
+from . import api, pools
 from .crd import crd_yaml
 from .render import render_children, target_from
+from .render.common import Pool, Target
 from .validation import InvalidSpec
 from .yamlio import dump_all
 
@@ -18,17 +19,28 @@ PLACEHOLDER_HEAD_IP = "HEAD_POD_IP"
 PLACEHOLDER_HEAD_UID = "HEAD_POD_UID"
 
 
-def _load_omnistages(path: str) -> list[dict]:
+def _load_omnistages(path: str) -> tuple[list[dict], list[dict]]:
+    """The OmniStages of a file and its OmniStagePools."""
     with (sys.stdin if path == "-" else open(path)) as f:
         docs = [d for d in yaml.safe_load_all(f) if d]
     found = [d for d in docs if d.get("kind") == api.KIND]
     if not found:
         expected = f"expected apiVersion {api.GROUP}/{api.VERSION}, kind {api.KIND}"
         raise InvalidSpec([("kind", f"{path} holds no {api.KIND} ({expected})")])
-    for d in found:
+    pool_objs = [d for d in docs if d.get("kind") == api.POOL_KIND]
+    for d in found + pool_objs:
         if d.get("apiVersion") != f"{api.GROUP}/{api.VERSION}":
             raise InvalidSpec([("apiVersion", f"is {d.get('apiVersion')!r}; expected {api.GROUP}/{api.VERSION}")])
-    return found
+    return found, pool_objs
+
+
+def runnable_pools(t: Target, pool_objs: list[dict]) -> list[Pool]:
+    """The pools of `pool_objs` that name `t` and can run; InvalidSpec naming the first that cannot."""
+    fitted = pools.fit(t, t.name, [p for p in pool_objs if (p.get("spec") or {}).get("omniStage") == t.name])
+    refused = [(f"{api.POOL_KIND} {f.name}", f"{f.problem[0]}: {f.problem[1]}") for f in fitted if f.problem]
+    if refused:
+        raise InvalidSpec(refused)
+    return [f.pool for f in fitted]
 
 
 def cmd_crd(_: argparse.Namespace) -> int:
@@ -45,8 +57,9 @@ def cmd_docs(_: argparse.Namespace) -> int:
 
 def cmd_render(args: argparse.Namespace) -> int:
     try:
-        objs = _load_omnistages(args.filename)
+        objs, pool_objs = _load_omnistages(args.filename)
         targets = [target_from(o, default_image=args.engine_image) for o in objs]
+        runs = {t.name: runnable_pools(t, pool_objs) for t in targets}
     except InvalidSpec as err:
         print(f"error: invalid {api.KIND} in {args.filename}:", file=sys.stderr)
         for field, message in err.problems:
@@ -60,7 +73,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         print(f"# {t.namespace}/{t.name}: effective stage-0 cache mode {t.cache.mode} ({t.cache.reason}); "
               f"engine image {t.engine_image}", file=sys.stderr)
         token = args.token or secrets.token_urlsafe(32)
-        docs += render_children(t, token, args.head_ip, args.head_uid).all()
+        docs += render_children(t, token, args.head_ip, args.head_uid, runs[t.name]).all()
     sys.stdout.write(dump_all(docs))
     return 0
 

@@ -14,8 +14,12 @@ CACHE_CONSISTENT = "CacheConsistent"
 CONFIG_RENDERED = "ConfigRendered"
 PROGRESSING = "Progressing"
 REPLICA_FAILURE = "ReplicaFailure"
+# With spec.stages: every stage >= 1 runs in exactly one valid OmniStagePool; every stage has its
+# pool's replicas joined on the head.
+STAGES_COVERED = "StagesCovered"
+STAGES_READY = "StagesReady"
 TYPES = [READY, HEAD_READY, REPLICAS_AVAILABLE, MEMBERSHIP_SYNCED, CACHE_CONSISTENT, CONFIG_RENDERED, PROGRESSING,
-         REPLICA_FAILURE]
+         REPLICA_FAILURE, STAGES_COVERED, STAGES_READY]
 
 # CacheConsistent reasons: the engine's real stage-0 frontend cache against status.effectiveCacheMode.
 R_CONSISTENT = "Consistent"
@@ -42,6 +46,14 @@ R_JOINED = "Joined"
 R_LEFT = "Left"
 R_DRAIN_TIMEOUT = "DrainTimeout"
 R_LEAVE_FAILED = "LeaveFailed"
+R_POOL_DELETED = "PoolDeleted"
+R_CREATE_REFUSED = "CreateRefused"  # the API server refused a pod (admission, quota): message has its words  # a pool pod whose OmniStagePool is gone leaves (drained) and is deleted
+
+# StagesCovered / StagesReady reasons (a pool's own Ready=False reasons are in pools.py).
+R_ALL_COVERED = "AllCovered"
+R_UNCOVERED = "Uncovered"
+R_ALL_STAGES_SERVING = "AllStagesServing"
+R_STAGES_WAITING = "Waiting"
 
 
 @dataclass(frozen=True)
@@ -70,11 +82,12 @@ def merge(previous: list[dict[str, Any]], new: list[Cond], generation: int | Non
 
 
 def ready(head_ready: bool, replicas_available: bool, membership_synced: bool, config_ok: bool,
-          cache_consistent: bool) -> Cond:
+          cache_consistent: bool, stages_ready: bool = True) -> Cond:
     if not config_ok:
         return Cond(READY, False, R_INVALID_SPEC, "the spec is invalid; see ConfigRendered")
     missing = [n for n, ok in ((HEAD_READY, head_ready), (REPLICAS_AVAILABLE, replicas_available),
-                               (MEMBERSHIP_SYNCED, membership_synced), (CACHE_CONSISTENT, cache_consistent)) if not ok]
+                               (MEMBERSHIP_SYNCED, membership_synced), (CACHE_CONSISTENT, cache_consistent),
+                               (STAGES_READY, stages_ready)) if not ok]
     if missing:
         return Cond(READY, False, "Waiting", "waiting for " + ", ".join(missing))
     return Cond(READY, True, "AllReplicasServing",

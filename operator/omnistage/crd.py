@@ -1,4 +1,4 @@
-"""Generate the OmniStage CustomResourceDefinition from the API models.
+"""Generate the CustomResourceDefinitions (OmniStage, OmniStagePool) from the API models.
 
 Kubernetes wants a structural OpenAPI v3 schema: every node typed, no $ref, no anyOf for
 optional fields. Pydantic's JSON schema is close; `structural` closes the gap. spec.template and
@@ -12,7 +12,7 @@ from typing import Any
 
 from . import api, podtemplate
 from .validation import NAME_RULE_CEL, NAME_RULE_MESSAGE, SPEC_RULES
-from .yamlio import dump
+from .yamlio import dump_all
 
 _DROP = {"title"}
 
@@ -113,19 +113,36 @@ def build_crd() -> dict[str, Any]:
         "required": ["spec"],
         "x-kubernetes-validations": [{"rule": NAME_RULE_CEL, "message": NAME_RULE_MESSAGE}],
     }
+    return _definition(api.KIND, api.PLURAL, api.SINGULAR, api.SHORT_NAMES, root, [
+        {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas",
+         "description": "Stage-0 engine replicas wanted (head included)"},
+        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas",
+         "description": "Engine pods that are Ready"},
+        {"name": "Registered", "type": "integer", "jsonPath": ".status.registeredReplicas",
+         "description": "Replicas the engine head acknowledged"},
+        {"name": "Cache", "type": "string", "jsonPath": ".status.effectiveCacheMode",
+         "description": "Resolved stage-0 frontend cache mode"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ])
+
+
+def _definition(kind: str, plural: str, singular: str, short_names: list[str], root: dict[str, Any],
+                columns: list[dict[str, Any]]) -> dict[str, Any]:
+    """A namespaced kind of the group with status and scale subresources (spec.replicas counted by
+    status.replicas over status.selector)."""
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{api.PLURAL}.{api.GROUP}"},
+        "metadata": {"name": f"{plural}.{api.GROUP}"},
         "spec": {
             "group": api.GROUP,
             "scope": "Namespaced",
             "names": {
-                "kind": api.KIND,
-                "listKind": f"{api.KIND}List",
-                "plural": api.PLURAL,
-                "singular": api.SINGULAR,
-                "shortNames": api.SHORT_NAMES,
+                "kind": kind,
+                "listKind": f"{kind}List",
+                "plural": plural,
+                "singular": singular,
+                "shortNames": short_names,
                 "categories": ["all"],
             },
             "versions": [{
@@ -140,22 +157,42 @@ def build_crd() -> dict[str, Any]:
                         "labelSelectorPath": ".status.selector",
                     },
                 },
-                "additionalPrinterColumns": [
-                    {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas",
-                     "description": "Stage-0 engine replicas wanted (head included)"},
-                    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas",
-                     "description": "Engine pods that are Ready"},
-                    {"name": "Registered", "type": "integer", "jsonPath": ".status.registeredReplicas",
-                     "description": "Replicas the engine head acknowledged"},
-                    {"name": "Cache", "type": "string", "jsonPath": ".status.effectiveCacheMode",
-                     "description": "Resolved stage-0 frontend cache mode"},
-                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                ],
+                "additionalPrinterColumns": columns,
                 "schema": {"openAPIV3Schema": root},
             }],
         },
     }
 
 
+def build_pool_crd() -> dict[str, Any]:
+    """OmniStagePool: the capacity of stages 1..n-1; its own scale subresource (HPA/KEDA per pod group)."""
+    spec_schema = _schema_of(api.OmniStagePoolSpec)
+    status_schema = _schema_of(api.OmniStagePoolStatus)
+    for schema in (spec_schema, status_schema):
+        _sort_enum_defaults(schema)
+    root = {
+        "type": "object",
+        "description": "OmniStagePool runs replicas of an OmniStage's stages after stage 0 (e.g. Qwen3-Omni's talker "
+        "and code2wav): each pod one headless process per stage in spec.stageIds, joined on the OmniStage's head.",
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema,
+            "status": status_schema,
+        },
+        "required": ["spec"],
+    }
+    return _definition(api.POOL_KIND, api.POOL_PLURAL, api.POOL_SINGULAR, api.POOL_SHORT_NAMES, root, [
+        {"name": "OmniStage", "type": "string", "jsonPath": ".spec.omniStage", "description": "The pipeline"},
+        {"name": "Stages", "type": "string", "jsonPath": ".spec.stageIds", "description": "Stages each pod runs"},
+        {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas", "description": "Pods wanted"},
+        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Pods that are Ready"},
+        {"name": "Registered", "type": "integer", "jsonPath": ".status.registeredReplicas",
+         "description": "Pods joined on the head for every one of their stages"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ])
+
+
 def crd_yaml() -> str:
-    return dump(build_crd())
+    return dump_all([build_crd(), build_pool_crd()])

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from . import api, conditions
-from .crd import build_crd
+from .crd import build_crd, build_pool_crd
 from .validation import NAME_RULE_MESSAGE, SPEC_RULES
 
 # Fields whose schema is a Kubernetes type embedded whole (crd.py): the reference names the type and
@@ -134,8 +134,8 @@ def _table(path: str, node: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def reference_markdown(crd: dict[str, Any] | None = None) -> str:
-    """docs/reference.md. `crd` defaults to the one the models generate (tests pass a changed one)."""
+def reference_markdown(crd: dict[str, Any] | None = None, pool_crd: dict[str, Any] | None = None) -> str:
+    """docs/reference.md. The CRDs default to the ones the models generate (tests pass changed ones)."""
     crd = crd if crd is not None else build_crd()
     names = crd["spec"]["names"]
     version = crd["spec"]["versions"][0]
@@ -194,5 +194,42 @@ def reference_markdown(crd: dict[str, Any] | None = None) -> str:
         (f"Engine image default: where `spec.engine.image` is unset the operator renders its own default, the "
         f"`{api.ENGINE_IMAGE_ENV}` environment variable of the operator (set by the install manifests), "
         f"else `{api.DEFAULT_ENGINE_IMAGE}`."), "",
+        ("Multi-stage pipelines (`spec.stages`) are also checked by the operator alone: the pipeline is one the "
+        "operator renders across pods, `spec.stages` lists stages 1..n-1 once each in order (names, when set, "
+        "are the pipeline's), their `stageOverrides` leave the operator's keys alone, and `spec.transport` keeps "
+        "its ports off `httpPort`/`masterPort` (rdma needs mode network). See [multi-stage pipelines](multi-stage.md)."),
+        "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + pool_reference(pool_crd if pool_crd is not None else build_pool_crd()))
+
+
+def pool_reference(crd: dict[str, Any]) -> list[str]:
+    """The OmniStagePool section of docs/reference.md."""
+    names = crd["spec"]["names"]
+    version = crd["spec"]["versions"][0]
+    root = version["schema"]["openAPIV3Schema"]
+    lines = [
+        "# OmniStagePool API reference", "",
+        _cell(root.get("description", "")), "",
+        "| | |", "|---|---|",
+        f"| Kind | `{names['kind']}` (list: `{names['listKind']}`) |",
+        f"| Plural, singular, short names | `{names['plural']}`, `{names['singular']}`, "
+        + ", ".join(f"`{s}`" for s in names.get("shortNames", [])) + " |",
+        "| Scale subresource | replicas `.spec.replicas`, status `.status.replicas`, selector `.status.selector` |",
+        "",
+        ("A pool is checked against its OmniStage by the operator (no CEL rule sees two objects): its `Ready` "
+        "condition is False with reason `OmniStageNotFound`, `NotMultiStage`, `UnknownStage`, `StageInTwoPools`, "
+        "`TooFewGpus` or `InvalidSpec` and a message saying what to change ([troubleshooting]"
+        "(troubleshooting.md#an-omnistagepools-ready)). A refused pool keeps its pods and gets no new ones."), "",
+        "## `kubectl get omnistagepools` columns", "",
+        "| Column | Type | Value | Meaning |", "|---|---|---|---|",
+    ]
+    for col in version.get("additionalPrinterColumns", []):
+        lines.append(f"| {col['name']} | {col['type']} | `{col['jsonPath']}` | {_cell(col.get('description', ''))} |")
+    lines += ["", "## Pool spec", ""]
+    for path, node in _sections(root["properties"]["spec"], "omnistagepool.spec"):
+        lines += _table(path, node)
+    lines += ["## Pool status", ""]
+    for path, node in _sections(root["properties"]["status"], "omnistagepool.status"):
+        lines += _table(path, node)
+    return lines

@@ -27,7 +27,7 @@ from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
 from . import api, kube, leader
-from .render.common import L_COMPONENT, L_MANAGED_BY, L_OMNISTAGE
+from .render.common import ENGINE_COMPONENTS, L_COMPONENT, L_MANAGED_BY, L_OMNISTAGE
 
 log = logging.getLogger(__name__)
 
@@ -225,11 +225,18 @@ def _label(key: str) -> Callable[[dict[str, Any]], str | None]:
     return lambda obj: (obj["metadata"].get("labels") or {}).get(key)
 
 
-def _omnistage_lister(scope: str | None):
-    c = kube.custom()
-    if scope is None:
-        return c.list_cluster_custom_object, (api.GROUP, api.VERSION, api.PLURAL)
-    return c.list_namespaced_custom_object, (api.GROUP, api.VERSION, scope, api.PLURAL)
+def _custom_lister(plural: str):
+    def pick(scope: str | None):
+        c = kube.custom()
+        if scope is None:
+            return c.list_cluster_custom_object, (api.GROUP, api.VERSION, plural)
+        return c.list_namespaced_custom_object, (api.GROUP, api.VERSION, scope, plural)
+    return pick
+
+
+def _new_generation(old: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    """A custom object's own status writes are not worth a pass; a new generation (spec, scale) is."""
+    return old is None or old["metadata"].get("generation") != new["metadata"].get("generation")
 
 
 def _core_lister(namespaced: str, cluster: str):
@@ -258,12 +265,14 @@ class ClusterState:
         # event reached it.
         # Every OmniStage listed (at a start, on becoming leader) is queued at once, as kopf's resume
         # handler did, rather than at the resync's first tick.
-        self.omnistages = Informer(api.KIND, _omnistage_lister, None, lambda o: o["metadata"]["name"],
-                                   significant=lambda old, new: old is None or old["metadata"].get(
-                                       "generation") != new["metadata"].get("generation"),
-                                   notify_listed=True)
+        self.omnistages = Informer(api.KIND, _custom_lister(api.PLURAL), None, lambda o: o["metadata"]["name"],
+                                   significant=_new_generation, notify_listed=True)
+        # Pools are indexed by the OmniStage they name: its pass decides for their pods and status.
+        self.pools = Informer(api.POOL_KIND, _custom_lister(api.POOL_PLURAL), None,
+                              lambda o: (o.get("spec") or {}).get("omniStage"), significant=_new_generation)
         self.pods = Informer("Pod", _core_lister("list_namespaced_pod", "list_pod_for_all_namespaces"),
-                             f"{L_COMPONENT}=engine,{L_OMNISTAGE}", _label(L_OMNISTAGE), trim=_trim_pod)
+                             f"{L_COMPONENT} in ({','.join(ENGINE_COMPONENTS)}),{L_OMNISTAGE}", _label(L_OMNISTAGE),
+                             trim=_trim_pod)
         self.children = {
             "ConfigMap": Informer("ConfigMap", _core_lister("list_namespaced_config_map",
                                                             "list_config_map_for_all_namespaces"),
@@ -275,7 +284,7 @@ class ClusterState:
         self.started = False
 
     def informers(self) -> list[Informer]:
-        return [self.omnistages, self.pods, *self.children.values()]
+        return [self.omnistages, self.pools, self.pods, *self.children.values()]
 
     def start(self, scopes: list[str | None], on_change: OnChange) -> None:
         """`on_change` is called for every watch event on an engine pod or a child, for every new
@@ -294,6 +303,8 @@ class ClusterState:
             return self.pods
         if kind == api.KIND:
             return self.omnistages
+        if kind == api.POOL_KIND:
+            return self.pools
         return self.children.get(kind)
 
     def wrote(self, obj: dict[str, Any] | None) -> None:

@@ -3,6 +3,7 @@ idempotent verbs the reconcile loop needs on top of it."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from functools import cache
@@ -75,9 +76,18 @@ def get_omnistage(namespace: str, name: str) -> dict[str, Any] | None:
 
 
 def patch_status(namespace: str, name: str, status: dict[str, Any],
-                 previous: dict[str, Any] | None) -> dict[str, Any]:
+                 previous: dict[str, Any] | None, plural: str = api.PLURAL) -> dict[str, Any]:
+    """An OmniStage's status (or, with plural api.POOL_PLURAL, an OmniStagePool's)."""
     return custom().patch_namespaced_custom_object_status(
-        api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": merge_patch(previous or {}, status)})
+        api.GROUP, api.VERSION, namespace, plural, name, {"status": merge_patch(previous or {}, status)})
+
+
+def reason_of(err: ApiException) -> str:
+    """The API server's message of a refused request (its Status body), else the HTTP reason."""
+    try:
+        return json.loads(err.body or "{}").get("message") or str(err.reason)
+    except ValueError:
+        return str(err.reason)
 
 
 def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:

@@ -11,23 +11,27 @@ plan deletes early in the pass is not counted, joined or deleted again later in 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from omnistage_engine_patches import contract
 
-from . import engine_truth, head_client, pods
+from . import engine_truth, head_client, pods, pools
+from .api import OmniStagePoolSpec
 from .conditions import (
     CACHE_CONSISTENT,
     CONFIG_RENDERED,
     HEAD_READY,
     MEMBERSHIP_SYNCED,
     PROGRESSING,
+    R_ALL_COVERED,
+    R_ALL_STAGES_SERVING,
     R_CREATED_HEAD,
     R_HEAD_RESTARTED,
     R_INVALID_SPEC,
+    R_POOL_DELETED,
     R_RENDERED,
     R_REPLACED_REPLICA,
     R_ROLLED_REPLICA,
@@ -35,9 +39,13 @@ from .conditions import (
     R_ROLLING_REPLICA,
     R_SCALED_DOWN,
     R_SCALED_UP,
+    R_STAGES_WAITING,
+    R_UNCOVERED,
     READY,
     REPLICA_FAILURE,
     REPLICAS_AVAILABLE,
+    STAGES_COVERED,
+    STAGES_READY,
     Cond,
     merge,
     ready,
@@ -51,7 +59,8 @@ from .render import (
     render_replica_pod,
     selector,
 )
-from .render.common import A_CONFIG_HASH, Target
+from .render.common import A_CONFIG_HASH, Pool, Target, pool_selector
+from .render.pods import render_pool_pod
 from .validation import InvalidSpec
 
 # Drain states the act step records for a replica pod (by pod uid) while its `leave` runs elsewhere.
@@ -99,11 +108,12 @@ class Annotate:
 
 @dataclass(frozen=True)
 class StartLeave:
-    """Tell the head to stop routing to the replica and drain it; runs off the reconcile worker.
-    The pod is deleted by a later pass, once the drain state says the leave returned."""
+    """Tell the head to stop routing to the pod's replicas and drain them; runs off the reconcile
+    worker. `leaves` holds one (stage, replica id) per stage the pod runs (a pool pod may run two).
+    The pod is deleted by a later pass, once the drain state says every leave returned."""
     pod: str
     uid: str
-    replica_id: int
+    leaves: tuple[tuple[int, int], ...]
     drain_seconds: int
 
 
@@ -112,15 +122,24 @@ class Forget:
     """The head still lists a replica whose pod is gone: leave at once (no drain, nothing to route to)."""
     replica_id: int
     who: str
+    stage: int = 0
 
 
 @dataclass(frozen=True)
 class Join:
     pod: str
     ip: str
+    stage: int = 0
 
 
-Action = Emit | EnsureChild | CreatePod | DeletePod | Annotate | StartLeave | Forget | Join
+@dataclass(frozen=True)
+class PoolStatus:
+    """Write an OmniStagePool's status (the OmniStage's pass decides for its pools)."""
+    name: str
+    status: dict[str, Any]
+
+
+Action = Emit | EnsureChild | CreatePod | DeletePod | Annotate | StartLeave | Forget | Join | PoolStatus
 
 
 # ---- observation ---------------------------------------------------------------------------------
@@ -139,6 +158,7 @@ class Observed:
     listing_problem: str | None = None
     drains: Mapping[str, str] = field(default_factory=dict)  # pod uid -> DRAIN_* (act's drain executor)
     problems: tuple[str, ...] = ()  # what the previous act step could not do (joins refused, ...)
+    pools: tuple[dict[str, Any], ...] = ()  # the OmniStagePools whose spec.omniStage names it
 
 
 HEAD_NOT_READY = "head pod is not ready"
@@ -149,7 +169,10 @@ _WHY = {
     R_ROLLING_REPLICA: "its pod template changed",
     R_ROLLED_REPLICA: "it belongs to a previous head",
     R_REPLACED_REPLICA: "its engine exited or it turned NotReady",
+    R_POOL_DELETED: "its OmniStagePool {pool} is gone",
 }
+# A pool pod's drain when its pool is gone (the pool's own setting went with it).
+DEFAULT_POOL_DRAIN = OmniStagePoolSpec.model_fields["drain_timeout_seconds"].default
 
 
 def _condition(status: dict[str, Any], ctype: str) -> dict[str, Any]:
@@ -182,6 +205,7 @@ def plan(t: Target | InvalidSpec, o: Observed, at: str | None = None) -> tuple[l
     m.retire_stale()
     m.scale()
     m.sync_membership()
+    m.pool_statuses(at)
     return m.actions, m.status(generation, at)
 
 
@@ -201,6 +225,9 @@ class _Model:
         self.verdict: engine_truth.Verdict | None = None
         self.want_head = render_head_pod(t)  # rendered once per pass
         self._want_replica: dict[int, dict[str, Any]] = {}
+        self._want_pool_pod: dict[tuple[str, int], dict[str, Any]] = {}
+        self.pools = pools.fit(t, t.name, o.pools)
+        self.pool_of = {f.name: f for f in self.pools}
 
     # -- helpers
     def emit(self, etype: str, reason: str, message: str) -> None:
@@ -212,6 +239,26 @@ class _Model:
                                                            pods.uid(self.head))
         return self._want_replica[index]
 
+    def want_pool_pod(self, pool: Pool, index: int) -> dict[str, Any]:
+        key = (pool.name, index)
+        if key not in self._want_pool_pod:
+            self._want_pool_pod[key] = render_pool_pod(self.t, pool, index, pods.ip(self.head) or "",
+                                                       pods.uid(self.head))
+        return self._want_pool_pod[key]
+
+    def want(self, pod: dict[str, Any]) -> dict[str, Any] | None:
+        """The pod as it should be now; None for a pod of a pool that cannot run (it is not rolled)."""
+        if pods.pool(pod) is None:
+            return self.want_replica(pods.index(pod))
+        fitted = self.pool_of.get(pods.pool(pod))
+        return self.want_pool_pod(fitted.pool, pods.index(pod)) if fitted is not None and fitted.runs else None
+
+    def drain_of(self, pod: dict[str, Any]) -> int:
+        if pods.pool(pod) is None:
+            return self.t.spec.engine.drain_timeout_seconds
+        fitted = self.pool_of.get(pods.pool(pod))
+        return fitted.pool.spec.drain_timeout_seconds if fitted is not None and fitted.pool else DEFAULT_POOL_DRAIN
+
     def head_live(self) -> bool:
         return self.head is not None and not pods.terminating(self.head) and bool(pods.ip(self.head))
 
@@ -219,17 +266,26 @@ class _Model:
         """A head client exists and the head pod is Ready: the only head the plan reads answers from."""
         return self.o.head_reachable and self.head_live() and pods.ready(self.head)
 
-    def live(self) -> list[dict[str, Any]]:
-        return [r for r in self.o.replicas if not pods.terminating(r) and pods.uid(r) not in self.gone]
+    def live(self, pool: str | None = "*") -> list[dict[str, Any]]:
+        """Replica and pool pods not going away; of one pool (None: stage-0 replicas) unless "*"."""
+        return [r for r in self.o.replicas if not pods.terminating(r) and pods.uid(r) not in self.gone
+                and (pool == "*" or pods.pool(r) == pool)]
 
-    def members(self) -> list[dict[str, Any]]:
-        return head_client.members(self.listing) if self.listing is not None else []
+    def members(self, stage: int = 0) -> list[dict[str, Any]]:
+        return head_client.members(self.listing, stage) if self.listing is not None else []
 
-    def member_of(self, pod: dict[str, Any]) -> dict[str, Any] | None:
-        for mm in self.members():
+    def member_of(self, pod: dict[str, Any], stage: int = 0) -> dict[str, Any] | None:
+        for mm in self.members(stage):
             if mm.get("pod") == pods.name(pod) or (pods.ip(pod) and mm.get("host") == pods.ip(pod)):
                 return mm
         return None
+
+    def joined(self, pod: dict[str, Any], stage: int) -> bool:
+        mm = self.member_of(pod, stage)
+        return mm is not None and mm.get("pod") == pods.name(pod)
+
+    def stage_ids(self) -> list[int]:
+        return [0, *(s.id for s in self.t.spec.stages)]
 
     def delete(self, pod: dict[str, Any], reason: str | None = None, message: str = "") -> None:
         self.actions.append(DeletePod(pods.name(pod), pods.uid(pod), reason, message))
@@ -293,7 +349,8 @@ class _Model:
         if before.get("uid") == pods.uid(self.head) and before.get("bootId") and boot != before.get("bootId"):
             # Same head pod, new engine process: its replicas registered with the old one.
             self.emit("Warning", R_HEAD_RESTARTED,
-                      f"head engine restarted (boot id {before.get('bootId')} -> {boot}); rolling every replica")
+                      f"head engine restarted (boot id {before.get('bootId')} -> {boot}); rolling every replica"
+                      + (" and every pool pod" if self.t.spec.stages else ""))
             for r in self.live():
                 self.delete(r)
             self.progressing.append(R_HEAD_RESTARTED)
@@ -309,30 +366,34 @@ class _Model:
         if pods.annotation(pod, pods.A_LEAVING) is None:
             self.actions.append(Annotate(pods.name(pod), {pods.A_LEAVING: reason}))
         self.progressing.append(reason)
-        member = self.member_of(pod)
+        members = [(stage, self.member_of(pod, stage)) for stage in pods.stage_ids(pod)]
+        leaves = tuple((stage, mm["replicaId"]) for stage, mm in members
+                       if mm is not None and mm.get("state") != contract.LEFT)
         drain = self.o.drains.get(uid)
-        if member is not None and member.get("state") != contract.LEFT and self.head_talks() \
-                and drain not in (DRAIN_DONE, DRAIN_FAILED):
+        if leaves and self.head_talks() and drain not in (DRAIN_DONE, DRAIN_FAILED):
             if drain is None:  # not started, or started by an operator that has since restarted
-                self.actions.append(StartLeave(pods.name(pod), uid, member["replicaId"], drain_seconds))
-            return  # DRAIN_RUNNING: the pod stays until the head let it go
+                self.actions.append(StartLeave(pods.name(pod), uid, leaves, drain_seconds))
+            return  # DRAIN_RUNNING: the pod stays until the head let every stage's replica go
         # Left, never joined, or the head cannot be told (its heartbeat timeout detaches it).
-        self.delete(pod, reason, f"deleted replica pod {pods.name(pod)}: {why}")
+        kind = "pool pod" if pods.pool(pod) else "replica pod"
+        self.delete(pod, reason, f"deleted {kind} {pods.name(pod)}: {why}")
 
     def retire_stale(self) -> None:
         """Replicas of another head incarnation or a finished process go at once; replicas whose
         template changed roll one at a time while every other replica is Ready."""
         if not self.head_live():
             return
-        t, head_uid = self.t, pods.uid(self.head)
-        drain = t.spec.engine.drain_timeout_seconds
+        head_uid = pods.uid(self.head)
         for r in self.live():
+            drain = self.drain_of(r)
             if pods.annotation(r, pods.A_LEAVING) is not None:
                 # A retirement decided earlier (this operator or one before a restart) is finished,
                 # whatever happened to the spec since.
                 reason = pods.annotation(r, pods.A_LEAVING) or R_SCALED_DOWN
-                self._retire(r, drain if reason in (R_SCALED_DOWN, R_ROLLING_REPLICA) else 0, reason,
-                             _WHY.get(reason, "it was leaving").format(replicas=t.spec.replicas))
+                self._retire(r, drain if reason in (R_SCALED_DOWN, R_ROLLING_REPLICA, R_POOL_DELETED) else 0,
+                             reason, self._why(reason, r))
+            elif pods.pool(r) is not None and pods.pool(r) not in self.pool_of:
+                self._retire(r, drain, R_POOL_DELETED, self._why(R_POOL_DELETED, r))
             elif pods.head_uid(r) != head_uid:
                 self._retire(r, 0, R_ROLLED_REPLICA, "it belongs to a previous head")
             elif pods.terminal(r):
@@ -342,27 +403,44 @@ class _Model:
         live = self.live()
         if any(pods.uid(r) in self.handled for r in live):
             return  # one replica at a time: a roll waits for every drain in progress
-        outdated = [r for r in live if pods.template_hash(r) != pods.template_hash(self.want_replica(pods.index(r)))]
+        outdated = [r for r in live if self.want(r) is not None
+                    and pods.template_hash(r) != pods.template_hash(self.want(r))]
         if outdated and all(pods.ready(r) for r in live if r not in outdated):
-            self._retire(outdated[0], drain, R_ROLLING_REPLICA, "its pod template changed")
+            self._retire(outdated[0], self.drain_of(outdated[0]), R_ROLLING_REPLICA, "its pod template changed")
 
-    def staying(self) -> list[dict[str, Any]]:
-        """Live replicas not on their way out: what spec.replicas is compared with."""
-        return [r for r in self.live() if pods.uid(r) not in self.handled]
+    def _why(self, reason: str, pod: dict[str, Any]) -> str:
+        fitted = self.pool_of.get(pods.pool(pod) or "")
+        replicas = fitted.pool.spec.replicas if fitted and fitted.pool else self.t.spec.replicas
+        why = _WHY.get(reason, "it was leaving").format(replicas=replicas, pool=pods.pool(pod))
+        return f"its pool's {why}" if fitted and reason == R_SCALED_DOWN else why
+
+    def staying(self, pool: str | None) -> list[dict[str, Any]]:
+        """Live pods of a pool (None: stage-0 replicas) not on their way out: what its replicas is compared with."""
+        return [r for r in self.live(pool) if pods.uid(r) not in self.handled]
 
     def scale(self) -> None:
         t = self.t
-        staying = self.staying()
-        desired = t.spec.replicas - 1 if t.distributed else 0
+        self._scale(None, t.spec.replicas - 1 if t.distributed else 0, f"spec.replicas {t.spec.replicas}")
+        for fitted in self.pools:
+            if fitted.runs:  # a pool that cannot run keeps the pods it has (loses nothing) and gets no more
+                self._scale(fitted.pool, fitted.pool.spec.replicas,
+                            f"OmniStagePool {fitted.name} spec.replicas {fitted.pool.spec.replicas}")
+
+    def _scale(self, pool: Pool | None, desired: int, why: str) -> None:
+        name = pool.name if pool else None
+        staying = self.staying(name)
         if len(staying) > desired:
             for victim in pods.choose_victims(staying, len(staying) - desired):
-                self._retire(victim, t.spec.engine.drain_timeout_seconds, R_SCALED_DOWN,
-                            f"spec.replicas is {t.spec.replicas}")
+                self._retire(victim, self.drain_of(victim), R_SCALED_DOWN, self._why(R_SCALED_DOWN, victim))
             return
+        # Pool pods too are created once the head has an IP, not once it is Ready: the head turns Ready
+        # only after one replica of each remote stage registered.
         if len(staying) < desired and self.head_live():
-            for i in pods.free_indices(list(self.o.replicas), desired - len(staying)):
-                self.actions.append(CreatePod(self.want_replica(i), R_SCALED_UP,
-                                              f"created replica pod {{pod}} (spec.replicas {t.spec.replicas})"))
+            every = [r for r in self.o.replicas if pods.pool(r) == name]
+            for i in pods.free_indices(every, desired - len(staying)):
+                want = self.want_pool_pod(pool, i) if pool else self.want_replica(i)
+                kind = "pool pod" if pool else "replica pod"
+                self.actions.append(CreatePod(want, R_SCALED_UP, f"created {kind} {{pod}} ({why})"))
                 self.progressing.append("ScalingUp")
 
     def sync_membership(self) -> None:
@@ -372,29 +450,32 @@ class _Model:
             return
         live = {pods.name(r): r for r in self.live()}
         head_ip = pods.ip(self.head)
-        for mm in self.members():
-            if _is_head_local(mm, head_ip) or mm.get("state") == contract.LEFT:
-                continue
-            pod = live.get(mm.get("pod")) or next((r for r in live.values() if pods.ip(r) == mm.get("host")), None)
-            if pod is None:
-                self.actions.append(Forget(mm["replicaId"], str(mm.get("pod") or mm.get("host"))))
+        for stage in self.stage_ids():
+            runs = [r for r in live.values() if stage in pods.stage_ids(r)]
+            for mm in self.members(stage):
+                if _is_head_local(mm, head_ip) or mm.get("state") == contract.LEFT:
+                    continue
+                pod = live.get(mm.get("pod")) or next((r for r in runs if pods.ip(r) == mm.get("host")), None)
+                if pod is None:
+                    self.actions.append(Forget(mm["replicaId"], str(mm.get("pod") or mm.get("host")), stage))
         for name, pod in live.items():
-            member = self.member_of(pod)
             if not pods.ready(pod) or pods.annotation(pod, pods.A_LEAVING) is not None \
                     or pods.uid(pod) in self.handled:
                 continue
-            if member is not None and member.get("pod") == name:
-                continue
-            if not self.verdict.consistent:
-                # The head holds an unjoined replica unroutable (contract.ROUTE_JOINED_ONLY_ENV).
-                self.membership_problem = f"{name} is not joined: {CACHE_CONSISTENT} is False ({self.verdict.reason})"
-                continue
-            self.actions.append(Join(name, pods.ip(pod)))
+            for stage in pods.stage_ids(pod):
+                if self.joined(pod, stage):
+                    continue
+                if stage == 0 and not self.verdict.consistent:
+                    # The head holds an unjoined replica unroutable (contract.ROUTE_JOINED_ONLY_ENV); the
+                    # multimodal cache guarantee is stage 0's (later stages take no frontend media).
+                    self.membership_problem = f"{name} is not joined: {CACHE_CONSISTENT} is False ({self.verdict.reason})"
+                    continue
+                self.actions.append(Join(name, pods.ip(pod), stage))
 
     # -- status
     def status(self, generation: int | None, at: str) -> dict[str, Any]:
         t, previous, head = self.t, self.previous, self.head
-        live = self.live()
+        live = self.live(None)  # stage-0 replicas: what spec.replicas and the scale selector count
         head_live = head is not None and not pods.terminating(head)
         engine_pods = ([head] if head_live else []) + live
         ready_pods = [x for x in engine_pods if pods.ready(x)]
@@ -433,8 +514,9 @@ class _Model:
         synced = (self.listing is not None or not t.distributed) and problem is None \
             and joined == replicas_ready and head_registered and len(others) == joined
         verdict = self.verdict
-        failures = [f"{pods.name(x)}: {pods.unschedulable(x)}" for x in engine_pods if pods.unschedulable(x)]
-        failures += [f"{pods.name(x)}: engine exited ({x['status'].get('phase')})" for x in engine_pods
+        every_pod = engine_pods + [r for r in self.live() if pods.pool(r) is not None]
+        failures = [f"{pods.name(x)}: {pods.unschedulable(x)}" for x in every_pod if pods.unschedulable(x)]
+        failures += [f"{pods.name(x)}: engine exited ({x['status'].get('phase')})" for x in every_pod
                      if pods.terminal(x)]
 
         replicas_available = replicas_ready == replica_desired and len(live) == replica_desired
@@ -453,11 +535,18 @@ class _Model:
             Cond(REPLICA_FAILURE, bool(failures), "Unschedulable" if any("engine exited" not in f for f in failures)
                  else ("EngineExited" if failures else "NoFailure"), "; ".join(failures)),
         ]
-        progressing = bool(self.progressing) or len(engine_pods) != desired or len(ready_pods) != desired
+        stages = self.stage_rows()
+        stages_ready = all(row["registered"] == row["desired"] == row["ready"] and row["desired"] > 0
+                           for row in stages)
+        if t.spec.stages:
+            conds += self.stage_conditions(stages, stages_ready)
+        progressing = bool(self.progressing) or len(engine_pods) != desired or len(ready_pods) != desired \
+            or any(row["ready"] != row["desired"] for row in stages)
         conds.append(Cond(PROGRESSING, progressing, ",".join(sorted(set(self.progressing))) or
                           ("Converging" if progressing else "Stable"),
-                          f"{len(engine_pods)}/{desired} engine pods, {len(ready_pods)} ready"))
-        conds.append(ready(head_ready, replicas_available, synced, True, verdict.consistent))
+                          f"{len(engine_pods)}/{desired} engine pods, {len(ready_pods)} ready"
+                          + "".join(f"; stage {row['id']}: {row['ready']}/{row['desired']} pods ready" for row in stages)))
+        conds.append(ready(head_ready, replicas_available, synced, True, verdict.consistent, stages_ready))
         conds_out = merge(previous.get("conditions", []), conds, generation, at)
 
         head_status = None
@@ -482,9 +571,89 @@ class _Model:
                 previous.get("engine") if head and (previous.get("head") or {}).get("uid") == pods.uid(head) else None),
             "membershipEpoch": (self.listing or {}).get("epoch", previous.get("membershipEpoch")),
             "members": members,
+            "stages": stages or None,
             "conditions": conds_out,
         }
         return {k: v for k, v in status.items() if v is not None}
+
+    # -- stages >= 1 and their pools
+    def stage_rows(self) -> list[dict[str, Any]]:
+        """status.stages: per stage, its pool and that pool's pods (desired, Ready, joined for the stage)."""
+        cover = pools.coverage(self.pools)
+        rows = []
+        for s in self.t.spec.stages:
+            pool = cover.get(s.id)
+            staying = self.staying(pool) if pool else []
+            row = {"id": s.id, "name": s.name or None, "pool": pool,
+                   "desired": self.pool_of[pool].pool.spec.replicas if pool else 0,
+                   "ready": sum(1 for r in staying if pods.ready(r)),
+                   "registered": sum(1 for r in staying if self.joined(r, s.id))}
+            rows.append({k: v for k, v in row.items() if v is not None})
+        return rows
+
+    def stage_conditions(self, rows: list[dict[str, Any]], stages_ready: bool) -> list[Cond]:
+        uncovered = [row["id"] for row in rows if "pool" not in row]
+        refused = [f"pool {f.name}: {f.problem[1]}" for f in self.pools if f.problem]
+        if uncovered:
+            covered = Cond(STAGES_COVERED, False, R_UNCOVERED,
+                           f"stage {', '.join(map(str, uncovered))} runs in no OmniStagePool: create one with "
+                           f"spec.omniStage {self.t.name} and these spec.stageIds" + "".join(f"; {r}" for r in refused))
+        else:
+            covered = Cond(STAGES_COVERED, True, R_ALL_COVERED,
+                           "; ".join(f"stage {row['id']}: pool {row['pool']}" for row in rows)
+                           + "".join(f"; {r}" for r in refused))
+        if covered.message != _condition(self.previous, STAGES_COVERED).get("message") and not covered.status:
+            self.emit("Warning", R_UNCOVERED, covered.message)
+        waiting = [f"stage {row['id']}: {row['registered']}/{row['desired']} registered, {row['ready']} ready"
+                   for row in rows if not (row["registered"] == row["desired"] == row["ready"] and row["desired"])]
+        ready_cond = Cond(STAGES_READY, stages_ready, R_ALL_STAGES_SERVING if stages_ready else R_STAGES_WAITING,
+                          "; ".join(waiting) or "every stage's replicas are joined on the head")
+        return [covered, ready_cond]
+
+    def pool_statuses(self, at: str) -> None:
+        """Each pool's status, written when it changed (the pass that decides for the pods says it)."""
+        for f in self.pools:
+            status = pool_status(f, self.t, self.staying(f.name), self.member_of, at)
+            if status != (f.obj.get("status") or {}):
+                self.actions.append(PoolStatus(f.name, status))
+
+
+def pool_status(f: pools.Fitted, t: Target | None, staying: list[dict[str, Any]],
+                member_of: Callable[[dict[str, Any], int], dict[str, Any] | None] = lambda pod, stage: None,
+                at: str | None = None) -> dict[str, Any]:
+    """An OmniStagePool's status. `staying`: its pods not on their way out; `member_of(pod, stage)`:
+    the head's listing entry of the pod's replica of that stage."""
+    previous = f.obj.get("status") or {}
+    generation = f.obj["metadata"].get("generation")
+    ids = f.pool.spec.stage_ids if f.pool else []
+    members, registered = [], 0
+    for r in sorted(staying, key=pods.index):
+        listed = {k: member_of(r, k) for k in pods.stage_ids(r)}
+        done = all(mm is not None and mm.get("pod") == pods.name(r) for mm in listed.values())
+        registered += done
+        state = "Joined" if done else ("Joining" if pods.ready(r) else "Pending")
+        member = {"pod": pods.name(r), "ip": pods.ip(r), "state": state,
+                  "replicaIds": {str(k): mm["replicaId"] for k, mm in listed.items() if mm is not None}}
+        members.append({k: v for k, v in member.items() if v is not None})
+    ready_pods = sum(1 for r in staying if pods.ready(r))
+    if f.problem:
+        cond = Cond(READY, False, f.problem[0], f.problem[1])
+    else:
+        desired = f.pool.spec.replicas
+        ok = ready_pods == registered == len(staying) == desired
+        cond = Cond(READY, ok, "AllReplicasServing" if ok else "Waiting",
+                    f"{ready_pods}/{desired} pods ready, {registered} joined on the head for stages "
+                    + ", ".join(map(str, ids)))
+    status = {
+        "observedGeneration": generation,
+        "replicas": len(staying),
+        "readyReplicas": ready_pods,
+        "registeredReplicas": registered,
+        "selector": pool_selector(t, f.name) if t is not None else previous.get("selector", ""),
+        "members": members,
+        "conditions": merge(previous.get("conditions", []), [cond], generation, at or now()),
+    }
+    return {k: v for k, v in status.items() if v is not None}
 
 
 def _is_head_local(m: dict[str, Any], head_ip: str | None) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .render.common import A_HEAD_UID, A_REPLICA_INDEX, A_TEMPLATE_HASH, L_ROLE
+from .render.common import A_HEAD_UID, A_REPLICA_INDEX, A_STAGE_IDS, A_TEMPLATE_HASH, L_POOL, L_ROLE
 
 A_LEAVING = "serving.omnistage.io/leaving"
 
@@ -19,6 +19,17 @@ def uid(pod: dict[str, Any]) -> str:
 
 def role(pod: dict[str, Any]) -> str | None:
     return pod["metadata"].get("labels", {}).get(L_ROLE)
+
+
+def pool(pod: dict[str, Any]) -> str | None:
+    """The OmniStagePool of a pool pod (None: a stage-0 pod)."""
+    return pod["metadata"].get("labels", {}).get(L_POOL)
+
+
+def stage_ids(pod: dict[str, Any]) -> tuple[int, ...]:
+    """The stages a pod runs a replica of: its pool's, as rendered; stage 0 for head and replicas."""
+    ids = annotation(pod, A_STAGE_IDS)
+    return tuple(int(i) for i in ids.split(",")) if ids else (0,)
 
 
 def annotation(pod: dict[str, Any], key: str) -> str | None:

@@ -23,15 +23,15 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from . import act as act_step
-from . import head_client, kube, pods
+from . import api, head_client, kube, pods, pools
 from .act import EmitFn as Emit
 from .head_client import HeadClient, HeadRefused, HeadUnreachable
 from .informer import STATE
 from .metrics import STATUS
-from .plan import Action, EnsureChild, Observed, plan
+from .plan import Action, EnsureChild, Observed, plan, pool_status
 from .plan import Emit as EmitAction
 from .render import render_secret, target_from
-from .render.common import L_ROLE, ROLE_REPLICA, Target
+from .render.common import L_ROLE, ROLE_POOL, ROLE_REPLICA, Target
 from .render.pods import TOKEN_KEY, head_pod_name
 from .validation import InvalidSpec
 
@@ -126,6 +126,7 @@ def reconcile(namespace: str, name: str, emit: Emit | None,
         if obj is None or obj["metadata"].get("deletionTimestamp"):
             act_step.DRAINS.forget(namespace, name)
             STATUS.observe(namespace, name, None)
+            _orphaned_pools(namespace, name)
             return None  # children go with it through their ownerReferences
         emit = emit or emitter(obj)
         try:
@@ -140,6 +141,15 @@ def reconcile(namespace: str, name: str, emit: Emit | None,
             STATE.wrote(kube.patch_status(namespace, name, status, obj.get("status")))
         STATUS.observe(namespace, name, {**status, "desiredReplicas": obj["spec"].get("replicas", 1)})
         return status
+
+
+def _orphaned_pools(namespace: str, name: str) -> None:
+    """Pools naming an OmniStage that does not exist say so (their pods, owned by the OmniStage, went
+    with it)."""
+    for fitted in pools.fit(None, name, STATE.pools.owned(namespace, name)):
+        status = pool_status(fitted, None, [])
+        if status != (fitted.obj.get("status") or {}):
+            STATE.wrote(kube.patch_status(namespace, fitted.name, status, fitted.obj.get("status"), api.POOL_PLURAL))
 
 
 def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
@@ -194,7 +204,8 @@ def _fingerprint(o: Observed, t: Target) -> tuple[Any, ...]:
     children = tuple(sorted((c["kind"], c["metadata"]["name"], _rv(c)) for inf in STATE.children.values()
                             for c in inf.owned(t.namespace, t.name)))
     view = HEADS.get((t.namespace, t.name))
-    return (_rv(o.obj), _rv(o.head), tuple(sorted(_rv(r) or "" for r in o.replicas)), children,
+    return (_rv(o.obj), _rv(o.head), tuple(sorted(_rv(r) or "" for r in o.replicas)),
+            tuple(sorted(_rv(p) or "" for p in o.pools)), children,
             o.head_reachable, tuple(sorted(o.drains.items())), o.problems,
             _head_part(view, o.report, o.listing, o.report_problem, o.listing_problem))
 
@@ -227,7 +238,7 @@ def observe(obj: dict[str, Any], t: Target, token: str,
     if head is not None and pods.ip(head) and not pods.terminating(head):
         client = HeadClient(pods.ip(head), t.spec.engine.http_port, token)
     replicas = tuple(p for p in STATE.pods.owned(t.namespace, t.name)
-                     if (p["metadata"].get("labels") or {}).get(L_ROLE) == ROLE_REPLICA)
+                     if (p["metadata"].get("labels") or {}).get(L_ROLE) in (ROLE_REPLICA, ROLE_POOL))
     report = listing = None
     report_problem = listing_problem = None
     if client is not None and pods.ready(head):
@@ -241,7 +252,8 @@ def observe(obj: dict[str, Any], t: Target, token: str,
             TOKENS.forget(t.namespace, t.name)  # read the Secret again next pass
     return Observed(obj=obj, head=head, replicas=replicas, head_reachable=client is not None, report=report,
                     report_problem=report_problem, listing=listing, listing_problem=listing_problem,
-                    drains=act_step.DRAINS.states(t.namespace, t.name), problems=problems), client
+                    drains=act_step.DRAINS.states(t.namespace, t.name), problems=problems,
+                    pools=tuple(STATE.pools.owned(t.namespace, t.name))), client
 
 
 def _settled(report: dict[str, Any] | None) -> bool:

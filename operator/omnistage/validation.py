@@ -17,9 +17,17 @@ from omnistage_engine_patches import contract
 from pydantic import ValidationError
 
 from . import podtemplate as pt
-from .api import MAX_NAME_LENGTH, OPERATOR_OWNED_FLAGS, OmniStageSpec
+from .api import (
+    CONNECTOR_PORT_SPAN,
+    MAX_NAME_LENGTH,
+    OPERATOR_OWNED_FLAGS,
+    OmniStageSpec,
+    TransportMode,
+    TransportProtocol,
+)
 from .cachemode import SENDER_CACHE_WITH_DYNAMIC_MEMBERSHIP, membership_can_change
 from .known_pipelines import PIPELINES as KNOWN_PIPELINES
+from .known_pipelines import SHIPPED_DEPLOY
 
 # Keys of the rendered stage 0 that carry the cache or the replica count. vllm-omni reads them at
 # the top of a stage and inside its nested blocks (runtime:, engine_args:, engine_extras:), so a
@@ -286,8 +294,8 @@ def _model_volume_one_source(spec: OmniStageSpec) -> bool:
     return mv is None or (mv.pvc is not None) + (mv.host_path is not None) == 1
 
 
-# Pipelines with stages 1..n: the head waits at startup for a replica of every remote stage, and this
-# operator starts none yet, so such a head would never turn Ready. Refused until stages 1..n run here.
+# Pipelines with stages 1..n: the head waits at startup for a replica of every remote stage, so such a
+# pipeline needs spec.stages (and OmniStagePools to run them).
 MULTI_STAGE_PIPELINES = sorted(key for key, stages in KNOWN_PIPELINES.items() if len(stages) > 1)
 SINGLE_STAGE_EXAMPLES = ("qwen3_omni_moe_thinker_only", "qwen2_5_omni_thinker_only", "ming_flash_omni_thinker_only")
 
@@ -297,11 +305,12 @@ _FLAGS_INSTEAD = ("the operator renders them: set spec.cache for the multimodal 
 SPEC_RULES = [
     Rule(
         ".pipeline",
-        "!has(self.pipeline) || !(self.pipeline in [" + ", ".join(f"'{p}'" for p in MULTI_STAGE_PIPELINES) + "])",
+        "!has(self.pipeline) || !(self.pipeline in [" + ", ".join(f"'{p}'" for p in MULTI_STAGE_PIPELINES) + "])"
+        " || (has(self.stages) && size(self.stages) > 0)",
         "spec.pipeline names a multi-stage vllm-omni pipeline (stages after stage 0, e.g. qwen3_omni_moe: thinker, "
-        "talker, code2wav); this operator runs stage 0 only, and the head would wait for the other stages forever. "
-        "Use a single-stage pipeline such as " + ", ".join(SINGLE_STAGE_EXAMPLES),
-        _unless(lambda s: s.pipeline not in MULTI_STAGE_PIPELINES),
+        "talker, code2wav) and the head waits for every stage at startup: list stages 1..n-1 in spec.stages and run "
+        "them with OmniStagePools, or use a single-stage pipeline such as " + ", ".join(SINGLE_STAGE_EXAMPLES),
+        _unless(lambda s: s.pipeline not in MULTI_STAGE_PIPELINES or bool(s.stages)),
     ),
     Rule(
         ".cache.mode",
@@ -449,6 +458,80 @@ SPEC_RULES = [
     ),
 ]
 
+# ---- spec.stages and spec.transport (multi-stage pipelines) ------------------------------------------
+# Checked by the operator alone: they read the known-pipelines table, which CEL cannot.
+
+
+def multi_stage_problems(spec: OmniStageSpec) -> list[tuple[str, str]]:
+    if not spec.stages:
+        return []  # a multi-stage spec.pipeline without stages is the .pipeline rule's
+    problem = _pipeline_problem(spec.pipeline)
+    if problem:
+        return [("spec.pipeline", problem)]
+    return stage_id_problems(spec.pipeline, [s.id for s in spec.stages]) + _stage_name_problems(spec) \
+        + _stage_override_problems(spec) + transport_problems(spec)
+
+
+def _pipeline_problem(pipeline: str | None) -> str | None:
+    renders = ", ".join(SHIPPED_DEPLOY)
+    if pipeline is None:
+        return f"spec.stages needs a multi-stage pipeline here; multi-stage pipelines the operator runs: {renders}"
+    if pipeline not in KNOWN_PIPELINES:
+        return f"{pipeline!r} is not a vllm-omni pipeline; use a registered key such as {renders}"
+    if len(KNOWN_PIPELINES[pipeline]) < 2:
+        return f"{pipeline!r} has only stage 0; remove spec.stages"
+    if pipeline not in SHIPPED_DEPLOY:
+        return f"the operator does not run {pipeline!r} across pods yet; multi-stage pipelines it runs: {renders}"
+    return None
+
+
+def stage_id_problems(pipeline: str, ids: list[int]) -> list[tuple[str, str]]:
+    """One entry per remote stage, ids 1..n-1 in order: the operator runs pods for each, and the head
+    waits for every one of them at startup."""
+    names = KNOWN_PIPELINES[pipeline]
+    remote = list(range(1, len(names)))
+    wanted = f"list stages {remote[0]}..{remote[-1]} ({', '.join(names[1:])}) once each, in order"
+    problems = []
+    for i, stage_id in enumerate(ids):
+        if stage_id not in remote:
+            problems.append((f"spec.stages[{i}].id",
+                             f"{pipeline} has no stage {stage_id} after stage 0 (stages 0..{len(names) - 1}); {wanted}"))
+    if not problems and ids != remote:
+        problems.append(("spec.stages", f"got stage ids {', '.join(map(str, ids)) or 'none'}; {wanted}"))
+    return problems
+
+
+def _stage_name_problems(spec: OmniStageSpec) -> list[tuple[str, str]]:
+    names = KNOWN_PIPELINES[spec.pipeline]
+    return [(f"spec.stages[{i}].name", f"{spec.pipeline} calls stage {s.id} {names[s.id]!r}; use that or leave it out")
+            for i, s in enumerate(spec.stages) if s.name is not None and s.id < len(names) and s.name != names[s.id]]
+
+
+def _stage_override_problems(spec: OmniStageSpec) -> list[tuple[str, str]]:
+    message = ("must not set " + ", ".join(OPERATOR_OWNED_STAGE_KEYS) + " or the operator's variables at any depth: "
+               "the operator renders each stage's replicas and ids")
+    return [(f"spec.stages[{i}].engine.stageOverrides{path}", message)
+            for i, s in enumerate(spec.stages) for path, key in _walk(s.engine.stage_overrides) if _owned_stage_key(key)]
+
+
+def transport_problems(spec: OmniStageSpec) -> list[tuple[str, str]]:
+    transport, problems = spec.transport, []
+    if transport is None:
+        return []
+    if transport.mode == TransportMode.SAME_NODE and transport.protocol == TransportProtocol.RDMA:
+        problems.append(("spec.transport.protocol", ("rdma needs mode network (sameNode moves data through /dev/shm); "
+                                                    "set mode network or protocol tcp")))
+    base, last = transport.base_port, transport.base_port + CONNECTOR_PORT_SPAN - 1
+    for name, port in (("httpPort", spec.engine.http_port), ("masterPort", spec.engine.master_port)):
+        if base <= port <= last:
+            problems.append(("spec.transport.basePort",
+                             f"the connectors' ports {base}..{last} hold spec.engine.{name} {port}; move basePort off it"))
+    problems += [(f"spec.transport.env[{i}].name", "is the operator's (" + ", ".join(_OWNED_ENV_NAMES)
+                  + f", {OWNED_ENV_PREFIX}*); remove it")
+                 for i, e in enumerate(transport.env) if _owned_env(e.name)]
+    return problems
+
+
 NAME_RULE_CEL = f"self.metadata.name.size() <= {MAX_NAME_LENGTH}"
 NAME_RULE_MESSAGE = f"metadata.name must be at most {MAX_NAME_LENGTH} characters so the child object names fit"
 
@@ -484,6 +567,8 @@ def validate_omnistage(obj: dict[str, Any]) -> OmniStageSpec:
         raise InvalidSpec(problems + _pydantic_problems(err)) from None
     problems += _template_schema_problems(spec)
     problems += [(f"spec{r.field}{part}", r.message) for r in SPEC_RULES for part in r.broken(spec)]
+    if not problems:
+        problems += multi_stage_problems(spec)
     if problems:
         raise InvalidSpec(problems)
     return spec

@@ -31,9 +31,9 @@ pytest.importorskip(
 )
 
 import yaml
-from omnistage.api import DEFAULT_ENGINE_IMAGE
-from omnistage.render import target_from
-from omnistage.render.stages import NIXL, StageEngine, Transport, TransportMode, render_pipeline_deploy_config
+from omnistage.api import DEFAULT_ENGINE_IMAGE, TransportMode
+from omnistage.render import render_deploy_config, target_from
+from omnistage.render.stages import NIXL
 from pydantic import ValidationError
 from vllm_omni.config.resolver import resolve_omni_config
 from vllm_omni.distributed.omni_connectors.utils.config import ConnectorSpec
@@ -47,15 +47,15 @@ from vllm_omni.engine.stage_init_utils import get_stage_connector_spec, load_omn
 ROOT = Path(__file__).resolve().parents[2]
 PIPELINE = "qwen3_omni_moe"
 MODEL_STAGES = {0: "thinker", 1: "talker", 2: "code2wav"}
-STAGES = [StageEngine(1, gpu_memory_utilization=0.8, max_num_seqs=32), StageEngine(2)]
+STAGES = [{"id": 1, "engine": {"gpuMemoryUtilization": 0.8, "maxNumSeqs": 32}}, {"id": 2}]
 # One loopback "pod IP" per stage; never dialled.
 POD_IP = {0: "127.0.31.10", 1: "127.0.31.11", 2: "127.0.31.12"}
 
 
 def render(mode: str, base_port: int = 42000) -> dict:
     sample = yaml.safe_load((ROOT / "manifests/samples/omnistage.yaml").read_text())
-    t = target_from(sample, default_image=DEFAULT_ENGINE_IMAGE)
-    return render_pipeline_deploy_config(t, PIPELINE, STAGES, Transport(mode=mode, base_port=base_port))
+    sample["spec"].update(pipeline=PIPELINE, stages=STAGES, transport={"mode": str(mode), "basePort": base_port})
+    return render_deploy_config(target_from(sample, default_image=DEFAULT_ENGINE_IMAGE))
 
 
 @pytest.fixture(scope="module")

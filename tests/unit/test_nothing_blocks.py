@@ -96,14 +96,14 @@ def test_a_30s_drain_does_not_block_the_reconcile_pass(monkeypatch):
     drains.on_done = lambda ns, name: finished.append((ns, name))
     calls = []
 
-    def slow_leave(client, replica_id, drain_seconds):
+    def slow_leave(client, replica_id, drain_seconds, stage=0):
         calls.append((replica_id, drain_seconds))
         release.wait(10)  # stands in for the head draining for up to drain_seconds
         return {"drained": True}
 
     monkeypatch.setattr(act_module.head_client, "leave", slow_leave)
     start = time.monotonic()
-    leave = StartLeave("r-2", "uid-r2", 2, 30)
+    leave = StartLeave("r-2", "uid-r2", ((0, 2),), 30)
     problems = act("ns", [Annotate("r-2", {"serving.omnistage.io/leaving": "ScaledDown"}), leave], HEAD,
                    lambda *e: events.append(e), "ost", drains=drains)
     took = time.monotonic() - start
@@ -121,11 +121,11 @@ def test_a_30s_drain_does_not_block_the_reconcile_pass(monkeypatch):
 def test_a_leave_the_head_cannot_take_is_recorded_failed(monkeypatch):
     drains, events = Drains(workers=1), []
 
-    def unreachable(client, replica_id, drain_seconds):
+    def unreachable(client, replica_id, drain_seconds, stage=0):
         raise HeadUnreachable("leave at head: timed out")
 
     monkeypatch.setattr(act_module.head_client, "leave", unreachable)
-    act("ns", [StartLeave("r-2", "uid-r2", 2, 30)], HEAD, lambda *e: events.append(e), "ost", drains=drains)
+    act("ns", [StartLeave("r-2", "uid-r2", ((0, 2),), 30)], HEAD, lambda *e: events.append(e), "ost", drains=drains)
     assert wait(lambda: drains.states("ns", "ost") == {"uid-r2": DRAIN_FAILED})
     assert events[0][:2] == ("Warning", "LeaveFailed")
 
@@ -138,7 +138,7 @@ def test_many_slow_drains_leave_the_reconcile_workers_free(monkeypatch):
     passes = []
 
     def work(ns, name):
-        act(ns, [StartLeave(f"{name}-r", f"uid-{name}", 1, 30)], HEAD, lambda *e: None, name, drains=drains)
+        act(ns, [StartLeave(f"{name}-r", f"uid-{name}", ((0, 1),), 30)], HEAD, lambda *e: None, name, drains=drains)
         passes.append(name)
 
     q = WorkQueue(work, workers=2)

@@ -152,9 +152,9 @@ def test_scale_down_starts_drains_of_the_newest_and_deletes_nothing_yet():
     t, o = situation(2, pods_=lambda t: [replica(t, 1), replica(t, 2), replica(t, 3)])
     actions, status = plan(t, o, AT)
     leaves = of(actions, StartLeave)
-    assert [(a.pod, a.replica_id, a.drain_seconds) for a in leaves] == [
-        ("qwen3-omni-replica-3", 3, t.spec.engine.drain_timeout_seconds),
-        ("qwen3-omni-replica-2", 2, t.spec.engine.drain_timeout_seconds)]
+    assert [(a.pod, a.leaves, a.drain_seconds) for a in leaves] == [
+        ("qwen3-omni-replica-3", ((0, 3),), t.spec.engine.drain_timeout_seconds),
+        ("qwen3-omni-replica-2", ((0, 2),), t.spec.engine.drain_timeout_seconds)]
     assert {a.name for a in of(actions, Annotate)} == {"qwen3-omni-replica-2", "qwen3-omni-replica-3"}
     assert of(actions, DeletePod) == []  # the pods stay until their drain is over
     assert [m["state"] for m in status["members"]] == ["Joined", "Leaving", "Leaving"]
@@ -186,7 +186,7 @@ def test_a_draining_replica_is_finished_on_a_later_pass(drain, expect):
         assert leaving == [DeletePod("qwen3-omni-replica-2", "uid-r2", "ScaledDown",
                                      "deleted replica pod qwen3-omni-replica-2: spec.replicas is 2")]
     else:  # an operator restarted mid-drain: the annotation says a leave was decided, tell the head again
-        assert leaving == [StartLeave("qwen3-omni-replica-2", "uid-r2", 2, t.spec.engine.drain_timeout_seconds)]
+        assert leaving == [StartLeave("qwen3-omni-replica-2", "uid-r2", ((0, 2),), t.spec.engine.drain_timeout_seconds)]
     assert of(actions, CreatePod) == []  # the leaving pod is not replaced: spec.replicas is met
     states = [m["state"] for m in status["members"]]
     assert states == (["Joined"] if expect == "delete" else ["Joined", "Leaving"])

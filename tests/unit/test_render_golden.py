@@ -4,7 +4,8 @@ import os
 
 import pytest
 import yaml
-from omnistage.api import DEFAULT_ENGINE_IMAGE
+from omnistage.api import DEFAULT_ENGINE_IMAGE, KIND, POOL_KIND
+from omnistage.cli import runnable_pools
 from omnistage.render import render_children, target_from
 from omnistage.yamlio import dump_all
 
@@ -16,15 +17,17 @@ TOKEN, HEAD_IP, HEAD_UID = "golden-token", "127.77.0.10", "00000000-0000-0000-00
 
 
 def render_scenario(name: str) -> str:
-    obj = yaml.safe_load((ROOT / f"tests/unit/scenarios/{name}.yaml").read_text())
+    docs = list(yaml.safe_load_all((ROOT / f"tests/unit/scenarios/{name}.yaml").read_text()))
+    [obj] = [d for d in docs if d["kind"] == KIND]
     t = target_from(obj, default_image=DEFAULT_ENGINE_IMAGE)
+    pools = runnable_pools(t, [d for d in docs if d["kind"] == POOL_KIND])
     header = f"# scenario {name}: effective cache mode {t.cache.mode} ({t.cache.reason})\n"
-    return header + dump_all(render_children(t, TOKEN, HEAD_IP, HEAD_UID).all())
+    return header + dump_all(render_children(t, TOKEN, HEAD_IP, HEAD_UID, pools).all())
 
 
 def test_all_scenarios_present():
     assert set(SCENARIOS) >= {"static-single", "two-replicas", "dynamic-one", "cache-disabled", "text-only",
-                              "custom-placement", "pod-template"}
+                              "custom-placement", "pod-template", "speech-network", "speech-same-node"}
 
 
 @pytest.mark.parametrize("name", SCENARIOS)

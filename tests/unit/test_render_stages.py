@@ -1,23 +1,19 @@
-"""The whole pipeline's deploy config (render/stages.py): every stage of qwen3_omni_moe from vllm-omni's
-shipped deploy YAML (the generated table in known_pipelines.py), stage 0 as today's renderer makes it,
-each remote stage waited for once, NIXL or the shipped SHM connector on every edge. Goldens regenerate
-with `make golden`; tests/engine/test_stage_config.py feeds the same renders to vllm-omni's parsers."""
+"""The whole pipeline's deploy config (render/stages.py, from spec.stages and spec.transport): every
+stage of qwen3_omni_moe from vllm-omni's shipped deploy YAML (the generated table in
+known_pipelines.py), stage 0 as today's renderer makes it, each remote stage waited for once, NIXL or
+the shipped SHM connector on every edge; and validation's multi-stage rules with their messages.
+Goldens regenerate with `make golden`; tests/engine/test_stage_config.py feeds the same renders to
+vllm-omni's parsers."""
 
 import copy
 import os
 
 import pytest
 import yaml
-from omnistage.api import DEFAULT_ENGINE_IMAGE
+from omnistage.api import DEFAULT_ENGINE_IMAGE, TransportMode
 from omnistage.known_pipelines import SHIPPED_DEPLOY
 from omnistage.render import render_deploy_config, target_from
-from omnistage.render.stages import (
-    NIXL,
-    StageEngine,
-    Transport,
-    TransportMode,
-    render_pipeline_deploy_config,
-)
+from omnistage.render.stages import NIXL
 from omnistage.validation import InvalidSpec
 
 from .conftest import ROOT, SAMPLE
@@ -25,8 +21,12 @@ from .conftest import ROOT, SAMPLE
 GOLDEN = ROOT / "tests/unit/golden"
 PIPELINE = "qwen3_omni_moe"
 # Stage 1 (talker) with its own engine settings; stage 2 (code2wav) keeps the shipped ones.
-STAGES = [StageEngine(1, gpu_memory_utilization=0.8, max_num_seqs=32), StageEngine(2)]
+STAGES = [{"id": 1, "engine": {"gpuMemoryUtilization": 0.8, "maxNumSeqs": 32}}, {"id": 2}]
 BASE_PORT = 42000
+
+
+def stage(i, **engine):
+    return {"id": i, "engine": engine} if engine else {"id": i}
 
 
 def target(**spec):
@@ -35,9 +35,11 @@ def target(**spec):
     return target_from(obj, default_image=DEFAULT_ENGINE_IMAGE)
 
 
-def render(mode=TransportMode.NETWORK, stages=STAGES, pipeline=PIPELINE, t=None, **transport):
-    return render_pipeline_deploy_config(t or target(), pipeline, stages,
-                                         Transport(mode=mode, **{"base_port": BASE_PORT, **transport}))
+def render(mode=TransportMode.NETWORK, stages=STAGES, pipeline=PIPELINE, engine=None, **transport):
+    spec = {"pipeline": pipeline, "stages": stages, "transport": {"mode": str(mode), "basePort": BASE_PORT, **transport}}
+    if engine is not None:
+        spec["engine"] = engine
+    return render_deploy_config(target(**spec))
 
 
 def by_id(config):
@@ -71,9 +73,9 @@ def test_every_stage_once_remote_ones_waited_for_once(mode):
 
 
 def test_stage0_is_todays_stage0_over_the_shipped_one():
-    t = target(engine={"gpuMemoryUtilization": 0.85, "maxNumSeqs": 16, "stageOverrides": {"max_num_batched_tokens": 8192}})
-    today = render_deploy_config(t)["stages"][0]
-    stage0 = by_id(render(t=t))[0]
+    engine = {"gpuMemoryUtilization": 0.85, "maxNumSeqs": 16, "stageOverrides": {"max_num_batched_tokens": 8192}}
+    today = render_deploy_config(target(engine=engine))["stages"][0]
+    stage0 = by_id(render(engine=engine))[0]
     assert today.items() <= stage0.items()
     shipped = SHIPPED_DEPLOY[PIPELINE]["config"]["stages"][0]
     assert stage0["default_sampling_params"] == shipped["default_sampling_params"]
@@ -82,8 +84,8 @@ def test_stage0_is_todays_stage0_over_the_shipped_one():
 
 def test_remote_stage_settings_override_the_shipped_ones_and_unset_ones_keep_them():
     shipped = {s["stage_id"]: s for s in SHIPPED_DEPLOY[PIPELINE]["config"]["stages"]}
-    stages = by_id(render(stages=[StageEngine(1, gpu_memory_utilization=0.8, tensor_parallel_size=2,
-                                              stage_overrides={"enforce_eager": True}), StageEngine(2)]))
+    stages = by_id(render(stages=[stage(1, gpuMemoryUtilization=0.8, tensorParallelSize=2,
+                                        stageOverrides={"enforce_eager": True}), stage(2)]))
     assert stages[1]["gpu_memory_utilization"] == 0.8 and stages[1]["tensor_parallel_size"] == 2
     assert stages[1]["devices"] == "0,1" and stages[1]["enforce_eager"] is True
     assert stages[1]["max_num_seqs"] == shipped[1]["max_num_seqs"]
@@ -143,7 +145,19 @@ def test_an_unknown_pipeline_is_refused():
 
 def test_a_single_stage_pipeline_is_refused():
     [(field, message)] = problems(pipeline="qwen3_omni_moe_thinker_only")
-    assert field == "spec.pipeline" and "without spec.stages" in message
+    assert field == "spec.pipeline" and "has only stage 0; remove spec.stages" in message
+
+
+def test_stages_need_a_pipeline():
+    [(field, message)] = problems(pipeline=None)
+    assert field == "spec.pipeline" and "spec.stages needs a multi-stage pipeline" in message
+
+
+def test_a_multi_stage_pipeline_needs_its_stages():
+    with pytest.raises(InvalidSpec) as err:
+        target(pipeline=PIPELINE)
+    [(field, message)] = err.value.problems
+    assert field == "spec.pipeline" and "list stages 1..n-1 in spec.stages and run them with OmniStagePools" in message
 
 
 def test_a_multi_stage_pipeline_without_a_shipped_table_entry_is_refused():
@@ -153,32 +167,43 @@ def test_a_multi_stage_pipeline_without_a_shipped_table_entry_is_refused():
 
 
 def test_an_unknown_stage_id_is_refused():
-    [(field, message)] = problems(stages=[StageEngine(1), StageEngine(3)])
-    assert field == "spec.stages[1].stageId"
+    [(field, message)] = problems(stages=[stage(1), stage(3)])
+    assert field == "spec.stages[1].id"
     assert "qwen3_omni_moe has no stage 3" in message and "list stages 1..2 (talker, code2wav)" in message
 
 
 def test_stage_0_belongs_to_spec_engine():
-    [(field, message)] = problems(stages=[StageEngine(0), StageEngine(1), StageEngine(2)])
-    assert field == "spec.stages[0].stageId" and "set by spec.engine" in message
+    [(field, message)] = problems(stages=[stage(0), stage(1), stage(2)])
+    assert field == "spec.stages.0.id" and "greater than or equal to 1" in message
 
 
-@pytest.mark.parametrize("ids", [[2], [1], [2, 1], [1, 1, 2], []])
-def test_missing_repeated_or_unordered_stage_ids_are_refused(ids):
-    [(field, message)] = problems(stages=[StageEngine(i) for i in ids])
+@pytest.mark.parametrize("ids", [[2], [1], [2, 1], [1, 2, 2]])
+def test_missing_or_unordered_stage_ids_are_refused(ids):
+    [(field, message)] = problems(stages=[stage(i) for i in ids])
     assert field == "spec.stages"
-    assert f"got stage ids {', '.join(map(str, ids)) or 'none'}; list stages 1..2" in message
+    assert f"got stage ids {', '.join(map(str, ids))}; list stages 1..2" in message
     assert "once each, in order" in message
 
 
+def test_a_stage_name_must_be_the_pipelines():
+    [(field, message)] = problems(stages=[{"id": 1, "name": "speaker"}, {"id": 2, "name": "code2wav"}])
+    assert field == "spec.stages[0].name" and "qwen3_omni_moe calls stage 1 'talker'" in message
+
+
+def test_a_stage_override_may_not_set_the_operators_keys():
+    [(field, message)] = problems(stages=[stage(1, stageOverrides={"runtime": {"num_replicas": 4}}), stage(2)])
+    assert field == "spec.stages[0].engine.stageOverrides.runtime.num_replicas" and "num_replicas" in message
+
+
 @pytest.mark.parametrize("transport, field, fragment", [
-    ({"mode": "cluster"}, "spec.transport.mode", "'cluster': use one of network, sameNode"),
-    ({"protocol": "udp"}, "spec.transport.protocol", "'udp': use one of tcp, rdma"),
+    ({"mode": "cluster"}, "spec.transport.mode", "Input should be 'network' or 'sameNode'"),
+    ({"protocol": "udp"}, "spec.transport.protocol", "Input should be 'tcp' or 'rdma'"),
     ({"mode": "sameNode", "protocol": "rdma"}, "spec.transport.protocol", "set mode network or protocol tcp"),
-    ({"base_port": 80}, "spec.transport.basePort", "80: use 1024..64512"),
-    ({"base_port": 65000}, "spec.transport.basePort", "65000: use 1024..64512"),
-    ({"base_port": 7900}, "spec.transport.basePort", "7900..8923 hold spec.engine.httpPort 8000"),
-    ({"base_port": 24500}, "spec.transport.basePort", "hold spec.engine.masterPort 25000"),
+    ({"basePort": 80}, "spec.transport.basePort", "greater than or equal to 1024"),
+    ({"basePort": 65000}, "spec.transport.basePort", "less than or equal to 64512"),
+    ({"basePort": 7900}, "spec.transport.basePort", "7900..8923 hold spec.engine.httpPort 8000"),
+    ({"basePort": 24500}, "spec.transport.basePort", "hold spec.engine.masterPort 25000"),
+    ({"env": [{"name": "OMNISTAGE_CONNECTOR_PORTS", "value": "x"}]}, "spec.transport.env[0].name", "is the operator's"),
 ])
 def test_an_invalid_transport_is_refused(transport, field, fragment):
     [(got_field, message)] = problems(**transport)
@@ -186,5 +211,5 @@ def test_an_invalid_transport_is_refused(transport, field, fragment):
 
 
 def test_every_problem_is_reported_at_once():
-    fields = [f for f, _ in problems(stages=[StageEngine(5)], mode="x", base_port=1)]
-    assert fields == ["spec.stages[0].stageId", "spec.transport.mode", "spec.transport.basePort"]
+    fields = [f for f, _ in problems(stages=[stage(5)], basePort=7900)]
+    assert fields == ["spec.stages[0].id", "spec.transport.basePort"]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .common import Target
+from .common import Pool, Target
 from .config import render_configmap
 from .network import render_api_service, render_master_service, render_network_policy, render_secret
-from .pods import render_head_pod, render_replica_pod
+from .pods import render_head_pod, render_pool_pod, render_replica_pod
 
 
 @dataclass
@@ -20,17 +21,21 @@ class ChildSet:
     network_policy: dict[str, Any]
     head: dict[str, Any]
     replicas: list[dict[str, Any]] = field(default_factory=list)
+    pool_pods: list[dict[str, Any]] = field(default_factory=list)
 
     def all(self) -> list[dict[str, Any]]:
         return [self.configmap, self.secret, self.api_service, self.master_service, self.network_policy,
-                self.head, *self.replicas]
+                self.head, *self.replicas, *self.pool_pods]
 
 
-def render_children(t: Target, token: str, head_ip: str, head_uid: str) -> ChildSet:
-    """Replica pods need the head's IP and UID, which exist only once the head pod does; the
-    reconcile loop renders them later, `omnistage render` passes placeholders."""
+def render_children(t: Target, token: str, head_ip: str, head_uid: str, pools: Sequence[Pool] = ()) -> ChildSet:
+    """Replica and pool pods need the head's IP and UID, which exist only once the head pod does; the
+    reconcile loop renders them later, `omnistage render` passes placeholders. `pools`: the
+    OmniStagePools that run stages 1..n-1 (pools.fit has checked them)."""
     replicas = [render_replica_pod(t, i, head_ip, head_uid) for i in range(1, t.spec.replicas)] \
         if t.distributed else []
+    pool_pods = [render_pool_pod(t, pool, i, head_ip, head_uid) for pool in pools
+                 for i in range(1, pool.spec.replicas + 1)]
     return ChildSet(
         configmap=render_configmap(t),
         secret=render_secret(t, token),
@@ -39,4 +44,5 @@ def render_children(t: Target, token: str, head_ip: str, head_uid: str) -> Child
         network_policy=render_network_policy(t),
         head=render_head_pod(t),
         replicas=replicas,
+        pool_pods=pool_pods,
     )

@@ -5,7 +5,16 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from .common import ROLE_HEAD, ROLE_REPLICA, Target, metadata, selector_labels
+from .common import (
+    ENGINE_COMPONENTS,
+    L_COMPONENT,
+    L_OMNISTAGE,
+    ROLE_HEAD,
+    ROLE_REPLICA,
+    Target,
+    metadata,
+    selector_labels,
+)
 from .pods import TOKEN_KEY
 
 
@@ -37,15 +46,28 @@ def render_master_service(t: Target) -> dict[str, Any]:
 
 def render_network_policy(t: Target) -> dict[str, Any]:
     """The head binds its coordinator and three sockets per replica on random ports, so replicas
-    need every TCP port of the head; everyone else gets only the HTTP port."""
+    need every TCP port of the head; everyone else gets only the HTTP port.
+
+    With spec.stages every engine pod of the OmniStage (head, replicas, pool pods) takes every TCP
+    port from every other: each producing stage replica listens for its consumers (the connectors'
+    zmq ports and UCX's own listeners), and the listeners are unauthenticated, so this policy is
+    their only fence."""
+    if t.spec.stages:
+        def engines() -> dict[str, Any]:  # a fresh dict each time: one object twice would dump as a YAML alias
+            return {"matchLabels": {L_OMNISTAGE: t.name},
+                    "matchExpressions": [{"key": L_COMPONENT, "operator": "In", "values": list(ENGINE_COMPONENTS)}]}
+        selected, peers = engines(), [{"podSelector": engines()}]
+    else:
+        selected = {"matchLabels": selector_labels(t, ROLE_HEAD)}
+        peers = [{"podSelector": {"matchLabels": selector_labels(t, ROLE_REPLICA)}}]
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": metadata(t, t.child_name("head-engine")),
         "spec": {
-            "podSelector": {"matchLabels": selector_labels(t, ROLE_HEAD)},
+            "podSelector": selected,
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [{"podSelector": {"matchLabels": selector_labels(t, ROLE_REPLICA)}}]},
+                {"from": peers},
                 {"ports": [{"port": t.spec.engine.http_port, "protocol": "TCP"}]},
             ],
         },

@@ -3,12 +3,13 @@ replica leaves and tells the engine before deleting it."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from omnistage_engine_patches import contract
 
 from .. import podtemplate
-from ..api import EnvVar
+from ..api import EnvVar, GpuSpec, PlacementSpec, TransportMode, TransportProtocol
 from ..podtemplate import (
     CACHE_DIR,
     CONFIG_DIR,
@@ -27,9 +28,14 @@ from .common import (
     A_CONFIG_HASH,
     A_HEAD_UID,
     A_REPLICA_INDEX,
+    A_STAGE_IDS,
     A_TEMPLATE_HASH,
+    L_OMNISTAGE,
+    L_ROLE,
     ROLE_HEAD,
+    ROLE_POOL,
     ROLE_REPLICA,
+    Pool,
     Target,
     config_hash,
     content_hash,
@@ -37,6 +43,7 @@ from .common import (
     metadata,
 )
 from .config import CONFIG_PATH, deploy_yaml
+from .stages import transport
 
 TOKEN_KEY = "token"
 # Host CPU and memory each engine container requests per GPU it holds (spec.template overrides
@@ -50,6 +57,15 @@ CPU_REQUEST_PER_GPU = 8
 MEMORY_REQUEST_GIB_PER_GPU = 64
 # vLLM loads only allow-listed plugins when VLLM_PLUGINS is set; vllm-omni's own entry must stay in.
 VLLM_PLUGINS = f"vllm_omni_register_models,{contract.GENERAL_PLUGIN},{contract.ENDPOINT_PLUGIN}"
+# A pool pod runs one headless `vllm serve --stage-id K` per stage under this supervisor (in the
+# engine plugin's package), which exits when any of them exits: the pod then fails and is replaced.
+STAGE_SUPERVISOR = ["python3", "-m", "omnistage_engine_patches.stages"]
+# UCX over TCP unless the transport's env says otherwise: sm and self for the stages sharing a pod.
+UCX_TLS_TCP = "tcp,sm,self"
+# sameNode: the host directory every engine pod of an OmniStage mounts as /dev/shm, so the
+# SharedMemoryConnector's POSIX shm names resolve to the same files in every pod.
+SAME_NODE_SHM_ROOT = "/dev/shm/omnistage"
+HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 
 
 def head_pod_name(t: Target) -> str:
@@ -83,7 +99,25 @@ def _env(t: Target, role: str) -> list[dict[str, Any]]:
             # A replica gets traffic only once the operator has joined it, i.e. once the engine's
             # report proved the cache guarantee (CacheConsistent).
             env.append({"name": contract.ROUTE_JOINED_ONLY_ENV, "value": "1"})
-    return env + [_user_env(v) for v in t.spec.engine.env]
+    return env + _transport_env(t) + [_user_env(v) for v in t.spec.engine.env]
+
+
+def _transport_env(t: Target) -> list[dict[str, Any]]:
+    """Every engine pod of a multi-stage pipeline: connector ports without the replica term (each
+    pod has its own network namespace; the head computes its replicas' ports the same way), and
+    the transport's UCX settings."""
+    if not t.spec.stages:
+        return []
+    tr = transport(t)
+    env = [{"name": contract.CONNECTOR_PORTS_ENV, "value": contract.PORTS_PER_POD}]
+    if tr.mode == TransportMode.NETWORK and tr.protocol == TransportProtocol.TCP \
+            and all(v.name != "UCX_TLS" for v in tr.env):
+        env.append({"name": "UCX_TLS", "value": UCX_TLS_TCP})
+    return env + [_user_env(v) for v in tr.env]
+
+
+def same_node(t: Target) -> bool:
+    return bool(t.spec.stages) and transport(t).mode == TransportMode.SAME_NODE
 
 
 def _user_env(v: EnvVar) -> dict[str, Any]:
@@ -113,10 +147,20 @@ def _replica_args(t: Target, head_ip: str) -> list[str]:
             "--omni-replica-address", f"$({POD_IP_ENV})", "--worker-backend", "multi_process"] + list(e.extra_args)
 
 
+def _pool_args(t: Target, pool: Pool, head_ip: str) -> list[str]:
+    """The supervisor's: the stage ids, then the command it runs once per stage with --stage-id K."""
+    e = t.spec.engine
+    ids = [a for k in pool.spec.stage_ids for a in ("--stage-id", str(k))]
+    return ids + ["--", "vllm", "serve", t.spec.model, "--omni", "--headless", "--deploy-config", CONFIG_PATH,
+                  "--omni-master-address", head_ip, "--omni-master-port", str(e.master_port),
+                  "--omni-replica-address", f"$({POD_IP_ENV})", "--worker-backend", "multi_process"] + list(e.extra_args)
+
+
 def _volumes(t: Target, role: str) -> tuple[list[dict], list[dict]]:
     volumes = [
         {"name": V_CONFIG, "configMap": {"name": t.child_name("config")}},
-        {"name": V_SHM, "emptyDir": {"medium": "Memory", "sizeLimit": t.spec.shm_size}},
+        {"name": V_SHM, "hostPath": {"path": f"{SAME_NODE_SHM_ROOT}/{t.namespace}/{t.name}", "type": "DirectoryOrCreate"}}
+        if same_node(t) else {"name": V_SHM, "emptyDir": {"medium": "Memory", "sizeLimit": t.spec.shm_size}},
         {"name": V_CACHE, "emptyDir": {}},
     ]
     mounts = [
@@ -138,19 +182,22 @@ def _volumes(t: Target, role: str) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
-def _pod_spec(t: Target, role: str, args: list[str]) -> dict[str, Any]:
+def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None) -> dict[str, Any]:
     s = t.spec
+    gpu: GpuSpec = pool.spec.gpu if pool else s.gpu
+    placement: PlacementSpec = pool.spec.placement if pool else s.placement
+    drain = pool.spec.drain_timeout_seconds if pool else s.engine.drain_timeout_seconds
     volumes, mounts = _volumes(t, role)
     container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": t.engine_image,
-        "command": ["vllm"],
+        "command": STAGE_SUPERVISOR if role == ROLE_POOL else ["vllm"],
         "args": args,
         "env": _env(t, role),
         "resources": {
-            "limits": {s.gpu.resource: str(s.gpu.count)},
-            "requests": {"cpu": str(CPU_REQUEST_PER_GPU * s.gpu.count),
-                         "memory": f"{MEMORY_REQUEST_GIB_PER_GPU * s.gpu.count}Gi"},
+            "limits": {gpu.resource: str(gpu.count)},
+            "requests": {"cpu": str(CPU_REQUEST_PER_GPU * gpu.count),
+                         "memory": f"{MEMORY_REQUEST_GIB_PER_GPU * gpu.count}Gi"},
         },
         "volumeMounts": mounts,
     }
@@ -169,39 +216,55 @@ def _pod_spec(t: Target, role: str, args: list[str]) -> dict[str, Any]:
         container["readinessProbe"] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
                                        "failureThreshold": 3}
         container["livenessProbe"] = {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 6}
-    tolerations = [_gpu_toleration(t), *s.placement.tolerations]
+    tolerations = [_gpu_toleration(gpu), *placement.tolerations]
     spec: dict[str, Any] = {
-        "restartPolicy": "Never" if role == ROLE_REPLICA else "Always",
+        "restartPolicy": "Always" if role == ROLE_HEAD else "Never",
         "containers": [container],
         "volumes": volumes,
-        "nodeSelector": {s.gpu.product_label: s.gpu.product, **s.placement.node_selector},
+        "nodeSelector": {gpu.product_label: gpu.product, **placement.node_selector},
         "tolerations": tolerations,
         # Room for vLLM's own drain after the operator's leave has already drained the replica.
-        "terminationGracePeriodSeconds": s.engine.drain_timeout_seconds + 30,
+        "terminationGracePeriodSeconds": drain + 30,
         "enableServiceLinks": False,
     }
-    if s.placement.affinity:
-        spec["affinity"] = s.placement.affinity
-    if s.placement.priority_class_name:
-        spec["priorityClassName"] = s.placement.priority_class_name
-    if s.placement.scheduler_name:
-        spec["schedulerName"] = s.placement.scheduler_name
+    affinity = _with_head_node(t, role, placement.affinity)
+    if affinity:
+        spec["affinity"] = affinity
+    if placement.priority_class_name:
+        spec["priorityClassName"] = placement.priority_class_name
+    if placement.scheduler_name:
+        spec["schedulerName"] = placement.scheduler_name
     return spec
 
 
-def _gpu_toleration(t: Target) -> dict[str, Any]:
-    return {"key": t.spec.gpu.resource, "operator": "Exists", "effect": "NoSchedule"}
+def _with_head_node(t: Target, role: str, affinity: dict[str, Any] | None) -> dict[str, Any] | None:
+    """sameNode: every other engine pod on the head's node (they share its /dev/shm directory). The
+    head goes first (replicas and pool pods are created once it has an IP), so it is the anchor."""
+    if not same_node(t) or role == ROLE_HEAD:
+        return affinity
+    out = copy.deepcopy(affinity or {})
+    terms = out.setdefault("podAffinity", {}).setdefault("requiredDuringSchedulingIgnoredDuringExecution", [])
+    terms.append({"labelSelector": {"matchLabels": {L_OMNISTAGE: t.name, L_ROLE: ROLE_HEAD}},
+                  "topologyKey": HOSTNAME_TOPOLOGY})
+    return out
 
 
-def _pod(t: Target, name: str, role: str, spec: dict[str, Any], extra: dict[str, str]) -> dict[str, Any]:
+def _gpu_toleration(gpu: GpuSpec) -> dict[str, Any]:
+    return {"key": gpu.resource, "operator": "Exists", "effect": "NoSchedule"}
+
+
+def _pod(t: Target, name: str, role: str, spec: dict[str, Any], extra: dict[str, str],
+         pool: Pool | None = None) -> dict[str, Any]:
     """The pod from the operator's spec with spec.template merged onto it (strategic merge; what the
     operator owns was refused by validation, so the merge cannot change it)."""
-    merged = podtemplate.overlay({"metadata": {"labels": labels(t, role)}, "spec": spec}, t.spec.template)
+    merged = podtemplate.overlay({"metadata": {"labels": labels(t, role, pool and pool.name)}, "spec": spec},
+                                 t.spec.template)
     spec = merged["spec"]
     # Tolerations are an atomic list: a template's list replaces the operator's, so the GPU
     # toleration (the operator's, like the GPU limit) is put back.
-    if _gpu_toleration(t) not in spec.get("tolerations", []):
-        spec["tolerations"] = [_gpu_toleration(t), *spec.get("tolerations", [])]
+    toleration = _gpu_toleration(pool.spec.gpu if pool else t.spec.gpu)
+    if toleration not in spec.get("tolerations", []):
+        spec["tolerations"] = [toleration, *spec.get("tolerations", [])]
     overlay_meta = merged.get("metadata") or {}
     annotations = {
         A_CONFIG_HASH: config_hash(deploy_yaml(t)),
@@ -212,7 +275,7 @@ def _pod(t: Target, name: str, role: str, spec: dict[str, Any], extra: dict[str,
         **extra,
         **overlay_meta.get("annotations", {}),
     }
-    meta = metadata(t, name, role, annotations, overlay_meta.get("labels"))
+    meta = metadata(t, name, role, annotations, overlay_meta.get("labels"), pool and pool.name)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 
@@ -229,3 +292,12 @@ def render_replica_pod(t: Target, index: int, head_ip: str, head_uid: str) -> di
     return _pod(t, replica_pod_name(t, index), ROLE_REPLICA, spec,
                 {A_HEAD_UID: head_uid, A_REPLICA_INDEX: str(index)})
 
+
+
+def render_pool_pod(t: Target, pool: Pool, index: int, head_ip: str, head_uid: str) -> dict[str, Any]:
+    """One pod of an OmniStagePool: a headless replica of each of its stages, bound to one head
+    incarnation like a stage-0 replica. Owned by the OmniStage (it goes with its head); the pool
+    only says how many there are."""
+    spec = _pod_spec(t, ROLE_POOL, _pool_args(t, pool, head_ip), pool)
+    extra = {A_HEAD_UID: head_uid, A_REPLICA_INDEX: str(index), A_STAGE_IDS: ",".join(map(str, pool.spec.stage_ids))}
+    return _pod(t, pool.pod_name(index), ROLE_POOL, spec, extra, pool)

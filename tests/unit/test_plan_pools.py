@@ -1,0 +1,265 @@
+"""plan() for a multi-stage OmniStage and its OmniStagePools (issue 12): pool pods created once the
+head has an IP, joined per (stage, pod), scaled down with one drain per stage of the pod, rolled with
+the head, refused pools that keep their pods, and the status both sides say. No API server, no head:
+observations as in test_plan.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from omnistage import pods
+from omnistage.conditions import PROGRESSING, READY, STAGES_COVERED, STAGES_READY
+from omnistage.plan import (
+    CreatePod,
+    DeletePod,
+    Forget,
+    Join,
+    Observed,
+    PoolStatus,
+    StartLeave,
+    plan,
+    pool_status,
+)
+from omnistage.pools import (
+    R_NOT_MULTI_STAGE,
+    R_OMNISTAGE_NOT_FOUND,
+    R_STAGE_IN_TWO_POOLS,
+    R_TOO_FEW_GPUS,
+    R_UNKNOWN_STAGE,
+    fit,
+    parse,
+)
+from omnistage.render import target_from
+from omnistage.render.pods import render_pool_pod
+from omnistage_engine_patches import contract
+
+from .test_plan import AT, HEAD_UID, changes, cond, head, listing, member, omnistage, replica, report
+
+STAGES = [{"id": 1, "name": "talker"}, {"id": 2, "name": "code2wav"}]
+
+
+def pipeline(replicas=2):
+    obj = omnistage(replicas, pipeline="qwen3_omni_moe", stages=copy.deepcopy(STAGES))
+    return obj, target_from(obj)
+
+
+def pool_obj(name="speech", stage_ids=(1, 2), replicas=1, created="2026-11-30T00:00:00Z", **spec):
+    return {"apiVersion": "serving.omnistage.io/v1alpha1", "kind": "OmniStagePool",
+            "metadata": {"name": name, "namespace": "serving", "uid": f"uid-{name}", "generation": 1,
+                         "creationTimestamp": created},
+            "spec": {"omniStage": "qwen3-omni", "stageIds": list(stage_ids), "replicas": replicas, **spec}}
+
+
+def pool_pod(t, pool, i, *, ready=True, head_uid=HEAD_UID, leaving=None, phase="Running"):
+    pod = render_pool_pod(t, parse(pool), i, "127.77.0.10", head_uid)
+    pod["metadata"].update(uid=f"uid-{pool['metadata']['name']}-{i}", creationTimestamp=f"2026-11-30T0{i}:30:00Z")
+    if leaving:
+        pod["metadata"]["annotations"][pods.A_LEAVING] = leaving
+    pod["spec"]["nodeName"] = f"h200-{i}"
+    status = {"podIP": f"127.77.1.{i}", "phase": phase,
+              "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    pod["status"] = status
+    return pod
+
+
+def stage_listing(stage0, by_stage):
+    out = listing(*stage0)
+    out["stages"].update({str(k): v for k, v in by_stage.items()})
+    return out
+
+
+def observe(obj, t, *, replicas=(), pool_pods=(), pools=(), stage0=None, by_stage=None, **kw):
+    replicas = list(replicas)
+    o = {"obj": obj, "head": head(t), "replicas": tuple(replicas + list(pool_pods)), "head_reachable": True,
+         "report": report(t), "pools": tuple(pools),
+         "listing": stage_listing(stage0 if stage0 is not None else [member(r, i) for i, r in enumerate(replicas, 1)],
+                                  by_stage or {})}
+    o.update(kw)
+    return Observed(**o)
+
+
+def joined_everywhere(pool_pods):
+    """The head lists every pool pod's replica of each of its stages under the pod's name."""
+    return {k: [member(p, i) for i, p in enumerate(pool_pods) if k in pods.stage_ids(p)] for k in (1, 2)}
+
+
+def of(actions, kind):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def test_at_rest_with_a_speech_pool_is_ready_and_says_where_each_stage_runs():
+    obj, t = pipeline()
+    pool = pool_obj()
+    pp = [pool_pod(t, pool, 1)]
+    o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=joined_everywhere(pp))
+    actions, status = plan(t, o, AT)
+    assert [a for a in changes(actions) if not isinstance(a, PoolStatus)] == []
+    assert cond(status, READY)["status"] == "True"
+    assert cond(status, STAGES_COVERED)["message"] == "stage 1: pool speech; stage 2: pool speech"
+    assert cond(status, STAGES_READY)["status"] == "True"
+    assert status["stages"] == [
+        {"id": 1, "name": "talker", "pool": "speech", "desired": 1, "ready": 1, "registered": 1},
+        {"id": 2, "name": "code2wav", "pool": "speech", "desired": 1, "ready": 1, "registered": 1}]
+    # Stage-0 counts stay stage 0's: the scale subresource must not count pool pods.
+    assert status["replicas"] == 2 and status["registeredReplicas"] == 2
+    [written] = of(actions, PoolStatus)
+    assert written.status["registeredReplicas"] == 1 and written.status["selector"].endswith("role=pool")
+    assert written.status["members"] == [{"pod": "speech-1", "ip": "127.77.1.1", "state": "Joined",
+                                          "replicaIds": {"1": 0, "2": 0}}]
+    assert next(c for c in written.status["conditions"] if c["type"] == READY)["status"] == "True"
+
+
+def test_pool_pods_are_created_once_the_head_has_an_ip_not_once_it_is_ready():
+    obj, t = pipeline()
+    pool = pool_obj(replicas=2)
+    o = observe(obj, t, pools=[pool], head=head(t, ready=False), head_reachable=True, report=None, listing=None)
+    actions, status = plan(t, o, AT)
+    created = [a.obj["metadata"]["name"] for a in of(actions, CreatePod)]
+    assert created == ["qwen3-omni-replica-1", "speech-1", "speech-2"]
+    pod = next(a.obj for a in of(actions, CreatePod) if a.obj["metadata"]["name"] == "speech-1")
+    container = pod["spec"]["containers"][0]
+    assert container["command"] == ["python3", "-m", "omnistage_engine_patches.stages"]
+    assert container["args"][:5] == ["--stage-id", "1", "--stage-id", "2", "--"]
+    assert {"name": contract.CONNECTOR_PORTS_ENV, "value": contract.PORTS_PER_POD} in container["env"]
+    assert cond(status, STAGES_READY)["status"] == "False"
+    assert cond(status, READY)["status"] == "False"
+
+
+def test_no_pool_pod_without_a_head_ip():
+    obj, t = pipeline()
+    no_ip = head(t, ready=False)
+    no_ip["status"].pop("podIP")
+    o = observe(obj, t, pools=[pool_obj()], head=no_ip, head_reachable=False, report=None, listing=None)
+    actions, _ = plan(t, o, AT)
+    assert of(actions, CreatePod) == []
+
+
+def test_every_stage_of_a_ready_pool_pod_is_joined_and_the_initial_slot_by_its_ip():
+    obj, t = pipeline()
+    pool = pool_obj()
+    pp = [pool_pod(t, pool, 1)]
+    # The head registered the pod's initial talker and code2wav slots by IP (no pod name yet).
+    by_stage = {1: [{"replicaId": 0, "host": "127.77.1.1", "state": contract.ATTACHED}],
+                2: [{"replicaId": 0, "host": "127.77.1.1", "state": contract.ATTACHED}]}
+    o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=by_stage)
+    actions, status = plan(t, o, AT)
+    assert of(actions, Join) == [Join("speech-1", "127.77.1.1", 1), Join("speech-1", "127.77.1.1", 2)]
+    assert status["stages"][0]["registered"] == 0
+
+
+def test_stage_joins_do_not_wait_for_the_stage0_cache_verdict():
+    obj, t = pipeline()
+    pool = pool_obj()
+    pp = [pool_pod(t, pool, 1)]
+    bad = report(t, cache_class="MultiModalProcessorSenderCache")
+    o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], stage0=[], by_stage={}, report=bad)
+    actions, _ = plan(t, o, AT)
+    assert of(actions, Join) == [Join("speech-1", "127.77.1.1", 1), Join("speech-1", "127.77.1.1", 2)]
+
+
+def test_scale_down_drains_every_stage_of_the_newest_pool_pod():
+    obj, t = pipeline()
+    pool = pool_obj(replicas=1)
+    pp = [pool_pod(t, pool, 1), pool_pod(t, pool, 2)]
+    o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=joined_everywhere(pp))
+    actions, status = plan(t, o, AT)
+    assert of(actions, StartLeave) == [StartLeave("speech-2", "uid-speech-2", ((1, 1), (2, 1)), 300)]
+    assert of(actions, DeletePod) == []
+    assert status["stages"][0]["desired"] == 1 and cond(status, PROGRESSING)["reason"] == "ScaledDown"
+
+
+def test_a_drained_pool_pod_is_deleted_with_its_pools_reason():
+    obj, t = pipeline()
+    pool = pool_obj(replicas=1)
+    pp = [pool_pod(t, pool, 1), pool_pod(t, pool, 2, leaving="ScaledDown")]
+    o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=joined_everywhere(pp),
+                drains={"uid-speech-2": "done"})
+    actions, _ = plan(t, o, AT)
+    assert of(actions, DeletePod) == [DeletePod("speech-2", "uid-speech-2", "ScaledDown",
+                                                "deleted pool pod speech-2: its pool's spec.replicas is 1")]
+
+
+def test_a_pool_pod_gone_from_the_cluster_is_forgotten_for_each_stage():
+    obj, t = pipeline()
+    pool = pool_obj()
+    pp = [pool_pod(t, pool, 1)]
+    by_stage = joined_everywhere(pp)
+    for k in (1, 2):
+        by_stage[k].append({"replicaId": 4, "pod": "speech-9", "host": "127.77.1.9", "state": contract.ATTACHED})
+    o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=by_stage)
+    actions, _ = plan(t, o, AT)
+    assert of(actions, Forget) == [Forget(4, "speech-9", 1), Forget(4, "speech-9", 2)]
+
+
+def test_a_new_head_rolls_pool_pods_too():
+    obj, t = pipeline()
+    pool = pool_obj()
+    pp = [pool_pod(t, pool, 1, head_uid="old-head")]
+    o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage={})
+    actions, _ = plan(t, o, AT)
+    assert [a.name for a in of(actions, DeletePod)] == ["speech-1"]
+
+
+def test_a_failed_pool_pod_is_replaced():
+    obj, t = pipeline()
+    pool = pool_obj()
+    pp = [pool_pod(t, pool, 1, ready=False, phase="Failed")]
+    o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage={})
+    actions, _status = plan(t, o, AT)
+    assert [a.name for a in of(actions, DeletePod)] == ["speech-1"]
+    assert [a.obj["metadata"]["name"] for a in of(actions, CreatePod)] == ["speech-2"]
+
+
+def test_a_deleted_pool_drains_and_removes_its_pods_and_uncovers_its_stages():
+    obj, t = pipeline()
+    pool = pool_obj()
+    pp = [pool_pod(t, pool, 1)]
+    o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[], by_stage=joined_everywhere(pp))
+    actions, status = plan(t, o, AT)
+    assert of(actions, StartLeave) == [StartLeave("speech-1", "uid-speech-1", ((1, 0), (2, 0)), 300)]
+    assert cond(status, STAGES_COVERED)["reason"] == "Uncovered"
+    assert "stage 1, 2 runs in no OmniStagePool" in cond(status, STAGES_COVERED)["message"]
+    assert cond(status, READY)["status"] == "False"
+
+
+def test_a_stage_in_two_pools_stays_with_the_older_one_and_the_newer_keeps_its_pods():
+    obj, t = pipeline()
+    older, newer = pool_obj("speech"), pool_obj("talkers", (1,), created="2026-11-30T05:00:00Z")
+    pp = [pool_pod(t, older, 1), pool_pod(t, newer, 1)]
+    o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[newer, older],
+                by_stage=joined_everywhere(pp))
+    actions, status = plan(t, o, AT)
+    assert of(actions, DeletePod) == [] and of(actions, StartLeave) == []  # a mistake loses nothing
+    written = {a.name: a.status for a in of(actions, PoolStatus)}
+    ready = next(c for c in written["talkers"]["conditions"] if c["type"] == READY)
+    assert (ready["status"], ready["reason"]) == ("False", R_STAGE_IN_TWO_POOLS)
+    assert "stage 1 already runs in pool speech" in ready["message"]
+    assert cond(status, STAGES_COVERED)["status"] == "True"
+    assert "pool talkers: stage 1 already runs in pool speech" in cond(status, STAGES_COVERED)["message"]
+
+
+@pytest.mark.parametrize("stages, pool, reason, fragment", [
+    (None, pool_obj(), R_NOT_MULTI_STAGE, "has no spec.stages"),
+    (STAGES, pool_obj(stage_ids=(1, 3)), R_UNKNOWN_STAGE, "has no stage 3 in spec.stages"),
+    ([{"id": 1, "engine": {"tensorParallelSize": 2}}, {"id": 2}], pool_obj(gpu={"count": 1}), R_TOO_FEW_GPUS,
+     "spec.gpu.count 1 is less than the tensorParallelSize 2"),
+])
+def test_a_pool_that_cannot_run_says_what_to_change(stages, pool, reason, fragment):
+    spec = {"pipeline": "qwen3_omni_moe", "stages": stages} if stages else {}
+    t = target_from(omnistage(2, **spec))
+    [fitted] = fit(t, "qwen3-omni", [pool])
+    assert fitted.problem[0] == reason and fragment in fitted.problem[1]
+
+
+def test_a_pool_without_its_omnistage_says_so():
+    [fitted] = fit(None, "qwen3-omni", [pool_obj()])
+    status = pool_status(fitted, None, [], at=AT)
+    ready = status["conditions"][0]
+    assert (ready["status"], ready["reason"]) == ("False", R_OMNISTAGE_NOT_FOUND)
+    assert "OmniStage qwen3-omni does not exist" in ready["message"] and status["replicas"] == 0
+
+
+def test_an_invalid_pool_spec_is_refused_by_field():
+    [fitted] = fit(None, "qwen3-omni", [pool_obj(replicas=0)])
+    assert fitted.pool is None and fitted.problem[0] == "InvalidSpec" and "spec.replicas" in fitted.problem[1]
