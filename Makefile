@@ -82,6 +82,9 @@ cluster-down:
 #   OMNISTAGE_GPU_OMNISTAGE         NAMESPACE/NAME of a running OmniStage to test instead (operator: existing)
 #   OMNISTAGE_GPU_READY_TIMEOUT     seconds to become Ready / converge after a scale (default 3600)
 #   OMNISTAGE_GPU_KEEP              1: keep the namespace and the installed operator afterwards
+#   OMNISTAGE_GPU_MULTISTAGE        1: also the multi-stage tests (network, then sameNode); network: that run only (default 0)
+#   OMNISTAGE_GPU_MULTISTAGE_SAMPLE OmniStage + OmniStagePool YAML they apply (default manifests/samples/qwen3-omni-speech.yaml)
+#   OMNISTAGE_GPU_MULTISTAGE_CLIENTS concurrent clients of their burst and of the load while scaling (default 4)
 #   OMNISTAGE_KUBECTL               kubectl binary (default: kubectl on PATH)
 #   PYTEST_ARGS                     extra pytest arguments, e.g. PYTEST_ARGS="-k serving"
 # The target sets OMNISTAGE_USE_EXISTING_CLUSTER=1 and OMNISTAGE_GPU_CLUSTER=1 (without them tests/gpu skips).

@@ -40,17 +40,29 @@ from .support import (
 FIELD_MANAGER = "omnistage-gpu-tests"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "multistage(run): a multi-stage GPU test of the network or sameNode run; "
+                            "skipped unless OMNISTAGE_GPU_MULTISTAGE asks for that run")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:
         settings = Settings.from_env()
     except SettingsError:
         return  # the `settings` fixture reports it, with the variable to fix
-    if settings.requested:
+    if not settings.requested:
+        skip = pytest.mark.skip(reason="no GPU cluster requested: run `make test-gpu KUBECONFIG=...` "
+                                "(docs/gpu-tests.md)")
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(skip)
         return
-    skip = pytest.mark.skip(reason="no GPU cluster requested: run `make test-gpu KUBECONFIG=...` (docs/gpu-tests.md)")
     for item in items:
-        if item.get_closest_marker("gpu"):
-            item.add_marker(skip)
+        marker = item.get_closest_marker("multistage")
+        run = (marker.args or ("network",))[0] if marker else None
+        if run is not None and run not in settings.multistage:
+            item.add_marker(pytest.mark.skip(reason=f"the multi-stage {run} run was not asked for: set "
+                                             "OMNISTAGE_GPU_MULTISTAGE=1 (docs/gpu-tests.md)"))
 
 
 @pytest.fixture(scope="session")
@@ -199,3 +211,16 @@ def gpu_omnistage(settings: Settings, kubectl: Kubectl, operator_in_cluster: Ins
             kubectl("delete", "namespace", ns, "--wait=false", check=False)
         else:
             kubectl("delete", "omnistage", name, "-n", ns, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def gpu_nodes(settings: Settings, kubectl: Kubectl) -> list[dict[str, Any]]:
+    """The nodes labelled with the GPU product, as listed at the start of the session."""
+    return kubectl.json("get", "nodes", "-l", f"{settings.product_label}={settings.product}")["items"]
+
+
+@pytest.fixture(scope="session")
+def speech_results() -> dict[str, dict[str, Any]]:
+    """What each multi-stage run measured (answers, latency, throughput, time to Ready), by transport
+    mode: the sameNode run compares itself with the network run."""
+    return {}

@@ -17,6 +17,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
 SAMPLE = MANIFESTS / "samples" / "omnistage.yaml"
+SPEECH_SAMPLE = MANIFESTS / "samples" / "qwen3-omni-speech.yaml"
+MULTISTAGE_RUNS = {"0": (), "1": ("network", "sameNode"), "network": ("network",)}
 # What manifests/base installs (tests/cluster/conftest.py uses the same names).
 OPERATOR_NAMESPACE = "omnistage-system"
 OPERATOR_NAME = "omnistage-operator"
@@ -53,6 +55,14 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     "OMNISTAGE_GPU_READY_TIMEOUT": ("3600", ("seconds an OmniStage may take to become Ready (model download "
                                     "and load) and each scale step to converge")),
     "OMNISTAGE_GPU_KEEP": ("0", "1: leave the test namespace and the installed operator in place"),
+    "OMNISTAGE_GPU_MULTISTAGE": ("0", ("1: also run the multi-stage tests (test_multistage*.py): the speech "
+                                 "pipeline across pods over the network, then on one node (sameNode, hostPath); "
+                                 "network: only the network run; 0: neither")),
+    "OMNISTAGE_GPU_MULTISTAGE_SAMPLE": (str(SPEECH_SAMPLE.relative_to(ROOT)), ("OmniStage and OmniStagePool YAML "
+                                        "the multi-stage tests apply (e.g. a copy with transport.protocol rdma "
+                                        "and the NIC in spec.template)")),
+    "OMNISTAGE_GPU_MULTISTAGE_CLIENTS": ("4", ("concurrent clients, one speech request in flight each, while "
+                                         "the speech pool is scaled 1 -> 2 -> 1")),
 }
 
 
@@ -77,6 +87,9 @@ class Settings:
     omnistage: tuple[str, str] | None
     ready_timeout: float
     keep: bool
+    multistage: tuple[str, ...] = ()  # the multi-stage runs asked for: network, sameNode
+    multistage_sample: Path = SPEECH_SAMPLE
+    multistage_clients: int = 4
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> Settings:
@@ -104,7 +117,7 @@ class Settings:
                 problems.append(f"OMNISTAGE_GPU_OMNISTAGE is {target!r}; use NAMESPACE/NAME")
             omnistage = (ns, name)
         numbers = {}
-        for name in ("OMNISTAGE_GPU_REPLICAS", "OMNISTAGE_GPU_READY_TIMEOUT"):
+        for name in ("OMNISTAGE_GPU_REPLICAS", "OMNISTAGE_GPU_READY_TIMEOUT", "OMNISTAGE_GPU_MULTISTAGE_CLIENTS"):
             try:
                 numbers[name] = int(get(name))
                 if numbers[name] < 1:
@@ -115,6 +128,14 @@ class Settings:
         sample = Path(get("OMNISTAGE_GPU_SAMPLE"))
         if requested and not target and not (sample if sample.is_absolute() else ROOT / sample).is_file():
             problems.append(f"OMNISTAGE_GPU_SAMPLE {sample} is not a file")
+        multistage = get("OMNISTAGE_GPU_MULTISTAGE")
+        if multistage not in MULTISTAGE_RUNS:
+            problems.append(f"OMNISTAGE_GPU_MULTISTAGE is {multistage!r}; use 0, 1 or network")
+        runs = MULTISTAGE_RUNS.get(multistage, ())
+        speech = Path(get("OMNISTAGE_GPU_MULTISTAGE_SAMPLE"))
+        speech = speech if speech.is_absolute() else ROOT / speech
+        if requested and runs and not speech.is_file():
+            problems.append(f"OMNISTAGE_GPU_MULTISTAGE_SAMPLE {speech} is not a file")
         if requested and problems:
             raise SettingsError("make test-gpu: " + "; ".join(problems) + " (docs/gpu-tests.md)")
         return cls(
@@ -125,6 +146,8 @@ class Settings:
             sample=sample if sample.is_absolute() else ROOT / sample, replicas=numbers["OMNISTAGE_GPU_REPLICAS"],
             namespace=get("OMNISTAGE_GPU_NAMESPACE") or None, omnistage=omnistage,
             ready_timeout=float(numbers["OMNISTAGE_GPU_READY_TIMEOUT"]), keep=get("OMNISTAGE_GPU_KEEP") == "1",
+            multistage=runs if requested else (), multistage_sample=speech,
+            multistage_clients=numbers["OMNISTAGE_GPU_MULTISTAGE_CLIENTS"],
         )
 
 

@@ -1,12 +1,20 @@
 """The stand-in engine head as a process (see the package docstring for what is real).
 
   python -m tests.standin.head --bind-ip 127.77.0.5 --master-port 26000 --http-port 8000 \\
-      --token-file /path/token [--replicas-expected N]
+      --token-file /path/token [--replicas-expected N] [--stages N --startup-timeout T]
 
-Serves on ``--bind-ip:--http-port``: ``/health`` (200 while the orchestrator lives and stage 0
-has a live replica), ``/metrics`` and the membership endpoint (``/omnistage/v1/membership``,
-bearer token from ``--token-file``). Registration on ``--bind-ip:--master-port``. SIGTERM/SIGINT:
+Serves on ``--bind-ip:--http-port``: ``/health`` (vllm-omni's ``OmniBase.check_health``: 200 while
+the orchestrator lives and every stage that had replicas has a live one), ``/metrics`` and the
+membership endpoint (``/omnistage/v1/membership``, bearer token from ``--token-file``; listing,
+join and leave for every stage). Registration on ``--bind-ip:--master-port``. SIGTERM/SIGINT:
 graceful stop (HTTP, then the engine: local replica DOWN, master and coordinator closed).
+
+``--stages N`` (N > 1, issue 12): the head of an N-stage pipeline (``multistage.MultiStageEngine``:
+vllm-omni's real ``StageRuntime.initialize`` for stage 0 head-local and stages 1..N-1 remote, one
+planned replica each, as the operator's deploy config says with ``num_replicas: 1``). Like
+``vllm serve --omni --stage-id 0`` with such a config it serves no HTTP until one replica of each
+remote stage registered, and exits 1 when one has not within ``--startup-timeout`` (the real
+``--stage-init-timeout`` wait, ``OmniMasterServer.get_stage_config``).
 """
 
 from __future__ import annotations
@@ -18,8 +26,13 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import require_loopback
+
+if TYPE_CHECKING:  # imports vLLM: only after the environment is set (main)
+    from .multistage import MultiStageOptions
 
 logger = logging.getLogger("tests.standin.head")
 
@@ -40,7 +53,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--replicas-expected", type=int, default=0,
                     help="before serving HTTP, wait until this many stage-0 replicas (head-local one "
                          "included) are attached, like a real head waits for its initial remote replicas")
-    ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--startup-timeout", type=float, default=300.0,
+                    help="bound of the head's startup; with --stages N > 1 the stage-init timeout "
+                         "(--stage-init-timeout of the head pod)")
+    ap.add_argument("--stages", type=int, default=1,
+                    help="stages of the pipeline (len(stages) of the deploy config); 1: stage 0 only")
     ap.add_argument("--heartbeat-timeout", type=float, default=30.0, help="--omni-heartbeat-timeout")
     ap.add_argument("--lb-policy", default="round-robin", help="--omni-lb-policy")
     ap.add_argument("--stats-interval", type=float, default=2.0,
@@ -77,6 +94,33 @@ async def _serve(app, host: str, port: int) -> None:
     await uvicorn.Server(config).serve()  # installs SIGTERM/SIGINT handlers: graceful exit
 
 
+def _pipeline_options(args: argparse.Namespace, model_dir: Path) -> MultiStageOptions:
+    """The N-stage plan (``multistage.chain_specs``) with a weightless ``VllmConfig`` per stage;
+    stage 0's frontend as the single-stage head builds it, so the engine report is the same."""
+    from .engine import standin_frontend
+    from .multistage import MultiStageOptions, chain_specs, stage_vllm_config
+
+    specs = chain_specs(args.stages)
+    configs = [stage_vllm_config(model_dir, spec, len(specs), async_chunk=False) for spec in specs]
+    configs[0].model_config.served_model_name = args.served_model_name  # what /metrics labels
+    return MultiStageOptions(specs, configs, stage_init_timeout=max(1, round(args.startup_timeout)),
+                             frontend=standin_frontend)
+
+
+def _abandon_startup(pipeline: MultiStageOptions) -> None:
+    """SIGTERM while the head still waits for its remote stages: what the real startup does on
+    failure (``_cleanup_after_initialize_failure``: the head-local replica's DOWN, master and
+    coordinator stopped), then exit at once. The stage-init waits run on vllm-omni's worker threads,
+    which cannot be interrupted and which the interpreter would join at exit (up to the timeout)."""
+    for runtime in pipeline.runtimes:
+        try:
+            runtime._cleanup_after_initialize_failure()
+        except Exception:  # best effort: the process ends either way
+            logger.warning("cleanup of the unfinished startup failed", exc_info=True)
+    logging.shutdown()
+    os._exit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     require_loopback(args.bind_ip, "bind address")
@@ -107,20 +151,24 @@ def main(argv: list[str] | None = None) -> int:
 
     for outcome in _patching.outcomes().values():
         logger.info("patch %s: %s", outcome.name, outcome.reason)
-    engine = None
+    engine = pipeline = None
     try:
-        vllm_config = build_vllm_config(write_tiny_model(args.model_dir), args.served_model_name)
-        engine = StandinEngine(
-            vllm_config,
-            bind_ip=args.bind_ip,
-            master_port=args.master_port,
-            log_stats=not args.no_log_stats,
-            heartbeat_timeout=args.heartbeat_timeout,
-            lb_policy=args.lb_policy,
-            stats_interval=args.stats_interval or None,
-            attach_delay=args.attach_delay,
-            startup_timeout=args.startup_timeout,
-        )
+        model_dir = write_tiny_model(args.model_dir)
+        engine_kwargs = {"bind_ip": args.bind_ip, "master_port": args.master_port, "log_stats": not args.no_log_stats,
+                         "heartbeat_timeout": args.heartbeat_timeout, "lb_policy": args.lb_policy,
+                         "stats_interval": args.stats_interval or None, "attach_delay": args.attach_delay}
+        if args.stages > 1:
+            from .multistage import MultiStageEngine
+
+            pipeline = _pipeline_options(args, model_dir)
+            logger.info("%d-stage head: waiting up to %.0fs for one replica of each of stages 1..%d",
+                        args.stages, args.startup_timeout, args.stages - 1)
+            # Blocks like the real head until every remote stage registered; raises on the
+            # stage-init timeout. The outer bound is wider, so the real wait's error is the one raised.
+            engine = MultiStageEngine(pipeline, startup_timeout=args.startup_timeout + 60, **engine_kwargs)
+        else:
+            vllm_config = build_vllm_config(model_dir, args.served_model_name)
+            engine = StandinEngine(vllm_config, startup_timeout=args.startup_timeout, **engine_kwargs)
         if args.replicas_expected > 1:
             logger.info("waiting for %d stage-0 replicas to attach", args.replicas_expected)
             engine.wait_for(lambda: len(engine.attached_replica_ids()) >= args.replicas_expected,
@@ -133,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_serve(app, args.bind_ip, args.http_port))
     except _Stop as stop:
         logger.info("signal %d: stopping", stop.args[0])  # a requested stop is a clean exit
+        if engine is None and pipeline is not None:
+            _abandon_startup(pipeline)
+    except Exception:  # a failed start is the container's non-zero exit
+        logger.exception("stand-in head failed")
+        return 1
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):  # one stop at a time; SIGKILL still works
             signal.signal(sig, signal.SIG_IGN)

@@ -50,7 +50,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -108,6 +108,20 @@ def qwen3_omni_like(num_replicas: Sequence[int] = (1, 1, 1)) -> list[StageSpec]:
         StageSpec(2, "code2wav", final_output=True, final_output_type="text", input_sources=[1],
                   num_replicas=num_replicas[2]),
     ]
+
+
+def chain_specs(num_stages: int) -> list[StageSpec]:
+    """A linear pipeline of ``num_stages`` stages, one planned replica each (what the operator's
+    deploy config says: stage 0 in the head, ``num_replicas: 1`` for every remote stage). Three
+    stages are :func:`qwen3_omni_like`; another count is 0 -> 1 -> ... -> n-1, output from the last."""
+    if num_stages == 3:
+        return qwen3_omni_like()
+    if num_stages < 2:
+        raise ValueError(f"a pipeline has at least two stages, not {num_stages}")
+    last = num_stages - 1
+    return [StageSpec(0, "stage0", is_comprehension=True),
+            *(StageSpec(k, f"stage{k}", input_sources=[k - 1]) for k in range(1, last)),
+            StageSpec(last, f"stage{last}", final_output=True, final_output_type="text", input_sources=[last - 1])]
 
 
 def connector_spec(stage_id: int, num_stages: int) -> dict[str, Any]:
@@ -200,6 +214,9 @@ class MultiStageOptions:
     stage_vllm_configs: list[Any]
     stage_init_timeout: int = 60
     async_chunk: bool = False
+    #: Builds stage 0's input processor from the engine (``engine.standin_frontend`` in the head
+    #: process, for the engine report); None: a text-only frontend without a multimodal cache.
+    frontend: Callable[[Any], Any] | None = None
     #: Every runtime built with these options (tests inspect one whose head failed to start).
     runtimes: list[Any] = field(default_factory=list)
 
@@ -317,7 +334,8 @@ class MultiStageEngine(StandinEngine):
         self.async_chunk = options.async_chunk
         self._start_runtime(MultiStageRuntime, options=options)
         self.stage_vllm_configs = list(options.stage_vllm_configs)
-        self.input_processor = SimpleNamespace(renderer=SimpleNamespace(mm_processor_cache=None))  # text only
+        self.input_processor = (options.frontend(self) if options.frontend is not None
+                                else SimpleNamespace(renderer=SimpleNamespace(mm_processor_cache=None)))  # text only
         self.supported_tasks = ("generate",)
 
     def client(self, stage_id: int, replica_id: int) -> RoutingStageClient:

@@ -2,13 +2,24 @@
 
 kwok is the kubelet of the simulated H200 nodes: it binds pods, marks them Running/Ready and gives
 them loopback IPs, but it runs no containers. This process is the missing container runtime for the
-engine pods: it watches the pods labelled serving.omnistage.io/component=engine and, for every
-running pod with a pod IP, starts the matching stand-in process bound to that IP:
+engine pods: it watches the pods labelled serving.omnistage.io/component in (engine,pool) and, for
+every running pod with a pod IP, starts the matching stand-in process bound to that IP:
 
   role=head     python -m tests.standin.head --bind-ip <podIP> --http-port <--port> \\
-                    --master-port <--omni-master-port> --token-file <token from <name>-membership>
+                    --master-port <--omni-master-port> --token-file <token from <name>-membership> \\
+                    [--stages N --startup-timeout <--stage-init-timeout>]
   role=replica  python -m tests.standin.replica --master-ip <--omni-master-address> \\
                     --master-port <--omni-master-port> --bind-ip <podIP>
+  role=pool     python -m tests.standin.replica --master-ip <--omni-master-address> \\
+                    --master-port <--omni-master-port> --bind-ip <podIP> --stage-id K [--stage-id K ...]
+
+A head's N is len(stages) of its deploy config (`--deploy-config`, read from the ConfigMap the pod
+mounts there, through the API as the kubelet would): N > 1 starts the multi-stage stand-in head,
+which serves nothing (not Ready) until one replica of each of stages 1..N-1 registered and exits 1
+after the stage-init timeout. A pool pod (issue 12: `python3 -m omnistage_engine_patches.stages
+--stage-id K ... -- vllm serve ... --headless`) gets ONE process for all its stages (the import
+cost of vLLM once per pod on a small machine): the stage ids are the `--stage-id` values before
+`--`, the master address and port come after it.
 
 Pod deleted (deletionTimestamp set, gone, or replaced under the same name with a new UID) ->
 SIGTERM to the process group, SIGKILL after a bound. It also does the two kubelet duties kwok
@@ -45,6 +56,7 @@ import fnmatch
 import ipaddress
 import json
 import os
+import posixpath
 import signal
 import socket
 import subprocess
@@ -58,6 +70,7 @@ from pathlib import Path
 from typing import Any, Self
 from urllib.parse import urlparse
 
+import yaml
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
@@ -66,7 +79,9 @@ LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 L_COMPONENT = "serving.omnistage.io/component"
 L_ROLE = "serving.omnistage.io/role"
 L_OMNISTAGE = "serving.omnistage.io/omnistage"
-SELECTOR = f"{L_COMPONENT}=engine"
+# Stage-0 pods (head, replicas) and the pods of stages >= 1 (pools).
+COMPONENTS = ("engine", "pool")
+SELECTOR = f"{L_COMPONENT} in ({','.join(COMPONENTS)})"
 DEFAULT_STATE_DIR = Path(os.environ.get("OMNISTAGE_STANDIN_DIR", "/tmp/omnistage-standin"))
 HEAD_MODULE = "tests.standin.head"
 REPLICA_MODULE = "tests.standin.replica"
@@ -107,6 +122,17 @@ def _arg(args: list[str], flag: str) -> str | None:
     return None
 
 
+def _arg_values(args: list[str], flag: str) -> list[str]:
+    """Every value of a repeatable `flag` (`--flag value` or `--flag=value`), in order."""
+    out = []
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            out.append(args[i + 1])
+        elif a.startswith(flag + "="):
+            out.append(a.split("=", 1)[1])
+    return out
+
+
 def _expand(value: str | None, pod: dict[str, Any]) -> str | None:
     """Expand the $(VAR) references the kubelet would (only the downward-API ones the renderer uses)."""
     if value is None:
@@ -118,6 +144,96 @@ def _expand(value: str | None, pod: dict[str, Any]) -> str | None:
 def _engine_container(pod: dict[str, Any]) -> dict[str, Any]:
     containers = pod["spec"].get("containers") or [{}]
     return next((c for c in containers if c.get("name") == "engine"), containers[0])
+
+
+# ----- stand-in command lines from a pod's (expanded) container args: pure -------------------------
+
+def _head_ports(args: list[str]) -> tuple[str, str]:
+    """(HTTP port, master port) of a head's `vllm serve` args."""
+    master_port = _arg(args, "--omni-master-port")
+    if not master_port:
+        raise _Refused("head pod has no --omni-master-port in its args")
+    return _arg(args, "--port") or "8000", master_port
+
+
+def head_argv(python: str, module: str, args: list[str], ip: str, token_file: str | os.PathLike,
+              stages: int = 1) -> list[str]:
+    """The stand-in head for a head pod whose deploy config has `stages` stages. With more than one
+    the head pod's `--stage-init-timeout` bounds the wait for the remote stages, as in vllm-omni."""
+    http_port, master_port = _head_ports(args)
+    argv = [python, "-m", module, "--bind-ip", ip, "--master-port", master_port, "--http-port", http_port,
+            "--token-file", str(token_file)]
+    if stages > 1:
+        argv += ["--stages", str(stages)]
+        timeout = _arg(args, "--stage-init-timeout")
+        if timeout:
+            argv += ["--startup-timeout", timeout]
+    return argv
+
+
+def _master(args: list[str], what: str) -> tuple[str, str]:
+    master_ip = _arg(args, "--omni-master-address")
+    master_port = _arg(args, "--omni-master-port")
+    if not master_ip or not master_port:
+        raise _Refused(f"{what} lacks --omni-master-address/--omni-master-port in its args")
+    if not is_loopback(master_ip):
+        raise _Refused(f"master address {master_ip} is not in 127.0.0.0/8 (network rule); not started")
+    return master_ip, master_port
+
+
+def replica_argv(python: str, module: str, args: list[str], ip: str) -> list[str]:
+    """The stand-in replica for a stage-0 replica pod (`vllm serve --headless --stage-id 0`)."""
+    master_ip, master_port = _master(args, "replica pod")
+    return [python, "-m", module, "--master-ip", master_ip, "--master-port", master_port, "--bind-ip", ip]
+
+
+def pool_argv(python: str, module: str, args: list[str], ip: str) -> list[str]:
+    """One stand-in replica process for a pool pod: `--stage-id K ... -- vllm serve ... --headless
+    --omni-master-address A --omni-master-port P ...` (the supervisor's args) registers a replica of
+    every K with A:P. Stage ids after `--` (if any) belong to the supervised command, not the pod."""
+    if "--" not in args:
+        raise _Refused("pool pod args have no '--' between its stage ids and the command")
+    split = args.index("--")
+    ids, command = args[:split], args[split + 1:]
+    stage_ids = _arg_values(ids, "--stage-id")
+    if not stage_ids or not all(k.isdigit() for k in stage_ids):
+        raise _Refused(f"pool pod has no valid --stage-id before '--': {ids}")
+    master_ip, master_port = _master(command, "pool pod")
+    return [python, "-m", module, "--master-ip", master_ip, "--master-port", master_port, "--bind-ip", ip,
+            *(a for k in stage_ids for a in ("--stage-id", k))]
+
+
+def deploy_config_source(pod: dict[str, Any]) -> tuple[str, str] | None:
+    """(ConfigMap name, key) behind the engine container's `--deploy-config` file: the configMap
+    volume mounted at the file's directory (as the operator renders it), else `<omnistage>-config`.
+    None when the container names no deploy config."""
+    container = _engine_container(pod)
+    path = _arg(container.get("args") or [], "--deploy-config")
+    if not path:
+        return None
+    directory, key = posixpath.split(path)
+    mount = next((m for m in container.get("volumeMounts") or []
+                  if (m.get("mountPath") or "").rstrip("/") == directory), None)
+    volume = next((v for v in pod["spec"].get("volumes") or [] if mount and v.get("name") == mount.get("name")), None)
+    source = (volume or {}).get("configMap")
+    if source is None:
+        owner = (pod["metadata"].get("labels") or {}).get(L_OMNISTAGE)
+        if not owner:
+            raise _Refused(f"no configMap volume at {directory} and no omnistage label")
+        return f"{owner}-config", key
+    # `items` maps keys to other file names.
+    key = next((i["key"] for i in source.get("items") or [] if i.get("path") == key), key)
+    return source["name"], key
+
+
+def count_stages(deploy_yaml: str) -> int:
+    """len(stages) of a vllm-omni deploy config (1, stage 0 only, when it has no stages list)."""
+    try:
+        config_ = yaml.safe_load(deploy_yaml)
+    except yaml.YAMLError as err:
+        raise _Refused(f"deploy config is not YAML: {err}") from None
+    stages = config_.get("stages") if isinstance(config_, dict) else None
+    return len(stages) if isinstance(stages, list) and stages else 1
 
 
 # Container variables passed to the stand-in process: the engine plugin's contract (operator-
@@ -527,29 +643,36 @@ class StandinRuntime:
         container = _engine_container(pod)
         args = [_expand(a, pod) or "" for a in container.get("args") or []]
         if role == "head":
-            http_port = _arg(args, "--port") or "8000"
-            master_port = _arg(args, "--omni-master-port")
-            if not master_port:
-                raise _Refused("head pod has no --omni-master-port in its args")
-            for port in (http_port, master_port):
+            for port in _head_ports(args):
                 if not _port_free(ip, int(port)):
                     # Not one of ours (we wait for our own previous holder of an IP): most likely another
                     # local cluster on this machine whose nodes have the same loopback pod CIDRs.
                     raise _NotYet(f"{ip}:{port} is already in use by a process this runtime did not start "
                                   f"(another local cluster with the same pod CIDRs?)")
-            token_file = self._token_file(pod)
-            return [self.python, "-m", self.head_module, "--bind-ip", ip, "--master-port", master_port,
-                    "--http-port", http_port, "--token-file", str(token_file)]
+            stages = self._stage_count(pod)
+            return head_argv(self.python, self.head_module, args, ip, self._token_file(pod), stages)
         if role == "replica":
-            master_ip = _arg(args, "--omni-master-address")
-            master_port = _arg(args, "--omni-master-port")
-            if not master_ip or not master_port:
-                raise _Refused("replica pod lacks --omni-master-address/--omni-master-port in its args")
-            if not is_loopback(master_ip):
-                raise _Refused(f"master address {master_ip} is not in 127.0.0.0/8 (network rule); not started")
-            return [self.python, "-m", self.replica_module, "--master-ip", master_ip, "--master-port", master_port,
-                    "--bind-ip", ip]
+            return replica_argv(self.python, self.replica_module, args, ip)
+        if role == "pool":
+            return pool_argv(self.python, self.replica_module, args, ip)
         raise _Refused(f"unknown role {role!r} (label {L_ROLE})")
+
+    def _stage_count(self, pod: dict[str, Any]) -> int:
+        """Stages of the head's pipeline: len(stages) of the deploy config its pod mounts (ConfigMap)."""
+        source = deploy_config_source(pod)
+        if source is None:
+            return 1
+        ns, (name, key) = pod["metadata"]["namespace"], source
+        try:
+            cm = self._api.read_namespaced_config_map(name, ns, _request_timeout=10)
+        except ApiException as err:
+            if err.status == 404:
+                raise _NotYet(f"ConfigMap {ns}/{name} not found yet") from None
+            raise _NotYet(f"reading ConfigMap {ns}/{name}: HTTP {err.status}") from None
+        text = (cm.data or {}).get(key)
+        if text is None:
+            raise _NotYet(f"ConfigMap {ns}/{name} has no key {key!r} yet")
+        return count_stages(text)
 
     def _token_file(self, pod: dict[str, Any]) -> Path:
         """The membership token, as the kubelet would mount it: from the pod's Secret volume."""

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import base64
+from types import SimpleNamespace
+
 import pytest
+from kubernetes.client.rest import ApiException
 
 from tests.standin import runtime
 from tests.standin.harness import http_get, left_at_head, remote_members, replica_series
 
 
-def _pod(role: str, args: list[str], ip: str = "127.77.1.5") -> dict:
+def _pod(role: str, args: list[str], ip: str = "127.77.1.5", **container) -> dict:
     return {
         "metadata": {"name": f"x-{role}", "namespace": "ns", "uid": "u1",
                      "labels": {runtime.L_ROLE: role, runtime.L_OMNISTAGE: "x"}},
-        "spec": {"containers": [{"name": "engine", "args": args}], "volumes": [], "restartPolicy": "Never"},
+        "spec": {"containers": [{"name": "engine", "args": args, **container}], "volumes": [], "restartPolicy": "Never"},
         "status": {"phase": "Running", "podIP": ip},
     }
 
@@ -75,3 +79,119 @@ def test_listing_readers():
     text = ('vllm:num_requests_running{engine="0",stage="0",replica="1"} 0\n'
             'vllm:x{stage="1",replica="0"} 0\n# HELP replica="9"\n')
     assert replica_series(text) == {"1"}
+
+
+# ----- issue 12: multi-stage heads and pool pods (the command lines; the processes run in
+# ----- test_multistage_processes.py) ------------------------------------------------------------
+
+CONFIG = "/etc/omnistage/deploy.yaml"  # podtemplate.CONFIG_DIR + render.config.CONFIG_KEY
+STAGES_3 = """\
+stages:
+- stage_id: 0
+  runtime: {devices: '0'}
+- stage_id: 1
+  num_replicas: 1
+- stage_id: 2
+  num_replicas: 1
+"""
+STAGES_1 = "stages:\n- stage_id: 0\n"
+
+
+def _head_pod(ip: str = "127.74.251.5") -> dict:
+    """A head pod as render/pods.py renders it: the deploy config from the `config` volume."""
+    args = ["serve", "Qwen/Qwen3-Omni", "--omni", "--deploy-config", CONFIG, "--host", "0.0.0.0", "--port", "8000",
+            "--stage-id", "0", "--omni-master-address", "$(POD_IP)", "--omni-master-port", "25000",
+            "--stage-init-timeout", "600", "--init-timeout", "600"]
+    pod = _pod("head", args, ip, volumeMounts=[{"name": "config", "mountPath": "/etc/omnistage", "readOnly": True}])
+    pod["spec"]["volumes"] = [{"name": "config", "configMap": {"name": "x-config"}},
+                              {"name": "membership-token", "secret": {"secretName": "x-membership"}}]
+    return pod
+
+
+def _pool_pod(master: str = "127.77.1.2") -> dict:
+    args = ["--stage-id", "1", "--stage-id", "2", "--", "vllm", "serve", "Qwen/Qwen3-Omni", "--omni", "--headless",
+            "--deploy-config", CONFIG, "--omni-master-address", master, "--omni-master-port", "25000",
+            "--omni-replica-address", "$(POD_IP)", "--worker-backend", "multi_process"]
+    pod = _pod("pool", args, command=["python3", "-m", "omnistage_engine_patches.stages"])
+    pod["metadata"]["labels"].update({runtime.L_COMPONENT: "pool", "serving.omnistage.io/pool": "x-talker"})
+    return pod
+
+
+class FakeApi:
+    """The two reads the runtime makes for a head pod (its ConfigMap and its Secret)."""
+
+    def __init__(self, configmaps: dict[str, dict[str, str]]):
+        self.configmaps = configmaps
+        self.reads: list[str] = []
+
+    def read_namespaced_config_map(self, name, namespace, **_):
+        self.reads.append(f"configmap/{namespace}/{name}")
+        if name not in self.configmaps:
+            raise ApiException(status=404)
+        return SimpleNamespace(data=self.configmaps[name])
+
+    def read_namespaced_secret(self, name, namespace, **_):
+        self.reads.append(f"secret/{namespace}/{name}")
+        return SimpleNamespace(data={"token": base64.b64encode(b"t0k").decode()})
+
+
+def _runtime(tmp_path, api: FakeApi) -> runtime.StandinRuntime:
+    rt = runtime.StandinRuntime(kubeconfig="unused", state_dir=tmp_path, quiet=True)
+    (tmp_path / "tokens").mkdir()
+    rt._api = api
+    return rt
+
+
+def test_pod_watch_selects_engine_and_pool_pods():
+    assert runtime.SELECTOR == "serving.omnistage.io/component in (engine,pool)"
+
+
+def test_three_stage_configmap_starts_a_three_stage_head(tmp_path):
+    api = FakeApi({"x-config": {"deploy.yaml": STAGES_3}})
+    argv = _runtime(tmp_path, api)._command(_head_pod(), "head", "127.74.251.5")
+    token = str(tmp_path / "tokens" / "ns_x-head_u1")
+    assert argv[1:] == ["-m", "tests.standin.head", "--bind-ip", "127.74.251.5", "--master-port", "25000",
+                        "--http-port", "8000", "--token-file", token, "--stages", "3", "--startup-timeout", "600"]
+    assert api.reads == ["configmap/ns/x-config", "secret/ns/x-membership"]  # the mounted volume's ConfigMap
+
+
+def test_single_stage_head_command_is_unchanged(tmp_path):
+    argv = _runtime(tmp_path, FakeApi({"x-config": {"deploy.yaml": STAGES_1}}))._command(
+        _head_pod(), "head", "127.74.251.5")
+    assert "--stages" not in argv and "--startup-timeout" not in argv
+
+
+def test_head_waits_for_its_configmap(tmp_path):
+    rt = _runtime(tmp_path, FakeApi({}))
+    with pytest.raises(runtime._NotYet, match="ConfigMap ns/x-config not found yet"):
+        rt._command(_head_pod(), "head", "127.74.251.5")
+
+
+def test_deploy_config_source():
+    pod = _head_pod()
+    assert runtime.deploy_config_source(pod) == ("x-config", "deploy.yaml")
+    pod["spec"]["volumes"][0]["configMap"]["items"] = [{"key": "pipeline.yaml", "path": "deploy.yaml"}]
+    assert runtime.deploy_config_source(pod) == ("x-config", "pipeline.yaml")
+    pod["spec"]["containers"][0]["volumeMounts"] = []  # no mount there: the operator's naming
+    assert runtime.deploy_config_source(pod) == ("x-config", "deploy.yaml")
+    assert runtime.deploy_config_source(_pod("head", ["serve", "m"])) is None
+    assert runtime.count_stages(STAGES_3) == 3
+    assert runtime.count_stages(STAGES_1) == 1
+    assert runtime.count_stages("pipeline: qwen3_omni_moe\n") == 1
+
+
+def test_pool_pod_runs_one_replica_process_for_all_its_stages():
+    pod = _pool_pod()
+    argv = runtime.StandinRuntime(kubeconfig="unused", quiet=True)._command(pod, "pool", "127.77.1.5")
+    assert argv[1:] == ["-m", "tests.standin.replica", "--master-ip", "127.77.1.2", "--master-port", "25000",
+                        "--bind-ip", "127.77.1.5", "--stage-id", "1", "--stage-id", "2"]
+
+
+def test_pool_pod_refusals():
+    with pytest.raises(runtime._Refused, match="network rule"):
+        runtime.pool_argv("py", "m", _pool_pod("203.0.113.7")["spec"]["containers"][0]["args"], "127.77.1.5")
+    with pytest.raises(runtime._Refused, match="no '--'"):
+        runtime.pool_argv("py", "m", ["--stage-id", "1", "vllm", "serve"], "127.77.1.5")
+    with pytest.raises(runtime._Refused, match="no valid --stage-id"):
+        runtime.pool_argv("py", "m", ["--", "vllm", "--stage-id", "1", "--omni-master-address", "127.0.0.1",
+                                      "--omni-master-port", "1"], "127.77.1.5")
