@@ -107,8 +107,11 @@ class Drains:
             if len(a.leaves) == 1:
                 states = [leave(*a.leaves[0])]
             else:
+                # Each in a copy of this thread's context (a context runs in one thread at a time):
+                # kopf posts the Events through it.
+                ctx = contextvars.copy_context()
                 with ThreadPoolExecutor(max_workers=len(a.leaves), thread_name_prefix="omnistage-leave") as each:
-                    states = list(each.map(lambda sr: leave(*sr), a.leaves))
+                    states = list(each.map(lambda sr: ctx.copy().run(leave, *sr), a.leaves))
             self._set(key, a.uid, DRAIN_FAILED if DRAIN_FAILED in states else DRAIN_DONE)
             self.on_done(namespace, name)
 

@@ -365,6 +365,9 @@ class HeadStatus(_Model):
     uid: str | None = Field(None, description="Head pod UID; a change means every replica must be rolled.")
     ip: str | None = Field(None, description="Head pod IP (the engine's master address).")
     boot_id: str | None = Field(None, description="The engine's boot id as reported by the membership endpoint.")
+    restarts: int | None = Field(
+        None, description="The head pod's container restarts; a rise means a new engine process, and every replica "
+        "and pool pod is rolled.")
 
 
 class MemberStatus(_Model):

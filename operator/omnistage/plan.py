@@ -222,6 +222,7 @@ class _Model:
         self.listing = o.listing
         self.report = o.report
         self.membership_problem: str | None = None
+        self.head_restarted = False  # this pass saw the head's container restart
         self.verdict: engine_truth.Verdict | None = None
         self.want_head = render_head_pod(t)  # rendered once per pass
         self._want_replica: dict[int, dict[str, Any]] = {}
@@ -338,22 +339,33 @@ class _Model:
         if not self.t.distributed:
             self.listing = None
             return  # a static single replica: no master, no membership to keep
+        before = self.previous.get("head") or {}
+        if self.head_live() and before.get("uid") == pods.uid(self.head) and before.get("restarts") is not None \
+                and pods.restarts(self.head) > before["restarts"]:
+            # The head's container restarted: a new engine process, which its replicas never register
+            # with again. Seen from the pod, not the head's boot id: a multi-stage head answers nothing
+            # (not even /health) until a replica of every remote stage registered, which none will.
+            self._roll_for_new_head(f"its container restarted (restartCount {before['restarts']} -> "
+                                    f"{pods.restarts(self.head)})")
+            self.head_restarted = True
+            return
         if not self.head_talks():
             self.membership_problem, self.listing = HEAD_NOT_READY, None
             return
         if self.listing is None:
             self.membership_problem = f"head unreachable: {self.o.listing_problem}"
             return
-        before = self.previous.get("head") or {}
         boot = self.listing.get("bootId")
         if before.get("uid") == pods.uid(self.head) and before.get("bootId") and boot != before.get("bootId"):
             # Same head pod, new engine process: its replicas registered with the old one.
-            self.emit("Warning", R_HEAD_RESTARTED,
-                      f"head engine restarted (boot id {before.get('bootId')} -> {boot}); rolling every replica"
-                      + (" and every pool pod" if self.t.spec.stages else ""))
-            for r in self.live():
-                self.delete(r)
-            self.progressing.append(R_HEAD_RESTARTED)
+            self._roll_for_new_head(f"boot id {before.get('bootId')} -> {boot}")
+
+    def _roll_for_new_head(self, why: str) -> None:
+        self.emit("Warning", R_HEAD_RESTARTED, f"head engine restarted ({why}); rolling every replica"
+                  + (" and every pool pod" if self.t.spec.stages else ""))
+        for r in self.live():
+            self.delete(r)
+        self.progressing.append(R_HEAD_RESTARTED)
 
     def _retire(self, pod: dict[str, Any], drain_seconds: int, reason: str, why: str) -> None:
         """Tell the engine first, then delete: the engine stops routing to the replica and drains it,
@@ -552,10 +564,12 @@ class _Model:
         head_status = None
         if head is not None:
             before = previous.get("head") or {}
+            # After a container restart the last boot id is the dead process's: forget it, so the new
+            # one's first answer is not taken for yet another restart.
             boot = (self.report or self.listing or {}).get("bootId") or (
-                before.get("bootId") if before.get("uid") == pods.uid(head) else None)
+                before.get("bootId") if before.get("uid") == pods.uid(head) and not self.head_restarted else None)
             head_status = {k: v for k, v in {"pod": pods.name(head), "uid": pods.uid(head), "ip": pods.ip(head),
-                                             "bootId": boot}.items() if v is not None}
+                                             "bootId": boot, "restarts": pods.restarts(head)}.items() if v is not None}
         status = {
             "observedGeneration": generation,
             "replicas": len(engine_pods),

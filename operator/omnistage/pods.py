@@ -52,6 +52,11 @@ def head_uid(pod: dict[str, Any]) -> str | None:
     return annotation(pod, A_HEAD_UID)
 
 
+def restarts(pod: dict[str, Any]) -> int:
+    """How often the pod's containers restarted (the kubelet's restartCount)."""
+    return sum(int(c.get("restartCount") or 0) for c in (pod.get("status") or {}).get("containerStatuses") or [])
+
+
 def terminating(pod: dict[str, Any]) -> bool:
     return bool(pod["metadata"].get("deletionTimestamp"))
 

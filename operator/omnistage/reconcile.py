@@ -28,7 +28,7 @@ from .act import EmitFn as Emit
 from .head_client import HeadClient, HeadRefused, HeadUnreachable
 from .informer import STATE
 from .metrics import STATUS
-from .plan import Action, EnsureChild, Observed, plan, pool_status
+from .plan import Action, EnsureChild, Observed, PoolStatus, plan, pool_status
 from .plan import Emit as EmitAction
 from .render import render_secret, target_from
 from .render.common import L_ROLE, ROLE_POOL, ROLE_REPLICA, Target
@@ -178,7 +178,9 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
         # changed something, so a pass at rest costs no extra request) and let the plan describe it.
         # Its actions are left for the next pass, which the changed pods trigger anyway.
         observed, _ = observe(obj, t, token, problems=tuple(problems))
-        _, status = plan(t, observed)
+        after, status = plan(t, observed)
+        # The same for the pools' status (written by the plan as actions).
+        act_step.act(t.namespace, [a for a in after if isinstance(a, PoolStatus)], None, emit, t.name)
     return status
 
 

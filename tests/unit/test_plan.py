@@ -386,7 +386,8 @@ def test_a_replaced_head_never_reads_as_an_engine_restart():
                       "report": {**report(t), "bootId": "boot-2"}, "listing": listing(boot="boot-2")})
     assert not any(e.reason == "HeadRestarted" for e in of(actions, Emit))
     assert of(actions, DeletePod) == []
-    assert stored["head"] == {"pod": "qwen3-omni-head", "uid": "head-uid-2", "ip": HEAD_IP, "bootId": "boot-2"}
+    assert stored["head"] == {"pod": "qwen3-omni-head", "uid": "head-uid-2", "ip": HEAD_IP, "bootId": "boot-2",
+                              "restarts": 0}
 
 
 def test_merge_patch_sends_null_for_what_the_new_status_leaves_out():

@@ -263,3 +263,36 @@ def test_a_pool_without_its_omnistage_says_so():
 def test_an_invalid_pool_spec_is_refused_by_field():
     [fitted] = fit(None, "qwen3-omni", [pool_obj(replicas=0)])
     assert fitted.pool is None and fitted.problem[0] == "InvalidSpec" and "spec.replicas" in fitted.problem[1]
+
+
+def test_a_head_container_restart_rolls_the_pool_even_while_the_head_answers_nothing():
+    """A restarted multi-stage head serves nothing (not even /health) until a replica of every remote
+    stage registered, and the old pool pods never register again: the restart is read from the head
+    pod's restartCount, not from its boot id."""
+    obj, t = pipeline()
+    obj["status"]["head"]["restarts"] = 0
+    pool = pool_obj()
+    pp = [pool_pod(t, pool, 1)]
+    restarted = head(t, ready=False)
+    restarted["status"]["containerStatuses"] = [{"name": "engine", "restartCount": 1}]
+    o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], head=restarted, report=None,
+                listing=None)
+    actions, status = plan(t, o, AT)
+    assert sorted(a.name for a in of(actions, DeletePod)) == ["qwen3-omni-replica-1", "speech-1"]
+    assert any(a.reason == "HeadRestarted" and "restartCount 0 -> 1" in a.message for a in actions
+               if hasattr(a, "reason") and a.reason == "HeadRestarted")
+    # The dead process's boot id is forgotten, so the new one's first answer is no second restart.
+    assert status["head"]["restarts"] == 1 and "bootId" not in status["head"]
+
+
+def test_an_unchanged_restart_count_rolls_nothing():
+    obj, t = pipeline()
+    obj["status"]["head"]["restarts"] = 1
+    pool = pool_obj()
+    pp = [pool_pod(t, pool, 1)]
+    same = head(t)
+    same["status"]["containerStatuses"] = [{"name": "engine", "restartCount": 1}]
+    o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], head=same,
+                by_stage=joined_everywhere(pp))
+    actions, status = plan(t, o, AT)
+    assert of(actions, DeletePod) == [] and status["head"]["bootId"] == "boot-1"

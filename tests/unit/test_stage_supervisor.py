@@ -16,8 +16,10 @@ from omnistage_engine_patches import stages
 # EXIT when its stage id is in DIE (after a moment, so the supervisor has started every stage).
 # It says it started only once its SIGTERM handler is in place.
 STAGE = ("import os, sys, time, signal; k = sys.argv[-1]; "
-         "signal.signal(signal.SIGTERM, lambda *a: (print('stage', k, 'term', flush=True), sys.exit(0))); "
-         "print('stage', k, flush=True); "
+         # one os.write per line: the two stages share the supervisor's stdout and must not interleave
+         "say = lambda *w: os.write(1, (' '.join(w) + chr(10)).encode()); "
+         "signal.signal(signal.SIGTERM, lambda *a: (say('stage', k, 'term'), sys.exit(0))); "
+         "say('stage', k); "
          "time.sleep(0.5) if k in os.environ.get('DIE', '').split(',') else time.sleep(60); "
          "sys.exit(int(os.environ.get('EXIT', '3')))")
 
