@@ -10,7 +10,6 @@ deletes the pod), and the OmniStage is queued again as soon as the leave returns
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import threading
 from collections.abc import Callable
@@ -107,16 +106,12 @@ class Drains:
             if len(a.leaves) == 1:
                 states = [leave(*a.leaves[0])]
             else:
-                # Each in a copy of this thread's context (a context runs in one thread at a time):
-                # kopf posts the Events through it.
-                ctx = contextvars.copy_context()
                 with ThreadPoolExecutor(max_workers=len(a.leaves), thread_name_prefix="omnistage-leave") as each:
-                    states = list(each.map(lambda sr: ctx.copy().run(leave, *sr), a.leaves))
+                    states = list(each.map(lambda sr: leave(*sr), a.leaves))
             self._set(key, a.uid, DRAIN_FAILED if DRAIN_FAILED in states else DRAIN_DONE)
             self.on_done(namespace, name)
 
-        # kopf posts Events through context variables: the drain thread runs in the caller's.
-        self._pool.submit(contextvars.copy_context().run, run)
+        self._pool.submit(run)
 
 
 DRAINS = Drains()
@@ -140,8 +135,8 @@ def act(namespace: str, actions: list[Action], client: HeadClient | None, emit: 
             try:
                 pod, created = kube.create(a.obj)
             except ApiException as err:
-                if err.status not in (403, 422):
-                    raise
+                if err.status not in (403, 422) or "being terminated" in (err.body or ""):
+                    raise  # a terminating namespace is reconcile's to handle (it stops the pass)
                 # Refused by admission (e.g. Pod Security refusing sameNode's hostPath /dev/shm) or a
                 # quota: no later pass will do better until someone acts, so say it where people look.
                 why = f"creating pod {a.obj['metadata']['name']} was refused ({err.status}): {kube.reason_of(err)}"

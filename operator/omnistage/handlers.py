@@ -14,7 +14,7 @@ import zlib
 
 import kopf
 
-from . import api, leader, metrics
+from . import api, kube, leader, metrics
 from .act import DRAINS
 from .informer import STATE
 from .metrics import RECONCILE_SECONDS, STATUS
@@ -43,11 +43,7 @@ def _emitter(body):
                         "uid": body["metadata"]["uid"]}}
 
     def emit(etype: str, reason: str, message: str) -> None:
-        try:
-            kopf.event(ref, type=etype, reason=reason, message=message)
-        except LookupError:  # no kopf posting context in this thread: an Event is not worth a failed pass
-            log.warning("%s/%s: Event %s not posted: %s", ref["metadata"]["namespace"], ref["metadata"]["name"],
-                        reason, message)
+        kube.post_event(ref, etype, reason, message)
     return emit
 
 
@@ -149,9 +145,6 @@ def on_omnistage_event(namespace: str, name: str, type: str, **_) -> None:
     every OmniStage listed at a start, reach the queue from the watch-fed store (informer.py): no
     create/update/resume handler, so kopf never writes its progress annotations (one PATCH per
     OmniStage on every start and every spec change)."""
-    # kopf posts Events through context variables that exist in its handlers' context (not yet in
-    # startup's): the workers run in a copy of the latest handler's.
-    QUEUE.context = contextvars.copy_context()
     if type == "DELETED":
         # A last pass finds it gone and removes its metric series (after any pass still running).
         metrics.forget(namespace, name)

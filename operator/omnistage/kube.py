@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from functools import cache
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -80,6 +81,32 @@ def patch_status(namespace: str, name: str, status: dict[str, Any],
     """An OmniStage's status (or, with plural api.POOL_PLURAL, an OmniStagePool's)."""
     return custom().patch_namespaced_custom_object_status(
         api.GROUP, api.VERSION, namespace, plural, name, {"status": merge_patch(previous or {}, status)})
+
+
+EVENT_SOURCE = "omnistage-operator"
+EVENT_MESSAGE_LIMIT = 1024  # what the API server keeps of a message
+
+
+def post_event(involved: dict[str, Any], etype: str, reason: str, message: str) -> None:
+    """One core/v1 Event on `involved` (apiVersion, kind, metadata name/namespace/uid). Posted
+    through this client, not kopf's, so an Event does not depend on a kopf handler having run first
+    (the watch-fed store queues passes before kopf delivers its first event). Never raises: an Event
+    is not worth a failed pass."""
+    meta = involved["metadata"]
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    body = {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": involved["apiVersion"], "kind": involved["kind"], "name": meta["name"],
+                           "namespace": meta["namespace"], "uid": meta.get("uid")},
+        "type": etype, "reason": reason, "message": message[:EVENT_MESSAGE_LIMIT],
+        "source": {"component": EVENT_SOURCE}, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+    }
+    try:
+        core().create_namespaced_event(meta["namespace"], body, _request_timeout=10)
+    except Exception as err:  # noqa: BLE001 -- a terminating namespace, an API hiccup: say it in the log
+        log.warning("%s/%s: Event %s not posted (%s): %s", meta["namespace"], meta["name"], reason,
+                    getattr(err, "status", type(err).__name__), message)
 
 
 def reason_of(err: ApiException) -> str:

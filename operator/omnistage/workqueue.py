@@ -8,7 +8,6 @@ afterwards, so no trigger is lost), and `workers` different OmniStages run in pa
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import threading
 from collections.abc import Callable
@@ -27,7 +26,6 @@ class WorkQueue:
         self._queued: set[Key] = set()  # submitted, not started
         self._running: set[Key] = set()
         self._dirty: set[Key] = set()  # asked for again while running
-        self.context: contextvars.Context | None = None  # kopf's context (event posting), set at startup
 
     def enqueue(self, namespace: str, name: str) -> bool:
         """Queue a reconcile of this OmniStage; False when one is already waiting to start."""
@@ -39,8 +37,7 @@ class WorkQueue:
                 self._dirty.add(key)
                 return False
             self._queued.add(key)
-        ctx = (self.context or contextvars.copy_context()).copy()  # one Context per thread at a time
-        self._pool.submit(ctx.run, self._run, key)
+        self._pool.submit(self._run, key)
         return True
 
     def pending(self) -> int:

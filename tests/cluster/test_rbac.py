@@ -52,6 +52,9 @@ REVIEWED: dict[tuple[str, str, str], str] = {
     (GROUP, "omnistages", "patch"): "kopf: progress/diff-base annotations",
     (GROUP, "omnistages/status", "patch"): "kube.patch_status",
     (GROUP, "omnistages/finalizers", "update"): "children's blockOwnerDeletion",
+    (GROUP, "omnistagepools", "list"): "informer.py",
+    (GROUP, "omnistagepools", "watch"): "informer.py",
+    (GROUP, "omnistagepools/status", "patch"): "kube.patch_status (the OmniStage's pass writes its pools' status)",
     ("", "pods", "get"): "kube.read (a pod whose create answered 409)",
     ("", "pods", "list"): "informer.py (engine pods)",
     ("", "pods", "watch"): "informer.py (engine pods)",
@@ -72,7 +75,7 @@ REVIEWED: dict[tuple[str, str, str], str] = {
     ("networking.k8s.io", "networkpolicies", "watch"): "informer.py",
     ("networking.k8s.io", "networkpolicies", "create"): "kube.apply (server-side apply creating it)",
     ("networking.k8s.io", "networkpolicies", "patch"): "kube.apply",
-    ("", "events", "create"): "kopf.event (the operator's Events)",
+    ("", "events", "create"): "kube.post_event (the operator's Events)",
 }
 
 # The leader-election Role (rbac.yaml, in the operator's namespace): (group, resource, verb,

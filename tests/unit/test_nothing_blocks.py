@@ -6,7 +6,6 @@ the removal of a deleted OmniStage's metric series."""
 
 from __future__ import annotations
 
-import contextvars
 import threading
 import time
 
@@ -131,11 +130,9 @@ def test_a_leave_the_head_cannot_take_is_recorded_failed(monkeypatch):
     assert events[0][:2] == ("Warning", "LeaveFailed")
 
 
-def test_a_pool_pods_stages_drain_side_by_side_and_post_their_events(monkeypatch):
+def test_a_pool_pods_stages_drain_side_by_side(monkeypatch):
     """A pool pod running stages 1 and 2: both leaves at once (the pod waits for the slower, not the
-    sum), each Event posted in the context the act step ran in (kopf's posting context is a context
-    variable), and the pod's drain DONE only when both returned."""
-    posting = contextvars.ContextVar("posting")
+    sum), an Event for each, and the pod's drain DONE only when both returned."""
     drains, events, calls, both = Drains(workers=1), [], [], threading.Barrier(2, timeout=10)
 
     def leave(client, replica_id, drain_seconds, stage=0):
@@ -144,13 +141,11 @@ def test_a_pool_pods_stages_drain_side_by_side_and_post_their_events(monkeypatch
         return {"drained": True}
 
     monkeypatch.setattr(act_module.head_client, "leave", leave)
-    posting.set("kopf")
-    act("ns", [StartLeave("speech-2", "uid-s2", ((1, 4), (2, 4)), 300)], HEAD,
-        lambda *e: events.append((posting.get(None), *e)), "ost", drains=drains)
+    act("ns", [StartLeave("speech-2", "uid-s2", ((1, 4), (2, 4)), 300)], HEAD, lambda *e: events.append(e),
+        "ost", drains=drains)
     assert wait(lambda: drains.states("ns", "ost") == {"uid-s2": DRAIN_DONE})
     assert sorted(calls) == [(1, 4), (2, 4)]
-    assert sorted(events) == [("kopf", "Normal", "Left", f"replica 4 of stage {k} (speech-2) left the engine")
-                              for k in (1, 2)]
+    assert sorted(events) == [("Normal", "Left", f"replica 4 of stage {k} (speech-2) left the engine") for k in (1, 2)]
 
 
 def test_many_slow_drains_leave_the_reconcile_workers_free(monkeypatch):
