@@ -196,14 +196,27 @@ def test_series_of_a_deleted_omnistage_are_removed():
     metrics.forget(ns, other)
 
 
-def test_an_event_that_cannot_be_posted_does_not_fail_the_pass():
-    """Outside kopf's posting context kopf.event raises LookupError; the pass goes on (negative
-    control: kopf.event itself does raise here)."""
-    import kopf
-    import pytest
-    from omnistage import handlers
+def test_events_go_through_the_operators_client_and_a_refused_one_does_not_fail_the_pass(monkeypatch):
+    """Events are created with the operator's own client (no kopf posting context needed: passes
+    run before kopf's first handler); a refused Event (a terminating namespace) is logged, not raised."""
+    from kubernetes.client.exceptions import ApiException
+    from omnistage import handlers, kube
 
-    ref = {"metadata": {"name": "ost", "namespace": "ns", "uid": "u"}}
-    with pytest.raises(LookupError):
-        kopf.event({"apiVersion": "v1", "kind": "Pod", **ref}, type="Normal", reason="R", message="m")
-    handlers._emitter(ref)("Normal", "Joined", "replica pod r-1 joined")
+    posted = []
+
+    class Core:
+        def create_namespaced_event(self, namespace, body, _request_timeout=None):
+            if body["reason"] == "Refused":
+                raise ApiException(status=403, reason="Forbidden")
+            posted.append((namespace, body))
+
+    monkeypatch.setattr(kube, "core", Core)
+    emit = handlers._emitter({"metadata": {"name": "ost", "namespace": "ns", "uid": "u"}})
+    emit("Normal", "Joined", "replica pod r-1 joined")
+    emit("Warning", "Refused", "not posted")  # must not raise
+    [(namespace, body)] = posted
+    assert namespace == "ns" and (body["type"], body["reason"], body["message"]) == ("Normal", "Joined",
+                                                                                       "replica pod r-1 joined")
+    assert body["involvedObject"] == {"apiVersion": "serving.omnistage.io/v1alpha1", "kind": "OmniStage",
+                                      "name": "ost", "namespace": "ns", "uid": "u"}
+    assert body["source"] == {"component": "omnistage-operator"} and body["metadata"]["generateName"] == "ost."
