@@ -391,7 +391,10 @@ def test_orchestrator_routes_every_stage_with_the_bound_upstream_endpoint(pipeli
     for rid in ids:
         thinker_rid, _ = received[0][rid]
         talker_rid, talker_req = received[1][rid]
-        _, code2wav_req = received[2][rid]
+        code2wav_rid, code2wav_req = received[2][rid]
+        print(f"ROUTE {rid}: thinker replica {thinker_rid} -> talker replica {talker_rid} "
+              f"(sender {talker_req.payload_sender_info}) -> code2wav replica {code2wav_rid} "
+              f"(sender {code2wav_req.payload_sender_info})")
         assert talker_req.payload_sender_info == {"host": head.bind_ip, "zmq_port": sender_port(0, thinker_rid)}
         assert code2wav_req.payload_sender_info == {"host": talker_ips[talker_rid],
                                                     "zmq_port": sender_port(1, talker_rid)}
