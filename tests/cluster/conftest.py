@@ -564,9 +564,12 @@ def operator(kubeconfig, kubectl, omnistage_crd, standin, state_dir, wait_for,
     yield op
     # The operator must never hold a deleted namespace: OmniStages carry no finalizer (the resync
     # is a thread, not a kopf timer). A regression shows here as namespaces stuck Terminating.
+    def terminating(ns: str) -> bool:
+        proc = kubectl("get", "namespace", ns, "-o", "json", check=False)  # gone since it was listed: not stuck
+        return proc.returncode == 0 and json.loads(proc.stdout)["status"].get("phase") == "Terminating"
+
     def stuck() -> list[str]:
-        return [ns for ns in _test_namespaces_with_omnistages(kubectl)
-                if kubectl.json("get", "namespace", ns)["status"].get("phase") == "Terminating"]
+        return [ns for ns in _test_namespaces_with_omnistages(kubectl) if terminating(ns)]
 
     try:
         wait_for("the operator to finalise the OmniStages of deleted test namespaces", lambda: not stuck(),
