@@ -3,7 +3,9 @@
 Loaded through the `vllm.general_plugins` entry point in every vLLM process (head, headless
 launchers, engine cores, workers). Each patch checks its target and records an outcome
 (applied, skipped with its reason, disabled, or upstream-fixed); nothing here ever raises into
-vLLM's plugin loader. The head reports the outcomes at `contract.ENGINE_PATH`.
+vLLM's plugin loader. The head reports the outcomes at `contract.ENGINE_PATH`; a headless
+replica sends its own with its registration, and the head lists them per member
+(`registration_report`).
 """
 
 from __future__ import annotations

@@ -47,8 +47,14 @@ REPLICA_AWARE_CACHE = "replica_aware_cache"
 #: Cache mode CACHE_REPLICA_AWARE only: a stage-0 request goes to the replica whose mirror holds most of
 #: its media, within a load bound. Saves bytes only; replica-aware is correct without it.
 REPLICA_AFFINITY = "replica_affinity"
+#: Headless replicas send their patch outcomes with their registration (registration_report.py).
+REGISTRATION_REPORT = "registration_report"
 PATCHES = (FRONTEND_CACHE, UUID_SCOPE, REPLICA_METRICS, MM_CACHE_METRICS, MEMBERSHIP, CONNECTOR_PORTS,
-           REPLICA_AWARE_CACHE, REPLICA_AFFINITY)
+           REPLICA_AWARE_CACHE, REPLICA_AFFINITY, REGISTRATION_REPORT)
+#: The key a headless replica adds to the stage config it registers with (vllm-omni's
+#: ``register_stage_with_omni_master``): {patch name: outcome} in that replica's process. The head
+#: lists it as that member's ``"patches"`` in the membership listing (membership_api's ``Replica``).
+REGISTRATION_PATCHES_KEY = "omnistage_patches"
 
 # A patch's outcome in this process.
 APPLIED = "applied"

@@ -68,8 +68,13 @@ Routes (all JSON)::
 
   Replica = {"stage", "replicaId", "host", "pod", "local", "state", "registered", "attached",
              "held", "coordinatorStatus": "up"|"absent", "queueLength", "inFlight", "draining",
-             "metricsRegistered"}
+             "metricsRegistered", "patches"?}
   state: pending | registered | attached | draining | detached | left
+  patches: {patch name: outcome} the replica's own process sent with its registration
+        (``contract.REGISTRATION_PATCHES_KEY`` in the stage config, patch ``registration_report``);
+        absent for the head-local replica (see GET /omnistage/v1/engine), for a replica whose
+        plugin predates the key or runs with that patch off, and before it registered. Fixed at
+        registration, so it moves neither the epoch nor the ETag.
   held: attached but unroutable until joined (only on a head started with
         OMNISTAGE_ROUTE_JOINED_ONLY=1, for replicas that registered after startup)
 

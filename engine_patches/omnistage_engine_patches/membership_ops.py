@@ -5,7 +5,9 @@ no membership truth of its own beyond what :mod:`.membership_hooks` keeps (which
 belongs to, which replicas departed, an epoch):
 
 * ``OmniMasterServer`` routes: every (stage, replica id) the head ever allocated, the host each
-  replica registered from (``replica_host``), which slots are head-local, which have registered.
+  replica registered from (``replica_host``), which slots are head-local, which have registered
+  (and, from the stage config each registered with, the patch outcomes its process reported:
+  :mod:`.registration_report`).
   Routes are never removed and replica ids never reused, so this table only grows with churn;
 * the coordinator's view through the head's ``OmniCoordClientForHub`` (only UP replicas are
   published, so a replica is ``up`` or ``absent``);
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 from itertools import compress, islice, repeat
 from typing import Any
 
-from . import contract, membership_hooks, replica_metrics, report
+from . import contract, membership_hooks, registration_report, replica_metrics, report
 from ._patching import outcomes
 from .membership_hooks import Key, draining_of, held_of, state_of
 
@@ -235,7 +237,7 @@ class LiveHead:
         rep = up.get(addr) if addr else None
         if pool is not None and stage_id not in in_flight:
             in_flight[stage_id] = InFlight(pool)
-        return {
+        entry = {
             "stage": stage_id,
             "replicaId": replica_id,
             "host": getattr(alloc, "replica_host", None),
@@ -251,6 +253,14 @@ class LiveHead:
             "draining": draining,
             "metricsRegistered": replica_metrics.series_registered(self.orch, stage_id, replica_id),
         }
+        # What the replica's own process reported at registration (registration_report). It is
+        # there from the member's first listing on and never changes (auto-assign never hands a
+        # registered key out again; the head's own explicit-id registrations carry no report), so
+        # it needs no epoch bump and the listing's ETag stays right.
+        patches = registration_report.reported(self.master._stage_configs.get(key)) if registered else None
+        if patches is not None:
+            entry["patches"] = patches
+        return entry
 
     def _header(self) -> dict[str, Any]:
         return {

@@ -14,6 +14,7 @@ from . import (
     connector_ports,
     frontend_cache,
     membership_hooks,
+    registration_report,
     replica_affinity,
     replica_aware_cache,
     replica_metrics,
@@ -32,4 +33,6 @@ def apply_all() -> list[Outcome]:
         connector_ports.apply(),  # stages >= 1: connector ports without the replica term (one replica per pod)
         replica_aware_cache.apply(),  # cache mode replica-aware: tensors omitted per replica, after the pick
         replica_affinity.apply(),  # cache mode replica-aware: the pick prefers the replica holding the media
+        # Headless replicas: the outcomes (read at registration, so every patch above is in them) go to the head.
+        registration_report.apply(),
     ]

@@ -40,6 +40,7 @@ INSTALLS = {
     contract.CONNECTOR_PORTS: "connector_ports:_install",
     contract.REPLICA_AWARE_CACHE: "replica_aware_cache:_install",
     contract.REPLICA_AFFINITY: "replica_affinity:_install",
+    contract.REGISTRATION_REPORT: "registration_report:_install",
 }
 
 
