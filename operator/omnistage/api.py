@@ -403,6 +403,10 @@ class StageStatus(_Model):
     desired: int = Field(0, description="Replicas its pool wants.")
     ready: int = Field(0, description="Its pool's Ready pods.")
     registered: int = Field(0, description="Replicas of the stage joined on the head.")
+    patches: dict[str, str] = Field(
+        default_factory=dict,
+        description="Each engine patch's outcome in the stage's replicas, as they sent it when they registered "
+        "(the first not in effect when they differ); connector_ports must be applied.")
 
 
 class OmniStageStatus(_Model):

@@ -31,6 +31,7 @@ from .conditions import (
     R_CREATED_HEAD,
     R_HEAD_RESTARTED,
     R_INVALID_SPEC,
+    R_PATCH_NOT_APPLIED,
     R_POOL_DELETED,
     R_RENDERED,
     R_REPLACED_REPLICA,
@@ -549,7 +550,7 @@ class _Model:
         ]
         stages = self.stage_rows()
         stages_ready = all(row["registered"] == row["desired"] == row["ready"] and row["desired"] > 0
-                           for row in stages)
+                           and not row.get("patchProblem") for row in stages)
         if t.spec.stages:
             conds += self.stage_conditions(stages, stages_ready)
         progressing = bool(self.progressing) or len(engine_pods) != desired or len(ready_pods) != desired \
@@ -585,23 +586,27 @@ class _Model:
                 previous.get("engine") if head and (previous.get("head") or {}).get("uid") == pods.uid(head) else None),
             "membershipEpoch": (self.listing or {}).get("epoch", previous.get("membershipEpoch")),
             "members": members,
-            "stages": stages or None,
+            "stages": [{k: v for k, v in row.items() if k != "patchProblem"} for row in stages] or None,
             "conditions": conds_out,
         }
         return {k: v for k, v in status.items() if v is not None}
 
     # -- stages >= 1 and their pools
     def stage_rows(self) -> list[dict[str, Any]]:
-        """status.stages: per stage, its pool and that pool's pods (desired, Ready, joined for the stage)."""
+        """status.stages: per stage, its pool and that pool's pods (desired, Ready, joined for the stage)
+        and the patch outcomes its replicas sent with their registration."""
         cover = pools.coverage(self.pools)
         rows = []
         for s in self.t.spec.stages:
             pool = cover.get(s.id)
             staying = self.staying(pool) if pool else []
+            reports = {pods.name(r): (self.member_of(r, s.id) or {}).get("patches") for r in staying}
             row = {"id": s.id, "name": s.name or None, "pool": pool,
                    "desired": self.pool_of[pool].pool.spec.replicas if pool else 0,
                    "ready": sum(1 for r in staying if pods.ready(r)),
-                   "registered": sum(1 for r in staying if self.joined(r, s.id))}
+                   "registered": sum(1 for r in staying if self.joined(r, s.id)),
+                   "patches": merged_outcomes([p for p in reports.values() if p]) or None,
+                   "patchProblem": stage_patch_problem(reports)}
             rows.append({k: v for k, v in row.items() if v is not None})
         return rows
 
@@ -620,8 +625,15 @@ class _Model:
             self.emit("Warning", R_UNCOVERED, covered.message)
         waiting = [f"stage {row['id']}: {row['registered']}/{row['desired']} registered, {row['ready']} ready"
                    for row in rows if not (row["registered"] == row["desired"] == row["ready"] and row["desired"])]
-        ready_cond = Cond(STAGES_READY, stages_ready, R_ALL_STAGES_SERVING if stages_ready else R_STAGES_WAITING,
-                          "; ".join(waiting) or "every stage's replicas are joined on the head")
+        broken = [f"stage {row['id']}: {row['patchProblem']}" for row in rows if row.get("patchProblem")]
+        if broken:
+            message = "; ".join(broken) + f". {engine_truth.PLUGIN_ADVICE}"
+            ready_cond = Cond(STAGES_READY, False, R_PATCH_NOT_APPLIED, message)
+            if message != _condition(self.previous, STAGES_READY).get("message"):
+                self.emit("Warning", R_PATCH_NOT_APPLIED, message)
+        else:
+            ready_cond = Cond(STAGES_READY, stages_ready, R_ALL_STAGES_SERVING if stages_ready else R_STAGES_WAITING,
+                              "; ".join(waiting) or "every stage's replicas are joined on the head")
         return [covered, ready_cond]
 
     def pool_statuses(self, at: str) -> None:
@@ -630,6 +642,30 @@ class _Model:
             status = pool_status(f, self.t, self.staying(f.name), self.member_of, at)
             if status != (f.obj.get("status") or {}):
                 self.actions.append(PoolStatus(f.name, status))
+
+
+# The patches a stage pod's replica needs in effect: connector ports without the replica term, which
+# the head also assumes when it advertises a replica's sender endpoint (each pod binds its own).
+STAGE_POD_PATCHES = (contract.CONNECTOR_PORTS,)
+
+
+def merged_outcomes(reports: list[dict[str, str]]) -> dict[str, str]:
+    """One outcome per patch over a stage's replicas: the first not in effect, else the shared one."""
+    out: dict[str, str] = {}
+    for report in reports:
+        for name, outcome in report.items():
+            if name not in out or (out[name] in contract.EFFECTIVE_OUTCOMES
+                                   and outcome not in contract.EFFECTIVE_OUTCOMES):
+                out[name] = outcome
+    return dict(sorted(out.items()))
+
+
+def stage_patch_problem(reports: Mapping[str, dict[str, str] | None]) -> str | None:
+    """Which pods run a stage replica without a patch a stage pod needs (None: every reporting pod
+    has them; a replica that sent no report, an older plugin, is not judged)."""
+    bad = sorted(f"{name} {report[name]} in {pod}" for pod, report in reports.items() if report
+                 for name in STAGE_POD_PATCHES if report.get(name, contract.SKIPPED) not in contract.EFFECTIVE_OUTCOMES)
+    return ", ".join(bad) or None
 
 
 def pool_status(f: pools.Fitted, t: Target | None, staying: list[dict[str, Any]],

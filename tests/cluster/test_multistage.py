@@ -127,6 +127,12 @@ def test_speech_sample_ready_scaled_and_a_speech_pod_killed(kubectl, wait_for, n
     assert head_ready_at >= speech["metadata"]["creationTimestamp"]
     assert speech["metadata"]["labels"][L_OMNISTAGE] == NAME
     assert condition(obj, "StagesCovered")["message"] == f"stage 1: pool {POOL}; stage 2: pool {POOL}"
+    # The engine patches in effect on the head and, as each stage replica reported at registration,
+    # on the pool pod (the stand-in replica process loads the plugin through vLLM's loader).
+    assert obj["status"]["engine"]["patches"]["connector_ports"] == "applied"
+    for stage in obj["status"]["stages"]:
+        print(f"stage {stage['id']} patches: {stage.get('patches')}")
+        assert stage["patches"]["connector_ports"] == "applied" and stage["patches"]["registration_report"] == "applied"
     cm = kubectl.json("get", "configmap", f"{NAME}-config", "-n", namespace)
     rendered = yaml.safe_load(cm["data"]["deploy.yaml"])
     assert [s["stage_id"] for s in rendered["stages"]] == [0, 1, 2]

@@ -349,7 +349,11 @@ class StageReplica(SimulatedReplica):
     without one)."""
 
     def register(self) -> StageReplica:
-        self.response = register_stage_with_omni_master(
+        # Looked up at call time, as vllm-omni's headless launchers do: the engine plugin's
+        # registration_report wraps it there when the plugin is loaded in this process.
+        from vllm_omni.engine import stage_engine_startup
+
+        self.response = stage_engine_startup.register_stage_with_omni_master(
             omni_master_address=self.master_ip,
             omni_master_port=self.master_port,
             omni_stage_id=self.stage_id,

@@ -113,6 +113,22 @@ def replica_for(stage_id: int, master_ip: str, master_port: int, bind_ip: str) -
     return StageReplica(master_ip, master_port, bind_ip, stage_id)
 
 
+def _load_engine_plugin() -> None:
+    """vLLM's own plugin loader, as a real headless replica runs it before registering: the engine
+    plugin's patches apply here too, and registration_report sends their outcomes with the
+    registration, which the head lists per member (what the operator shows for stage pods)."""
+    listed = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
+    os.environ["VLLM_PLUGINS"] = ",".join(dict.fromkeys([*listed, "vllm_omni_register_models",
+                                                         "omnistage_engine_patches"]))
+    import vllm.plugins
+
+    vllm.plugins.load_general_plugins()
+    from omnistage_engine_patches import _patching
+
+    for outcome in _patching.outcomes().values():
+        logger.info("patch %s: %s", outcome.name, outcome.reason)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.standin.replica", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     require_loopback(args.bind_ip, "bind address")
     os.environ["VLLM_HOST_IP"] = args.bind_ip  # never a UDP route probe
     logging.basicConfig(level=logging.INFO, format="%(asctime)s replica %(levelname)s %(message)s")
+    _load_engine_plugin()
 
     stop = threading.Event()
     registering = threading.Event()  # a signal now interrupts the wait for the head's reply

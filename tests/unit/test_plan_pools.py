@@ -296,3 +296,41 @@ def test_an_unchanged_restart_count_rolls_nothing():
                 by_stage=joined_everywhere(pp))
     actions, status = plan(t, o, AT)
     assert of(actions, DeletePod) == [] and status["head"]["bootId"] == "boot-1"
+
+
+def reported(pool_pods, outcomes):
+    """The head's listing with every pool pod's replicas carrying the patch report they registered with."""
+    by_stage = joined_everywhere(pool_pods)
+    for members in by_stage.values():
+        for m in members:
+            m["patches"] = dict(outcomes)
+    return by_stage
+
+
+def test_stage_pods_patch_outcomes_are_in_status():
+    obj, t = pipeline()
+    pool = pool_obj()
+    pp = [pool_pod(t, pool, 1)]
+    applied = {name: contract.APPLIED for name in contract.PATCHES}
+    o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=reported(pp, applied))
+    _, status = plan(t, o, AT)
+    assert status["stages"][0]["patches"] == dict(sorted(applied.items()))
+    assert cond(status, STAGES_READY)["status"] == "True" and cond(status, READY)["status"] == "True"
+
+
+def test_a_stage_pod_without_connector_ports_holds_stages_ready_false():
+    """A stage replica whose connector ports keep the replica term binds elsewhere than the head
+    advertises: the data path would break. Said on StagesReady (and Ready), with the pod."""
+    obj, t = pipeline()
+    pool = pool_obj()
+    pp = [pool_pod(t, pool, 1)]
+    outcomes = {name: contract.APPLIED for name in contract.PATCHES} | {contract.CONNECTOR_PORTS: contract.SKIPPED}
+    o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=reported(pp, outcomes))
+    actions, status = plan(t, o, AT)
+    ready = cond(status, STAGES_READY)
+    assert (ready["status"], ready["reason"]) == ("False", "PatchNotApplied")
+    assert "stage 1: connector_ports skipped in speech-1" in ready["message"]
+    assert cond(status, READY)["status"] == "False"
+    assert status["stages"][0]["patches"][contract.CONNECTOR_PORTS] == contract.SKIPPED
+    assert "patchProblem" not in status["stages"][0]
+    assert any(getattr(a, "reason", None) == "PatchNotApplied" for a in actions)
