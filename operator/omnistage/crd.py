@@ -96,23 +96,9 @@ def build_crd() -> dict[str, Any]:
     spec_schema["x-kubernetes-validations"] = [
         {"rule": r.cel, "message": r.message, "fieldPath": r.field} for r in SPEC_RULES if r.cel
     ]
-    status_schema = _schema_of(api.OmniStageStatus)
-    for schema in (spec_schema, status_schema):
-        _sort_enum_defaults(schema)
-    root = {
-        "type": "object",
-        "description": "OmniStage runs vllm-omni with a replicated, elastic stage 0 on GPU nodes and keeps its "
-        "multimodal caches consistent while replicas join and leave.",
-        "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": spec_schema,
-            "status": status_schema,
-        },
-        "required": ["spec"],
-        "x-kubernetes-validations": [{"rule": NAME_RULE_CEL, "message": NAME_RULE_MESSAGE}],
-    }
+    root = _root("OmniStage runs vllm-omni with a replicated, elastic stage 0 on GPU nodes and keeps its "
+                 "multimodal caches consistent while replicas join and leave.", spec_schema, api.OmniStageStatus)
+    root["x-kubernetes-validations"] = [{"rule": NAME_RULE_CEL, "message": NAME_RULE_MESSAGE}]
     return _definition(api.KIND, api.PLURAL, api.SINGULAR, api.SHORT_NAMES, root, [
         {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas",
          "description": "Stage-0 engine replicas wanted (head included)"},
@@ -164,16 +150,13 @@ def _definition(kind: str, plural: str, singular: str, short_names: list[str], r
     }
 
 
-def build_pool_crd() -> dict[str, Any]:
-    """OmniStagePool: the capacity of stages 1..n-1; its own scale subresource (HPA/KEDA per pod group)."""
-    spec_schema = _schema_of(api.OmniStagePoolSpec)
-    status_schema = _schema_of(api.OmniStagePoolStatus)
+def _root(description: str, spec_schema: dict[str, Any], status_model: type[api.BaseModel]) -> dict[str, Any]:
+    status_schema = _schema_of(status_model)
     for schema in (spec_schema, status_schema):
         _sort_enum_defaults(schema)
-    root = {
+    return {
         "type": "object",
-        "description": "OmniStagePool runs replicas of an OmniStage's stages after stage 0 (e.g. Qwen3-Omni's talker "
-        "and code2wav): each pod one headless process per stage in spec.stageIds, joined on the OmniStage's head.",
+        "description": description,
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
@@ -183,6 +166,13 @@ def build_pool_crd() -> dict[str, Any]:
         },
         "required": ["spec"],
     }
+
+
+def build_pool_crd() -> dict[str, Any]:
+    """OmniStagePool: the capacity of stages 1..n-1; its own scale subresource (HPA/KEDA per pod group)."""
+    root = _root("OmniStagePool runs replicas of an OmniStage's stages after stage 0 (e.g. Qwen3-Omni's talker "
+                 "and code2wav): each pod one headless process per stage in spec.stageIds, joined on the OmniStage's "
+                 "head.", _schema_of(api.OmniStagePoolSpec), api.OmniStagePoolStatus)
     return _definition(api.POOL_KIND, api.POOL_PLURAL, api.POOL_SINGULAR, api.POOL_SHORT_NAMES, root, [
         {"name": "OmniStage", "type": "string", "jsonPath": ".spec.omniStage", "description": "The pipeline"},
         {"name": "Stages", "type": "string", "jsonPath": ".spec.stageIds", "description": "Stages each pod runs"},

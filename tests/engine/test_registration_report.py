@@ -52,23 +52,6 @@ from tests.standin.multistage import (
 pytestmark = pytest.mark.engine
 
 
-class HeadlessReplica(StageReplica):
-    """A headless replica that registers the way vllm-omni's launchers do: the function is looked
-    up on ``stage_engine_startup`` when called (``StageReplica`` bound it when its module was
-    imported, before the plugin loaded), with a stage config and ``replica_id=None``."""
-
-    def register(self) -> HeadlessReplica:
-        self.response = stage_engine_startup.register_stage_with_omni_master(
-            omni_master_address=self.master_ip,
-            omni_master_port=self.master_port,
-            omni_stage_id=self.stage_id,
-            omni_stage_config={"stage_id": self.stage_id},
-            replica_id=None,
-            replica_bind_address=self.bind_ip,
-        )
-        return self
-
-
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
     """A three-stage head whose initial stage-1 and stage-2 slots were filled by headless
@@ -79,11 +62,11 @@ def head(tmp_path_factory):
     pipeline = PipelineHead(options, loopback_ip()).start()
     try:
         for stage_id in (1, 2):  # the initial slots: the head's startup waits for these
-            replica = HeadlessReplica(pipeline.bind_ip, pipeline.master_port, loopback_ip(), stage_id=stage_id)
+            replica = StageReplica(pipeline.bind_ip, pipeline.master_port, loopback_ip(), stage_id=stage_id)
             pipeline.replicas.append(replica.register().up())
         engine = pipeline.wait_started(120)
         for stage_id in (0, 1):  # dynamic: auto-assigned past the planned slots, attached by on_register
-            replica = HeadlessReplica(pipeline.bind_ip, pipeline.master_port, loopback_ip(), stage_id=stage_id)
+            replica = StageReplica(pipeline.bind_ip, pipeline.master_port, loopback_ip(), stage_id=stage_id)
             pipeline.replicas.append(replica.register().up())
             rid = replica.replica_id
             wait_for(lambda s=stage_id, r=rid: r in engine.attached_replica_ids(s), 15,
