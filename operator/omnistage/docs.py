@@ -219,7 +219,7 @@ def pool_reference(crd: dict[str, Any]) -> list[str]:
         "",
         ("A pool is checked against its OmniStage by the operator (no CEL rule sees two objects): its `Ready` "
         "condition is False with reason `OmniStageNotFound`, `NotMultiStage`, `UnknownStage`, `StageInTwoPools`, "
-        "`TooFewGpus` or `InvalidSpec` and a message saying what to change ([troubleshooting]"
+        "`TooFewGpus`, `GpuMemoryOvercommitted` or `InvalidSpec` and a message saying what to change ([troubleshooting]"
         "(troubleshooting.md#an-omnistagepools-ready)). A refused pool keeps its pods and gets no new ones."), "",
         "## `kubectl get omnistagepools` columns", "",
         "| Column | Type | Value | Meaning |", "|---|---|---|---|",

@@ -15,7 +15,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from .api import OmniStagePoolSpec
+from .known_pipelines import SHIPPED_DEPLOY
 from .render.common import Pool, Target
+
+# vLLM's default gpu_memory_utilization, for a shipped stage that does not set one.
+GPU_MEMORY_DEFAULT = 0.9
 
 # Pool Ready=False reasons.
 R_OMNISTAGE_NOT_FOUND = "OmniStageNotFound"
@@ -23,6 +27,7 @@ R_NOT_MULTI_STAGE = "NotMultiStage"
 R_UNKNOWN_STAGE = "UnknownStage"
 R_STAGE_IN_TWO_POOLS = "StageInTwoPools"
 R_TOO_FEW_GPUS = "TooFewGpus"
+R_GPU_MEMORY_OVERCOMMITTED = "GpuMemoryOvercommitted"
 R_INVALID_POOL = "InvalidSpec"
 
 
@@ -94,7 +99,20 @@ def _problem(t: Target | None, omnistage: str, pool: Pool, owner: Mapping[int, s
     if pool.spec.gpu.count < need:
         return R_TOO_FEW_GPUS, (f"spec.gpu.count {pool.spec.gpu.count} is less than the tensorParallelSize {need} of "
                                 "one of its stages (the stages of a pod share its GPUs from 0); raise spec.gpu.count")
+    shares = {k: memory_share(t, k) for k in pool.spec.stage_ids}
+    if sum(shares.values()) > 1.0 + 1e-9:
+        listed = ", ".join(f"stage {k} {v:g}" for k, v in shares.items())
+        return R_GPU_MEMORY_OVERCOMMITTED, (
+            f"the stages of a pod share its GPUs from 0 and their gpuMemoryUtilization adds up to more than 1 ({listed}); "
+            f"lower spec.stages[].engine.gpuMemoryUtilization of OmniStage {omnistage}, or put the stages in separate pools")
     return None
+
+
+def memory_share(t: Target, stage_id: int) -> float:
+    """A stage's gpu_memory_utilization: its spec.stages entry, else the pipeline's shipped config."""
+    spec = next(s for s in t.spec.stages if s.id == stage_id).engine.gpu_memory_utilization
+    shipped = next(s for s in SHIPPED_DEPLOY[t.spec.pipeline]["config"]["stages"] if s["stage_id"] == stage_id)
+    return spec if spec is not None else shipped.get("gpu_memory_utilization", GPU_MEMORY_DEFAULT)
 
 
 def coverage(fitted: Iterable[Fitted]) -> dict[int, str]:

@@ -22,6 +22,7 @@ from omnistage.plan import (
     pool_status,
 )
 from omnistage.pools import (
+    R_GPU_MEMORY_OVERCOMMITTED,
     R_NOT_MULTI_STAGE,
     R_OMNISTAGE_NOT_FOUND,
     R_STAGE_IN_TWO_POOLS,
@@ -244,6 +245,9 @@ def test_a_stage_in_two_pools_stays_with_the_older_one_and_the_newer_keeps_its_p
     (STAGES, pool_obj(stage_ids=(1, 3)), R_UNKNOWN_STAGE, "has no stage 3 in spec.stages"),
     ([{"id": 1, "engine": {"tensorParallelSize": 2}}, {"id": 2}], pool_obj(gpu={"count": 1}), R_TOO_FEW_GPUS,
      "spec.gpu.count 1 is less than the tensorParallelSize 2"),
+    # The shipped talker (0.6) and code2wav (0.1) fit one GPU; 0.95 for the talker does not.
+    ([{"id": 1, "engine": {"gpuMemoryUtilization": 0.95}}, {"id": 2}], pool_obj(), R_GPU_MEMORY_OVERCOMMITTED,
+     "adds up to more than 1 (stage 1 0.95, stage 2 0.1)"),
 ])
 def test_a_pool_that_cannot_run_says_what_to_change(stages, pool, reason, fragment):
     spec = {"pipeline": "qwen3_omni_moe", "stages": stages} if stages else {}
