@@ -225,15 +225,15 @@ def _converged() -> tuple[dict, list[dict], list[dict], dict, dict]:
     pool = {"metadata": {"name": "speech", "generation": 1}, "spec": {"stageIds": [1, 2], "replicas": 1},
             "status": {"observedGeneration": 1, "replicas": 1, "readyReplicas": 1, "registeredReplicas": 1,
                        "conditions": _ready("Ready"),
-                       "members": [{"pod": "speech-1", "ip": "10.0.2.5", "state": "Joined",
+                       "members": [{"pod": "speech-1", "ip": "127.77.2.5", "state": "Joined",
                                     "replicaIds": {"1": 0, "2": 0}}]}}
-    stage_pods = [_pod("qwen3-omni-head", "10.0.1.4"), _pod("qwen3-omni-replica-1", "10.0.1.9")]
-    pool_pods = {"speech": [_pod("speech-1", "10.0.2.5")]}
+    stage_pods = [_pod("qwen3-omni-head", "127.77.1.4"), _pod("qwen3-omni-replica-1", "127.77.1.9")]
+    pool_pods = {"speech": [_pod("speech-1", "127.77.2.5")]}
     listing = {"stages": {"0": [{"replicaId": 0, "local": True, "state": "attached"},
-                                {"replicaId": 1, "host": "10.0.1.9", "state": "attached"}],
-                          "1": [{"replicaId": 0, "host": "10.0.2.5", "state": "attached"}],
-                          "2": [{"replicaId": 0, "host": "10.0.2.5", "state": "attached"},
-                                {"replicaId": 1, "host": "10.0.2.7", "state": "left"}]}}
+                                {"replicaId": 1, "host": "127.77.1.9", "state": "attached"}],
+                          "1": [{"replicaId": 0, "host": "127.77.2.5", "state": "attached"}],
+                          "2": [{"replicaId": 0, "host": "127.77.2.5", "state": "attached"},
+                                {"replicaId": 1, "host": "127.77.2.7", "state": "left"}]}}
     return stage, [pool], stage_pods, pool_pods, listing
 
 
@@ -263,9 +263,9 @@ def _break(change) -> list[str]:
      "pool speech: 0/1 pods Ready"),
     (lambda s, p, sp, pp, lst: p[0]["status"]["members"][0]["replicaIds"].pop("2"), "want Joined for stages 1, 2"),
     (lambda s, p, sp, pp, lst: lst["stages"]["1"][0].update(state="left"),
-     "lists stage 1 replicas at [], pool speech's pods are at ['10.0.2.5']"),
-    (lambda s, p, sp, pp, lst: lst["stages"]["2"].append({"replicaId": 2, "host": "10.0.2.9", "state": "attached"}),
-     "lists stage 2 replicas at ['10.0.2.5', '10.0.2.9']"),
+     "lists stage 1 replicas at [], pool speech's pods are at ['127.77.2.5']"),
+    (lambda s, p, sp, pp, lst: lst["stages"]["2"].append({"replicaId": 2, "host": "127.77.2.9", "state": "attached"}),
+     "lists stage 2 replicas at ['127.77.2.5', '127.77.2.9']"),
 ])
 def test_every_way_a_pipeline_is_not_converged_is_named(change, expected):
     found = _break(change)
@@ -277,8 +277,8 @@ def test_no_listing_is_a_problem_and_leaves_are_found():
     assert "the head's membership listing did not answer" in ms.pipeline_problems(stage, pools, sp, pp, None)
     assert [m["replicaId"] for m in ms.live_members(listing, 0)] == [1]
     assert [m["replicaId"] for m in ms.live_members(listing, 2)] == [0]
-    assert [m["replicaId"] for m in ms.left_members(listing, 2, "10.0.2.7")] == [1]
-    assert ms.left_members(listing, 1, "10.0.2.7") == [] and ms.live_members(listing, 5) == []
+    assert [m["replicaId"] for m in ms.left_members(listing, 2, "127.77.2.7")] == [1]
+    assert ms.left_members(listing, 1, "127.77.2.7") == [] and ms.live_members(listing, 5) == []
 
 
 def _wav(seconds: float = 0.5, rate: int = 24000) -> bytes:
@@ -386,7 +386,7 @@ def test_the_readers_read_the_pods_the_operator_renders_for_the_sample(mode):
     docs = ms.speech_for_test(_speech_docs(), Settings.from_env(REQUESTED), "serving", mode=mode)
     t = target_from(docs[0], default_image="registry.example.com/omnistage-engine:dev")
     head = render_head_pod(t)
-    pod = render_pool_pod(t, pools.parse(docs[1]), 1, "10.0.1.4", "head-uid")
+    pod = render_pool_pod(t, pools.parse(docs[1]), 1, "127.77.1.4", "head-uid")
     assert pod["metadata"]["name"] == "qwen3-omni-speech-1"
     assert ms.stage_ids_of(ms.engine_container(pod)) == [1, 2]
     assert ms.startup_timeouts(head)["--stage-init-timeout"] == ms.startup_timeouts(head)["startupProbe"] == 1800
@@ -447,7 +447,7 @@ def test_the_speech_client_against_a_stand_in_head(chat_server):
     assert pl.ask(chat_server, ms.speech_request("m", "error"))[0].detail == "finish_reason error"
     assert pl.ask(chat_server, ms.speech_request("m", "fail with 500"))[0].detail.startswith("HTTP 500: ")
     with pytest.raises(ValueError, match="only talks to its port-forward on 127.0.0.1"):
-        pl.ask("http://10.0.0.1:8000", ms.speech_request("m", "hello"))
+        pl.ask("http://qwen3-omni.serving.svc:8000", ms.speech_request("m", "hello"))  # a name: refused, never resolved
     answers, outcomes = pl.answers(chat_server, "m")
     assert list(answers) == list(ms.PROMPTS) and all(o.ok for o in outcomes)
     assert len(pl.burst(chat_server, "m", 2, per_client=2)) == 4
