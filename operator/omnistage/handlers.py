@@ -5,7 +5,6 @@ OmniStage at a time per key, so a slow head delays nobody else and a handler nev
 
 from __future__ import annotations
 
-import contextvars
 import fnmatch
 import logging
 import threading
@@ -99,12 +98,11 @@ def start_resync(**_) -> None:
     within RESYNC_SECONDS. A plain thread, not a kopf timer: kopf timers put a finalizer on each
     OmniStage, which then blocks namespace deletion whenever the operator is down or the namespace
     refuses the children."""
-    ctx = contextvars.copy_context()
     literal = WATCHED_NAMESPACES and not any(set("*?[") & set(p) for p in WATCHED_NAMESPACES)
     # Namespaced mode may not list cluster-wide (RBAC); globs need the cluster-wide watch.
     scopes: list[str | None] = list(WATCHED_NAMESPACES) if literal else [None]
     STATE.start(scopes, on_change=_on_watched)  # called from the informers' threads
-    threading.Thread(target=ctx.run, args=(_resync_forever,), name="omnistage-resync", daemon=True).start()
+    threading.Thread(target=_resync_forever, name="omnistage-resync", daemon=True).start()
 
 
 def _on_watched(namespace: str, name: str) -> None:

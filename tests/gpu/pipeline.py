@@ -309,3 +309,19 @@ class Load:
         self._stop.set()
         for t in self._threads:
             t.join(REQUEST_TIMEOUT + 30)
+
+
+def spoken_answers(kubectl: Any, p: Pipeline, mode: str, clients: int, results: dict[str, Any]) -> None:
+    """The prompts one at a time, then a burst of `clients`; the answers' texts and both summaries go
+    into results[mode] (the sameNode run compares texts and figures with the network run's). Every
+    answer carries audio and no burst request fails."""
+    with api(kubectl, p) as base:
+        said, outcomes = answers(base, p.model)
+        many = burst(base, p.model, clients)
+    result = results.setdefault(mode, {})
+    result.update({"texts": {k: v.text for k, v in said.items()}, "sequential": ms.summary(outcomes),
+                   "burst": ms.summary(many)})
+    print(f"[gpu] {mode}: sequential {result['sequential']}, {clients} clients {result['burst']}")
+    assert all(ms.wav_seconds(a.audio) > 0 for a in said.values())
+    failed = [o.detail for o in many if not o.ok]
+    assert not failed, failed

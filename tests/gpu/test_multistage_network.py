@@ -96,17 +96,7 @@ def test_talker_and_code2wav_share_one_gpu_in_one_pod(kubectl, network, speech_r
 
 
 def test_spoken_answers_over_the_network(kubectl, network, settings, speech_results):
-    p = network
-    with pl.api(kubectl, p) as base:
-        answers, outcomes = pl.answers(base, p.model)
-        burst = pl.burst(base, p.model, settings.multistage_clients)
-    result = speech_results.setdefault(ms.NETWORK, {})
-    result.update({"texts": {k: v.text for k, v in answers.items()}, "sequential": ms.summary(outcomes),
-                   "burst": ms.summary(burst)})
-    print(f"[gpu] network: sequential {result['sequential']}, {settings.multistage_clients} clients {result['burst']}")
-    assert all(ms.wav_seconds(a.audio) > 0 for a in answers.values())
-    failed = [o.detail for o in burst if not o.ok]
-    assert not failed, failed
+    pl.spoken_answers(kubectl, network, ms.NETWORK, settings.multistage_clients, speech_results)
 
 
 def test_speech_pool_scaled_under_load(kubectl, network, settings, gpu_nodes):

@@ -55,17 +55,7 @@ def test_every_engine_pod_on_one_node_sharing_one_shm_directory(kubectl, same_no
 
 
 def test_spoken_answers_over_shared_memory(kubectl, same_node, settings, speech_results):
-    p = same_node
-    with pl.api(kubectl, p) as base:
-        answers, outcomes = pl.answers(base, p.model)
-        burst = pl.burst(base, p.model, settings.multistage_clients)
-    result = speech_results.setdefault(ms.SAME_NODE, {})
-    result.update({"texts": {k: v.text for k, v in answers.items()}, "sequential": ms.summary(outcomes),
-                   "burst": ms.summary(burst)})
-    print(f"[gpu] sameNode: sequential {result['sequential']}, {settings.multistage_clients} clients {result['burst']}")
-    assert all(ms.wav_seconds(a.audio) > 0 for a in answers.values())
-    failed = [o.detail for o in burst if not o.ok]
-    assert not failed, failed
+    pl.spoken_answers(kubectl, same_node, ms.SAME_NODE, settings.multistage_clients, speech_results)
 
 
 def test_thinker_text_is_the_same_over_the_network_and_what_the_network_costs(speech_results, settings):

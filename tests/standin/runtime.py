@@ -663,12 +663,7 @@ class StandinRuntime:
         if source is None:
             return 1
         ns, (name, key) = pod["metadata"]["namespace"], source
-        try:
-            cm = self._api.read_namespaced_config_map(name, ns, _request_timeout=10)
-        except ApiException as err:
-            if err.status == 404:
-                raise _NotYet(f"ConfigMap {ns}/{name} not found yet") from None
-            raise _NotYet(f"reading ConfigMap {ns}/{name}: HTTP {err.status}") from None
+        cm = _read_or_not_yet(self._api.read_namespaced_config_map, "ConfigMap", ns, name)
         text = (cm.data or {}).get(key)
         if text is None:
             raise _NotYet(f"ConfigMap {ns}/{name} has no key {key!r} yet")
@@ -686,12 +681,7 @@ class StandinRuntime:
             if not owner:
                 raise _Refused("head pod has neither a membership Secret volume nor an omnistage label")
             secret_name = f"{owner}-membership"
-        try:
-            secret = self._api.read_namespaced_secret(secret_name, ns, _request_timeout=10)
-        except ApiException as err:
-            if err.status == 404:
-                raise _NotYet(f"Secret {ns}/{secret_name} not found yet") from None
-            raise _NotYet(f"reading Secret {ns}/{secret_name}: HTTP {err.status}") from None
+        secret = _read_or_not_yet(self._api.read_namespaced_secret, "Secret", ns, secret_name)
         raw = (secret.data or {}).get("token")
         if not raw:
             raise _NotYet(f"Secret {ns}/{secret_name} has no key 'token' yet")
@@ -902,6 +892,15 @@ class StandinRuntime:
 
 class _NotYet(Exception):
     """The pod cannot be started yet (e.g. its Secret does not exist yet); retried."""
+
+
+def _read_or_not_yet(read: Any, kind: str, namespace: str, name: str) -> Any:
+    """An object the pod mounts; missing or unreadable is "not yet" (the operator writes it first)."""
+    try:
+        return read(name, namespace, _request_timeout=10)
+    except ApiException as err:
+        why = "not found yet" if err.status == 404 else f"HTTP {err.status} reading it"
+        raise _NotYet(f"{kind} {namespace}/{name}: {why}") from None
 
 
 class _Refused(Exception):

@@ -163,7 +163,7 @@ def test_single_stage_head_command_is_unchanged(tmp_path):
 
 def test_head_waits_for_its_configmap(tmp_path):
     rt = _runtime(tmp_path, FakeApi({}))
-    with pytest.raises(runtime._NotYet, match="ConfigMap ns/x-config not found yet"):
+    with pytest.raises(runtime._NotYet, match="ConfigMap ns/x-config: not found yet"):
         rt._command(_head_pod(), "head", "127.74.251.5")
 
 
