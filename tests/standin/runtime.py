@@ -39,8 +39,15 @@ NETWORK RULE (DESIGN.md section 7): only 127.0.0.0/8. Pod IPs and master address
 refused (logged and skipped), the API server must be on loopback, probes dial pod IPs only, and
 proxy variables are stripped from children so nothing is sent through a proxy.
 
+REAL MODE (`image=EngineImage(...)`, or `--engine-env VENV --model NAME=DIR --plugin P`): instead of
+a stand-in, each engine pod runs its OWN container command and args with its own environment and
+mounts (tests/standin/realpod.py has the mapping: the image is a venv on this machine, spec.model a
+local directory). Probes, restart policy and kill are the same; a deleted pod's process gets the
+pod's terminationGracePeriodSeconds (capped at REAL_GRACE_CAP) after SIGTERM, and engines run niced.
+
 Usage:
   python -m tests.standin.runtime [--namespace NS|GLOB ...] [--kubeconfig F] [--state-dir D]
+  python -m tests.standin.runtime --engine-env ~/.cache/omnistage/venv-cpu --model NAME=DIR --plugin P ...
   python -m tests.standin.runtime kill NS/POD [--state-dir D]
   with StandinRuntime(namespaces=[ns]) as rt: ...          (pytest fixtures)
 
@@ -375,7 +382,8 @@ class StandinRuntime:
         sup = threading.Thread(target=self._supervise_loop, name="supervisor", daemon=True)
         sup.start()
         self._threads.append(sup)
-        self.log(f"watching engine pods in {', '.join(self.namespaces) or 'all namespaces'}; "
+        mode = (f"real engines from {self.image.bin_dir.parent}" if self.image else "stand-in engines")
+        self.log(f"watching engine pods in {', '.join(self.namespaces) or 'all namespaces'} ({mode}); "
                  f"state in {self.state_dir}")
         deadline = time.monotonic() + sync_timeout
         while len(self._synced) < len(scopes):
@@ -696,8 +704,7 @@ class StandinRuntime:
                     return None
                 raise _NotYet(f"{kind} {ns}/{name}: HTTP {err.status} reading it") from None
 
-        root = self.state_dir / "pods" / f"{ns}_{meta['name']}_{meta['uid'][:8]}"
-        proc = realpod.pod_process(pod, lookup, self.image, root)
+        proc = realpod.pod_process(pod, lookup, self.image, self.pod_root(ns, meta["name"], meta["uid"]))
         for d in proc.dirs:
             d.mkdir(parents=True, exist_ok=True)
         for path, (content, mode) in proc.files.items():
@@ -707,6 +714,10 @@ class StandinRuntime:
                 f.write(content)
         self._pending_env[(ns, meta["name"], meta["uid"])] = proc.env
         return proc
+
+    def pod_root(self, namespace: str, pod: str, uid: str) -> Path:
+        """Real mode: the pod's own directory (its volumes, HOME and TMPDIR)."""
+        return self.state_dir / "pods" / f"{namespace}_{pod}_{uid[:8]}"
 
     def _stage_count(self, pod: dict[str, Any]) -> int:
         """Stages of the head's pipeline: len(stages) of the deploy config its pod mounts (ConfigMap)."""
@@ -1055,12 +1066,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR), help="process logs, pid files, token files")
     ap.add_argument("--no-probes", action="store_true", help="leave readiness to kwok (Ready at once)")
     ap.add_argument("--python", default=sys.executable, help="interpreter for the stand-in processes")
+    ap.add_argument("--engine-env", metavar="VENV",
+                    help="real mode: run each engine pod's own command in this environment (the CPU engine "
+                         "environment of hack/real-engine-env.sh) instead of a stand-in")
+    ap.add_argument("--model", action="append", default=[], metavar="NAME=DIR",
+                    help="real mode: serve DIR where a pod names spec.model NAME (repeatable)")
+    ap.add_argument("--plugin", action="append", default=[], metavar="NAME",
+                    help="real mode: a vLLM plugin the image adds to the rendered VLLM_PLUGINS (repeatable)")
     ap.add_argument("--head-module", default=HEAD_MODULE, help=argparse.SUPPRESS)     # harness self-tests
     ap.add_argument("--replica-module", default=REPLICA_MODULE, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    image = None
+    if args.engine_env:
+        models = dict(m.split("=", 1) for m in args.model)
+        image = EngineImage(bin_dir=Path(args.engine_env) / "bin", models={k: Path(v) for k, v in models.items()},
+                            extra_plugins=tuple(args.plugin))
     rt = StandinRuntime(kubeconfig=args.kubeconfig, namespaces=args.namespace, state_dir=args.state_dir,
                         python=args.python, probes=not args.no_probes,
-                        head_module=args.head_module, replica_module=args.replica_module)
+                        head_module=args.head_module, replica_module=args.replica_module, image=image)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

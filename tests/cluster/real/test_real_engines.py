@@ -21,18 +21,19 @@ from typing import Any
 
 import pytest
 
-from tests.cpu_engine import client
-from tests.standin.harness import stage0
-
-from .conftest import (
+from tests.cluster.real.realstage import (
     CACHE_MISS,
     HEAD_READY_TIMEOUT,
     RealOmniStage,
     count,
     dump_status,
     print_engine_tails,
+    print_table,
+    send_attributed,
     tiny_omnistage,
+    watch_join,
 )
+from tests.cpu_engine import client
 
 NAME = "tiny"
 pytestmark = pytest.mark.timeout(HEAD_READY_TIMEOUT + 300)
@@ -61,28 +62,7 @@ def _logs_on_failure(request, stage):
         print_engine_tails(stage)
 
 
-def send_attributed(stage: RealOmniStage, payload: dict, label: str) -> tuple[client.Result, str | None]:
-    """One request, and the stage-0 replica that finished it (the head's per-replica success counter
-    that moved; sequential requests only)."""
-    before = stage.served_by()
-    result = client.chat(stage.base(), payload, label)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        after = stage.served_by()
-        moved = [r for r in after if after[r] > before.get(r, 0)]
-        if moved:
-            return result, moved[0]
-        time.sleep(0.2)
-    return result, None
-
-
-def print_table(title: str, rows: list[tuple[client.Result, str | None]]) -> None:
-    print(f"\n[real] {title}")
-    for r, replica in rows:
-        print(f"  {r.line()}  replica {replica}")
-
-
-def test_rendered_command_runs_and_reports_live_engine(stage, standin, model_name=None):
+def test_rendered_command_runs_and_reports_live_engine(stage, standin):
     """The runtime executed the head pod's own command, and status.engine is the live engine's report."""
     head = standin.process(stage.namespace, f"{NAME}-head")
     assert head is not None and head.alive()
@@ -120,31 +100,6 @@ def test_warm_with_one_replica_then_join_by_scale(stage, standin):
     assert served == {"0", "1"}, f"after the join both replicas must serve, served by {served}"
 
 
-def watch_join(stage: RealOmniStage, pod: str, t0: float) -> dict[str, float]:
-    """Seconds from `kubectl scale` to: the pod created, its process started, registered with the
-    head, attached by the head, joined by the operator (printed as they happen)."""
-    seen: dict[str, float] = {}
-
-    def mark(phase: str, ok: bool) -> None:
-        if ok and phase not in seen:
-            seen[phase] = time.monotonic() - t0
-            print(f"[real] {pod}: {phase} at +{seen[phase]:.1f}s", flush=True)
-
-    def step() -> bool:
-        proc = stage.runtime.process(stage.namespace, pod)
-        mark("pod created", stage.kubectl("get", "pod", pod, "-n", stage.namespace, check=False).returncode == 0)
-        mark("process started", proc is not None and proc.alive())
-        entry = next((m for m in stage0(stage.head.listing(include_all=True))
-                      if proc is not None and m.get("host") == proc.ip), None)
-        mark("registered with the head", entry is not None and entry.get("registered"))
-        mark("attached by the head", entry is not None and entry.get("attached"))
-        mark("joined (operator)", any(m.get("pod") == pod for m in stage.joined()))
-        return "joined (operator)" in seen
-
-    stage.wait_for(f"{pod} joined", step, timeout=20 * 60, interval=2)
-    return seen
-
-
 def test_seed_000_same_new_audio_three_times(stage):
     """Seed 000's reproduction: the same NEW audio three times through the head, round-robin over
     two replicas. Unpatched 0.30.0 answers length, error, length (the negative-control module shows
@@ -180,27 +135,34 @@ def test_seed_load_64_requests_at_concurrency_8(stage):
 
 def test_distinct_media_reach_each_replica_as_their_own_features(stage):
     """Different media in successive requests are computed on as their own features, on either
-    replica: the first token's top logprobs (temperature 0, identical weights on every replica) are
-    a fingerprint of the features the engine ran on. The same clip gives the same fingerprint on
-    both replicas; four different clips give four different fingerprints; were a replica to compute
-    on another clip's cached features, it would show that clip's fingerprint."""
+    replica. Asserted on what each engine core admitted (the test-only feature probe: per request,
+    each item's cache key, whether the frontend sent its tensors, and a digest of the tensors the
+    engine core ran on): four clips twice each, round-robin over two replicas, give four keys, each
+    seen once on each replica with one digest, and four different digests."""
     model = client.served_model(stage.base())
+    before = stage.feature_probe()
     rows = []
     for seed in (31, 32, 33, 34):
-        payload = client.body(model, "audio", seed, fingerprint=True)
-        for i in range(2):  # round-robin: one on each replica
-            rows.append((seed, *send_attributed(stage, payload, f"audio seed={seed} #{i + 1}")))
-    print("\n[real] fingerprints (first token's top-5 logprobs) per clip and replica")
-    for seed, r, replica in rows:
-        print(f"  seed {seed} replica {replica} prompt_tokens {r.prompt_tokens} {r.fingerprint}")
-    assert all(r.complete and r.fingerprint for _, r, _ in rows), [r.line() for _, r, _ in rows]
-    by_seed: dict[int, set] = {}
-    for seed, r, replica in rows:
-        by_seed.setdefault(seed, set()).add(r.fingerprint)
-    assert all(len(fps) == 1 for fps in by_seed.values()), "one clip, one fingerprint on every replica"
-    assert {replica for _, _, replica in rows} == {"0", "1"}
-    distinct = {next(iter(fps)) for fps in by_seed.values()}
-    assert len(distinct) == len(by_seed), "different clips must give different fingerprints"
+        payload = client.body(model, "audio", seed)
+        rows += [send_attributed(stage, payload, f"audio seed={seed} #{i + 1}") for i in range(2)]
+    print_table("four clips, twice each", rows)
+    assert all(r.complete for r, _ in rows), client.table([r for r, _ in rows])
+    new = {pod: lines[len(before.get(pod, [])):] for pod, lines in stage.feature_probe().items()}
+    items = [(pod, item) for pod, lines in new.items() for line in lines for item in line["items"]]
+    print("[real] what the engine cores admitted:")
+    for pod, item in items:
+        print(f"  {pod:<18} {item['modality']} key {item['hash'][:16]} sent={item['sent']} digest {item['digest']}")
+    assert len(items) == 8, f"8 requests, {len(items)} items admitted"
+    by_key: dict[str, set] = {}
+    pods_of: dict[str, set] = {}
+    for pod, item in items:
+        by_key.setdefault(item["hash"], set()).add(item["digest"])
+        pods_of.setdefault(item["hash"], set()).add(pod)
+    assert len(by_key) == 4, f"four clips, {len(by_key)} cache keys"
+    assert all(len(d) == 1 and None not in d for d in by_key.values()), "one key, one set of features"
+    assert len({next(iter(d)) for d in by_key.values()}) == 4, "four clips, four different features"
+    assert all(len(p) == 2 for p in pods_of.values()), f"each clip on both replicas: {pods_of}"
+    assert all(item["sent"] for _, item in items), "processor-only: the frontend sends every tensor"
 
 
 def test_replica_sigkill_mid_request(stage, standin):

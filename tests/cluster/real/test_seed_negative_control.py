@@ -23,10 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.cpu_engine import client
-from tests.standin.runtime import StandinRuntime
-
-from .conftest import (
+from tests.cluster.real.realstage import (
     CACHE_MISS,
     HEAD_READY_TIMEOUT,
     JOIN_TIMEOUT,
@@ -36,6 +33,8 @@ from .conftest import (
     print_engine_tails,
     tiny_omnistage,
 )
+from tests.cpu_engine import client
+from tests.standin.runtime import StandinRuntime
 
 NAME = "tiny-unpatched"
 DISABLED = "frontend_cache,membership"

@@ -1,0 +1,81 @@
+"""Benchmark on real engines (printed, nothing asserted): the price of the processor-only cache, and
+the time from `kubectl scale` to the first request a new replica serves. `make bench-real`.
+
+  A. processor-only on 2 replicas (dynamic membership: what the operator renders when replicas can
+     join), against
+  B. vLLM's LRU sender cache on 1 static replica (the only shape where that cache is safe),
+each with repeated audio (8 clips over and over: the frontend cache hits) and all-new audio (every
+clip unseen), at concurrency 4: requests/s and p50/p95 latency side by side in one table. Then A is
+scaled to 3 and the new replica's path is split into pod created, process started, registered,
+attached, joined, first request served.
+
+Same machine, same tiny model with random weights on the CPU, same run: ratios, not absolute
+figures, carry over (a GPU's engine time is far smaller, so the cache's share is larger there; the
+engine tier's bench_cache.py measures the frontend alone).
+Not in `make test` (a file not named test_*): it starts three engines more than the tier.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+
+from tests.cluster.real.realstage import HEAD_READY_TIMEOUT, RealOmniStage, tiny_omnistage, watch_join
+from tests.cpu_engine import client
+
+REQUESTS = 48
+CONCURRENCY = 4
+pytestmark = pytest.mark.timeout(3 * HEAD_READY_TIMEOUT)
+
+
+def _run(stage: RealOmniStage, new_media: bool, seed0: int) -> dict[str, float]:
+    model = client.served_model(stage.base())
+    payloads = [(f"#{i}", client.body(model, "audio", seed0 + (i if new_media else i % 8))) for i in range(REQUESTS)]
+    t0 = time.monotonic()
+    results = client.run_many(stage.base(), payloads, CONCURRENCY)
+    wall = time.monotonic() - t0
+    lat = sorted(r.seconds for r in results)
+    return {"req/s": len(results) / wall, "p50": statistics.median(lat), "p95": lat[int(0.95 * len(lat)) - 1],
+            "errors": sum(not r.complete for r in results)}
+
+
+def test_cache_price_and_scale_to_first_request(kubectl, operator, standin, real_namespace, wait_for):
+    rows: dict[tuple[str, str], dict[str, float]] = {}
+    static = RealOmniStage(kubectl, standin, real_namespace, "lru-static", wait_for)
+    manifest = tiny_omnistage("lru-static", replicas=1)
+    manifest["spec"]["membership"] = "static"
+    static.apply(manifest)
+    dynamic = RealOmniStage(kubectl, standin, real_namespace, "po-dynamic", wait_for)
+    dynamic.apply(tiny_omnistage("po-dynamic", replicas=2))
+    for s, n in ((static, 1), (dynamic, 2)):
+        s.wait_serving(n, f"{s.name} serving with {n} replica(s)", timeout=HEAD_READY_TIMEOUT)
+    mode = {s.name: s.get()["status"].get("effectiveCacheMode") for s in (static, dynamic)}
+    for s in (static, dynamic):
+        for new_media, seed0 in ((False, 200), (True, 1000)):
+            rows[(f"{s.name} ({mode[s.name]})", "all-new" if new_media else "repeated")] = _run(s, new_media, seed0)
+    print("\n[bench] real engines, tiny model on the CPU: processor-only on 2 replicas vs LRU on 1 static replica")
+    print(f"  {'OmniStage (cache mode)':<34} {'audio':<9} {'req/s':>6} {'p50 s':>6} {'p95 s':>6} {'errors':>6}")
+    for (who, media), f in rows.items():
+        print(f"  {who:<34} {media:<9} {f['req/s']:6.2f} {f['p50']:6.2f} {f['p95']:6.2f} {f['errors']:6.0f}")
+    for media in ("repeated", "all-new"):
+        a = rows[(f"po-dynamic ({mode['po-dynamic']})", media)]
+        b = rows[(f"lru-static ({mode['lru-static']})", media)]
+        print(f"  ratio {media}: req/s {a['req/s'] / b['req/s']:.2f}x, p50 {a['p50'] / b['p50']:.2f}x")
+
+    t0 = dynamic.scale(3)
+    phases = watch_join(dynamic, "po-dynamic-replica-2", t0)
+    model = client.served_model(dynamic.base())
+    while time.monotonic() - t0 < 600:
+        before = dynamic.served_by()
+        client.chat(dynamic.base(), client.body(model, "audio", 7), "probe")
+        after = dynamic.served_by()
+        if any(after[r] > before.get(r, 0) for r in after if r not in ("0", "1")):
+            phases["first request served"] = time.monotonic() - t0
+            break
+    print("\n[bench] kubectl scale 2 -> 3 until the new replica serves (seconds from kubectl scale)")
+    prev = 0.0
+    for phase, at in phases.items():
+        print(f"  {phase:<28} +{at:7.1f}s  (step {at - prev:6.1f}s)")
+        prev = at

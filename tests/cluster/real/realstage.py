@@ -1,0 +1,191 @@
+"""The real-engine tier's helpers: the tiny model's OmniStage, what the tests read of it, and the
+requests they send (the fixtures are in conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.cpu_engine import client
+from tests.standin.harness import HeadEndpoint, stage0
+from tests.standin.realpod import EngineImage
+from tests.standin.runtime import StandinRuntime
+
+CACHE = Path(os.environ.get("OMNISTAGE_CACHE", Path.home() / ".cache" / "omnistage"))
+CPU_VENV = Path(os.environ.get("OMNISTAGE_CPU_VENV", CACHE / "venv-cpu"))
+TINY_MODEL = Path(os.environ.get("OMNISTAGE_TINY_MODEL", CACHE / "tiny-omni"))
+# spec.model of every real-engine OmniStage; the runtime's image maps it to TINY_MODEL (the one
+# argument rewritten by value, realpod.EngineImage.models).
+TINY_MODEL_NAME = "omnistage-test/tiny-qwen2.5-omni-thinker"
+SAMPLE = Path(__file__).resolve().parents[2] / "cpu_engine" / "omnistage.yaml"
+# The test-only plugins of tests/cpu_engine/cpu_platform: vllm-omni's CPU platform, and the probe of
+# what each engine core computed on (feature_probe.py), added to the rendered VLLM_PLUGINS.
+TEST_PLUGINS = ("omnistage_cpu", "omnistage_feature_probe")
+HEAD_READY_TIMEOUT = 20 * 60
+JOIN_TIMEOUT = 20 * 60
+
+
+def cpu_engine_image() -> EngineImage | None:
+    if not (CPU_VENV / "bin" / "vllm").exists() or not (TINY_MODEL / "config.json").exists():
+        return None
+    return EngineImage(bin_dir=CPU_VENV / "bin", models={TINY_MODEL_NAME: TINY_MODEL},
+                       extra_plugins=TEST_PLUGINS)
+
+
+def tiny_omnistage(name: str, replicas: int) -> dict[str, Any]:
+    """The tiny model's OmniStage (tests/cpu_engine/omnistage.yaml, the demo's too) under `name`."""
+    manifest = yaml.safe_load(SAMPLE.read_text())
+    manifest["metadata"]["name"] = name
+    manifest["spec"]["replicas"] = replicas
+    assert manifest["spec"]["model"] == TINY_MODEL_NAME
+    return manifest
+
+
+@dataclass
+class RealOmniStage:
+    """One OmniStage on real engines and what the tests read of it."""
+
+    kubectl: Any
+    runtime: StandinRuntime
+    namespace: str
+    name: str
+    wait_for: Callable[..., Any]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def head(self) -> HeadEndpoint:
+        return HeadEndpoint(self.kubectl, self.namespace, self.name)
+
+    def apply(self, manifest: dict[str, Any]) -> None:
+        self.kubectl("apply", "-n", self.namespace, "-f", "-", input=yaml.safe_dump(manifest))
+
+    def get(self) -> dict[str, Any]:
+        return self.kubectl.json("get", "omnistage", self.name, "-n", self.namespace)
+
+    def base(self) -> str:
+        ip = self.head.ip()
+        assert ip, "head pod has no IP"
+        return f"http://{ip}:8000"
+
+    def members(self) -> list[dict[str, Any]]:
+        return self.get().get("status", {}).get("members") or []
+
+    def joined(self) -> list[dict[str, Any]]:
+        return [m for m in self.members() if m.get("state") == "Joined"]
+
+    def scale(self, replicas: int) -> float:
+        self.kubectl("scale", "omnistage", self.name, "-n", self.namespace, f"--replicas={replicas}")
+        return time.monotonic()
+
+    def wait_serving(self, replicas: int, what: str, timeout: float = JOIN_TIMEOUT) -> float:
+        """Until the head is Ready and `replicas - 1` replicas are joined (and no other pod is left)."""
+        start = time.monotonic()
+
+        def done() -> bool:
+            st = self.get().get("status", {})
+            return (st.get("registeredReplicas") == replicas and st.get("replicas") == replicas
+                    and len([m for m in st.get("members") or [] if m.get("state") == "Joined"]) == replicas - 1)
+        self.wait_for(what, done, timeout=timeout, interval=2)
+        return time.monotonic() - start
+
+    def metrics(self) -> str:
+        return client.get(self.base() + "/metrics")
+
+    def served_by(self) -> dict[str, int]:
+        return client.served_by(self.metrics())
+
+    def report(self) -> dict[str, Any]:
+        report = self.head.report()
+        assert report, "the head gave no engine report"
+        return report
+
+    def feature_probe(self) -> dict[str, list[dict[str, Any]]]:
+        """Per engine pod, the lines of its feature probe (tests/cpu_engine/cpu_platform/feature_probe.py):
+        what its engine cores admitted, oldest first."""
+        out = {}
+        for (ns, pod), p in self.runtime.processes().items():
+            path = self.runtime.pod_root(ns, pod, p.uid) / "home" / FEATURE_PROBE_FILE
+            if ns == self.namespace and path.exists():
+                out[pod] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return out
+
+    def engine_logs(self, role: str | None = None) -> dict[str, str]:
+        out = {}
+        for (ns, pod), p in self.runtime.processes().items():
+            if ns == self.namespace and (role is None or p.role == role) and p.log_path.exists():
+                out[pod] = p.log_path.read_text(errors="replace")
+        return out
+
+
+def count(pattern: str, text: str) -> int:
+    return len(re.findall(pattern, text))
+
+
+CACHE_MISS = r"Multi-modal cache miss for request"
+FEATURE_PROBE_FILE = "omnistage-feature-probe.jsonl"  # feature_probe.FILE_NAME (that package is not importable here)
+
+
+def print_engine_tails(stage: RealOmniStage, lines: int = 60) -> None:
+    for pod, text in sorted(stage.engine_logs().items()):
+        print(f"\n===== engine {stage.namespace}/{pod} =====")
+        print("\n".join(text.splitlines()[-lines:]))
+
+
+def dump_status(stage: RealOmniStage) -> None:
+    st = stage.get().get("status", {})
+    print(json.dumps({k: st.get(k) for k in ("replicas", "readyReplicas", "registeredReplicas", "members",
+                                            "conditions")}, indent=1)[:4000])
+
+
+def send_attributed(stage: RealOmniStage, payload: dict, label: str) -> tuple[client.Result, str | None]:
+    """One request, and the stage-0 replica that finished it (the head's per-replica success counter
+    that moved; sequential requests only)."""
+    before = stage.served_by()
+    result = client.chat(stage.base(), payload, label)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        after = stage.served_by()
+        moved = [r for r in after if after[r] > before.get(r, 0)]
+        if moved:
+            return result, moved[0]
+        time.sleep(0.2)
+    return result, None
+
+
+def print_table(title: str, rows: list[tuple[client.Result, str | None]]) -> None:
+    print(f"\n[real] {title}")
+    for r, replica in rows:
+        print(f"  {r.line()}  replica {replica}")
+
+
+def watch_join(stage: RealOmniStage, pod: str, t0: float) -> dict[str, float]:
+    """Seconds from `kubectl scale` to: the pod created, its process started, registered with the
+    head, attached by the head, joined by the operator (printed as they happen)."""
+    seen: dict[str, float] = {}
+
+    def mark(phase: str, ok: bool) -> None:
+        if ok and phase not in seen:
+            seen[phase] = time.monotonic() - t0
+            print(f"[real] {pod}: {phase} at +{seen[phase]:.1f}s", flush=True)
+
+    def step() -> bool:
+        proc = stage.runtime.process(stage.namespace, pod)
+        mark("pod created", stage.kubectl("get", "pod", pod, "-n", stage.namespace, check=False).returncode == 0)
+        mark("process started", proc is not None and proc.alive())
+        entry = next((m for m in stage0(stage.head.listing(include_all=True))
+                      if proc is not None and m.get("host") == proc.ip), None)
+        mark("registered with the head", entry is not None and entry.get("registered"))
+        mark("attached by the head", entry is not None and entry.get("attached"))
+        mark("joined (operator)", any(m.get("pod") == pod for m in stage.joined()))
+        return "joined (operator)" in seen
+
+    stage.wait_for(f"{pod} joined", step, timeout=20 * 60, interval=2)
+    return seen
