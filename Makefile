@@ -140,6 +140,13 @@ bench: setup
 	  echo "bench_membership and bench_fleet skipped: they need the local control plane (make bench BENCH_CLUSTER=1)"; \
 	fi
 
+# bench-real: on real CPU engines behind the operator (tests/cluster/real/bench_cache_price.py): requests/s
+# and p50/p95 for processor-only on 2 replicas vs LRU on 1 static replica, and kubectl scale to the first
+# request the new replica serves, split into its phases. Printed, not asserted.
+.PHONY: bench-real
+bench-real: setup real-engine-env
+	$(PY) -m pytest tests/cluster/real/bench_cache_price.py -s
+
 # bench-fleet: the operator at 1, 50, 200 and 1,000 OmniStages on its own local control plane
 # (/tmp/omnistage-fleet, other ports; simulated H200 nodes added as needed): RSS, CPU and API
 # requests per minute at rest, scale reaction, reconvergence after a restart, and the same with 10%

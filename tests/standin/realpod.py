@@ -181,6 +181,33 @@ def _volume_files(volume: dict[str, Any], lookup: Lookup, target: Path) -> dict[
     return {target / paths[k]: (contents[k], mode) for k in paths}
 
 
+def _projected_files(pod: dict[str, Any], volume: dict[str, Any], lookup: Lookup,
+                     target: Path) -> dict[Path, tuple[bytes, int]]:
+    """A projected volume, e.g. the ServiceAccount's kube-api-access volume the API server adds to
+    every pod: ConfigMap and Secret items, downward-API fields, and a token (`lookup("ServiceAccountToken",
+    audience)` asks the API server for one, as the kubelet does; an engine never uses it)."""
+    files: dict[Path, tuple[bytes, int]] = {}
+    for src in volume["projected"].get("sources") or []:
+        if "configMap" in src or "secret" in src:
+            kind = "configMap" if "configMap" in src else "secret"
+            inner = {"name": volume["name"], kind: {**src[kind], **({"secretName": src[kind]["name"]}
+                                                                    if kind == "secret" else {})}}
+            files.update(_volume_files(inner, lookup, target))
+        elif "downwardAPI" in src:
+            for item in src["downwardAPI"].get("items") or []:
+                if "fieldRef" not in item:
+                    raise Refused(f"volume {volume['name']}: downwardAPI {sorted(item)} is not supported")
+                files[target / item["path"]] = (_field(pod, item["fieldRef"]["fieldPath"]).encode(), 0o644)
+        elif "serviceAccountToken" in src:
+            token = lookup("ServiceAccountToken", src["serviceAccountToken"].get("audience") or "")
+            if token is None:
+                raise NotYet(f"no token for the pod's ServiceAccount yet (volume {volume['name']})")
+            files[target / src["serviceAccountToken"]["path"]] = (token["token"].encode(), 0o600)
+        else:
+            raise Refused(f"volume {volume['name']}: projected source {sorted(src)} is not supported")
+    return files
+
+
 def _mounts(pod: dict[str, Any], lookup: Lookup, root: Path) -> tuple[dict[str, str], dict, list[Path]]:
     volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
     mounts: dict[str, str] = {}
@@ -198,6 +225,9 @@ def _mounts(pod: dict[str, Any], lookup: Lookup, root: Path) -> tuple[dict[str, 
             continue
         if "configMap" in v or "secret" in v:
             files.update(_volume_files(v, lookup, host))
+            dirs.append(host)
+        elif "projected" in v:
+            files.update(_projected_files(pod, v, lookup, host))
             dirs.append(host)
         elif "emptyDir" in v:
             dirs.append(host)
@@ -241,8 +271,11 @@ def _plugins(value: str, extra: tuple[str, ...]) -> str:
     return ",".join(names + [n for n in extra if n not in names])
 
 
-def pod_process(pod: dict[str, Any], lookup: Lookup, image: EngineImage, root: Path) -> PodProcess:
-    """The process a kubelet would run for `pod`'s engine container, mapped onto this machine."""
+def pod_process(pod: dict[str, Any], lookup: Lookup, image: EngineImage, root: Path,
+                tmp: Path | None = None) -> PodProcess:
+    """The process a kubelet would run for `pod`'s engine container, mapped onto this machine. `tmp`
+    is its TMPDIR (default root/tmp): keep it short, vLLM puts ZMQ ipc:// sockets there and a Unix
+    socket path has at most 107 bytes."""
     c = engine_container(pod)
     pod_ip = (pod.get("status") or {}).get("podIP") or ""
     if not c.get("command"):
@@ -255,7 +288,7 @@ def pod_process(pod: dict[str, Any], lookup: Lookup, image: EngineImage, root: P
     argv = _args(argv, image, pod_ip)
     if (image.bin_dir / argv[0]).exists():
         argv[0] = str(image.bin_dir / argv[0])  # the image's PATH
-    home, tmp = root / "home", root / "tmp"
+    home, tmp = root / "home", tmp or root / "tmp"
     base = {"PATH": f"{image.bin_dir}:/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(tmp),
             "HOSTNAME": pod["metadata"]["name"]}
     return PodProcess(argv=argv, env={**base, **image.env, **env}, files=files, dirs=[home, tmp, *dirs],

@@ -342,6 +342,7 @@ class StandinRuntime:
         self._pods: dict[tuple[str, str], dict[str, Any]] = {}   # latest object per pod (watch)
         self._procs: dict[tuple[str, str], Proc] = {}
         self._refused: set[tuple[str, str, str]] = set()          # (ns, pod, uid) logged once
+        self.refusals: dict[tuple[str, str], str] = {}              # (ns, pod) -> why it was not started
         self._start_errors: dict[tuple[str, str, str], str] = {}
         self._next_start_try: dict[tuple[str, str], float] = {}
         self._stop = threading.Event()
@@ -651,6 +652,7 @@ class StandinRuntime:
         except _Refused as err:
             if once not in self._refused:
                 self._refused.add(once)
+                self.refusals[key] = str(err)
                 self.log(f"REFUSED {ns}/{name}: {err}")
             return
         container = _engine_container(pod)
@@ -698,13 +700,21 @@ class StandinRuntime:
 
         def lookup(kind: str, name: str) -> dict[str, Any] | None:
             try:
+                if kind == "ServiceAccountToken":  # as the kubelet does: a token bound to this pod
+                    body = {"spec": {"audiences": [name] if name else None, "expirationSeconds": 3600,
+                                     "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": meta["name"],
+                                                        "uid": meta["uid"]}}}
+                    sa = pod["spec"].get("serviceAccountName") or "default"
+                    out = self._api.create_namespaced_service_account_token(sa, ns, body, _request_timeout=10)
+                    return {"token": out.status.token}
                 return self._serialize(readers[kind](name, ns, _request_timeout=10))
             except ApiException as err:
                 if err.status == 404:
                     return None
                 raise _NotYet(f"{kind} {ns}/{name}: HTTP {err.status} reading it") from None
 
-        proc = realpod.pod_process(pod, lookup, self.image, self.pod_root(ns, meta["name"], meta["uid"]))
+        proc = realpod.pod_process(pod, lookup, self.image, self.pod_root(ns, meta["name"], meta["uid"]),
+                                   tmp=Path("/tmp") / f"omnistage-pod-{meta['uid'][:8]}")
         for d in proc.dirs:
             d.mkdir(parents=True, exist_ok=True)
         for path, (content, mode) in proc.files.items():

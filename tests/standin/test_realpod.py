@@ -106,3 +106,29 @@ def test_a_pvc_is_refused_with_what_to_change(tmp_path):
     ("$(A)", "1"), ("$(A)$(B)", "12"), ("$$(A)", "$(A)"), ("$(C)", "$(C)"), ("x$(A)y", "x1y")])
 def test_expand_is_the_kubelets(value, want):
     assert realpod.expand(value, {"A": "1", "B": "2"}) == want
+
+
+def test_tmpdir_is_short_enough_for_zmq_ipc_sockets(tmp_path):
+    children = _children()
+    deep = tmp_path / ("x" * 80)
+    p = realpod.pod_process(_pod(children, "tiny-head", "127.77.1.5"), _lookup(children), IMAGE, deep,
+                            tmp=Path("/tmp/omnistage-pod-abcdef12"))
+    assert len(p.env["TMPDIR"] + "/" + "2dcbcf47-bfbf-4fdb-906f-fcadd0cd7244") < 107
+
+
+def test_projected_service_account_volume(tmp_path):
+    children = _children()
+    pod = _pod(children, "tiny-head", "127.77.1.5")
+    pod["spec"]["volumes"].append({"name": "kube-api-access-x", "projected": {"sources": [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}}]}})
+    pod["spec"]["containers"][0]["volumeMounts"].append(
+        {"name": "kube-api-access-x", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"})
+    children[("ConfigMap", "kube-root-ca.crt")] = {"data": {"ca.crt": "CA"}}
+    base = _lookup(children)
+    p = realpod.pod_process(pod, lambda k, n: {"token": "tok"} if k == "ServiceAccountToken" else base(k, n),
+                            IMAGE, tmp_path)
+    d = tmp_path / "volumes" / "kube-api-access-x"
+    assert p.files[d / "token"] == (b"tok", 0o600)
+    assert p.files[d / "ca.crt"][0] == b"CA" and p.files[d / "namespace"][0] == b"ns"

@@ -68,6 +68,9 @@ class RealOmniStage:
         self.kubectl("apply", "-n", self.namespace, "-f", "-", input=yaml.safe_dump(manifest))
 
     def get(self) -> dict[str, Any]:
+        """The OmniStage; first, a pod the runtime refused to run fails the test at once (it never starts)."""
+        refused = {pod: why for (ns, pod), why in self.runtime.refusals.items() if ns == self.namespace}
+        assert not refused, f"the real-mode runtime refused to run: {refused}"
         return self.kubectl.json("get", "omnistage", self.name, "-n", self.namespace)
 
     def base(self) -> str:
