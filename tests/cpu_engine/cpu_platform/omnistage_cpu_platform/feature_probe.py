@@ -29,7 +29,7 @@ def _digest(obj: Any, h: Any) -> None:
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # 0-dim too
     elif isinstance(obj, dict) or hasattr(obj, "items"):
         for k in sorted(obj.keys(), key=str):
             h.update(str(k).encode())
@@ -44,10 +44,14 @@ def _digest(obj: Any, h: Any) -> None:
 
 
 def digest(item: Any) -> str | None:
+    """A probe must never fail a request: a digest it cannot take is recorded as such."""
     if item is None:
         return None
     h = hashlib.sha256()
-    _digest(item, h)
+    try:
+        _digest(item, h)
+    except Exception as err:  # noqa: BLE001
+        return f"error: {type(err).__name__}: {err}"
     return h.hexdigest()[:16]
 
 
@@ -64,11 +68,14 @@ def install() -> None:
         sent = [f.data is not None for f in request.mm_features or []]
         out = original(self, request, *args, **kwargs)
         if request.mm_features:
-            line = {"pid": os.getpid(), "request": request.request_id,
-                    "items": [{"modality": f.modality, "hash": f.identifier, "sent": s, "digest": digest(f.data)}
-                              for f, s in zip(request.mm_features, sent, strict=False)]}
-            with _lock, open(path, "a") as fh:
-                fh.write(json.dumps(line) + "\n")
+            try:  # a probe failure must never fail the request
+                line = {"pid": os.getpid(), "request": request.request_id,
+                        "items": [{"modality": f.modality, "hash": f.identifier, "sent": s, "digest": digest(f.data)}
+                                  for f, s in zip(request.mm_features, sent, strict=False)]}
+                with _lock, open(path, "a") as fh:
+                    fh.write(json.dumps(line) + "\n")
+            except Exception as err:  # noqa: BLE001
+                print(f"[feature probe] not recorded: {type(err).__name__}: {err}", flush=True)
         return out
 
     preprocess_add_request._omnistage_feature_probe = True
