@@ -78,6 +78,12 @@ class RealOmniStage:
         assert ip, "head pod has no IP"
         return f"http://{ip}:8000"
 
+    def replica_pods(self) -> list[str]:
+        """Names of the stage-0 replica pods (a replacement gets a new index: names are never reused)."""
+        pods = self.kubectl.json("get", "pods", "-n", self.namespace, "-l",
+                                 f"serving.omnistage.io/omnistage={self.name},serving.omnistage.io/role=replica")
+        return sorted(p["metadata"]["name"] for p in pods["items"] if not p["metadata"].get("deletionTimestamp"))
+
     def members(self) -> list[dict[str, Any]]:
         return self.get().get("status", {}).get("members") or []
 

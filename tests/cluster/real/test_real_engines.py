@@ -171,7 +171,7 @@ def test_replica_sigkill_mid_request(stage, standin):
     to the live replica afterwards, until the operator's replacement has joined."""
     model = client.served_model(stage.base())
     long = client.body(model, "audio", 41, max_tokens=1024)  # seconds of decoding: in flight when killed
-    victim = f"{NAME}-replica-1"
+    [victim] = stage.replica_pods()
     results: list[client.Result] = []
     threads = [threading.Thread(target=lambda i=i: results.append(client.chat(stage.base(), long, f"long #{i}",
                                                                               timeout=300)))
@@ -196,7 +196,10 @@ def test_replica_sigkill_mid_request(stage, standin):
     print_table("after the kill", rows)
     assert all(r.complete for r, _ in rows), client.table([r for r, _ in rows])
     assert {replica for _, replica in rows} == {"0"}, rows
-    phases = watch_join(stage, victim, t_kill)
+    # The operator replaces the failed pod under a new name (replica indices are never reused).
+    replacement = stage.wait_for("the operator's replacement pod", lambda: next(
+        (p for p in stage.replica_pods() if p != victim), None), timeout=300, interval=1)
+    phases = watch_join(stage, replacement, t_kill)
     stage.timings.update({f"kill -> replacement: {k}": v for k, v in phases.items()})
 
 
@@ -216,10 +219,11 @@ def test_scale_down_under_load_loses_nothing(stage, operator):
     t = threading.Thread(target=stream)
     t.start()
     time.sleep(5)
-    t_scale = stage.scale(1)
+    [leaving] = stage.replica_pods()
     offset = operator.size()
-    stage.wait_for("the replica pod gone and the OmniStage at 1", lambda: stage.kubectl(
-        "get", "pod", f"{NAME}-replica-1", "-n", stage.namespace, check=False).returncode != 0
+    t_scale = stage.scale(1)
+    stage.wait_for(f"{leaving} gone and the OmniStage at 1", lambda: stage.kubectl(
+        "get", "pod", leaving, "-n", stage.namespace, check=False).returncode != 0
         and stage.get()["status"].get("replicas") == 1, timeout=300, interval=1)
     stage.timings["scale 2->1 under load: pod gone"] = time.monotonic() - t_scale
     time.sleep(5)
