@@ -16,6 +16,7 @@ real-engine-env:
 # Every tier that can run here: unit, engine (CPU), cluster (local control plane started by the fixture)
 # and real engines (tests/cluster/real: the rendered pods' own vllm serve commands on the CPU).
 test: setup real-engine-env
+	@OMNISTAGE_VENV=$(VENV) bash hack/demo.sh down-if-running
 	$(PY) -m pytest tests --durations=25
 
 test-unit: setup

@@ -83,6 +83,16 @@ stop_bg() {  # name, cmdline marker
 RUNTIME_MARK="tests.standin.runtime"
 OPERATOR_MARK="omnistage run"
 
+# `make test` first: a demo left running holds a head's GPU slot on the simulated nodes and, with real
+# engines, gigabytes of memory and CPU the tiers need; it is stopped, and the user told so.
+if [[ "${1:-}" == "down-if-running" ]]; then
+  if running runtime "$RUNTIME_MARK" || running operator "$OPERATOR_MARK"; then
+    log "stopping what make demo left running (its engines, operator and cluster) before the tests: they need the capacity"
+    exec bash "$0" down
+  fi
+  exit 0
+fi
+
 if [[ "${1:-}" == "down" ]]; then
   stop_bg operator "$OPERATOR_MARK"
   stop_bg runtime "$RUNTIME_MARK"   # stops every stand-in engine it started

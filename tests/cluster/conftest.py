@@ -552,13 +552,19 @@ def _test_namespaces_with_omnistages(kubectl) -> list[str]:
 
 
 @pytest.fixture(scope="module")
+def operator_namespaces() -> list[str]:
+    """What the module's operator watches (a directory's conftest may narrow it, e.g. tests/cluster/real)."""
+    return [TEST_NAMESPACES]
+
+
+@pytest.fixture(scope="module")
 def operator(kubeconfig, kubectl, omnistage_crd, standin, state_dir, wait_for,
-             operator_identity) -> Iterator[OperatorProcess]:
+             operator_identity, operator_namespaces) -> Iterator[OperatorProcess]:
     # Least privilege, proven: the operator runs under its own ServiceAccount with the ClusterRole
     # of manifests/base (a TokenRequest token, conftest.py operator_identity) and the Deployment's
     # environment, never as the admin; a verb the manifests lack fails these tests.
     identity = operator_identity("base")
-    op = OperatorProcess(identity.kubeconfig, state_dir / "operator.log", namespaces=[TEST_NAMESPACES],
+    op = OperatorProcess(identity.kubeconfig, state_dir / "operator.log", namespaces=operator_namespaces,
                          env=identity.env)
     op.start()
     yield op

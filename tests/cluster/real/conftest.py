@@ -31,6 +31,16 @@ from tests.standin.realpod import EngineImage
 from tests.standin.runtime import StandinRuntime
 
 
+# Not t-*: no other operator on a shared local cluster (the cluster tier's, a second session's)
+# may reconcile the real engines' OmniStages (an operator of another version would roll them).
+REAL_PREFIX = "real-"
+
+
+@pytest.fixture(scope="module")
+def operator_namespaces() -> list[str]:
+    return [REAL_PREFIX + "*"]
+
+
 @pytest.fixture(scope="module")
 def engine_image() -> EngineImage:
     image = cpu_engine_image()
@@ -53,7 +63,7 @@ def standin(kubeconfig, kwok_nodes, state_dir, engine_image, real_namespace) -> 
 @pytest.fixture(scope="module")
 def real_namespace(request: pytest.FixtureRequest, kubectl, wait_for) -> Iterator[str]:
     stem = re.sub(r"[^a-z0-9-]+", "-", request.module.__name__.rsplit(".", 1)[-1].lower())[:30].strip("-")
-    name = f"t-real-{stem}-{uuid.uuid4().hex[:5]}"
+    name = f"{REAL_PREFIX}{stem}-{uuid.uuid4().hex[:5]}"
     kubectl("create", "namespace", name)
     wait_for(f"default ServiceAccount in {name}", lambda: kubectl(
         "get", "serviceaccount", "default", "-n", name, check=False).returncode == 0, timeout=60)
