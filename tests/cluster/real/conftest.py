@@ -30,7 +30,6 @@ from tests.cluster.real.realstage import CPU_VENV, TINY_MODEL, cpu_engine_image
 from tests.standin.realpod import EngineImage
 from tests.standin.runtime import StandinRuntime
 
-
 # Not t-*: no other operator on a shared local cluster (the cluster tier's, a second session's)
 # may reconcile the real engines' OmniStages (an operator of another version would roll them).
 REAL_PREFIX = "real-"
