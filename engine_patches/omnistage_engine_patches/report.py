@@ -47,7 +47,7 @@ def vllm_version() -> str | None:
             return found
     try:
         import vllm
-    except Exception:  # not installed, or broken: the report says unknown
+    except ImportError:  # not installed: the report says unknown
         return None
     return getattr(vllm, "__version__", None)
 

@@ -18,15 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kubernetes.client.exceptions import ApiException
 
 from . import api, head_client, kube
-from .conditions import (
-    R_CHILD_SYNCED,
-    R_CONFIG_RENDERED,
-    R_CREATE_REFUSED,
-    R_DRAIN_TIMEOUT,
-    R_JOINED,
-    R_LEAVE_FAILED,
-    R_LEFT,
-)
+from .conditions import EventReason
 from .head_client import HeadClient, HeadRefused, HeadUnreachable
 from .informer import STATE
 from .plan import (
@@ -89,14 +81,14 @@ class Drains:
             try:
                 ack = head_client.leave(client, replica_id, a.drain_seconds, stage)
                 drained = ack.get("drained", True)
-                emit("Normal" if drained else "Warning", R_LEFT if drained else R_DRAIN_TIMEOUT,
+                emit("Normal" if drained else "Warning", EventReason.LEFT if drained else EventReason.DRAIN_TIMEOUT,
                      f"{who} ({a.pod}) left the engine"
                      + ("" if drained else f" after the {a.drain_seconds}s drain timeout with requests in flight"))
                 return DRAIN_DONE
             except (HeadUnreachable, HeadRefused) as err:
                 # The head cannot route to a replica it cannot reach either; its heartbeat timeout
                 # detaches the replica. Deleting keeps the scale-down moving.
-                emit("Warning", R_LEAVE_FAILED, f"leave for {who} ({a.pod}) failed ({err}); deleting anyway")
+                emit("Warning", EventReason.LEAVE_FAILED, f"leave for {who} ({a.pod}) failed ({err}); deleting anyway")
             except Exception:  # never lose the record: a stuck RUNNING would hold the pod forever
                 log.exception("leave for %s/%s failed", namespace, a.pod)
             return DRAIN_FAILED
@@ -129,7 +121,7 @@ def act(namespace: str, actions: list[Action], client: HeadClient | None, emit: 
             result, child = kube.apply(a.obj, a.compare, STATE.of(a.obj["kind"]).get(meta["namespace"], meta["name"]))
             if result != "unchanged":
                 STATE.wrote(child)
-                emit("Normal", R_CONFIG_RENDERED if a.obj["kind"] == "ConfigMap" else R_CHILD_SYNCED,
+                emit("Normal", EventReason.CONFIG_RENDERED if a.obj["kind"] == "ConfigMap" else EventReason.CHILD_SYNCED,
                      f"{a.obj['kind']} {a.obj['metadata']['name']} {result}")
         elif isinstance(a, CreatePod):
             try:
@@ -140,7 +132,7 @@ def act(namespace: str, actions: list[Action], client: HeadClient | None, emit: 
                 # Refused by admission (e.g. Pod Security refusing sameNode's hostPath /dev/shm) or a
                 # quota: no later pass will do better until someone acts, so say it where people look.
                 why = f"creating pod {a.obj['metadata']['name']} was refused ({err.status}): {kube.reason_of(err)}"
-                emit("Warning", R_CREATE_REFUSED, why)
+                emit("Warning", EventReason.CREATE_REFUSED, why)
                 problems.append(why)
                 continue
             STATE.wrote(pod)
@@ -160,14 +152,14 @@ def act(namespace: str, actions: list[Action], client: HeadClient | None, emit: 
             who = f"replica {a.replica_id}" + (f" of stage {a.stage}" if a.stage else "")
             try:
                 head_client.leave(client, a.replica_id, 0, a.stage)
-                emit("Normal", R_LEFT, f"{who} ({a.who}) left: its pod is gone")
+                emit("Normal", EventReason.LEFT, f"{who} ({a.who}) left: its pod is gone")
             except (HeadUnreachable, HeadRefused) as err:
                 problems.append(f"leave for departed {who} failed: {err}")
         elif isinstance(a, Join):
             try:
                 ack = head_client.join(client, a.pod, a.ip, a.stage)
                 kind = f"pool pod {a.pod} joined stage {a.stage}" if a.stage else f"replica pod {a.pod} joined the engine"
-                emit("Normal", R_JOINED, f"{kind} as replica {ack.get('replicaId')}")
+                emit("Normal", EventReason.JOINED, f"{kind} as replica {ack.get('replicaId')}")
             except HeadRefused as err:
                 # Not registered, not attached, or the newest registration from this IP is a detached
                 # predecessor (kwok reuses pod IPs): wait. A replica whose engine really died fails

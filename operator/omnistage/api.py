@@ -11,10 +11,15 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, Any
 
+from omnistage_engine_patches import contract
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-GROUP = "serving.omnistage.io"
+from . import names
+from .conditions import STAGE_TYPES
+from .conditions import TYPES as CONDITION_TYPES
+
+GROUP = names.GROUP  # defined with the labels under it; the API's identity (group, version, kinds) reads here
 VERSION = "v1alpha1"
 KIND = "OmniStage"
 PLURAL = "omnistages"
@@ -67,22 +72,24 @@ class _Model(BaseModel):
     )
 
 
+# The cache modes' spellings are the contract's: the engine report names the mode its frontend built
+# in the same words, and engine_truth compares the two.
 class CacheMode(StrEnum):
     AUTO = "auto"
-    PROCESSOR_ONLY = "processor-only"
-    REPLICA_AWARE = "replica-aware"  # opt-in: processor-only plus per-replica mirrors (docs/cache-modes.md)
-    LRU = "lru"
-    SHM = "shm"
-    DISABLED = "disabled"
+    PROCESSOR_ONLY = contract.CACHE_PROCESSOR_ONLY
+    REPLICA_AWARE = contract.CACHE_REPLICA_AWARE  # opt-in: processor-only plus per-replica mirrors (docs/cache-modes.md)
+    LRU = contract.CACHE_LRU
+    SHM = contract.CACHE_SHM
+    DISABLED = contract.CACHE_DISABLED
 
 
 class EffectiveCacheMode(StrEnum):
-    PROCESSOR_ONLY = "processor-only"
-    REPLICA_AWARE = "replica-aware"
-    LRU = "lru"
-    SHM = "shm"
-    DISABLED = "disabled"
-    NOT_APPLICABLE = "not-applicable"  # text-only models have no multimodal cache
+    PROCESSOR_ONLY = contract.CACHE_PROCESSOR_ONLY
+    REPLICA_AWARE = contract.CACHE_REPLICA_AWARE
+    LRU = contract.CACHE_LRU
+    SHM = contract.CACHE_SHM
+    DISABLED = contract.CACHE_DISABLED
+    NOT_APPLICABLE = contract.CACHE_NOT_APPLICABLE  # text-only models have no multimodal cache
 
 
 class Membership(StrEnum):
@@ -351,6 +358,24 @@ class OmniStageSpec(_Model):
 MAX_NAME_LENGTH = 40
 
 
+class MemberState(StrEnum):
+    """A replica pod's membership, as status.members[] and an OmniStagePool's members[] say it."""
+
+    PENDING = "Pending"  # not Ready yet
+    JOINING = "Joining"  # Ready, not acknowledged by the head yet
+    JOINED = "Joined"
+    LEAVING = "Leaving"  # its retirement is decided: draining, then deleted
+
+
+# An OmniStagePool's status lists only its pods that stay, so none of them is Leaving.
+POOL_MEMBER_STATES = (MemberState.PENDING, MemberState.JOINING, MemberState.JOINED)
+
+
+def _either(values) -> str:
+    values = [str(v) for v in values]
+    return ", ".join(values[:-1]) + " or " + values[-1]
+
+
 class Condition(_Model):
     type: str = Field(description="Condition type.")
     status: str = Field(description="True, False or Unknown.")
@@ -374,7 +399,7 @@ class MemberStatus(_Model):
     pod: str = Field(description="Replica pod name.")
     ip: str | None = Field(None, description="Replica pod IP.")
     replica_id: int | None = Field(None, description="Replica id the head assigned (never reused).")
-    state: str = Field(description="Pending, Joining, Joined, Leaving or Left.")
+    state: str = Field(description=f"{_either(MemberState)}.")
     reason: str | None = Field(None, description="Why a Ready replica is not joined yet (e.g. CacheConsistent: CacheMismatch).")
 
 
@@ -431,7 +456,10 @@ class OmniStageStatus(_Model):
     members: list[MemberStatus] = Field(default_factory=list, description="Replica pods and their membership.")
     stages: list[StageStatus] = Field(
         default_factory=list, description="Stages after stage 0: their pool and replicas (multi-stage pipelines).")
-    conditions: list[Condition] = Field(default_factory=list, description="Ready, HeadReady, ReplicasAvailable, MembershipSynced, CacheConsistent, ConfigRendered, Progressing, ReplicaFailure; StagesCovered and StagesReady with spec.stages.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description=", ".join(t for t in CONDITION_TYPES if t not in STAGE_TYPES)
+        + f"; {' and '.join(STAGE_TYPES)} with spec.stages.")
 
 
 # ---- OmniStagePool: the capacity of stages 1..n-1 ---------------------------------------------------
@@ -465,7 +493,7 @@ class OmniStagePoolSpec(_Model):
 class PoolMemberStatus(_Model):
     pod: str = Field(description="Pod name.")
     ip: str | None = Field(None, description="Pod IP.")
-    state: str = Field(description="Pending, Joining, Joined (every stage of the pod joined) or Leaving.")
+    state: str = Field(description=f"{_either(POOL_MEMBER_STATES)} (every stage of the pod joined).")
     replica_ids: dict[str, int] = Field(
         default_factory=dict, description="Replica id the head assigned to this pod, by stage id.")
 

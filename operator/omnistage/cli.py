@@ -10,6 +10,7 @@ import yaml
 
 from . import api, pools
 from .crd import crd_yaml
+from .names import LEASE_NAME
 from .render import render_children, target_from
 from .render.common import Pool, Target
 from .validation import InvalidSpec
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                      f"(default: ${api.ENGINE_IMAGE_ENV}, else {api.DEFAULT_ENGINE_IMAGE})")
     run.add_argument("--leader-election-namespace", help="namespace of the leader-election Lease (default: "
                      "$POD_NAMESPACE, else the in-cluster ServiceAccount's; neither: no election, one replica only)")
-    run.add_argument("--leader-election-id", default="omnistage-operator", help="name of the leader-election Lease")
+    run.add_argument("--leader-election-id", default=LEASE_NAME, help="name of the leader-election Lease")
     run.set_defaults(func=cmd_run)
     return p
 

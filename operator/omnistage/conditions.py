@@ -3,57 +3,105 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
-# Condition types (KubeRay-style constants: one spelling, used everywhere).
-READY = "Ready"
-HEAD_READY = "HeadReady"
-REPLICAS_AVAILABLE = "ReplicasAvailable"
-MEMBERSHIP_SYNCED = "MembershipSynced"
-CACHE_CONSISTENT = "CacheConsistent"
-CONFIG_RENDERED = "ConfigRendered"
-PROGRESSING = "Progressing"
-REPLICA_FAILURE = "ReplicaFailure"
-# With spec.stages: every stage >= 1 runs in exactly one valid OmniStagePool; every stage has its
-# pool's replicas joined on the head.
-STAGES_COVERED = "StagesCovered"
-STAGES_READY = "StagesReady"
-TYPES = [READY, HEAD_READY, REPLICAS_AVAILABLE, MEMBERSHIP_SYNCED, CACHE_CONSISTENT, CONFIG_RENDERED, PROGRESSING,
-         REPLICA_FAILURE, STAGES_COVERED, STAGES_READY]
 
-# CacheConsistent reasons: the engine's real stage-0 frontend cache against status.effectiveCacheMode.
-R_CONSISTENT = "Consistent"
-R_ENGINE_UNREPORTED = "EngineUnreported"  # the head has not said what it runs (starting, old or no plugin)
-R_PATCH_NOT_APPLIED = "PatchNotApplied"  # a patch the mode needs is skipped or disabled in the engine
-R_CACHE_MISMATCH = "CacheMismatch"  # the frontend built another cache than the OmniStage promises
+class Type(StrEnum):
+    """Condition types, in the order status lists them."""
 
-# ConfigRendered / Ready reasons.
-R_RENDERED = "Rendered"
-R_INVALID_SPEC = "InvalidSpec"
+    READY = "Ready"
+    HEAD_READY = "HeadReady"
+    REPLICAS_AVAILABLE = "ReplicasAvailable"
+    MEMBERSHIP_SYNCED = "MembershipSynced"
+    CACHE_CONSISTENT = "CacheConsistent"
+    CONFIG_RENDERED = "ConfigRendered"
+    PROGRESSING = "Progressing"
+    REPLICA_FAILURE = "ReplicaFailure"
+    # With spec.stages: every stage >= 1 runs in exactly one valid OmniStagePool; every stage has its
+    # pool's replicas joined on the head.
+    STAGES_COVERED = "StagesCovered"
+    STAGES_READY = "StagesReady"
 
-# Event reasons (and Progressing reasons: what a pass did), one spelling for plan.py and act.py.
-R_CONFIG_RENDERED = "ConfigRendered"  # the ConfigMap was created or changed
-R_CHILD_SYNCED = "ChildSynced"  # a Service or the NetworkPolicy was created or changed
-R_CREATED_HEAD = "CreatedHead"
-R_ROLLING_HEAD = "RollingHead"
-R_HEAD_RESTARTED = "HeadRestarted"
-R_ROLLED_REPLICA = "RolledReplica"  # it belonged to a previous head
-R_REPLACED_REPLICA = "ReplacedReplica"  # its engine exited or it turned NotReady
-R_ROLLING_REPLICA = "RollingReplica"  # its pod template changed
-R_SCALED_DOWN = "ScaledDown"
-R_SCALED_UP = "ScaledUp"
-R_JOINED = "Joined"
-R_LEFT = "Left"
-R_DRAIN_TIMEOUT = "DrainTimeout"
-R_LEAVE_FAILED = "LeaveFailed"
-R_POOL_DELETED = "PoolDeleted"
-R_CREATE_REFUSED = "CreateRefused"  # the API server refused a pod (admission, quota): message has its words  # a pool pod whose OmniStagePool is gone leaves (drained) and is deleted
 
-# StagesCovered / StagesReady reasons (a pool's own Ready=False reasons are in pools.py).
-R_ALL_COVERED = "AllCovered"
-R_UNCOVERED = "Uncovered"
-R_ALL_STAGES_SERVING = "AllStagesServing"
-R_STAGES_WAITING = "Waiting"
+TYPES = list(Type)
+STAGE_TYPES = (Type.STAGES_COVERED, Type.STAGES_READY)  # set only with spec.stages
+
+
+class Reason(StrEnum):
+    """Every condition reason the operator sets, by condition. An Event that announces a condition
+    (InvalidSpec, Uncovered, PatchNotApplied, a CacheConsistent verdict) carries the same reason."""
+
+    # ConfigRendered (and Ready, and an OmniStagePool's Ready when its spec is not even a valid model)
+    RENDERED = "Rendered"
+    INVALID_SPEC = "InvalidSpec"
+    # HeadReady
+    HEAD_READY = "HeadReady"
+    HEAD_PENDING = "HeadPending"
+    NO_HEAD = "NoHead"
+    # ReplicasAvailable
+    ALL_AVAILABLE = "AllAvailable"
+    UNAVAILABLE = "Unavailable"
+    # MembershipSynced
+    SYNCED = "Synced"
+    NOT_SYNCED = "NotSynced"
+    # CacheConsistent: the engine's real stage-0 frontend cache against status.effectiveCacheMode
+    CONSISTENT = "Consistent"
+    ENGINE_UNREPORTED = "EngineUnreported"  # the head has not said what it runs (starting, old or no plugin)
+    PATCH_NOT_APPLIED = "PatchNotApplied"  # a patch the mode needs is skipped or disabled (also StagesReady's)
+    CACHE_MISMATCH = "CacheMismatch"  # the frontend built another cache than the OmniStage promises
+    # ReplicaFailure
+    UNSCHEDULABLE = "Unschedulable"
+    ENGINE_EXITED = "EngineExited"
+    NO_FAILURE = "NoFailure"
+    # Progressing, when the pass itself did nothing (else: the Progress values it did)
+    CONVERGING = "Converging"
+    STABLE = "Stable"
+    # StagesCovered
+    ALL_COVERED = "AllCovered"
+    UNCOVERED = "Uncovered"
+    # StagesReady
+    ALL_STAGES_SERVING = "AllStagesServing"
+    # Ready (an OmniStage's and an OmniStagePool's), StagesReady
+    ALL_REPLICAS_SERVING = "AllReplicasServing"
+    WAITING = "Waiting"
+    # An OmniStagePool's Ready=False: why it cannot run (pools.py)
+    OMNISTAGE_NOT_FOUND = "OmniStageNotFound"
+    NOT_MULTI_STAGE = "NotMultiStage"
+    UNKNOWN_STAGE = "UnknownStage"
+    STAGE_IN_TWO_POOLS = "StageInTwoPools"
+    TOO_FEW_GPUS = "TooFewGpus"
+    GPU_MEMORY_OVERCOMMITTED = "GpuMemoryOvercommitted"
+
+
+class Progress(StrEnum):
+    """What a pass did: Progressing's reason (the set of them, comma-joined). All but CreatingHead
+    and ScalingUp are also the reason of the Event that says it, and a retirement's reason is what
+    the pod's `leaving` annotation records."""
+
+    CREATING_HEAD = "CreatingHead"
+    ROLLING_HEAD = "RollingHead"
+    HEAD_RESTARTED = "HeadRestarted"
+    SCALING_UP = "ScalingUp"
+    SCALED_DOWN = "ScaledDown"
+    ROLLING_REPLICA = "RollingReplica"  # its pod template changed
+    ROLLED_REPLICA = "RolledReplica"  # it belonged to a previous head
+    REPLACED_REPLICA = "ReplacedReplica"  # its engine exited or it turned NotReady
+    POOL_DELETED = "PoolDeleted"  # a pool pod whose OmniStagePool is gone leaves (drained) and is deleted
+
+
+class EventReason(StrEnum):
+    """The reasons of Events that are neither a condition's (Reason) nor a pass's Progress."""
+
+    CONFIG_RENDERED = "ConfigRendered"  # the ConfigMap was created or changed
+    CHILD_SYNCED = "ChildSynced"  # a Service or the NetworkPolicy was created or changed
+    CREATED_HEAD = "CreatedHead"
+    SCALED_UP = "ScaledUp"
+    JOINED = "Joined"
+    LEFT = "Left"
+    DRAIN_TIMEOUT = "DrainTimeout"
+    LEAVE_FAILED = "LeaveFailed"
+    CREATE_REFUSED = "CreateRefused"  # the API server refused a pod (admission, quota): message has its words
 
 
 @dataclass(frozen=True)
@@ -74,7 +122,8 @@ def merge(previous: list[dict[str, Any]], new: list[Cond], generation: int | Non
         before = old.get(c.type)
         changed = before is None or before.get("status") != status
         out.append({
-            "type": c.type, "status": status, "reason": c.reason, "message": c.message,
+            # str(): the enums' plain values, as the API server hands them back
+            "type": str(c.type), "status": status, "reason": str(c.reason), "message": c.message,
             "observedGeneration": generation,
             "lastTransitionTime": now if changed else before.get("lastTransitionTime", now),
         })
@@ -84,11 +133,11 @@ def merge(previous: list[dict[str, Any]], new: list[Cond], generation: int | Non
 def ready(head_ready: bool, replicas_available: bool, membership_synced: bool, config_ok: bool,
           cache_consistent: bool, stages_ready: bool = True) -> Cond:
     if not config_ok:
-        return Cond(READY, False, R_INVALID_SPEC, "the spec is invalid; see ConfigRendered")
-    missing = [n for n, ok in ((HEAD_READY, head_ready), (REPLICAS_AVAILABLE, replicas_available),
-                               (MEMBERSHIP_SYNCED, membership_synced), (CACHE_CONSISTENT, cache_consistent),
-                               (STAGES_READY, stages_ready)) if not ok]
+        return Cond(Type.READY, False, Reason.INVALID_SPEC, "the spec is invalid; see ConfigRendered")
+    missing = [n for n, ok in ((Type.HEAD_READY, head_ready), (Type.REPLICAS_AVAILABLE, replicas_available),
+                               (Type.MEMBERSHIP_SYNCED, membership_synced), (Type.CACHE_CONSISTENT, cache_consistent),
+                               (Type.STAGES_READY, stages_ready)) if not ok]
     if missing:
-        return Cond(READY, False, "Waiting", "waiting for " + ", ".join(missing))
-    return Cond(READY, True, "AllReplicasServing",
+        return Cond(Type.READY, False, Reason.WAITING, "waiting for " + ", ".join(missing))
+    return Cond(Type.READY, True, Reason.ALL_REPLICAS_SERVING,
                 "head ready, replicas available, membership synced, engine cache consistent")

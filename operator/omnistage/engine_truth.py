@@ -13,12 +13,7 @@ from typing import Any
 
 from omnistage_engine_patches import contract
 
-from .conditions import (
-    R_CACHE_MISMATCH,
-    R_CONSISTENT,
-    R_ENGINE_UNREPORTED,
-    R_PATCH_NOT_APPLIED,
-)
+from .conditions import Reason
 
 # What to run when the report disagrees (said in the Warning Event and the condition).
 SUPPORTED_ENGINE = "vllm 0.30.0 and vllm-omni 0.30.0 with this operator's omnistage-engine-patches plugin"
@@ -73,12 +68,12 @@ def check(effective_mode: str, distributed: bool, report: dict[str, Any] | None,
     `report` None: the head did not answer (`unreported_because` says why).
     """
     if report is None:
-        return Verdict(False, R_ENGINE_UNREPORTED,
+        return Verdict(False, Reason.ENGINE_UNREPORTED,
                        f"the head has not reported its engine ({unreported_because or 'no answer'}); "
                        f"replicas are not joined until it does. If it never does: {PLUGIN_ADVICE}")
     frontend = report.get("frontendCache")
     if not isinstance(frontend, dict):
-        return Verdict(False, R_ENGINE_UNREPORTED,
+        return Verdict(False, Reason.ENGINE_UNREPORTED,
                        f"the head's stage-0 frontend is not built yet ({_engine(report)})")
     patches = report.get("patches") or {}
     broken = []
@@ -88,18 +83,18 @@ def check(effective_mode: str, distributed: bool, report: dict[str, Any] | None,
             broken.append(f"{name} {outcome.get('outcome') or 'missing'}"
                           + (f" ({outcome['reason']})" if outcome.get("reason") else ""))
     if broken:
-        return Verdict(False, R_PATCH_NOT_APPLIED,
+        return Verdict(False, Reason.PATCH_NOT_APPLIED,
                        f"engine patches not in effect: {'; '.join(broken)}. The head runs {_engine(report)}; "
                        f"{PLUGIN_ADVICE}")
     expected = _EXPECTED_FRONTEND.get(effective_mode)
     actual = frontend.get("mode")
     if actual != expected:
-        return Verdict(False, R_CACHE_MISMATCH,
+        return Verdict(False, Reason.CACHE_MISMATCH,
                        f"status.effectiveCacheMode is {effective_mode} but the head's stage-0 frontend built "
                        f"{frontend.get('cacheClass') or 'no cache'} ({actual}); the head runs {_engine(report)}. "
                        f"{PLUGIN_ADVICE}")
     built = frontend.get("cacheClass") or "no multimodal cache"
-    return Verdict(True, R_CONSISTENT, f"the head's stage-0 frontend runs {built} ({effective_mode}); "
+    return Verdict(True, Reason.CONSISTENT, f"the head's stage-0 frontend runs {built} ({effective_mode}); "
                                        f"{_engine(report)}")
 
 

@@ -27,7 +27,7 @@ from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
 from . import api, kube, leader
-from .render.common import ENGINE_COMPONENTS, L_COMPONENT, L_MANAGED_BY, L_OMNISTAGE
+from .names import ENGINE_COMPONENTS, L_COMPONENT, L_MANAGED_BY, L_OMNISTAGE, MANAGED_BY
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ def _net_lister(scope: str | None):
     return c.list_namespaced_network_policy, (scope,)
 
 
-OWNED = f"{L_MANAGED_BY}=omnistage-operator"
+OWNED = f"{L_MANAGED_BY}={MANAGED_BY}"
 
 
 class ClusterState:

@@ -15,10 +15,9 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
 from . import api, metrics
+from .names import EVENT_SOURCE, FIELD_MANAGER
 
 log = logging.getLogger(__name__)
-
-FIELD_MANAGER = "omnistage-operator"  # the one server-side-apply field manager of every child
 
 
 @cache
@@ -83,7 +82,6 @@ def patch_status(namespace: str, name: str, status: dict[str, Any],
         api.GROUP, api.VERSION, namespace, plural, name, {"status": merge_patch(previous or {}, status)})
 
 
-EVENT_SOURCE = "omnistage-operator"
 EVENT_MESSAGE_LIMIT = 1024  # what the API server keeps of a message
 
 

@@ -37,9 +37,11 @@ from typing import Any, Protocol
 
 from prometheus_client import Gauge
 
+from .names import LEASE_NAME
+
 log = logging.getLogger(__name__)
 
-LEASE_NAME = "omnistage-operator"
+
 LEASE_DURATION = 20.0  # s a follower waits, after it last saw the Lease change, before taking it
 RENEW_DEADLINE = 15.0  # s after its last successful renewal a leader stops acting
 RENEW_PERIOD = 10.0    # s between a leader's renewals (6 writes a minute; two retries fit before RENEW_DEADLINE)

@@ -19,38 +19,9 @@ from typing import Any
 from omnistage_engine_patches import contract
 
 from . import engine_truth, head_client, pods, pools
-from .api import OmniStagePoolSpec
-from .conditions import (
-    CACHE_CONSISTENT,
-    CONFIG_RENDERED,
-    HEAD_READY,
-    MEMBERSHIP_SYNCED,
-    PROGRESSING,
-    R_ALL_COVERED,
-    R_ALL_STAGES_SERVING,
-    R_CREATED_HEAD,
-    R_HEAD_RESTARTED,
-    R_INVALID_SPEC,
-    R_PATCH_NOT_APPLIED,
-    R_POOL_DELETED,
-    R_RENDERED,
-    R_REPLACED_REPLICA,
-    R_ROLLED_REPLICA,
-    R_ROLLING_HEAD,
-    R_ROLLING_REPLICA,
-    R_SCALED_DOWN,
-    R_SCALED_UP,
-    R_STAGES_WAITING,
-    R_UNCOVERED,
-    READY,
-    REPLICA_FAILURE,
-    REPLICAS_AVAILABLE,
-    STAGES_COVERED,
-    STAGES_READY,
-    Cond,
-    merge,
-    ready,
-)
+from .api import MemberState, OmniStagePoolSpec
+from .conditions import Cond, EventReason, Progress, Reason, Type, merge, ready
+from .names import A_CONFIG_HASH, A_LEAVING
 from .render import (
     render_api_service,
     render_configmap,
@@ -60,7 +31,7 @@ from .render import (
     render_replica_pod,
     selector,
 )
-from .render.common import A_CONFIG_HASH, Pool, Target, pool_selector
+from .render.common import Pool, Target, pool_selector
 from .render.pods import render_pool_pod
 from .validation import InvalidSpec
 
@@ -166,11 +137,11 @@ HEAD_NOT_READY = "head pod is not ready"
 
 # Why a replica leaves, by the reason its `leaving` annotation records (the delete's Event says it).
 _WHY = {
-    R_SCALED_DOWN: "spec.replicas is {replicas}",
-    R_ROLLING_REPLICA: "its pod template changed",
-    R_ROLLED_REPLICA: "it belongs to a previous head",
-    R_REPLACED_REPLICA: "its engine exited or it turned NotReady",
-    R_POOL_DELETED: "its OmniStagePool {pool} is gone",
+    Progress.SCALED_DOWN: "spec.replicas is {replicas}",
+    Progress.ROLLING_REPLICA: "its pod template changed",
+    Progress.ROLLED_REPLICA: "it belongs to a previous head",
+    Progress.REPLACED_REPLICA: "its engine exited or it turned NotReady",
+    Progress.POOL_DELETED: "its OmniStagePool {pool} is gone",
 }
 # A pool pod's drain when its pool is gone (the pool's own setting went with it).
 DEFAULT_POOL_DRAIN = OmniStagePoolSpec.model_fields["drain_timeout_seconds"].default
@@ -194,9 +165,9 @@ def plan(t: Target | InvalidSpec, o: Observed, at: str | None = None) -> tuple[l
         # Loses nothing: running pods stay as they are until the spec is fixed.
         message = str(t)
         actions: list[Action] = []
-        if _condition(previous, CONFIG_RENDERED).get("message") != message:
-            actions.append(Emit("Warning", R_INVALID_SPEC, message))
-        conds = [Cond(CONFIG_RENDERED, False, R_INVALID_SPEC, message), Cond(READY, False, R_INVALID_SPEC, message)]
+        if _condition(previous, Type.CONFIG_RENDERED).get("message") != message:
+            actions.append(Emit("Warning", Reason.INVALID_SPEC, message))
+        conds = [Cond(Type.CONFIG_RENDERED, False, Reason.INVALID_SPEC, message), Cond(Type.READY, False, Reason.INVALID_SPEC, message)]
         return actions, {**previous, "conditions": merge(previous.get("conditions", []), conds, generation, at)}
     m = _Model(t, o, previous)
     m.children()
@@ -308,17 +279,17 @@ class _Model:
                 # Replicas are bound to one head incarnation (they never re-register), so the head
                 # rolls first and its replicas follow; rolling them first would restart them twice.
                 why = "its pod template changed" if outdated else f"it is {head['status'].get('phase')}"
-                self.emit("Normal", R_ROLLING_HEAD, f"replacing head pod {pods.name(head)}: {why}")
+                self.emit("Normal", Progress.ROLLING_HEAD, f"replacing head pod {pods.name(head)}: {why}")
                 self.actions.append(DeletePod(pods.name(head), pods.uid(head)))
-                self.progressing.append(R_ROLLING_HEAD)
+                self.progressing.append(Progress.ROLLING_HEAD)
                 # What the old head said no longer counts; its successor is created on a later pass
                 # (the name is taken until the old pod is gone).
                 self.head = {**head, "metadata": {**head["metadata"], "deletionTimestamp": "planned"}}
                 self.listing, self.report = None, None
                 return
         if head is None:
-            self.actions.append(CreatePod(want, R_CREATED_HEAD, "created head pod {pod}"))
-            self.progressing.append("CreatingHead")
+            self.actions.append(CreatePod(want, EventReason.CREATED_HEAD, "created head pod {pod}"))
+            self.progressing.append(Progress.CREATING_HEAD)
 
     def engine_report(self) -> None:
         """Hold the cache guarantee against what the head says it runs."""
@@ -328,7 +299,7 @@ class _Model:
         else:
             why = self.o.report_problem
         self.verdict = engine_truth.check(str(self.t.cache.mode), self.t.distributed, self.report, why)
-        before = _condition(self.previous, CACHE_CONSISTENT)
+        before = _condition(self.previous, Type.CACHE_CONSISTENT)
         if self.verdict.consistent or why == HEAD_NOT_READY:
             if self.verdict.consistent and before.get("status") == "False":
                 self.emit("Normal", self.verdict.reason, self.verdict.message)
@@ -362,11 +333,11 @@ class _Model:
             self._roll_for_new_head(f"boot id {before.get('bootId')} -> {boot}")
 
     def _roll_for_new_head(self, why: str) -> None:
-        self.emit("Warning", R_HEAD_RESTARTED, f"head engine restarted ({why}); rolling every replica"
+        self.emit("Warning", Progress.HEAD_RESTARTED, f"head engine restarted ({why}); rolling every replica"
                   + (" and every pool pod" if self.t.spec.stages else ""))
         for r in self.live():
             self.delete(r)
-        self.progressing.append(R_HEAD_RESTARTED)
+        self.progressing.append(Progress.HEAD_RESTARTED)
 
     def _retire(self, pod: dict[str, Any], drain_seconds: int, reason: str, why: str) -> None:
         """Tell the engine first, then delete: the engine stops routing to the replica and drains it,
@@ -376,8 +347,8 @@ class _Model:
         if uid in self.handled or uid in self.gone:
             return
         self.handled.add(uid)
-        if pods.annotation(pod, pods.A_LEAVING) is None:
-            self.actions.append(Annotate(pods.name(pod), {pods.A_LEAVING: reason}))
+        if pods.annotation(pod, A_LEAVING) is None:
+            self.actions.append(Annotate(pods.name(pod), {A_LEAVING: reason}))
         self.progressing.append(reason)
         members = [(stage, self.member_of(pod, stage)) for stage in pods.stage_ids(pod)]
         leaves = tuple((stage, mm["replicaId"]) for stage, mm in members
@@ -399,33 +370,33 @@ class _Model:
         head_uid = pods.uid(self.head)
         for r in self.live():
             drain = self.drain_of(r)
-            if pods.annotation(r, pods.A_LEAVING) is not None:
+            if pods.annotation(r, A_LEAVING) is not None:
                 # A retirement decided earlier (this operator or one before a restart) is finished,
                 # whatever happened to the spec since.
-                reason = pods.annotation(r, pods.A_LEAVING) or R_SCALED_DOWN
-                self._retire(r, drain if reason in (R_SCALED_DOWN, R_ROLLING_REPLICA, R_POOL_DELETED) else 0,
+                reason = pods.annotation(r, A_LEAVING) or Progress.SCALED_DOWN
+                self._retire(r, drain if reason in (Progress.SCALED_DOWN, Progress.ROLLING_REPLICA, Progress.POOL_DELETED) else 0,
                              reason, self._why(reason, r))
             elif pods.pool(r) is not None and pods.pool(r) not in self.pool_of:
-                self._retire(r, drain, R_POOL_DELETED, self._why(R_POOL_DELETED, r))
+                self._retire(r, drain, Progress.POOL_DELETED, self._why(Progress.POOL_DELETED, r))
             elif pods.head_uid(r) != head_uid:
-                self._retire(r, 0, R_ROLLED_REPLICA, "it belongs to a previous head")
+                self._retire(r, 0, Progress.ROLLED_REPLICA, "it belongs to a previous head")
             elif pods.terminal(r):
-                self._retire(r, 0, R_REPLACED_REPLICA, f"its engine exited ({r['status'].get('phase')})")
+                self._retire(r, 0, Progress.REPLACED_REPLICA, f"its engine exited ({r['status'].get('phase')})")
             elif self.listing is not None and self.member_of(r) is not None and not pods.ready(r):
-                self._retire(r, 0, R_REPLACED_REPLICA, "it turned NotReady")
+                self._retire(r, 0, Progress.REPLACED_REPLICA, "it turned NotReady")
         live = self.live()
         if any(pods.uid(r) in self.handled for r in live):
             return  # one replica at a time: a roll waits for every drain in progress
         outdated = [r for r in live if self.want(r) is not None
                     and pods.template_hash(r) != pods.template_hash(self.want(r))]
         if outdated and all(pods.ready(r) for r in live if r not in outdated):
-            self._retire(outdated[0], self.drain_of(outdated[0]), R_ROLLING_REPLICA, "its pod template changed")
+            self._retire(outdated[0], self.drain_of(outdated[0]), Progress.ROLLING_REPLICA, "its pod template changed")
 
     def _why(self, reason: str, pod: dict[str, Any]) -> str:
         fitted = self.pool_of.get(pods.pool(pod) or "")
         replicas = fitted.pool.spec.replicas if fitted and fitted.pool else self.t.spec.replicas
         why = _WHY.get(reason, "it was leaving").format(replicas=replicas, pool=pods.pool(pod))
-        return f"its pool's {why}" if fitted and reason == R_SCALED_DOWN else why
+        return f"its pool's {why}" if fitted and reason == Progress.SCALED_DOWN else why
 
     def staying(self, pool: str | None) -> list[dict[str, Any]]:
         """Live pods of a pool (None: stage-0 replicas) not on their way out: what its replicas is compared with."""
@@ -444,7 +415,7 @@ class _Model:
         staying = self.staying(name)
         if len(staying) > desired:
             for victim in pods.choose_victims(staying, len(staying) - desired):
-                self._retire(victim, self.drain_of(victim), R_SCALED_DOWN, self._why(R_SCALED_DOWN, victim))
+                self._retire(victim, self.drain_of(victim), Progress.SCALED_DOWN, self._why(Progress.SCALED_DOWN, victim))
             return
         # Pool pods too are created once the head has an IP, not once it is Ready: the head turns Ready
         # only after one replica of each remote stage registered.
@@ -453,8 +424,8 @@ class _Model:
             for i in pods.free_indices(every, desired - len(staying)):
                 want = self.want_pool_pod(pool, i) if pool else self.want_replica(i)
                 kind = "pool pod" if pool else "replica pod"
-                self.actions.append(CreatePod(want, R_SCALED_UP, f"created {kind} {{pod}} ({why})"))
-                self.progressing.append("ScalingUp")
+                self.actions.append(CreatePod(want, EventReason.SCALED_UP, f"created {kind} {{pod}} ({why})"))
+                self.progressing.append(Progress.SCALING_UP)
 
     def sync_membership(self) -> None:
         """Join every Ready replica the head has not acknowledged; make the head forget every replica
@@ -472,7 +443,7 @@ class _Model:
                 if pod is None:
                     self.actions.append(Forget(mm["replicaId"], str(mm.get("pod") or mm.get("host")), stage))
         for name, pod in live.items():
-            if not pods.ready(pod) or pods.annotation(pod, pods.A_LEAVING) is not None \
+            if not pods.ready(pod) or pods.annotation(pod, A_LEAVING) is not None \
                     or pods.uid(pod) in self.handled:
                 continue
             for stage in pods.stage_ids(pod):
@@ -481,7 +452,7 @@ class _Model:
                 if stage == 0 and not self.verdict.consistent:
                     # The head holds an unjoined replica unroutable (contract.ROUTE_JOINED_ONLY_ENV); the
                     # multimodal cache guarantee is stage 0's (later stages take no frontend media).
-                    self.membership_problem = f"{name} is not joined: {CACHE_CONSISTENT} is False ({self.verdict.reason})"
+                    self.membership_problem = f"{name} is not joined: {Type.CACHE_CONSISTENT} is False ({self.verdict.reason})"
                     continue
                 self.actions.append(Join(name, pods.ip(pod), stage))
 
@@ -500,18 +471,18 @@ class _Model:
         members, joined = [], 0
         for r in sorted(live, key=pods.index):
             mm = self.member_of(r)
-            if pods.annotation(r, pods.A_LEAVING) or pods.uid(r) in self.handled:
-                state = "Leaving"
+            if pods.annotation(r, A_LEAVING) or pods.uid(r) in self.handled:
+                state = MemberState.LEAVING
             elif mm is not None and mm.get("pod") == pods.name(r):
-                state, joined = "Joined", joined + 1
+                state, joined = MemberState.JOINED, joined + 1
             elif pods.ready(r):
-                state = "Joining"
+                state = MemberState.JOINING
             else:
-                state = "Pending"
+                state = MemberState.PENDING
             member = {"pod": pods.name(r), "ip": pods.ip(r), "replicaId": mm.get("replicaId") if mm else None,
-                      "state": state}
-            if state == "Joining" and not self.verdict.consistent:
-                member["reason"] = f"{CACHE_CONSISTENT}: {self.verdict.reason}"
+                      "state": str(state)}
+            if state == MemberState.JOINING and not self.verdict.consistent:
+                member["reason"] = f"{Type.CACHE_CONSISTENT}: {self.verdict.reason}"
             members.append(member)
         head_ready = head_live and pods.ready(head)
         if t.distributed:
@@ -528,25 +499,25 @@ class _Model:
             and joined == replicas_ready and head_registered and len(others) == joined
         verdict = self.verdict
         every_pod = engine_pods + [r for r in self.live() if pods.pool(r) is not None]
-        failures = [f"{pods.name(x)}: {pods.unschedulable(x)}" for x in every_pod if pods.unschedulable(x)]
-        failures += [f"{pods.name(x)}: engine exited ({x['status'].get('phase')})" for x in every_pod
-                     if pods.terminal(x)]
+        unschedulable = [f"{pods.name(x)}: {pods.unschedulable(x)}" for x in every_pod if pods.unschedulable(x)]
+        exited = [f"{pods.name(x)}: engine exited ({x['status'].get('phase')})" for x in every_pod if pods.terminal(x)]
+        failures = unschedulable + exited
 
         replicas_available = replicas_ready == replica_desired and len(live) == replica_desired
         conds = [
-            Cond(CONFIG_RENDERED, True, R_RENDERED,
+            Cond(Type.CONFIG_RENDERED, True, Reason.RENDERED,
                  f"effective stage-0 cache mode {t.cache.mode}: {t.cache.reason}"),
-            Cond(HEAD_READY, head_ready, "HeadReady" if head_ready else ("HeadPending" if head_live else "NoHead"),
+            Cond(Type.HEAD_READY, head_ready, Reason.HEAD_READY if head_ready else (Reason.HEAD_PENDING if head_live else Reason.NO_HEAD),
                  f"head pod {pods.name(head)}" if head else "no head pod"),
-            Cond(REPLICAS_AVAILABLE, replicas_available,
-                 "AllAvailable" if replicas_ready == replica_desired else "Unavailable",
+            Cond(Type.REPLICAS_AVAILABLE, replicas_available,
+                 Reason.ALL_AVAILABLE if replicas_ready == replica_desired else Reason.UNAVAILABLE,
                  f"{replicas_ready}/{replica_desired} replica pods ready"),
-            Cond(MEMBERSHIP_SYNCED, synced, "Synced" if synced else "NotSynced",
+            Cond(Type.MEMBERSHIP_SYNCED, synced, Reason.SYNCED if synced else Reason.NOT_SYNCED,
                  problem or (f"{registered}/{desired} replicas registered"
                              if self.listing is not None or not t.distributed else "membership not read yet")),
-            Cond(CACHE_CONSISTENT, verdict.consistent, verdict.reason, verdict.message),
-            Cond(REPLICA_FAILURE, bool(failures), "Unschedulable" if any("engine exited" not in f for f in failures)
-                 else ("EngineExited" if failures else "NoFailure"), "; ".join(failures)),
+            Cond(Type.CACHE_CONSISTENT, verdict.consistent, verdict.reason, verdict.message),
+            Cond(Type.REPLICA_FAILURE, bool(failures), Reason.UNSCHEDULABLE if unschedulable
+                 else (Reason.ENGINE_EXITED if exited else Reason.NO_FAILURE), "; ".join(failures)),
         ]
         stages = self.stage_rows()
         stages_ready = all(row["registered"] == row["desired"] == row["ready"] and row["desired"] > 0
@@ -555,8 +526,8 @@ class _Model:
             conds += self.stage_conditions(stages, stages_ready)
         progressing = bool(self.progressing) or len(engine_pods) != desired or len(ready_pods) != desired \
             or any(row["ready"] != row["desired"] for row in stages)
-        conds.append(Cond(PROGRESSING, progressing, ",".join(sorted(set(self.progressing))) or
-                          ("Converging" if progressing else "Stable"),
+        conds.append(Cond(Type.PROGRESSING, progressing, ",".join(sorted(set(self.progressing))) or
+                          (Reason.CONVERGING if progressing else Reason.STABLE),
                           f"{len(engine_pods)}/{desired} engine pods, {len(ready_pods)} ready"
                           + "".join(f"; stage {row['id']}: {row['ready']}/{row['desired']} pods ready" for row in stages)))
         conds.append(ready(head_ready, replicas_available, synced, True, verdict.consistent, stages_ready))
@@ -614,25 +585,25 @@ class _Model:
         uncovered = [row["id"] for row in rows if "pool" not in row]
         refused = [f"pool {f.name}: {f.problem[1]}" for f in self.pools if f.problem]
         if uncovered:
-            covered = Cond(STAGES_COVERED, False, R_UNCOVERED,
+            covered = Cond(Type.STAGES_COVERED, False, Reason.UNCOVERED,
                            f"stage {', '.join(map(str, uncovered))} runs in no OmniStagePool: create one with "
                            f"spec.omniStage {self.t.name} and these spec.stageIds" + "".join(f"; {r}" for r in refused))
         else:
-            covered = Cond(STAGES_COVERED, True, R_ALL_COVERED,
+            covered = Cond(Type.STAGES_COVERED, True, Reason.ALL_COVERED,
                            "; ".join(f"stage {row['id']}: pool {row['pool']}" for row in rows)
                            + "".join(f"; {r}" for r in refused))
-        if covered.message != _condition(self.previous, STAGES_COVERED).get("message") and not covered.status:
-            self.emit("Warning", R_UNCOVERED, covered.message)
+        if covered.message != _condition(self.previous, Type.STAGES_COVERED).get("message") and not covered.status:
+            self.emit("Warning", Reason.UNCOVERED, covered.message)
         waiting = [f"stage {row['id']}: {row['registered']}/{row['desired']} registered, {row['ready']} ready"
                    for row in rows if not (row["registered"] == row["desired"] == row["ready"] and row["desired"])]
         broken = [f"stage {row['id']}: {row['patchProblem']}" for row in rows if row.get("patchProblem")]
         if broken:
             message = "; ".join(broken) + f". {engine_truth.PLUGIN_ADVICE}"
-            ready_cond = Cond(STAGES_READY, False, R_PATCH_NOT_APPLIED, message)
-            if message != _condition(self.previous, STAGES_READY).get("message"):
-                self.emit("Warning", R_PATCH_NOT_APPLIED, message)
+            ready_cond = Cond(Type.STAGES_READY, False, Reason.PATCH_NOT_APPLIED, message)
+            if message != _condition(self.previous, Type.STAGES_READY).get("message"):
+                self.emit("Warning", Reason.PATCH_NOT_APPLIED, message)
         else:
-            ready_cond = Cond(STAGES_READY, stages_ready, R_ALL_STAGES_SERVING if stages_ready else R_STAGES_WAITING,
+            ready_cond = Cond(Type.STAGES_READY, stages_ready, Reason.ALL_STAGES_SERVING if stages_ready else Reason.WAITING,
                               "; ".join(waiting) or "every stage's replicas are joined on the head")
         return [covered, ready_cond]
 
@@ -681,17 +652,17 @@ def pool_status(f: pools.Fitted, t: Target | None, staying: list[dict[str, Any]]
         listed = {k: member_of(r, k) for k in pods.stage_ids(r)}
         done = all(mm is not None and mm.get("pod") == pods.name(r) for mm in listed.values())
         registered += done
-        state = "Joined" if done else ("Joining" if pods.ready(r) else "Pending")
-        member = {"pod": pods.name(r), "ip": pods.ip(r), "state": state,
+        state = MemberState.JOINED if done else (MemberState.JOINING if pods.ready(r) else MemberState.PENDING)
+        member = {"pod": pods.name(r), "ip": pods.ip(r), "state": str(state),
                   "replicaIds": {str(k): mm["replicaId"] for k, mm in listed.items() if mm is not None}}
         members.append({k: v for k, v in member.items() if v is not None})
     ready_pods = sum(1 for r in staying if pods.ready(r))
     if f.problem:
-        cond = Cond(READY, False, f.problem[0], f.problem[1])
+        cond = Cond(Type.READY, False, f.problem[0], f.problem[1])
     else:
         desired = f.pool.spec.replicas
         ok = ready_pods == registered == len(staying) == desired
-        cond = Cond(READY, ok, "AllReplicasServing" if ok else "Waiting",
+        cond = Cond(Type.READY, ok, Reason.ALL_REPLICAS_SERVING if ok else Reason.WAITING,
                     f"{ready_pods}/{desired} pods ready, {registered} joined on the head for stages "
                     + ", ".join(map(str, ids)))
     status = {

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .render.common import A_HEAD_UID, A_REPLICA_INDEX, A_STAGE_IDS, A_TEMPLATE_HASH, L_POOL, L_ROLE
-
-A_LEAVING = "serving.omnistage.io/leaving"
+from .names import A_HEAD_UID, A_LEAVING, A_REPLICA_INDEX, A_STAGE_IDS, A_TEMPLATE_HASH, L_POOL
 
 
 def name(pod: dict[str, Any]) -> str:
@@ -15,10 +13,6 @@ def name(pod: dict[str, Any]) -> str:
 
 def uid(pod: dict[str, Any]) -> str:
     return pod["metadata"]["uid"]
-
-
-def role(pod: dict[str, Any]) -> str | None:
-    return pod["metadata"].get("labels", {}).get(L_ROLE)
 
 
 def pool(pod: dict[str, Any]) -> str | None:

@@ -19,21 +19,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from . import api
-
 SCHEMA_FILE = Path(__file__).with_name("podtemplate.schema.json")
 
 # ---- what the operator owns in an engine pod ------------------------------------------------------
 # Names the renderers write and validation refuses in spec.template; both import them from here.
 
 ENGINE_CONTAINER = "engine"
-
-LABEL_PREFIX = api.GROUP
-L_NAME = "app.kubernetes.io/name"
-L_INSTANCE = "app.kubernetes.io/instance"
-L_MANAGED_BY = "app.kubernetes.io/managed-by"
-# Every label and annotation under LABEL_PREFIX/ is the operator's (selectors, hashes, head UID...).
-OPERATOR_LABELS = (L_NAME, L_INSTANCE, L_MANAGED_BY)
 
 CONFIG_DIR = "/etc/omnistage"
 TOKEN_DIR = "/var/run/secrets/omnistage"

@@ -15,20 +15,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from .api import OmniStagePoolSpec
+from .conditions import Reason
 from .known_pipelines import SHIPPED_DEPLOY
 from .render.common import Pool, Target
 
 # vLLM's default gpu_memory_utilization, for a shipped stage that does not set one.
 GPU_MEMORY_DEFAULT = 0.9
-
-# Pool Ready=False reasons.
-R_OMNISTAGE_NOT_FOUND = "OmniStageNotFound"
-R_NOT_MULTI_STAGE = "NotMultiStage"
-R_UNKNOWN_STAGE = "UnknownStage"
-R_STAGE_IN_TWO_POOLS = "StageInTwoPools"
-R_TOO_FEW_GPUS = "TooFewGpus"
-R_GPU_MEMORY_OVERCOMMITTED = "GpuMemoryOvercommitted"
-R_INVALID_POOL = "InvalidSpec"
 
 
 @dataclass(frozen=True)
@@ -52,7 +44,7 @@ def parse(obj: Mapping[str, Any]) -> Pool | tuple[str, str]:
         spec = OmniStagePoolSpec.model_validate(obj.get("spec") or {})
     except ValidationError as err:
         where = "; ".join(f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
-        return R_INVALID_POOL, where
+        return Reason.INVALID_SPEC, where
     return Pool(meta["name"], meta.get("uid"), meta.get("generation"), spec)
 
 
@@ -81,28 +73,28 @@ def fit(t: Target | None, omnistage: str, objs: Iterable[Mapping[str, Any]]) -> 
 
 def _problem(t: Target | None, omnistage: str, pool: Pool, owner: Mapping[int, str]) -> tuple[str, str] | None:
     if t is None:
-        return R_OMNISTAGE_NOT_FOUND, f"OmniStage {omnistage} does not exist in this namespace; fix spec.omniStage"
+        return Reason.OMNISTAGE_NOT_FOUND, f"OmniStage {omnistage} does not exist in this namespace; fix spec.omniStage"
     ids = [s.id for s in t.spec.stages]
     if not ids:
-        return R_NOT_MULTI_STAGE, (f"OmniStage {omnistage} has no spec.stages (stage 0 runs in its own pods); "
+        return Reason.NOT_MULTI_STAGE, (f"OmniStage {omnistage} has no spec.stages (stage 0 runs in its own pods); "
                                    "give it a multi-stage spec.pipeline and spec.stages, or delete this pool")
     unknown = [k for k in pool.spec.stage_ids if k not in ids]
     if unknown:
-        return R_UNKNOWN_STAGE, (f"OmniStage {omnistage} has no stage {', '.join(map(str, unknown))} in spec.stages "
+        return Reason.UNKNOWN_STAGE, (f"OmniStage {omnistage} has no stage {', '.join(map(str, unknown))} in spec.stages "
                                  f"(its stages after stage 0: {', '.join(map(str, ids))}); fix spec.stageIds")
     taken = {k: owner[k] for k in pool.spec.stage_ids if k in owner}
     if taken:
-        return R_STAGE_IN_TWO_POOLS, ("stage " + ", ".join(f"{k} already runs in pool {p}" for k, p in taken.items())
+        return Reason.STAGE_IN_TWO_POOLS, ("stage " + ", ".join(f"{k} already runs in pool {p}" for k, p in taken.items())
                                       + "; a stage belongs to exactly one pool: remove it from spec.stageIds")
     engines = {s.id: s.engine for s in t.spec.stages}
     need = max(engines[k].tensor_parallel_size or 1 for k in pool.spec.stage_ids)
     if pool.spec.gpu.count < need:
-        return R_TOO_FEW_GPUS, (f"spec.gpu.count {pool.spec.gpu.count} is less than the tensorParallelSize {need} of "
+        return Reason.TOO_FEW_GPUS, (f"spec.gpu.count {pool.spec.gpu.count} is less than the tensorParallelSize {need} of "
                                 "one of its stages (the stages of a pod share its GPUs from 0); raise spec.gpu.count")
     shares = {k: memory_share(t, k) for k in pool.spec.stage_ids}
     if sum(shares.values()) > 1.0 + 1e-9:
         listed = ", ".join(f"stage {k} {v:g}" for k, v in shares.items())
-        return R_GPU_MEMORY_OVERCOMMITTED, (
+        return Reason.GPU_MEMORY_OVERCOMMITTED, (
             f"the stages of a pod share its GPUs from 0 and their gpuMemoryUtilization adds up to more than 1 ({listed}); "
             f"lower spec.stages[].engine.gpuMemoryUtilization of OmniStage {omnistage}, or put the stages in separate pools")
     return None

@@ -28,10 +28,11 @@ from .act import EmitFn as Emit
 from .head_client import HeadClient, HeadRefused, HeadUnreachable
 from .informer import STATE
 from .metrics import STATUS
+from .names import L_ROLE, ROLE_POOL, ROLE_REPLICA
 from .plan import Action, EnsureChild, Observed, PoolStatus, plan, pool_status
 from .plan import Emit as EmitAction
 from .render import render_secret, target_from
-from .render.common import L_ROLE, ROLE_POOL, ROLE_REPLICA, Target
+from .render.common import Target
 from .render.pods import TOKEN_KEY, head_pod_name
 from .validation import InvalidSpec
 

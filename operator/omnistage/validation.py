@@ -16,6 +16,7 @@ from typing import Any
 from omnistage_engine_patches import contract
 from pydantic import ValidationError
 
+from . import names
 from . import podtemplate as pt
 from .api import (
     CONNECTOR_PORT_SPAN,
@@ -186,7 +187,7 @@ def _template_meta(spec: OmniStageSpec, key: str) -> dict[str, Any]:
 
 
 def _owned_label(key: str) -> bool:
-    return key in pt.OPERATOR_LABELS or key.startswith(pt.LABEL_PREFIX + "/")
+    return key in names.OPERATOR_LABELS or key.startswith(names.GROUP + "/")
 
 
 def _owned_label_items(spec: OmniStageSpec) -> list[str]:
@@ -194,7 +195,7 @@ def _owned_label_items(spec: OmniStageSpec) -> list[str]:
 
 
 def _owned_annotation_items(spec: OmniStageSpec) -> list[str]:
-    return [f"[{k}]" for k in _template_meta(spec, "annotations") if k.startswith(pt.LABEL_PREFIX + "/")]
+    return [f"[{k}]" for k in _template_meta(spec, "annotations") if k.startswith(names.GROUP + "/")]
 
 
 def _engine_owned_field_items(spec: OmniStageSpec) -> list[str]:
@@ -378,16 +379,16 @@ SPEC_RULES = [
     Rule(
         ".template.metadata.labels",
         _absent_or("template.metadata.labels", "self.template.metadata.labels.all(k, !(k in ["
-                   + ", ".join(f"'{k}'" for k in pt.OPERATOR_LABELS) + f"]) && !k.startsWith('{pt.LABEL_PREFIX}/'))"),
-        f"spec.template.metadata.labels must not set the operator's labels ({', '.join(pt.OPERATOR_LABELS)}, "
-        f"{pt.LABEL_PREFIX}/*): the Services, the NetworkPolicy and the scale selector find the engine pods by them",
+                   + ", ".join(f"'{k}'" for k in names.OPERATOR_LABELS) + f"]) && !k.startsWith('{names.GROUP}/'))"),
+        f"spec.template.metadata.labels must not set the operator's labels ({', '.join(names.OPERATOR_LABELS)}, "
+        f"{names.GROUP}/*): the Services, the NetworkPolicy and the scale selector find the engine pods by them",
         _owned_label_items,
     ),
     Rule(
         ".template.metadata.annotations",
         _absent_or("template.metadata.annotations",
-                   f"self.template.metadata.annotations.all(k, !k.startsWith('{pt.LABEL_PREFIX}/'))"),
-        f"spec.template.metadata.annotations must not set {pt.LABEL_PREFIX}/* annotations: they carry the "
+                   f"self.template.metadata.annotations.all(k, !k.startsWith('{names.GROUP}/'))"),
+        f"spec.template.metadata.annotations must not set {names.GROUP}/* annotations: they carry the "
         "operator's pod template hash and each replica's head",
         _owned_annotation_items,
     ),

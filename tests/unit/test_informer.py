@@ -4,7 +4,7 @@ The list + watch loop itself runs against the real API server in the cluster tie
 from __future__ import annotations
 
 from omnistage.informer import Informer
-from omnistage.render.common import L_OMNISTAGE
+from omnistage.names import L_OMNISTAGE
 
 
 def pod(name: str, rv: int, owner: str = "s1", **extra) -> dict:

@@ -8,18 +8,9 @@ from __future__ import annotations
 import copy
 
 import pytest
+from omnistage import names, pods
 from omnistage import plan as plan_module
-from omnistage import pods
-from omnistage.conditions import (
-    CACHE_CONSISTENT,
-    CONFIG_RENDERED,
-    MEMBERSHIP_SYNCED,
-    PROGRESSING,
-    R_CACHE_MISMATCH,
-    R_CONSISTENT,
-    R_ENGINE_UNREPORTED,
-    READY,
-)
+from omnistage.conditions import Reason, Type
 from omnistage.plan import (
     DRAIN_DONE,
     DRAIN_FAILED,
@@ -62,7 +53,7 @@ def head(t, *, ready=True, template="same", phase="Running"):
     pod = render_head_pod(t)
     pod["metadata"].update(uid=HEAD_UID, creationTimestamp="2026-11-30T00:00:00Z")
     if template != "same":
-        pod["metadata"]["annotations"][pods.A_TEMPLATE_HASH] = "old"
+        pod["metadata"]["annotations"][names.A_TEMPLATE_HASH] = "old"
     pod["spec"]["nodeName"] = "h200-0"
     pod["status"] = ready_status(HEAD_IP, ready, phase)
     return pod
@@ -72,9 +63,9 @@ def replica(t, i, *, ready=True, head_uid=HEAD_UID, leaving=None, phase="Running
     pod = render_replica_pod(t, i, HEAD_IP, head_uid)
     pod["metadata"].update(uid=f"uid-r{i}", creationTimestamp=f"2026-11-30T0{i}:00:00Z")
     if leaving:
-        pod["metadata"]["annotations"][pods.A_LEAVING] = leaving
+        pod["metadata"]["annotations"][names.A_LEAVING] = leaving
     if template != "same":
-        pod["metadata"]["annotations"][pods.A_TEMPLATE_HASH] = "old"
+        pod["metadata"]["annotations"][names.A_TEMPLATE_HASH] = "old"
     pod["spec"]["nodeName"] = f"h200-{i}"
     pod["status"] = ready_status(f"127.77.0.{10 + i}", ready, phase)
     return pod
@@ -127,7 +118,7 @@ def test_at_rest_nothing_changes_and_ready():
     actions, status = plan(t, o, AT)
     assert changes(actions) == []
     assert len(of(actions, EnsureChild)) == 4  # ConfigMap, two Services, NetworkPolicy
-    assert cond(status, READY)["status"] == "True"
+    assert cond(status, Type.READY)["status"] == "True"
     assert [m["state"] for m in status["members"]] == ["Joined", "Joined"]
     assert status["registeredReplicas"] == 3 and status["updatedReplicas"] == 3
 
@@ -138,7 +129,7 @@ def test_no_head_creates_the_head_and_no_replica():
     actions, status = plan(t, o, AT)
     creates = of(actions, CreatePod)
     assert [c.obj["metadata"]["name"] for c in creates] == ["qwen3-omni-head"]
-    assert "CreatingHead" in cond(status, PROGRESSING)["reason"]
+    assert "CreatingHead" in cond(status, Type.PROGRESSING)["reason"]
 
 
 def test_scale_up_creates_the_lowest_free_indices():
@@ -158,7 +149,7 @@ def test_scale_down_starts_drains_of_the_newest_and_deletes_nothing_yet():
     assert {a.name for a in of(actions, Annotate)} == {"qwen3-omni-replica-2", "qwen3-omni-replica-3"}
     assert of(actions, DeletePod) == []  # the pods stay until their drain is over
     assert [m["state"] for m in status["members"]] == ["Joined", "Leaving", "Leaving"]
-    assert "ScaledDown" in cond(status, PROGRESSING)["reason"]
+    assert "ScaledDown" in cond(status, Type.PROGRESSING)["reason"]
 
 
 def test_victims_are_chosen_by_choose_victims_unscheduled_first():
@@ -216,7 +207,7 @@ def test_head_template_changed_rolls_the_head_first():
     actions, status = plan(t, o, AT)
     assert [a.name for a in of(actions, DeletePod)] == ["qwen3-omni-head"]
     assert of(actions, StartLeave) == [] and of(actions, Join) == [] and of(actions, CreatePod) == []
-    assert "RollingHead" in cond(status, PROGRESSING)["reason"]
+    assert "RollingHead" in cond(status, Type.PROGRESSING)["reason"]
 
 
 @pytest.mark.parametrize(("make", "reason"), [
@@ -227,7 +218,7 @@ def test_head_template_changed_rolls_the_head_first():
 def test_stale_replicas_leave_without_a_drain(make, reason):
     t, o = situation(3, pods_=lambda t: [replica(t, 1), make(t)])
     actions, _ = plan(t, o, AT)
-    assert of(actions, Annotate) == [Annotate("qwen3-omni-replica-2", {pods.A_LEAVING: reason})]
+    assert of(actions, Annotate) == [Annotate("qwen3-omni-replica-2", {names.A_LEAVING: reason})]
     # Listed by the head (same name): told to leave with no drain; the pod goes when it has.
     assert [(a.pod, a.drain_seconds) for a in of(actions, StartLeave)] == [("qwen3-omni-replica-2", 0)]
     # Its replacement does not wait for it (a new index).
@@ -246,7 +237,7 @@ def test_invalid_spec_deletes_nothing():
     actions, status = plan(InvalidSpec([("spec.cache.mode", "lru needs a static single replica")]), o, AT)
     assert changes(actions) == []
     assert [e.reason for e in of(actions, Emit)] == ["InvalidSpec"]
-    assert cond(status, CONFIG_RENDERED)["status"] == "False" and cond(status, READY)["reason"] == "InvalidSpec"
+    assert cond(status, Type.CONFIG_RENDERED)["status"] == "False" and cond(status, Type.READY)["reason"] == "InvalidSpec"
     # Said once: the same invalid spec on the next pass emits nothing.
     again, _ = plan(InvalidSpec([("spec.cache.mode", "lru needs a static single replica")]),
                     Observed({**o.obj, "status": status}), AT)
@@ -260,27 +251,27 @@ def test_unreachable_head_no_membership_calls_scale_down_deletes_without_a_drain
     assert of(actions, Join) == [] and of(actions, Forget) == [] and of(actions, StartLeave) == []
     # Nobody to tell: its heartbeat timeout detaches the replica; the scale-down does not wait.
     assert [a.name for a in of(actions, DeletePod)] == ["qwen3-omni-replica-2"]
-    assert cond(status, CACHE_CONSISTENT)["reason"] == R_ENGINE_UNREPORTED
-    assert cond(status, MEMBERSHIP_SYNCED)["message"] == "head unreachable: timed out"
-    assert cond(status, READY)["status"] == "False"
+    assert cond(status, Type.CACHE_CONSISTENT)["reason"] == Reason.ENGINE_UNREPORTED
+    assert cond(status, Type.MEMBERSHIP_SYNCED)["message"] == "head unreachable: timed out"
+    assert cond(status, Type.READY)["status"] == "False"
 
 
 def test_joins_are_held_while_cache_consistent_is_false():
     t, o = situation(3, members=lambda rs: [], report=lambda t: report(t, "MultiModalProcessorSenderCache"))
     actions, status = plan(t, o, AT)
     assert of(actions, Join) == []
-    assert cond(status, CACHE_CONSISTENT)["reason"] == R_CACHE_MISMATCH
-    assert [e.reason for e in of(actions, Emit)] == [R_CACHE_MISMATCH]
-    assert all(m["state"] == "Joining" and m["reason"] == f"{CACHE_CONSISTENT}: {R_CACHE_MISMATCH}"
+    assert cond(status, Type.CACHE_CONSISTENT)["reason"] == Reason.CACHE_MISMATCH
+    assert [e.reason for e in of(actions, Emit)] == [Reason.CACHE_MISMATCH]
+    assert all(m["state"] == "Joining" and m["reason"] == f"{Type.CACHE_CONSISTENT}: {Reason.CACHE_MISMATCH}"
                for m in status["members"])
-    assert "is not joined" in cond(status, MEMBERSHIP_SYNCED)["message"]
+    assert "is not joined" in cond(status, Type.MEMBERSHIP_SYNCED)["message"]
 
 
 def test_ready_unjoined_replicas_join_once_cache_consistent():
     t, o = situation(3, members=lambda rs: [member(rs[0], 1)])
     actions, status = plan(t, o, AT)
     assert of(actions, Join) == [Join("qwen3-omni-replica-2", "127.77.0.12")]
-    assert cond(status, CACHE_CONSISTENT)["reason"] == R_CONSISTENT
+    assert cond(status, Type.CACHE_CONSISTENT)["reason"] == Reason.CONSISTENT
 
 
 def test_a_member_whose_pod_is_gone_is_forgotten():

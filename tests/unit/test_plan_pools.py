@@ -8,8 +8,8 @@ from __future__ import annotations
 import copy
 
 import pytest
-from omnistage import pods
-from omnistage.conditions import PROGRESSING, READY, STAGES_COVERED, STAGES_READY
+from omnistage import names, pods
+from omnistage.conditions import Reason, Type
 from omnistage.plan import (
     CreatePod,
     DeletePod,
@@ -21,16 +21,7 @@ from omnistage.plan import (
     plan,
     pool_status,
 )
-from omnistage.pools import (
-    R_GPU_MEMORY_OVERCOMMITTED,
-    R_NOT_MULTI_STAGE,
-    R_OMNISTAGE_NOT_FOUND,
-    R_STAGE_IN_TWO_POOLS,
-    R_TOO_FEW_GPUS,
-    R_UNKNOWN_STAGE,
-    fit,
-    parse,
-)
+from omnistage.pools import fit, parse
 from omnistage.render import target_from
 from omnistage.render.pods import render_pool_pod
 from omnistage_engine_patches import contract
@@ -56,7 +47,7 @@ def pool_pod(t, pool, i, *, ready=True, head_uid=HEAD_UID, leaving=None, phase="
     pod = render_pool_pod(t, parse(pool), i, "127.77.0.10", head_uid)
     pod["metadata"].update(uid=f"uid-{pool['metadata']['name']}-{i}", creationTimestamp=f"2026-11-30T0{i}:30:00Z")
     if leaving:
-        pod["metadata"]["annotations"][pods.A_LEAVING] = leaving
+        pod["metadata"]["annotations"][names.A_LEAVING] = leaving
     pod["spec"]["nodeName"] = f"h200-{i}"
     status = {"podIP": f"127.77.1.{i}", "phase": phase,
               "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
@@ -96,9 +87,9 @@ def test_at_rest_with_a_speech_pool_is_ready_and_says_where_each_stage_runs():
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=joined_everywhere(pp))
     actions, status = plan(t, o, AT)
     assert [a for a in changes(actions) if not isinstance(a, PoolStatus)] == []
-    assert cond(status, READY)["status"] == "True"
-    assert cond(status, STAGES_COVERED)["message"] == "stage 1: pool speech; stage 2: pool speech"
-    assert cond(status, STAGES_READY)["status"] == "True"
+    assert cond(status, Type.READY)["status"] == "True"
+    assert cond(status, Type.STAGES_COVERED)["message"] == "stage 1: pool speech; stage 2: pool speech"
+    assert cond(status, Type.STAGES_READY)["status"] == "True"
     assert status["stages"] == [
         {"id": 1, "name": "talker", "pool": "speech", "desired": 1, "ready": 1, "registered": 1},
         {"id": 2, "name": "code2wav", "pool": "speech", "desired": 1, "ready": 1, "registered": 1}]
@@ -108,7 +99,7 @@ def test_at_rest_with_a_speech_pool_is_ready_and_says_where_each_stage_runs():
     assert written.status["registeredReplicas"] == 1 and written.status["selector"].endswith("role=pool")
     assert written.status["members"] == [{"pod": "speech-1", "ip": "127.77.1.1", "state": "Joined",
                                           "replicaIds": {"1": 0, "2": 0}}]
-    assert next(c for c in written.status["conditions"] if c["type"] == READY)["status"] == "True"
+    assert next(c for c in written.status["conditions"] if c["type"] == Type.READY)["status"] == "True"
 
 
 def test_pool_pods_are_created_once_the_head_has_an_ip_not_once_it_is_ready():
@@ -123,8 +114,8 @@ def test_pool_pods_are_created_once_the_head_has_an_ip_not_once_it_is_ready():
     assert container["command"] == ["python3", "-m", "omnistage_engine_patches.stages"]
     assert container["args"][:5] == ["--stage-id", "1", "--stage-id", "2", "--"]
     assert {"name": contract.CONNECTOR_PORTS_ENV, "value": contract.PORTS_PER_POD} in container["env"]
-    assert cond(status, STAGES_READY)["status"] == "False"
-    assert cond(status, READY)["status"] == "False"
+    assert cond(status, Type.STAGES_READY)["status"] == "False"
+    assert cond(status, Type.READY)["status"] == "False"
 
 
 def test_no_pool_pod_without_a_head_ip():
@@ -167,7 +158,7 @@ def test_scale_down_drains_every_stage_of_the_newest_pool_pod():
     actions, status = plan(t, o, AT)
     assert of(actions, StartLeave) == [StartLeave("speech-2", "uid-speech-2", ((1, 1), (2, 1)), 300)]
     assert of(actions, DeletePod) == []
-    assert status["stages"][0]["desired"] == 1 and cond(status, PROGRESSING)["reason"] == "ScaledDown"
+    assert status["stages"][0]["desired"] == 1 and cond(status, Type.PROGRESSING)["reason"] == "ScaledDown"
 
 
 def test_a_drained_pool_pod_is_deleted_with_its_pools_reason():
@@ -219,9 +210,9 @@ def test_a_deleted_pool_drains_and_removes_its_pods_and_uncovers_its_stages():
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[], by_stage=joined_everywhere(pp))
     actions, status = plan(t, o, AT)
     assert of(actions, StartLeave) == [StartLeave("speech-1", "uid-speech-1", ((1, 0), (2, 0)), 300)]
-    assert cond(status, STAGES_COVERED)["reason"] == "Uncovered"
-    assert "stage 1, 2 runs in no OmniStagePool" in cond(status, STAGES_COVERED)["message"]
-    assert cond(status, READY)["status"] == "False"
+    assert cond(status, Type.STAGES_COVERED)["reason"] == "Uncovered"
+    assert "stage 1, 2 runs in no OmniStagePool" in cond(status, Type.STAGES_COVERED)["message"]
+    assert cond(status, Type.READY)["status"] == "False"
 
 
 def test_a_stage_in_two_pools_stays_with_the_older_one_and_the_newer_keeps_its_pods():
@@ -233,20 +224,20 @@ def test_a_stage_in_two_pools_stays_with_the_older_one_and_the_newer_keeps_its_p
     actions, status = plan(t, o, AT)
     assert of(actions, DeletePod) == [] and of(actions, StartLeave) == []  # a mistake loses nothing
     written = {a.name: a.status for a in of(actions, PoolStatus)}
-    ready = next(c for c in written["talkers"]["conditions"] if c["type"] == READY)
-    assert (ready["status"], ready["reason"]) == ("False", R_STAGE_IN_TWO_POOLS)
+    ready = next(c for c in written["talkers"]["conditions"] if c["type"] == Type.READY)
+    assert (ready["status"], ready["reason"]) == ("False", Reason.STAGE_IN_TWO_POOLS)
     assert "stage 1 already runs in pool speech" in ready["message"]
-    assert cond(status, STAGES_COVERED)["status"] == "True"
-    assert "pool talkers: stage 1 already runs in pool speech" in cond(status, STAGES_COVERED)["message"]
+    assert cond(status, Type.STAGES_COVERED)["status"] == "True"
+    assert "pool talkers: stage 1 already runs in pool speech" in cond(status, Type.STAGES_COVERED)["message"]
 
 
 @pytest.mark.parametrize("stages, pool, reason, fragment", [
-    (None, pool_obj(), R_NOT_MULTI_STAGE, "has no spec.stages"),
-    (STAGES, pool_obj(stage_ids=(1, 3)), R_UNKNOWN_STAGE, "has no stage 3 in spec.stages"),
-    ([{"id": 1, "engine": {"tensorParallelSize": 2}}, {"id": 2}], pool_obj(gpu={"count": 1}), R_TOO_FEW_GPUS,
+    (None, pool_obj(), Reason.NOT_MULTI_STAGE, "has no spec.stages"),
+    (STAGES, pool_obj(stage_ids=(1, 3)), Reason.UNKNOWN_STAGE, "has no stage 3 in spec.stages"),
+    ([{"id": 1, "engine": {"tensorParallelSize": 2}}, {"id": 2}], pool_obj(gpu={"count": 1}), Reason.TOO_FEW_GPUS,
      "spec.gpu.count 1 is less than the tensorParallelSize 2"),
     # The shipped talker (0.6) and code2wav (0.1) fit one GPU; 0.95 for the talker does not.
-    ([{"id": 1, "engine": {"gpuMemoryUtilization": 0.95}}, {"id": 2}], pool_obj(), R_GPU_MEMORY_OVERCOMMITTED,
+    ([{"id": 1, "engine": {"gpuMemoryUtilization": 0.95}}, {"id": 2}], pool_obj(), Reason.GPU_MEMORY_OVERCOMMITTED,
      "adds up to more than 1 (stage 1 0.95, stage 2 0.1)"),
 ])
 def test_a_pool_that_cannot_run_says_what_to_change(stages, pool, reason, fragment):
@@ -260,7 +251,7 @@ def test_a_pool_without_its_omnistage_says_so():
     [fitted] = fit(None, "qwen3-omni", [pool_obj()])
     status = pool_status(fitted, None, [], at=AT)
     ready = status["conditions"][0]
-    assert (ready["status"], ready["reason"]) == ("False", R_OMNISTAGE_NOT_FOUND)
+    assert (ready["status"], ready["reason"]) == ("False", Reason.OMNISTAGE_NOT_FOUND)
     assert "OmniStage qwen3-omni does not exist" in ready["message"] and status["replicas"] == 0
 
 
@@ -319,7 +310,7 @@ def test_stage_pods_patch_outcomes_are_in_status():
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=reported(pp, applied))
     _, status = plan(t, o, AT)
     assert status["stages"][0]["patches"] == dict(sorted(applied.items()))
-    assert cond(status, STAGES_READY)["status"] == "True" and cond(status, READY)["status"] == "True"
+    assert cond(status, Type.STAGES_READY)["status"] == "True" and cond(status, Type.READY)["status"] == "True"
 
 
 def test_a_stage_pod_without_connector_ports_holds_stages_ready_false():
@@ -331,10 +322,10 @@ def test_a_stage_pod_without_connector_ports_holds_stages_ready_false():
     outcomes = {name: contract.APPLIED for name in contract.PATCHES} | {contract.CONNECTOR_PORTS: contract.SKIPPED}
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=reported(pp, outcomes))
     actions, status = plan(t, o, AT)
-    ready = cond(status, STAGES_READY)
+    ready = cond(status, Type.STAGES_READY)
     assert (ready["status"], ready["reason"]) == ("False", "PatchNotApplied")
     assert "stage 1: connector_ports skipped in speech-1" in ready["message"]
-    assert cond(status, READY)["status"] == "False"
+    assert cond(status, Type.READY)["status"] == "False"
     assert status["stages"][0]["patches"][contract.CONNECTOR_PORTS] == contract.SKIPPED
     assert "patchProblem" not in status["stages"][0]
     assert any(getattr(a, "reason", None) == "PatchNotApplied" for a in actions)

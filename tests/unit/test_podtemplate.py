@@ -10,8 +10,8 @@ import pytest
 import yaml
 from omnistage import api, podtemplate
 from omnistage.crd import build_crd
+from omnistage.names import A_TEMPLATE_HASH
 from omnistage.render import render_head_pod, render_replica_pod, target_from
-from omnistage.render.common import A_TEMPLATE_HASH
 from omnistage.validation import SPEC_RULES, InvalidSpec, validate_omnistage
 
 from .conftest import ROOT, SAMPLE

@@ -10,6 +10,18 @@ from omnistage_engine_patches import contract
 
 from .. import podtemplate
 from ..api import EnvVar, GpuSpec, PlacementSpec, TransportMode, TransportProtocol
+from ..names import (
+    A_CONFIG_HASH,
+    A_HEAD_UID,
+    A_REPLICA_INDEX,
+    A_STAGE_IDS,
+    A_TEMPLATE_HASH,
+    L_OMNISTAGE,
+    L_ROLE,
+    ROLE_HEAD,
+    ROLE_POOL,
+    ROLE_REPLICA,
+)
 from ..podtemplate import (
     CACHE_DIR,
     CONFIG_DIR,
@@ -25,16 +37,6 @@ from ..podtemplate import (
     VLLM_HOST_IP_ENV,
 )
 from .common import (
-    A_CONFIG_HASH,
-    A_HEAD_UID,
-    A_REPLICA_INDEX,
-    A_STAGE_IDS,
-    A_TEMPLATE_HASH,
-    L_OMNISTAGE,
-    L_ROLE,
-    ROLE_HEAD,
-    ROLE_POOL,
-    ROLE_REPLICA,
     Pool,
     Target,
     config_hash,
