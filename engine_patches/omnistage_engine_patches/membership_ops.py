@@ -214,7 +214,7 @@ class LiveHead:
             return {}
         return {rep.input_addr: rep for rep in hub.get_replica_list().replicas}
 
-    def _entry(self, key: Key, up: dict[str, Any], in_flight: dict[int, InFlight]) -> dict[str, Any]:
+    def _entry(self, key: Key, up: dict[str, Any], in_flight: dict[int, InFlight]) -> contract.Member:
         stage_id, replica_id = key
         state = self.state
         alloc = self.master._stage_routes.get(key)
@@ -237,7 +237,7 @@ class LiveHead:
         rep = up.get(addr) if addr else None
         if pool is not None and stage_id not in in_flight:
             in_flight[stage_id] = InFlight(pool)
-        entry = {
+        entry: contract.Member = {
             "stage": stage_id,
             "replicaId": replica_id,
             "host": getattr(alloc, "replica_host", None),

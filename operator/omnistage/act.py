@@ -1,4 +1,4 @@
-"""The act step: executes plan.py's actions, one API or head call each, and decides nothing.
+"""The act step: executes the plan's actions (actions.py), one API or head call each, and decides nothing.
 Every object a write returns goes into the watch-fed store (informer.STATE.wrote), so the next
 pass does not act again on a change the watch has not delivered yet.
 
@@ -14,14 +14,12 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
 from . import api, head_client, kube
-from .conditions import EventReason
-from .head_client import HeadClient, HeadRefused, HeadUnreachable
-from .informer import STATE
-from .plan import (
+from .actions import (
     DRAIN_DONE,
     DRAIN_FAILED,
     DRAIN_RUNNING,
@@ -33,9 +31,11 @@ from .plan import (
     EnsureChild,
     Forget,
     Join,
-    PoolStatus,
     StartLeave,
 )
+from .conditions import EventReason
+from .head_client import HeadClient, HeadRefused, HeadUnreachable
+from .informer import STATE
 
 log = logging.getLogger(__name__)
 
@@ -167,13 +167,17 @@ def act(namespace: str, actions: list[Action], client: HeadClient | None, emit: 
                 problems.append(f"{a.pod} has not joined yet: {err.explain()}")
             except HeadUnreachable as err:
                 problems.append(f"join for {a.pod} failed: {err}")
-        elif isinstance(a, PoolStatus):
-            pool = STATE.pools.get(namespace, a.name)
-            try:
-                STATE.wrote(kube.patch_status(namespace, a.name, a.status, (pool or {}).get("status"), api.POOL_PLURAL))
-            except ApiException as err:
-                if err.status != 404:  # deleted since the watch delivered it: nothing to describe
-                    raise
         else:  # pragma: no cover - a new action type without an executor is a programming error
             raise TypeError(f"no executor for {a!r}")
     return problems
+
+
+def write_pool_statuses(namespace: str, statuses: dict[str, dict[str, Any]]) -> None:
+    """Each OmniStagePool's status, by name (the OmniStage's pass decides for its pools)."""
+    for name, status in statuses.items():
+        pool = STATE.pools.get(namespace, name)
+        try:
+            STATE.wrote(kube.patch_status(namespace, name, status, (pool or {}).get("status"), api.POOL_PLURAL))
+        except ApiException as err:
+            if err.status != 404:  # deleted since the watch delivered it: nothing to describe
+                raise

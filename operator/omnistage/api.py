@@ -376,7 +376,15 @@ def _either(values) -> str:
     return ", ".join(values[:-1]) + " or " + values[-1]
 
 
-class Condition(_Model):
+class _Status(_Model):
+    """A part of a status. status.py builds status through these (so it holds only keys the CRD
+    schema has); what an older operator wrote and a pass carries forward may hold keys this one
+    does not know, which are dropped rather than failing the pass."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class Condition(_Status):
     type: str = Field(description="Condition type.")
     status: str = Field(description="True, False or Unknown.")
     reason: str = Field("", description="Machine-readable reason code.")
@@ -385,7 +393,7 @@ class Condition(_Model):
     last_transition_time: str | None = Field(None, description="When the status last changed (RFC 3339).")
 
 
-class HeadStatus(_Model):
+class HeadStatus(_Status):
     pod: str | None = Field(None, description="Head pod name.")
     uid: str | None = Field(None, description="Head pod UID; a change means every replica must be rolled.")
     ip: str | None = Field(None, description="Head pod IP (the engine's master address).")
@@ -395,7 +403,7 @@ class HeadStatus(_Model):
         "and pool pod is rolled.")
 
 
-class MemberStatus(_Model):
+class MemberStatus(_Status):
     pod: str = Field(description="Replica pod name.")
     ip: str | None = Field(None, description="Replica pod IP.")
     replica_id: int | None = Field(None, description="Replica id the head assigned (never reused).")
@@ -403,7 +411,7 @@ class MemberStatus(_Model):
     reason: str | None = Field(None, description="Why a Ready replica is not joined yet (e.g. CacheConsistent: CacheMismatch).")
 
 
-class EngineStatus(_Model):
+class EngineStatus(_Status):
     """What the head's engine reported it really runs (the engine plugin's report)."""
 
     boot_id: str | None = Field(None, description="The head engine process the report came from.")
@@ -421,7 +429,7 @@ class EngineStatus(_Model):
         description="Each engine patch's outcome: applied, skipped, disabled or upstream-fixed.")
 
 
-class StageStatus(_Model):
+class StageStatus(_Status):
     id: int = Field(description="Stage id.")
     name: str | None = Field(None, description="The pipeline's name for the stage.")
     pool: str | None = Field(None, description="The OmniStagePool that runs it (none: no pool covers it).")
@@ -434,10 +442,8 @@ class StageStatus(_Model):
         "(the first not in effect when they differ); connector_ports must be applied.")
 
 
-class OmniStageStatus(_Model):
+class OmniStageStatus(_Status):
     """Observed state, written only by the operator."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
 
     observed_generation: int | None = Field(None, description="Spec generation the status describes.")
     replicas: int = Field(0, description="Stage-0 engine pods that exist (head included).")
@@ -490,7 +496,7 @@ class OmniStagePoolSpec(_Model):
         "to a request for its whole answer (a full audio reply), hence longer than stage 0's default.")
 
 
-class PoolMemberStatus(_Model):
+class PoolMemberStatus(_Status):
     pod: str = Field(description="Pod name.")
     ip: str | None = Field(None, description="Pod IP.")
     state: str = Field(description=f"{_either(POOL_MEMBER_STATES)} (every stage of the pod joined).")
@@ -498,8 +504,7 @@ class PoolMemberStatus(_Model):
         default_factory=dict, description="Replica id the head assigned to this pod, by stage id.")
 
 
-class OmniStagePoolStatus(_Model):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+class OmniStagePoolStatus(_Status):
 
     observed_generation: int | None = Field(None, description="Spec generation the status describes.")
     replicas: int = Field(0, description="Pods that exist.")

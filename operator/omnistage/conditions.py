@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
@@ -110,6 +111,16 @@ class Cond:
     status: bool
     reason: str
     message: str = ""
+
+
+def timestamp() -> str:
+    """Now, in RFC 3339 as conditions and Events carry it."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def get(status: dict[str, Any], ctype: str) -> dict[str, Any]:
+    """A status's condition of that type ({} when it has none)."""
+    return next((c for c in status.get("conditions", []) if c.get("type") == ctype), {})
 
 
 def merge(previous: list[dict[str, Any]], new: list[Cond], generation: int | None, now: str) -> list[dict[str, Any]]:

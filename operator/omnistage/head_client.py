@@ -150,7 +150,3 @@ def leave(head: HeadClient, replica_id: int, drain_seconds: int, stage: int = 0)
     body = {"stage": stage, "replicaId": replica_id, "drainTimeoutSeconds": drain_seconds}
     return _call("leave", "POST", head, contract.LEAVE_PATH, body, timeout=drain_seconds + READ_SECONDS,
                  attempts=3 if drain_seconds else 2)
-
-
-def members(listing: dict[str, Any], stage: int = 0) -> list[dict[str, Any]]:
-    return list((listing.get("stages") or {}).get(str(stage)) or [])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from functools import cache
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -15,6 +14,7 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
 from . import api, metrics
+from .conditions import timestamp
 from .names import EVENT_SOURCE, FIELD_MANAGER
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def post_event(involved: dict[str, Any], etype: str, reason: str, message: str) 
     (the watch-fed store queues passes before kopf delivers its first event). Never raises: an Event
     is not worth a failed pass."""
     meta = involved["metadata"]
-    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = timestamp()
     body = {
         "apiVersion": "v1", "kind": "Event",
         "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},

@@ -1,27 +1,41 @@
-"""The reconcile decision as one pure function: plan(observation) -> (actions, status).
+"""The reconcile decision as one pure function: plan(t, observed) -> Plan(actions, status, pools).
 
-Nothing here talks to the API server or a head: `reconcile.observe` reads, `act` executes. Keeping
-the decision pure lets a table of situations (tests/unit/test_plan.py) pin down every rule, and
-makes a pass cheap to reason about: the same observation always yields the same actions.
+Nothing here talks to the API server or a head: `reconcile.observe` reads, `act` executes, and
+status.py describes what the decision leaves. Keeping the decision pure lets a table of situations
+(tests/unit/test_plan.py) pin down every rule, and makes a pass cheap to reason about: the same
+observation always yields the same actions.
 
-The plan walks the pass in the order the old imperative loop did (children, head, head restart,
-stale replicas, template roll, scale, membership) on a private model of the pods, so that a pod the
-plan deletes early in the pass is not counted, joined or deleted again later in the same pass.
+The steps run in dependency order (children, head, head restart, stale replicas, template roll,
+scale, membership) on one Pass, which records what each decided, so that a pod deleted early in
+the pass is not counted, joined or deleted again by a later step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from omnistage_engine_patches import contract
 
-from . import engine_truth, head_client, pods, pools
-from .api import MemberState, OmniStagePoolSpec
-from .conditions import Cond, EventReason, Progress, Reason, Type, merge, ready
-from .names import A_CONFIG_HASH, A_LEAVING
+from . import engine_truth, pods, pools, status
+from .actions import (
+    DRAIN_DONE,
+    DRAIN_FAILED,
+    HEAD_NOT_READY,
+    Action,
+    Annotate,
+    CreatePod,
+    DeletePod,
+    Emit,
+    EnsureChild,
+    Forget,
+    Join,
+    Observed,
+    StartLeave,
+)
+from .api import OmniStagePoolSpec
+from .conditions import Cond, EventReason, Progress, Reason, Type, merge, timestamp
+from .conditions import get as condition
+from .names import A_LEAVING
 from .render import (
     render_api_service,
     render_configmap,
@@ -29,111 +43,10 @@ from .render import (
     render_master_service,
     render_network_policy,
     render_replica_pod,
-    selector,
 )
-from .render.common import Pool, Target, pool_selector
+from .render.common import Pool, Target
 from .render.pods import render_pool_pod
 from .validation import InvalidSpec
-
-# Drain states the act step records for a replica pod (by pod uid) while its `leave` runs elsewhere.
-DRAIN_RUNNING = "running"  # the head is draining it; the pod stays until the leave returns
-DRAIN_DONE = "done"  # the leave returned (drained or timed out): delete the pod
-DRAIN_FAILED = "failed"  # the head could not be told; its heartbeat timeout detaches the replica
-
-
-# ---- actions: what act.py executes, in order ---------------------------------------------------
-
-@dataclass(frozen=True)
-class Emit:
-    type: str  # "Normal" | "Warning"
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True)
-class EnsureChild:
-    """Create the child, or patch it when the `compare` fields drifted (Event when it changed)."""
-    obj: dict[str, Any]
-    compare: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class CreatePod:
-    obj: dict[str, Any]
-    reason: str
-    message: str  # "{pod}" is replaced by the created pod's name
-
-
-@dataclass(frozen=True)
-class DeletePod:
-    name: str
-    uid: str
-    reason: str | None = None  # Event after the delete, when set
-    message: str = ""
-
-
-@dataclass(frozen=True)
-class Annotate:
-    name: str
-    annotations: dict[str, str | None]
-
-
-@dataclass(frozen=True)
-class StartLeave:
-    """Tell the head to stop routing to the pod's replicas and drain them; runs off the reconcile
-    worker. `leaves` holds one (stage, replica id) per stage the pod runs (a pool pod may run two).
-    The pod is deleted by a later pass, once the drain state says every leave returned."""
-    pod: str
-    uid: str
-    leaves: tuple[tuple[int, int], ...]
-    drain_seconds: int
-
-
-@dataclass(frozen=True)
-class Forget:
-    """The head still lists a replica whose pod is gone: leave at once (no drain, nothing to route to)."""
-    replica_id: int
-    who: str
-    stage: int = 0
-
-
-@dataclass(frozen=True)
-class Join:
-    pod: str
-    ip: str
-    stage: int = 0
-
-
-@dataclass(frozen=True)
-class PoolStatus:
-    """Write an OmniStagePool's status (the OmniStage's pass decides for its pools)."""
-    name: str
-    status: dict[str, Any]
-
-
-Action = Emit | EnsureChild | CreatePod | DeletePod | Annotate | StartLeave | Forget | Join | PoolStatus
-
-
-# ---- observation ---------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Observed:
-    """Everything one pass read. `head_reachable` means a head client could be built (head pod has
-    an IP and is not terminating); report/listing are None when not asked or no answer, with why."""
-    obj: dict[str, Any]
-    head: dict[str, Any] | None = None
-    replicas: tuple[dict[str, Any], ...] = ()
-    head_reachable: bool = False
-    report: dict[str, Any] | None = None
-    report_problem: str | None = None
-    listing: dict[str, Any] | None = None
-    listing_problem: str | None = None
-    drains: Mapping[str, str] = field(default_factory=dict)  # pod uid -> DRAIN_* (act's drain executor)
-    problems: tuple[str, ...] = ()  # what the previous act step could not do (joins refused, ...)
-    pools: tuple[dict[str, Any], ...] = ()  # the OmniStagePools whose spec.omniStage names it
-
-
-HEAD_NOT_READY = "head pod is not ready"
 
 # Why a replica leaves, by the reason its `leaving` annotation records (the delete's Event says it).
 _WHY = {
@@ -147,48 +60,58 @@ _WHY = {
 DEFAULT_POOL_DRAIN = OmniStagePoolSpec.model_fields["drain_timeout_seconds"].default
 
 
-def _condition(status: dict[str, Any], ctype: str) -> dict[str, Any]:
-    return next((c for c in status.get("conditions", []) if c.get("type") == ctype), {})
+class Plan(NamedTuple):
+    actions: list[Action]  # for act, in order
+    status: dict[str, Any]  # the OmniStage's, as the actions leave it
+    pools: dict[str, dict[str, Any]]  # OmniStagePool name -> its status, for those that changed
 
 
-def now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def plan(t: Target | InvalidSpec, o: Observed, at: str | None = None) -> tuple[list[Action], dict[str, Any]]:
+def plan(t: Target | InvalidSpec, o: Observed, at: str | None = None) -> Plan:
     """The one decision. `t` is the validated target or the InvalidSpec it raised; `at` is the
     timestamp for condition transitions (a parameter, so the function stays pure)."""
-    at = at or now()
-    previous = o.obj.get("status") or {}
+    at = at or timestamp()
     generation = o.obj["metadata"].get("generation")
     if isinstance(t, InvalidSpec):
-        # Loses nothing: running pods stay as they are until the spec is fixed.
-        message = str(t)
-        actions: list[Action] = []
-        if _condition(previous, Type.CONFIG_RENDERED).get("message") != message:
-            actions.append(Emit("Warning", Reason.INVALID_SPEC, message))
-        conds = [Cond(Type.CONFIG_RENDERED, False, Reason.INVALID_SPEC, message), Cond(Type.READY, False, Reason.INVALID_SPEC, message)]
-        return actions, {**previous, "conditions": merge(previous.get("conditions", []), conds, generation, at)}
-    m = _Model(t, o, previous)
-    m.children()
-    m.head_pod()
-    m.engine_report()
-    m.membership_read()
-    m.retire_stale()
-    m.scale()
-    m.sync_membership()
-    m.pool_statuses(at)
-    return m.actions, m.status(generation, at)
+        return _invalid(t, o, generation, at)
+    p = decide(t, o)
+    return Plan(p.actions, status.omnistage_status(p, generation, at), status.pool_statuses(p, at))
 
 
-class _Model:
-    """One pass's working state: the observation plus what the plan has decided so far."""
+def decide(t: Target, o: Observed) -> Pass:
+    p = Pass(t, o)
+    p.children()
+    p.head_pod()
+    p.engine_report()
+    p.membership_read()
+    p.retire_stale()
+    p.scale()
+    p.sync_membership()
+    p.announce_stages()
+    return p
 
-    def __init__(self, t: Target, o: Observed, previous: dict[str, Any]):
-        self.t, self.o, self.previous = t, o, previous
+
+def _invalid(err: InvalidSpec, o: Observed, generation: int | None, at: str) -> Plan:
+    """Loses nothing: running pods stay as they are until the spec is fixed."""
+    previous = o.obj.get("status") or {}
+    message = str(err)
+    actions: list[Action] = []
+    if condition(previous, Type.CONFIG_RENDERED).get("message") != message:
+        actions.append(Emit("Warning", Reason.INVALID_SPEC, message))
+    conds = [Cond(Type.CONFIG_RENDERED, False, Reason.INVALID_SPEC, message),
+             Cond(Type.READY, False, Reason.INVALID_SPEC, message)]
+    return Plan(actions, {**previous, "conditions": merge(previous.get("conditions", []), conds, generation, at)}, {})
+
+
+class Pass:
+    """One pass's working state: the observation plus what the steps decided so far. Once decide()
+    returns it is the decision that status.py describes."""
+
+    def __init__(self, t: Target, o: Observed):
+        self.t, self.o, self.previous = t, o, o.obj.get("status") or {}
         self.actions: list[Action] = []
-        self.progressing: list[str] = []
+        self.progressing: list[str] = []  # Progress values: what this pass did
         self.head = o.head
+        self.head_going = False  # this pass deletes the head (it rolls)
         self.gone: set[str] = set()  # pod uids deleted by this plan
         self.handled: set[str] = set()  # pod uids whose retirement this plan already decided
         self.listing = o.listing
@@ -232,8 +155,12 @@ class _Model:
         fitted = self.pool_of.get(pods.pool(pod))
         return fitted.pool.spec.drain_timeout_seconds if fitted is not None and fitted.pool else DEFAULT_POOL_DRAIN
 
+    def head_staying(self) -> bool:
+        """A head pod that is not on its way out (by an earlier delete or by this pass)."""
+        return self.head is not None and not pods.terminating(self.head) and not self.head_going
+
     def head_live(self) -> bool:
-        return self.head is not None and not pods.terminating(self.head) and bool(pods.ip(self.head))
+        return self.head_staying() and bool(pods.ip(self.head))
 
     def head_talks(self) -> bool:
         """A head client exists and the head pod is Ready: the only head the plan reads answers from."""
@@ -244,8 +171,8 @@ class _Model:
         return [r for r in self.o.replicas if not pods.terminating(r) and pods.uid(r) not in self.gone
                 and (pool == "*" or pods.pool(r) == pool)]
 
-    def members(self, stage: int = 0) -> list[dict[str, Any]]:
-        return head_client.members(self.listing, stage) if self.listing is not None else []
+    def members(self, stage: int = 0) -> list[contract.Member]:
+        return contract.members(self.listing, stage) if self.listing is not None else []
 
     def member_of(self, pod: dict[str, Any], stage: int = 0) -> dict[str, Any] | None:
         for mm in self.members(stage):
@@ -284,7 +211,7 @@ class _Model:
                 self.progressing.append(Progress.ROLLING_HEAD)
                 # What the old head said no longer counts; its successor is created on a later pass
                 # (the name is taken until the old pod is gone).
-                self.head = {**head, "metadata": {**head["metadata"], "deletionTimestamp": "planned"}}
+                self.head_going = True
                 self.listing, self.report = None, None
                 return
         if head is None:
@@ -299,7 +226,7 @@ class _Model:
         else:
             why = self.o.report_problem
         self.verdict = engine_truth.check(str(self.t.cache.mode), self.t.distributed, self.report, why)
-        before = _condition(self.previous, Type.CACHE_CONSISTENT)
+        before = condition(self.previous, Type.CACHE_CONSISTENT)
         if self.verdict.consistent or why == HEAD_NOT_READY:
             if self.verdict.consistent and before.get("status") == "False":
                 self.emit("Normal", self.verdict.reason, self.verdict.message)
@@ -437,7 +364,7 @@ class _Model:
         for stage in self.stage_ids():
             runs = [r for r in live.values() if stage in pods.stage_ids(r)]
             for mm in self.members(stage):
-                if _is_head_local(mm, head_ip) or mm.get("state") == contract.LEFT:
+                if contract.is_head_local(mm, head_ip) or mm.get("state") == contract.LEFT:
                     continue
                 pod = live.get(mm.get("pod")) or next((r for r in runs if pods.ip(r) == mm.get("host")), None)
                 if pod is None:
@@ -456,226 +383,13 @@ class _Model:
                     continue
                 self.actions.append(Join(name, pods.ip(pod), stage))
 
-    # -- status
-    def status(self, generation: int | None, at: str) -> dict[str, Any]:
-        t, previous, head = self.t, self.previous, self.head
-        live = self.live(None)  # stage-0 replicas: what spec.replicas and the scale selector count
-        head_live = head is not None and not pods.terminating(head)
-        engine_pods = ([head] if head_live else []) + live
-        ready_pods = [x for x in engine_pods if pods.ready(x)]
-        updated = (1 if head_live and pods.template_hash(head) == pods.template_hash(self.want_head) else 0) + sum(
-            1 for r in live if pods.template_hash(r) == pods.template_hash(self.want_replica(pods.index(r)))
-            and pods.head_uid(r) == pods.uid(head)) if head_live else 0
-        problem = self.membership_problem or (self.o.problems[0] if self.o.problems else None)
-
-        members, joined = [], 0
-        for r in sorted(live, key=pods.index):
-            mm = self.member_of(r)
-            if pods.annotation(r, A_LEAVING) or pods.uid(r) in self.handled:
-                state = MemberState.LEAVING
-            elif mm is not None and mm.get("pod") == pods.name(r):
-                state, joined = MemberState.JOINED, joined + 1
-            elif pods.ready(r):
-                state = MemberState.JOINING
-            else:
-                state = MemberState.PENDING
-            member = {"pod": pods.name(r), "ip": pods.ip(r), "replicaId": mm.get("replicaId") if mm else None,
-                      "state": str(state)}
-            if state == MemberState.JOINING and not self.verdict.consistent:
-                member["reason"] = f"{Type.CACHE_CONSISTENT}: {self.verdict.reason}"
-            members.append(member)
-        head_ready = head_live and pods.ready(head)
-        if t.distributed:
-            head_registered = any(_is_head_local(mm, pods.ip(head)) for mm in self.members())
-            others = [mm for mm in self.members()
-                      if not _is_head_local(mm, pods.ip(head)) and mm.get("state") != contract.LEFT]
-        else:
-            head_registered, others = head_ready, []  # one replica inside the head: nothing to sync
-        registered = (1 if head_registered else 0) + joined
-        desired = t.spec.replicas
-        replica_desired = t.spec.replicas - 1 if t.distributed else 0
-        replicas_ready = sum(1 for r in live if pods.ready(r))
-        synced = (self.listing is not None or not t.distributed) and problem is None \
-            and joined == replicas_ready and head_registered and len(others) == joined
-        verdict = self.verdict
-        every_pod = engine_pods + [r for r in self.live() if pods.pool(r) is not None]
-        unschedulable = [f"{pods.name(x)}: {pods.unschedulable(x)}" for x in every_pod if pods.unschedulable(x)]
-        exited = [f"{pods.name(x)}: engine exited ({x['status'].get('phase')})" for x in every_pod if pods.terminal(x)]
-        failures = unschedulable + exited
-
-        replicas_available = replicas_ready == replica_desired and len(live) == replica_desired
-        conds = [
-            Cond(Type.CONFIG_RENDERED, True, Reason.RENDERED,
-                 f"effective stage-0 cache mode {t.cache.mode}: {t.cache.reason}"),
-            Cond(Type.HEAD_READY, head_ready, Reason.HEAD_READY if head_ready else (Reason.HEAD_PENDING if head_live else Reason.NO_HEAD),
-                 f"head pod {pods.name(head)}" if head else "no head pod"),
-            Cond(Type.REPLICAS_AVAILABLE, replicas_available,
-                 Reason.ALL_AVAILABLE if replicas_ready == replica_desired else Reason.UNAVAILABLE,
-                 f"{replicas_ready}/{replica_desired} replica pods ready"),
-            Cond(Type.MEMBERSHIP_SYNCED, synced, Reason.SYNCED if synced else Reason.NOT_SYNCED,
-                 problem or (f"{registered}/{desired} replicas registered"
-                             if self.listing is not None or not t.distributed else "membership not read yet")),
-            Cond(Type.CACHE_CONSISTENT, verdict.consistent, verdict.reason, verdict.message),
-            Cond(Type.REPLICA_FAILURE, bool(failures), Reason.UNSCHEDULABLE if unschedulable
-                 else (Reason.ENGINE_EXITED if exited else Reason.NO_FAILURE), "; ".join(failures)),
-        ]
-        stages = self.stage_rows()
-        stages_ready = all(row["registered"] == row["desired"] == row["ready"] and row["desired"] > 0
-                           and not row.get("patchProblem") for row in stages)
-        if t.spec.stages:
-            conds += self.stage_conditions(stages, stages_ready)
-        progressing = bool(self.progressing) or len(engine_pods) != desired or len(ready_pods) != desired \
-            or any(row["ready"] != row["desired"] for row in stages)
-        conds.append(Cond(Type.PROGRESSING, progressing, ",".join(sorted(set(self.progressing))) or
-                          (Reason.CONVERGING if progressing else Reason.STABLE),
-                          f"{len(engine_pods)}/{desired} engine pods, {len(ready_pods)} ready"
-                          + "".join(f"; stage {row['id']}: {row['ready']}/{row['desired']} pods ready" for row in stages)))
-        conds.append(ready(head_ready, replicas_available, synced, True, verdict.consistent, stages_ready))
-        conds_out = merge(previous.get("conditions", []), conds, generation, at)
-
-        head_status = None
-        if head is not None:
-            before = previous.get("head") or {}
-            # After a container restart the last boot id is the dead process's: forget it, so the new
-            # one's first answer is not taken for yet another restart.
-            boot = (self.report or self.listing or {}).get("bootId") or (
-                before.get("bootId") if before.get("uid") == pods.uid(head) and not self.head_restarted else None)
-            head_status = {k: v for k, v in {"pod": pods.name(head), "uid": pods.uid(head), "ip": pods.ip(head),
-                                             "bootId": boot, "restarts": pods.restarts(head)}.items() if v is not None}
-        status = {
-            "observedGeneration": generation,
-            "replicas": len(engine_pods),
-            "readyReplicas": len(ready_pods),
-            "registeredReplicas": registered,
-            "updatedReplicas": updated,
-            "selector": selector(t),
-            "effectiveCacheMode": str(t.cache.mode),
-            "configHash": pods.annotation(self.want_head, A_CONFIG_HASH),
-            "engineImage": t.engine_image,
-            "head": head_status,
-            "engine": engine_truth.summary(self.report) or (
-                previous.get("engine") if head and (previous.get("head") or {}).get("uid") == pods.uid(head) else None),
-            "membershipEpoch": (self.listing or {}).get("epoch", previous.get("membershipEpoch")),
-            "members": members,
-            "stages": [{k: v for k, v in row.items() if k != "patchProblem"} for row in stages] or None,
-            "conditions": conds_out,
-        }
-        return {k: v for k, v in status.items() if v is not None}
-
-    # -- stages >= 1 and their pools
-    def stage_rows(self) -> list[dict[str, Any]]:
-        """status.stages: per stage, its pool and that pool's pods (desired, Ready, joined for the stage)
-        and the patch outcomes its replicas sent with their registration."""
-        cover = pools.coverage(self.pools)
-        rows = []
-        for s in self.t.spec.stages:
-            pool = cover.get(s.id)
-            staying = self.staying(pool) if pool else []
-            reports = {pods.name(r): (self.member_of(r, s.id) or {}).get("patches") for r in staying}
-            row = {"id": s.id, "name": s.name or None, "pool": pool,
-                   "desired": self.pool_of[pool].pool.spec.replicas if pool else 0,
-                   "ready": sum(1 for r in staying if pods.ready(r)),
-                   "registered": sum(1 for r in staying if self.joined(r, s.id)),
-                   "patches": merged_outcomes([p for p in reports.values() if p]) or None,
-                   "patchProblem": stage_patch_problem(reports)}
-            rows.append({k: v for k, v in row.items() if v is not None})
-        return rows
-
-    def stage_conditions(self, rows: list[dict[str, Any]], stages_ready: bool) -> list[Cond]:
-        uncovered = [row["id"] for row in rows if "pool" not in row]
-        refused = [f"pool {f.name}: {f.problem[1]}" for f in self.pools if f.problem]
-        if uncovered:
-            covered = Cond(Type.STAGES_COVERED, False, Reason.UNCOVERED,
-                           f"stage {', '.join(map(str, uncovered))} runs in no OmniStagePool: create one with "
-                           f"spec.omniStage {self.t.name} and these spec.stageIds" + "".join(f"; {r}" for r in refused))
-        else:
-            covered = Cond(Type.STAGES_COVERED, True, Reason.ALL_COVERED,
-                           "; ".join(f"stage {row['id']}: pool {row['pool']}" for row in rows)
-                           + "".join(f"; {r}" for r in refused))
-        if covered.message != _condition(self.previous, Type.STAGES_COVERED).get("message") and not covered.status:
+    def announce_stages(self) -> None:
+        """A Warning when StagesCovered or StagesReady turns bad, or says something new while bad."""
+        if not self.t.spec.stages:
+            return
+        covered, stages_ready = status.stage_conditions(self, status.stage_rows(self))
+        if not covered.status and covered.message != condition(self.previous, Type.STAGES_COVERED).get("message"):
             self.emit("Warning", Reason.UNCOVERED, covered.message)
-        waiting = [f"stage {row['id']}: {row['registered']}/{row['desired']} registered, {row['ready']} ready"
-                   for row in rows if not (row["registered"] == row["desired"] == row["ready"] and row["desired"])]
-        broken = [f"stage {row['id']}: {row['patchProblem']}" for row in rows if row.get("patchProblem")]
-        if broken:
-            message = "; ".join(broken) + f". {engine_truth.PLUGIN_ADVICE}"
-            ready_cond = Cond(Type.STAGES_READY, False, Reason.PATCH_NOT_APPLIED, message)
-            if message != _condition(self.previous, Type.STAGES_READY).get("message"):
-                self.emit("Warning", Reason.PATCH_NOT_APPLIED, message)
-        else:
-            ready_cond = Cond(Type.STAGES_READY, stages_ready, Reason.ALL_STAGES_SERVING if stages_ready else Reason.WAITING,
-                              "; ".join(waiting) or "every stage's replicas are joined on the head")
-        return [covered, ready_cond]
-
-    def pool_statuses(self, at: str) -> None:
-        """Each pool's status, written when it changed (the pass that decides for the pods says it)."""
-        for f in self.pools:
-            status = pool_status(f, self.t, self.staying(f.name), self.member_of, at)
-            if status != (f.obj.get("status") or {}):
-                self.actions.append(PoolStatus(f.name, status))
-
-
-# The patches a stage pod's replica needs in effect: connector ports without the replica term, which
-# the head also assumes when it advertises a replica's sender endpoint (each pod binds its own).
-STAGE_POD_PATCHES = (contract.CONNECTOR_PORTS,)
-
-
-def merged_outcomes(reports: list[dict[str, str]]) -> dict[str, str]:
-    """One outcome per patch over a stage's replicas: the first not in effect, else the shared one."""
-    out: dict[str, str] = {}
-    for report in reports:
-        for name, outcome in report.items():
-            if name not in out or (out[name] in contract.EFFECTIVE_OUTCOMES
-                                   and outcome not in contract.EFFECTIVE_OUTCOMES):
-                out[name] = outcome
-    return dict(sorted(out.items()))
-
-
-def stage_patch_problem(reports: Mapping[str, dict[str, str] | None]) -> str | None:
-    """Which pods run a stage replica without a patch a stage pod needs (None: every reporting pod
-    has them; a replica that sent no report, an older plugin, is not judged)."""
-    bad = sorted(f"{name} {report[name]} in {pod}" for pod, report in reports.items() if report
-                 for name in STAGE_POD_PATCHES if report.get(name, contract.SKIPPED) not in contract.EFFECTIVE_OUTCOMES)
-    return ", ".join(bad) or None
-
-
-def pool_status(f: pools.Fitted, t: Target | None, staying: list[dict[str, Any]],
-                member_of: Callable[[dict[str, Any], int], dict[str, Any] | None] = lambda pod, stage: None,
-                at: str | None = None) -> dict[str, Any]:
-    """An OmniStagePool's status. `staying`: its pods not on their way out; `member_of(pod, stage)`:
-    the head's listing entry of the pod's replica of that stage."""
-    previous = f.obj.get("status") or {}
-    generation = f.obj["metadata"].get("generation")
-    ids = f.pool.spec.stage_ids if f.pool else []
-    members, registered = [], 0
-    for r in sorted(staying, key=pods.index):
-        listed = {k: member_of(r, k) for k in pods.stage_ids(r)}
-        done = all(mm is not None and mm.get("pod") == pods.name(r) for mm in listed.values())
-        registered += done
-        state = MemberState.JOINED if done else (MemberState.JOINING if pods.ready(r) else MemberState.PENDING)
-        member = {"pod": pods.name(r), "ip": pods.ip(r), "state": str(state),
-                  "replicaIds": {str(k): mm["replicaId"] for k, mm in listed.items() if mm is not None}}
-        members.append({k: v for k, v in member.items() if v is not None})
-    ready_pods = sum(1 for r in staying if pods.ready(r))
-    if f.problem:
-        cond = Cond(Type.READY, False, f.problem[0], f.problem[1])
-    else:
-        desired = f.pool.spec.replicas
-        ok = ready_pods == registered == len(staying) == desired
-        cond = Cond(Type.READY, ok, Reason.ALL_REPLICAS_SERVING if ok else Reason.WAITING,
-                    f"{ready_pods}/{desired} pods ready, {registered} joined on the head for stages "
-                    + ", ".join(map(str, ids)))
-    status = {
-        "observedGeneration": generation,
-        "replicas": len(staying),
-        "readyReplicas": ready_pods,
-        "registeredReplicas": registered,
-        "selector": pool_selector(t, f.name) if t is not None else previous.get("selector", ""),
-        "members": members,
-        "conditions": merge(previous.get("conditions", []), [cond], generation, at or now()),
-    }
-    return {k: v for k, v in status.items() if v is not None}
-
-
-def _is_head_local(m: dict[str, Any], head_ip: str | None) -> bool:
-    return bool(m.get("local")) or (m.get("host") == head_ip and not m.get("pod"))
+        if stages_ready.reason == Reason.PATCH_NOT_APPLIED \
+                and stages_ready.message != condition(self.previous, Type.STAGES_READY).get("message"):
+            self.emit("Warning", Reason.PATCH_NOT_APPLIED, stages_ready.message)

@@ -23,17 +23,19 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from . import act as act_step
-from . import api, head_client, kube, pods, pools
+from . import head_client, kube, pods, pools
 from .act import EmitFn as Emit
+from .actions import Action, EnsureChild, Observed
+from .actions import Emit as EmitAction
 from .head_client import HeadClient, HeadRefused, HeadUnreachable
 from .informer import STATE
 from .metrics import STATUS
 from .names import L_ROLE, ROLE_POOL, ROLE_REPLICA
-from .plan import Action, EnsureChild, Observed, PoolStatus, plan, pool_status
-from .plan import Emit as EmitAction
+from .plan import plan
 from .render import render_secret, target_from
 from .render.common import Target
 from .render.pods import TOKEN_KEY, head_pod_name
+from .status import pool_status
 from .validation import InvalidSpec
 
 log = logging.getLogger(__name__)
@@ -147,10 +149,9 @@ def reconcile(namespace: str, name: str, emit: Emit | None,
 def _orphaned_pools(namespace: str, name: str) -> None:
     """Pools naming an OmniStage that does not exist say so (their pods, owned by the OmniStage, went
     with it)."""
-    for fitted in pools.fit(None, name, STATE.pools.owned(namespace, name)):
-        status = pool_status(fitted, None, [])
-        if status != (fitted.obj.get("status") or {}):
-            STATE.wrote(kube.patch_status(namespace, fitted.name, status, fitted.obj.get("status"), api.POOL_PLURAL))
+    fitted = pools.fit(None, name, STATE.pools.owned(namespace, name))
+    act_step.write_pool_statuses(namespace, {f.name: s for f in fitted
+                                             if (s := pool_status(f, None, [])) != (f.obj.get("status") or {})})
 
 
 def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
@@ -159,30 +160,30 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
     except InvalidSpec as err:
         t = err
     if isinstance(t, InvalidSpec):
-        actions, status = plan(t, Observed(obj))
-        act_step.act(obj["metadata"]["namespace"], actions, None, emit, obj["metadata"]["name"])
-        return status
+        decided = plan(t, Observed(obj))
+        act_step.act(obj["metadata"]["namespace"], decided.actions, None, emit, obj["metadata"]["name"])
+        return decided.status
     token = TOKENS.get(t)
     observed, client = observe(obj, t, token)
     key, fingerprint = (t.namespace, t.name), _fingerprint(observed, t)
     rest = RESTING.get(key)
     if rest is not None and rest.fingerprint == fingerprint:
         return obj.get("status") or {}  # nothing read changed since a pass that found it at rest
-    actions, status = plan(t, observed)
-    problems = act_step.act(t.namespace, actions, client, emit, t.name)
-    if not _changes(actions) and not problems and status == obj.get("status"):
+    decided = plan(t, observed)
+    problems = act_step.act(t.namespace, decided.actions, client, emit, t.name)
+    changed = _changes(decided.actions) or bool(problems)
+    if not changed and not decided.pools and decided.status == obj.get("status"):
         RESTING[key] = Resting(fingerprint, client, t.distributed)
     else:
         RESTING.pop(key, None)
-    if _changes(actions) or problems:
+    if changed:
         # Status says what is true after the pass, not before it: read again (only when the pass
         # changed something, so a pass at rest costs no extra request) and let the plan describe it.
         # Its actions are left for the next pass, which the changed pods trigger anyway.
         observed, _ = observe(obj, t, token, problems=tuple(problems))
-        after, status = plan(t, observed)
-        # The same for the pools' status (written by the plan as actions).
-        act_step.act(t.namespace, [a for a in after if isinstance(a, PoolStatus)], None, emit, t.name)
-    return status
+        decided = plan(t, observed)
+    act_step.write_pool_statuses(t.namespace, decided.pools)
+    return decided.status
 
 
 @dataclass(frozen=True)

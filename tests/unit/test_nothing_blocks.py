@@ -12,8 +12,8 @@ import time
 from omnistage import act as act_module
 from omnistage import metrics
 from omnistage.act import Drains, act
+from omnistage.actions import DRAIN_DONE, DRAIN_FAILED, DRAIN_RUNNING, Annotate, StartLeave
 from omnistage.head_client import HeadClient, HeadUnreachable
-from omnistage.plan import DRAIN_DONE, DRAIN_FAILED, DRAIN_RUNNING, Annotate, StartLeave
 from omnistage.workqueue import WorkQueue
 from prometheus_client import REGISTRY
 

@@ -9,21 +9,20 @@ import copy
 
 import pytest
 from omnistage import names, pods
-from omnistage.conditions import Reason, Type
-from omnistage.plan import (
+from omnistage.actions import (
     CreatePod,
     DeletePod,
     Forget,
     Join,
     Observed,
-    PoolStatus,
     StartLeave,
-    plan,
-    pool_status,
 )
+from omnistage.conditions import Reason, Type
+from omnistage.plan import plan
 from omnistage.pools import fit, parse
 from omnistage.render import target_from
 from omnistage.render.pods import render_pool_pod
+from omnistage.status import pool_status
 from omnistage_engine_patches import contract
 
 from .test_plan import AT, HEAD_UID, changes, cond, head, listing, member, omnistage, replica, report
@@ -85,8 +84,8 @@ def test_at_rest_with_a_speech_pool_is_ready_and_says_where_each_stage_runs():
     pool = pool_obj()
     pp = [pool_pod(t, pool, 1)]
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=joined_everywhere(pp))
-    actions, status = plan(t, o, AT)
-    assert [a for a in changes(actions) if not isinstance(a, PoolStatus)] == []
+    actions, status, pool_statuses = plan(t, o, AT)
+    assert changes(actions) == []
     assert cond(status, Type.READY)["status"] == "True"
     assert cond(status, Type.STAGES_COVERED)["message"] == "stage 1: pool speech; stage 2: pool speech"
     assert cond(status, Type.STAGES_READY)["status"] == "True"
@@ -95,18 +94,18 @@ def test_at_rest_with_a_speech_pool_is_ready_and_says_where_each_stage_runs():
         {"id": 2, "name": "code2wav", "pool": "speech", "desired": 1, "ready": 1, "registered": 1}]
     # Stage-0 counts stay stage 0's: the scale subresource must not count pool pods.
     assert status["replicas"] == 2 and status["registeredReplicas"] == 2
-    [written] = of(actions, PoolStatus)
-    assert written.status["registeredReplicas"] == 1 and written.status["selector"].endswith("role=pool")
-    assert written.status["members"] == [{"pod": "speech-1", "ip": "127.77.1.1", "state": "Joined",
-                                          "replicaIds": {"1": 0, "2": 0}}]
-    assert next(c for c in written.status["conditions"] if c["type"] == Type.READY)["status"] == "True"
+    [written] = pool_statuses.values()
+    assert written["registeredReplicas"] == 1 and written["selector"].endswith("role=pool")
+    assert written["members"] == [{"pod": "speech-1", "ip": "127.77.1.1", "state": "Joined",
+                                   "replicaIds": {"1": 0, "2": 0}}]
+    assert next(c for c in written["conditions"] if c["type"] == Type.READY)["status"] == "True"
 
 
 def test_pool_pods_are_created_once_the_head_has_an_ip_not_once_it_is_ready():
     obj, t = pipeline()
     pool = pool_obj(replicas=2)
     o = observe(obj, t, pools=[pool], head=head(t, ready=False), head_reachable=True, report=None, listing=None)
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     created = [a.obj["metadata"]["name"] for a in of(actions, CreatePod)]
     assert created == ["qwen3-omni-replica-1", "speech-1", "speech-2"]
     pod = next(a.obj for a in of(actions, CreatePod) if a.obj["metadata"]["name"] == "speech-1")
@@ -123,7 +122,7 @@ def test_no_pool_pod_without_a_head_ip():
     no_ip = head(t, ready=False)
     no_ip["status"].pop("podIP")
     o = observe(obj, t, pools=[pool_obj()], head=no_ip, head_reachable=False, report=None, listing=None)
-    actions, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     assert of(actions, CreatePod) == []
 
 
@@ -135,7 +134,7 @@ def test_every_stage_of_a_ready_pool_pod_is_joined_and_the_initial_slot_by_its_i
     by_stage = {1: [{"replicaId": 0, "host": "127.77.1.1", "state": contract.ATTACHED}],
                 2: [{"replicaId": 0, "host": "127.77.1.1", "state": contract.ATTACHED}]}
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=by_stage)
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     assert of(actions, Join) == [Join("speech-1", "127.77.1.1", 1), Join("speech-1", "127.77.1.1", 2)]
     assert status["stages"][0]["registered"] == 0
 
@@ -146,7 +145,7 @@ def test_stage_joins_do_not_wait_for_the_stage0_cache_verdict():
     pp = [pool_pod(t, pool, 1)]
     bad = report(t, cache_class="MultiModalProcessorSenderCache")
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], stage0=[], by_stage={}, report=bad)
-    actions, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     assert of(actions, Join) == [Join("speech-1", "127.77.1.1", 1), Join("speech-1", "127.77.1.1", 2)]
 
 
@@ -155,7 +154,7 @@ def test_scale_down_drains_every_stage_of_the_newest_pool_pod():
     pool = pool_obj(replicas=1)
     pp = [pool_pod(t, pool, 1), pool_pod(t, pool, 2)]
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=joined_everywhere(pp))
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     assert of(actions, StartLeave) == [StartLeave("speech-2", "uid-speech-2", ((1, 1), (2, 1)), 300)]
     assert of(actions, DeletePod) == []
     assert status["stages"][0]["desired"] == 1 and cond(status, Type.PROGRESSING)["reason"] == "ScaledDown"
@@ -167,7 +166,7 @@ def test_a_drained_pool_pod_is_deleted_with_its_pools_reason():
     pp = [pool_pod(t, pool, 1), pool_pod(t, pool, 2, leaving="ScaledDown")]
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=joined_everywhere(pp),
                 drains={"uid-speech-2": "done"})
-    actions, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     assert of(actions, DeletePod) == [DeletePod("speech-2", "uid-speech-2", "ScaledDown",
                                                 "deleted pool pod speech-2: its pool's spec.replicas is 1")]
 
@@ -180,7 +179,7 @@ def test_a_pool_pod_gone_from_the_cluster_is_forgotten_for_each_stage():
     for k in (1, 2):
         by_stage[k].append({"replicaId": 4, "pod": "speech-9", "host": "127.77.1.9", "state": contract.ATTACHED})
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=by_stage)
-    actions, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     assert of(actions, Forget) == [Forget(4, "speech-9", 1), Forget(4, "speech-9", 2)]
 
 
@@ -189,7 +188,7 @@ def test_a_new_head_rolls_pool_pods_too():
     pool = pool_obj()
     pp = [pool_pod(t, pool, 1, head_uid="old-head")]
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage={})
-    actions, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     assert [a.name for a in of(actions, DeletePod)] == ["speech-1"]
 
 
@@ -198,7 +197,7 @@ def test_a_failed_pool_pod_is_replaced():
     pool = pool_obj()
     pp = [pool_pod(t, pool, 1, ready=False, phase="Failed")]
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage={})
-    actions, _status = plan(t, o, AT)
+    actions, _status, _ = plan(t, o, AT)
     assert [a.name for a in of(actions, DeletePod)] == ["speech-1"]
     assert [a.obj["metadata"]["name"] for a in of(actions, CreatePod)] == ["speech-2"]
 
@@ -208,7 +207,7 @@ def test_a_deleted_pool_drains_and_removes_its_pods_and_uncovers_its_stages():
     pool = pool_obj()
     pp = [pool_pod(t, pool, 1)]
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[], by_stage=joined_everywhere(pp))
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     assert of(actions, StartLeave) == [StartLeave("speech-1", "uid-speech-1", ((1, 0), (2, 0)), 300)]
     assert cond(status, Type.STAGES_COVERED)["reason"] == "Uncovered"
     assert "stage 1, 2 runs in no OmniStagePool" in cond(status, Type.STAGES_COVERED)["message"]
@@ -221,9 +220,8 @@ def test_a_stage_in_two_pools_stays_with_the_older_one_and_the_newer_keeps_its_p
     pp = [pool_pod(t, older, 1), pool_pod(t, newer, 1)]
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[newer, older],
                 by_stage=joined_everywhere(pp))
-    actions, status = plan(t, o, AT)
+    actions, status, written = plan(t, o, AT)
     assert of(actions, DeletePod) == [] and of(actions, StartLeave) == []  # a mistake loses nothing
-    written = {a.name: a.status for a in of(actions, PoolStatus)}
     ready = next(c for c in written["talkers"]["conditions"] if c["type"] == Type.READY)
     assert (ready["status"], ready["reason"]) == ("False", Reason.STAGE_IN_TWO_POOLS)
     assert "stage 1 already runs in pool speech" in ready["message"]
@@ -272,7 +270,7 @@ def test_a_head_container_restart_rolls_the_pool_even_while_the_head_answers_not
     restarted["status"]["containerStatuses"] = [{"name": "engine", "restartCount": 1}]
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], head=restarted, report=None,
                 listing=None)
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     assert sorted(a.name for a in of(actions, DeletePod)) == ["qwen3-omni-replica-1", "speech-1"]
     assert any(a.reason == "HeadRestarted" and "restartCount 0 -> 1" in a.message for a in actions
                if hasattr(a, "reason") and a.reason == "HeadRestarted")
@@ -289,7 +287,7 @@ def test_an_unchanged_restart_count_rolls_nothing():
     same["status"]["containerStatuses"] = [{"name": "engine", "restartCount": 1}]
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], head=same,
                 by_stage=joined_everywhere(pp))
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     assert of(actions, DeletePod) == [] and status["head"]["bootId"] == "boot-1"
 
 
@@ -308,7 +306,7 @@ def test_stage_pods_patch_outcomes_are_in_status():
     pp = [pool_pod(t, pool, 1)]
     applied = {name: contract.APPLIED for name in contract.PATCHES}
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=reported(pp, applied))
-    _, status = plan(t, o, AT)
+    _, status, _ = plan(t, o, AT)
     assert status["stages"][0]["patches"] == dict(sorted(applied.items()))
     assert cond(status, Type.STAGES_READY)["status"] == "True" and cond(status, Type.READY)["status"] == "True"
 
@@ -321,7 +319,7 @@ def test_a_stage_pod_without_connector_ports_holds_stages_ready_false():
     pp = [pool_pod(t, pool, 1)]
     outcomes = {name: contract.APPLIED for name in contract.PATCHES} | {contract.CONNECTOR_PORTS: contract.SKIPPED}
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=reported(pp, outcomes))
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     ready = cond(status, Type.STAGES_READY)
     assert (ready["status"], ready["reason"]) == ("False", "PatchNotApplied")
     assert "stage 1: connector_ports skipped in speech-1" in ready["message"]
