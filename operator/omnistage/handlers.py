@@ -13,11 +13,12 @@ import zlib
 
 import kopf
 
-from . import api, kube, leader, metrics
+from . import api, kube, leader, memory, metrics
 from .act import DRAINS
+from .headview import probe
 from .informer import STATE
 from .metrics import RECONCILE_SECONDS, STATUS
-from .reconcile import forget, probe, reconcile
+from .reconcile import reconcile
 from .workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,7 @@ def _work(namespace: str, name: str) -> None:
     finally:
         RECONCILE_SECONDS.labels(namespace, name).observe(time.monotonic() - start)
         if gone:
-            metrics.forget(namespace, name)
-            forget(namespace, name)
+            memory.forget(namespace, name)
 
 
 # 16: a pass mostly waits (API writes, a head's answer); after a start, every hanging head holds
@@ -72,7 +72,7 @@ DRAINS.on_done = QUEUE.enqueue  # a finished drain is deleted by the next pass, 
 
 def _probe(namespace: str, name: str) -> None:
     """The resync's cheap look at an OmniStage at rest: its head's conditional GET; a full pass
-    only when the head said something new (reconcile.probe)."""
+    only when the head said something new (headview.probe)."""
     if leader.is_leading() and probe(namespace, name):
         QUEUE.enqueue(namespace, name)
 

@@ -109,7 +109,7 @@ def _conditional_call(op: str, method: str, head: HeadClient, path: str, body: d
             delay = min(delay * 2, 2.0)
     # The message lands in conditions and Events: keep it stable across passes (urllib3's text
     # carries object addresses), the full error goes to the log.
-    # The probes (report, list) of a dead head repeat every backoff: reconcile.ask_head logs the
+    # The probes (report, list) of a dead head repeat every backoff: headview.ask_head logs the
     # change to unreachable once; a join or leave that fails is worth a line each time.
     log.log(logging.DEBUG if op in ("report", "list") else logging.INFO,
             "%s at %s: no answer: %s", op, head.url(path), last)

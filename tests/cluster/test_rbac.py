@@ -69,7 +69,7 @@ REVIEWED: dict[tuple[str, str, str], str] = {
     ("", "services", "watch"): "informer.py",
     ("", "services", "create"): "kube.apply (server-side apply creating it)",
     ("", "services", "patch"): "kube.apply",
-    ("", "secrets", "get"): "kube.read (membership token, once per OmniStage: reconcile.TOKENS)",
+    ("", "secrets", "get"): "kube.read (membership token, once per OmniStage: memory.TOKENS)",
     ("", "secrets", "create"): "kube.create (membership token)",
     ("networking.k8s.io", "networkpolicies", "list"): "informer.py",
     ("networking.k8s.io", "networkpolicies", "watch"): "informer.py",
