@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from omnistage import conditions
+from omnistage.api import conditions
 from omnistage.known_pipelines import SHIPPED_DEPLOY
 
 from .support import Settings

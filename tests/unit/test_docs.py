@@ -18,11 +18,11 @@ import subprocess
 import sys
 
 import pytest
-from omnistage import conditions
-from omnistage.api import MemberState
-from omnistage.conditions import EventReason, Progress, Reason, Type
-from omnistage.crd import build_crd
-from omnistage.docs import KUBERNETES_TYPES, reference_markdown
+from omnistage.api import conditions
+from omnistage.api.conditions import EventReason, Progress, Reason, Type
+from omnistage.api.crd import build_crd
+from omnistage.api.docs import KUBERNETES_TYPES, reference_markdown
+from omnistage.api.statuses import MemberState
 
 from tests.gpu.support import ENGINE_IMAGE_ENV, SETTINGS
 
@@ -96,7 +96,7 @@ def test_reference_has_a_row_for_every_field_and_rule():
 
 # ----- troubleshooting: every reason the operator sets --------------------------------------------------
 # Every condition type, reason, Progressing action, Event reason and member state is a member of an enum
-# (conditions.py, api.MemberState). The tests below hold the enums to the code both ways: each member is
+# (api/conditions.py, api/statuses.MemberState). The tests below hold the enums to the code both ways: each member is
 # named somewhere in the operator package (so nothing is promised that no code sets), and no call that
 # sets a reason passes a string literal (so nothing is set that the enums, and so the docs, miss).
 
@@ -202,7 +202,7 @@ def test_every_member_state_is_explained():
 
 
 def test_every_operator_metric_is_documented():
-    names = set(re.findall(r'"(omnistage_[a-z_]+)"', (OPERATOR / "metrics.py").read_text()))
+    names = set(re.findall(r'"(omnistage_[a-z_]+)"', (OPERATOR / "runtime" / "metrics.py").read_text()))
     assert {"omnistage_engine_patch", "omnistage_condition", "omnistage_replicas"} <= names
     text = (DOCS / "membership-and-metrics.md").read_text()
     missing = sorted(n for n in names if f"`{n}`" not in text)

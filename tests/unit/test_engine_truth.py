@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 
 import pytest
-from omnistage import engine_truth
-from omnistage.conditions import Reason
+from omnistage.api.conditions import Reason
+from omnistage.control import engine_truth
 from omnistage_engine_patches import contract
 
 ALL_APPLIED = {name: {"outcome": contract.APPLIED, "reason": "applied"} for name in contract.PATCHES}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 
 import pytest
-from omnistage import head_client, headview, memory
-from omnistage.head_client import HeadClient, HeadUnreachable
+from omnistage.runtime import head_client, headview, memory
+from omnistage.runtime.head_client import HeadClient, HeadUnreachable
 from omnistage_engine_patches import contract
 
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 import copy
 
 import pytest
-from omnistage import names, pods
-from omnistage import plan as plan_module
-from omnistage.actions import (
+from omnistage import names
+from omnistage.api.conditions import Reason, Type
+from omnistage.api.validation import InvalidSpec
+from omnistage.control import plan as plan_module
+from omnistage.control import pods
+from omnistage.control.actions import (
     DRAIN_DONE,
     DRAIN_FAILED,
     DRAIN_RUNNING,
@@ -24,10 +27,8 @@ from omnistage.actions import (
     Observed,
     StartLeave,
 )
-from omnistage.conditions import Reason, Type
-from omnistage.plan import plan
+from omnistage.control.plan import plan
 from omnistage.render import render_head_pod, render_replica_pod, target_from
-from omnistage.validation import InvalidSpec
 from omnistage_engine_patches import contract
 
 from .conftest import SAMPLE
@@ -352,7 +353,7 @@ def test_a_replaced_head_never_reads_as_an_engine_restart():
     is carried between passes the way the API server stores it (a merge patch from kube.merge_patch);
     with a plain merge patch the old head's bootId stayed next to the new head's uid, and the new
     head's first listing then read as an engine restart that rolled the new replicas a second time."""
-    from omnistage.kube import merge_patch
+    from omnistage.runtime.kube import merge_patch
 
     t, o = situation(3)
     stored = o.obj["status"]
@@ -382,7 +383,7 @@ def test_a_replaced_head_never_reads_as_an_engine_restart():
 
 
 def test_merge_patch_sends_null_for_what_the_new_status_leaves_out():
-    from omnistage.kube import merge_patch
+    from omnistage.runtime.kube import merge_patch
 
     old = {"head": {"uid": "a", "bootId": "b", "ip": "127.0.0.1"}, "engine": {"x": 1}, "replicas": 3}
     new = {"head": {"uid": "c"}, "replicas": 3}

@@ -8,8 +8,10 @@ from __future__ import annotations
 import copy
 
 import pytest
-from omnistage import names, pods
-from omnistage.actions import (
+from omnistage import names
+from omnistage.api.conditions import Reason, Type
+from omnistage.control import pods
+from omnistage.control.actions import (
     CreatePod,
     DeletePod,
     Forget,
@@ -17,12 +19,11 @@ from omnistage.actions import (
     Observed,
     StartLeave,
 )
-from omnistage.conditions import Reason, Type
-from omnistage.plan import plan
-from omnistage.pools import fit, parse
+from omnistage.control.plan import plan
+from omnistage.control.pools import fit, parse
+from omnistage.control.status import pool_status
 from omnistage.render import target_from
 from omnistage.render.pods import render_pool_pod
-from omnistage.status import pool_status
 from omnistage_engine_patches import contract
 
 from .test_plan import AT, HEAD_UID, changes, cond, head, listing, member, omnistage, replica, report

@@ -1,7 +1,7 @@
 """Victim choice, replica naming and condition merging: pure functions of API objects."""
 
-from omnistage import pods
-from omnistage.conditions import Cond, merge, ready
+from omnistage.api.conditions import Cond, merge, ready
+from omnistage.control import pods
 from omnistage.names import A_LEAVING
 
 

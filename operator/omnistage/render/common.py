@@ -9,7 +9,8 @@ from typing import Any
 
 from .. import api
 from ..api import OmniStagePoolSpec, OmniStageSpec
-from ..cachemode import CacheDecision, membership_can_change, resolve_cache_mode
+from ..api.cachemode import CacheDecision, membership_can_change, resolve_cache_mode
+from ..api.validation import validate_omnistage
 from ..names import (
     APP_NAME,
     COMPONENT_ENGINE,
@@ -24,7 +25,6 @@ from ..names import (
     MANAGED_BY,
     ROLE_POOL,
 )
-from ..validation import validate_omnistage
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from typing import Any
 
 import yaml
 
+from ..api.podtemplate import CONFIG_DIR
 from ..names import A_CONFIG_HASH, A_EFFECTIVE_CACHE_MODE
-from ..podtemplate import CONFIG_DIR
 from .common import Target, config_hash, metadata
 from .stage0 import pipeline_keys, stage0_deploy
 from .stages import render_pipeline_deploy_config

@@ -8,21 +8,8 @@ from typing import Any
 
 from omnistage_engine_patches import contract
 
-from .. import podtemplate
-from ..api import EnvVar, GpuSpec, PlacementSpec, TransportMode, TransportProtocol
-from ..names import (
-    A_CONFIG_HASH,
-    A_HEAD_UID,
-    A_REPLICA_INDEX,
-    A_STAGE_IDS,
-    A_TEMPLATE_HASH,
-    L_OMNISTAGE,
-    L_ROLE,
-    ROLE_HEAD,
-    ROLE_POOL,
-    ROLE_REPLICA,
-)
-from ..podtemplate import (
+from ..api import EnvVar, GpuSpec, PlacementSpec, TransportMode, TransportProtocol, podtemplate
+from ..api.podtemplate import (
     CACHE_DIR,
     CONFIG_DIR,
     ENGINE_CONTAINER,
@@ -35,6 +22,18 @@ from ..podtemplate import (
     V_SHM,
     V_TOKEN,
     VLLM_HOST_IP_ENV,
+)
+from ..names import (
+    A_CONFIG_HASH,
+    A_HEAD_UID,
+    A_REPLICA_INDEX,
+    A_STAGE_IDS,
+    A_TEMPLATE_HASH,
+    L_OMNISTAGE,
+    L_ROLE,
+    ROLE_HEAD,
+    ROLE_POOL,
+    ROLE_REPLICA,
 )
 from .common import (
     Pool,

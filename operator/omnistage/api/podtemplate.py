@@ -19,7 +19,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-SCHEMA_FILE = Path(__file__).with_name("podtemplate.schema.json")
+# Beside the package root, where hack/gen-podtemplate-schema.py writes it.
+SCHEMA_FILE = Path(__file__).parents[1] / "podtemplate.schema.json"
 
 # ---- what the operator owns in an engine pod ------------------------------------------------------
 # Names the renderers write and validation refuses in spec.template; both import them from here.

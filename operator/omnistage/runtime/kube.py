@@ -13,9 +13,10 @@ from urllib.parse import parse_qsl, urlsplit
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
-from . import api, metrics
-from .conditions import timestamp
-from .names import EVENT_SOURCE, FIELD_MANAGER
+from .. import api
+from ..api.conditions import timestamp
+from ..names import EVENT_SOURCE, FIELD_MANAGER
+from . import metrics
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 from prometheus_client import Gauge
 
-from .names import LEASE_NAME
+from ..names import LEASE_NAME
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,9 @@ from typing import Any
 from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
-from . import api, kube, leader
-from .names import ENGINE_COMPONENTS, L_COMPONENT, L_MANAGED_BY, L_OMNISTAGE, MANAGED_BY
+from .. import api
+from ..names import ENGINE_COMPONENTS, L_COMPONENT, L_MANAGED_BY, L_OMNISTAGE, MANAGED_BY
+from . import kube, leader
 
 log = logging.getLogger(__name__)
 

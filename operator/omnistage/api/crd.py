@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import api, podtemplate
+from .. import api
+from ..yamlio import dump_all
+from . import podtemplate, statuses
 from .validation import NAME_RULE_CEL, NAME_RULE_MESSAGE, SPEC_RULES
-from .yamlio import dump_all
 
 _DROP = {"title"}
 
@@ -97,7 +98,7 @@ def build_crd() -> dict[str, Any]:
         {"rule": r.cel, "message": r.message, "fieldPath": r.field} for r in SPEC_RULES if r.cel
     ]
     root = _root("OmniStage runs vllm-omni with a replicated, elastic stage 0 on GPU nodes and keeps its "
-                 "multimodal caches consistent while replicas join and leave.", spec_schema, api.OmniStageStatus)
+                 "multimodal caches consistent while replicas join and leave.", spec_schema, statuses.OmniStageStatus)
     root["x-kubernetes-validations"] = [{"rule": NAME_RULE_CEL, "message": NAME_RULE_MESSAGE}]
     return _definition(api.KIND, api.PLURAL, api.SINGULAR, api.SHORT_NAMES, root, [
         {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas",
@@ -172,7 +173,7 @@ def build_pool_crd() -> dict[str, Any]:
     """OmniStagePool: the capacity of stages 1..n-1; its own scale subresource (HPA/KEDA per pod group)."""
     root = _root("OmniStagePool runs replicas of an OmniStage's stages after stage 0 (e.g. Qwen3-Omni's talker "
                  "and code2wav): each pod one headless process per stage in spec.stageIds, joined on the OmniStage's "
-                 "head.", _schema_of(api.OmniStagePoolSpec), api.OmniStagePoolStatus)
+                 "head.", _schema_of(api.OmniStagePoolSpec), statuses.OmniStagePoolStatus)
     return _definition(api.POOL_KIND, api.POOL_PLURAL, api.POOL_SINGULAR, api.POOL_SHORT_NAMES, root, [
         {"name": "OmniStage", "type": "string", "jsonPath": ".spec.omniStage", "description": "The pipeline"},
         {"name": "Stages", "type": "string", "jsonPath": ".spec.stageIds", "description": "Stages each pod runs"},

@@ -16,6 +16,21 @@ from typing import Any, NamedTuple
 
 from omnistage_engine_patches import contract
 
+from ..api import OmniStagePoolSpec
+from ..api.conditions import Cond, EventReason, Progress, Reason, Type, merge, timestamp
+from ..api.conditions import get as condition
+from ..api.validation import InvalidSpec
+from ..names import A_LEAVING
+from ..render import (
+    render_api_service,
+    render_configmap,
+    render_head_pod,
+    render_master_service,
+    render_network_policy,
+    render_replica_pod,
+)
+from ..render.common import Pool, Target
+from ..render.pods import render_pool_pod
 from . import engine_truth, pods, pools, status
 from .actions import (
     DRAIN_DONE,
@@ -32,21 +47,6 @@ from .actions import (
     Observed,
     StartLeave,
 )
-from .api import OmniStagePoolSpec
-from .conditions import Cond, EventReason, Progress, Reason, Type, merge, timestamp
-from .conditions import get as condition
-from .names import A_LEAVING
-from .render import (
-    render_api_service,
-    render_configmap,
-    render_head_pod,
-    render_master_service,
-    render_network_policy,
-    render_replica_pod,
-)
-from .render.common import Pool, Target
-from .render.pods import render_pool_pod
-from .validation import InvalidSpec
 
 # Why a replica leaves, by the reason its `leaving` annotation records (the delete's Event says it).
 _WHY = {

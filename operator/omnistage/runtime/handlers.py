@@ -13,7 +13,8 @@ import zlib
 
 import kopf
 
-from . import api, kube, leader, memory, metrics
+from .. import api
+from . import kube, leader, memory, metrics
 from .act import DRAINS
 from .headview import probe
 from .informer import STATE

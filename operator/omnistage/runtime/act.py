@@ -18,8 +18,9 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from . import api, head_client, kube
-from .actions import (
+from .. import api
+from ..api.conditions import EventReason
+from ..control.actions import (
     DRAIN_DONE,
     DRAIN_FAILED,
     DRAIN_RUNNING,
@@ -33,7 +34,7 @@ from .actions import (
     Join,
     StartLeave,
 )
-from .conditions import EventReason
+from . import head_client, kube
 from .head_client import HeadClient, HeadRefused, HeadUnreachable
 from .informer import STATE
 

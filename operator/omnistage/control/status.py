@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 from omnistage_engine_patches import contract
 from pydantic import BaseModel
 
-from . import api, engine_truth, pods, pools
-from .api import MemberState
-from .conditions import Cond, Reason, Type, merge, ready, timestamp
-from .names import A_CONFIG_HASH, A_LEAVING
-from .render import selector
-from .render.common import Target, pool_selector
+from ..api import statuses
+from ..api.conditions import Cond, Reason, Type, merge, ready, timestamp
+from ..api.statuses import MemberState
+from ..names import A_CONFIG_HASH, A_LEAVING
+from ..render import selector
+from ..render.common import Target, pool_selector
+from . import engine_truth, pods, pools
 
 if TYPE_CHECKING:
     from .plan import Pass
@@ -57,7 +58,7 @@ def omnistage_status(p: Pass, generation: int | None, at: str) -> dict[str, Any]
     stages = stage_rows(p)
     conds = _conditions(p, engine_pods, ready_pods, joined, head_registered, stages)
     same_head = head is not None and (previous.get("head") or {}).get("uid") == pods.uid(head)
-    return _dump(api.OmniStageStatus(**_set(
+    return _dump(statuses.OmniStageStatus(**_set(
         observed_generation=generation,
         replicas=len(engine_pods),
         ready_replicas=len(ready_pods),
@@ -71,12 +72,12 @@ def omnistage_status(p: Pass, generation: int | None, at: str) -> dict[str, Any]
         engine=engine_truth.summary(p.report) or (previous.get("engine") if same_head else None),
         membership_epoch=(p.listing or {}).get("epoch", previous.get("membershipEpoch")),
         members=members,
-        stages=[api.StageStatus(**{k: v for k, v in row.items() if k != "patchProblem"}) for row in stages] or None,
+        stages=[statuses.StageStatus(**{k: v for k, v in row.items() if k != "patchProblem"}) for row in stages] or None,
         conditions=merge(previous.get("conditions", []), conds, generation, at),
     )))
 
 
-def _members(p: Pass, live: list[dict[str, Any]]) -> list[api.MemberStatus]:
+def _members(p: Pass, live: list[dict[str, Any]]) -> list[statuses.MemberStatus]:
     out = []
     for r in sorted(live, key=pods.index):
         mm = p.member_of(r)
@@ -89,7 +90,7 @@ def _members(p: Pass, live: list[dict[str, Any]]) -> list[api.MemberStatus]:
         else:
             state = MemberState.PENDING
         held = state == MemberState.JOINING and not p.verdict.consistent
-        out.append(api.MemberStatus(pod=pods.name(r), ip=pods.ip(r), replica_id=mm.get("replicaId") if mm else None,
+        out.append(statuses.MemberStatus(pod=pods.name(r), ip=pods.ip(r), replica_id=mm.get("replicaId") if mm else None,
                                     state=str(state), **_set(
                                         reason=f"{Type.CACHE_CONSISTENT}: {p.verdict.reason}" if held else None)))
     return out
@@ -143,7 +144,7 @@ def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dic
     return conds
 
 
-def _head(p: Pass) -> api.HeadStatus | None:
+def _head(p: Pass) -> statuses.HeadStatus | None:
     head, before = p.head, p.previous.get("head") or {}
     if head is None:
         return None
@@ -151,7 +152,7 @@ def _head(p: Pass) -> api.HeadStatus | None:
     # one's first answer is not taken for yet another restart.
     boot = (p.report or p.listing or {}).get("bootId") or (
         before.get("bootId") if before.get("uid") == pods.uid(head) and not p.head_restarted else None)
-    return api.HeadStatus(**_set(pod=pods.name(head), uid=pods.uid(head), ip=pods.ip(head), boot_id=boot,
+    return statuses.HeadStatus(**_set(pod=pods.name(head), uid=pods.uid(head), ip=pods.ip(head), boot_id=boot,
                                  restarts=pods.restarts(head)))
 
 
@@ -241,7 +242,7 @@ def pool_status(f: pools.Fitted, t: Target | None, staying: list[dict[str, Any]]
         listed = {k: member_of(r, k) for k in pods.stage_ids(r)}
         done = all(mm is not None and mm.get("pod") == pods.name(r) for mm in listed.values())
         state = MemberState.JOINED if done else (MemberState.JOINING if pods.ready(r) else MemberState.PENDING)
-        members.append(api.PoolMemberStatus(**_set(
+        members.append(statuses.PoolMemberStatus(**_set(
             pod=pods.name(r), ip=pods.ip(r), state=str(state),
             replica_ids={str(k): mm["replicaId"] for k, mm in listed.items() if mm is not None})))
     ready_pods = sum(1 for r in staying if pods.ready(r))
@@ -254,7 +255,7 @@ def pool_status(f: pools.Fitted, t: Target | None, staying: list[dict[str, Any]]
         cond = Cond(Type.READY, ok, Reason.ALL_REPLICAS_SERVING if ok else Reason.WAITING,
                     f"{ready_pods}/{desired} pods ready, {registered} joined on the head for stages "
                     + ", ".join(map(str, ids)))
-    return _dump(api.OmniStagePoolStatus(**_set(
+    return _dump(statuses.OmniStagePoolStatus(**_set(
         observed_generation=generation,
         replicas=len(staying),
         ready_replicas=ready_pods,

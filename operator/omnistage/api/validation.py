@@ -16,9 +16,10 @@ from typing import Any
 from omnistage_engine_patches import contract
 from pydantic import ValidationError
 
-from . import names
-from . import podtemplate as pt
-from .api import (
+from .. import names
+from ..known_pipelines import PIPELINES as KNOWN_PIPELINES
+from ..known_pipelines import SHIPPED_DEPLOY
+from . import (
     CONNECTOR_PORT_SPAN,
     MAX_NAME_LENGTH,
     OPERATOR_OWNED_FLAGS,
@@ -26,9 +27,8 @@ from .api import (
     TransportMode,
     TransportProtocol,
 )
+from . import podtemplate as pt
 from .cachemode import SENDER_CACHE_WITH_DYNAMIC_MEMBERSHIP, membership_can_change
-from .known_pipelines import PIPELINES as KNOWN_PIPELINES
-from .known_pipelines import SHIPPED_DEPLOY
 
 # Keys of the rendered stage 0 that carry the cache or the replica count. vllm-omni reads them at
 # the top of a stage and inside its nested blocks (runtime:, engine_args:, engine_extras:), so a

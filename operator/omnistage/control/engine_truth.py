@@ -13,7 +13,7 @@ from typing import Any
 
 from omnistage_engine_patches import contract
 
-from .conditions import Reason
+from ..api.conditions import Reason
 
 # What to run when the report disagrees (said in the Warning Event and the condition).
 SUPPORTED_ENGINE = "vllm 0.30.0 and vllm-omni 0.30.0 with this operator's omnistage-engine-patches plugin"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .names import A_HEAD_UID, A_LEAVING, A_REPLICA_INDEX, A_STAGE_IDS, A_TEMPLATE_HASH, L_POOL
+from ..names import A_HEAD_UID, A_LEAVING, A_REPLICA_INDEX, A_STAGE_IDS, A_TEMPLATE_HASH, L_POOL
 
 
 def name(pod: dict[str, Any]) -> str:

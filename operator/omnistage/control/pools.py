@@ -14,10 +14,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .api import OmniStagePoolSpec
-from .conditions import Reason
-from .known_pipelines import SHIPPED_DEPLOY
-from .render.common import Pool, Target
+from ..api import OmniStagePoolSpec
+from ..api.conditions import Reason
+from ..known_pipelines import SHIPPED_DEPLOY
+from ..render.common import Pool, Target
 
 # vLLM's default gpu_memory_utilization, for a shipped stage that does not set one.
 GPU_MEMORY_DEFAULT = 0.9

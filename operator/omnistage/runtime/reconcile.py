@@ -16,22 +16,23 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
+from ..api.validation import InvalidSpec
+from ..control import pods, pools
+from ..control.actions import Action, EnsureChild, Observed
+from ..control.actions import Emit as EmitAction
+from ..control.plan import plan
+from ..control.status import pool_status
+from ..names import L_ROLE, ROLE_POOL, ROLE_REPLICA
+from ..render import render_secret, target_from
+from ..render.common import Target
+from ..render.pods import TOKEN_KEY, head_pod_name
 from . import act as act_step
-from . import kube, memory, pods, pools
+from . import kube, memory
 from .act import EmitFn as Emit
-from .actions import Action, EnsureChild, Observed
-from .actions import Emit as EmitAction
 from .head_client import HeadClient
 from .headview import ask_head, said, view_for
 from .informer import STATE
 from .metrics import STATUS
-from .names import L_ROLE, ROLE_POOL, ROLE_REPLICA
-from .plan import plan
-from .render import render_secret, target_from
-from .render.common import Target
-from .render.pods import TOKEN_KEY, head_pod_name
-from .status import pool_status
-from .validation import InvalidSpec
 
 log = logging.getLogger(__name__)
 
