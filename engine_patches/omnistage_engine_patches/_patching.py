@@ -10,10 +10,12 @@ would stop every head, engine core and worker process.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from . import contract
 
@@ -123,3 +125,24 @@ def is_ours(fn: object, name: str | None = None) -> bool:
 def mark(fn: Callable, name: str) -> Callable:
     setattr(fn, PATCHED_ATTR, name)
     return fn
+
+
+def argument(fn: Callable, name: str) -> Callable[[tuple, dict], Any] | None:
+    """A reader of `fn`'s argument `name` from a wrapper's (args, kwargs) (args without `self`),
+    at the position `fn` declares it; None when `fn` cannot take it positionally or by keyword, or
+    declares no default for it (the shape check's answer: the wrapper must not guess a position).
+    """
+    params = list(inspect.signature(fn).parameters.values())
+    found = next((p for p in params if p.name == name), None)
+    if found is None or found.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD \
+            or found.default is inspect.Parameter.empty:
+        return None
+    position = params.index(found) - 1  # args as a method wrapper sees them: without self
+    default = found.default
+
+    def read(args: tuple, kwargs: dict) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        return args[position] if len(args) > position else default
+    return read
+

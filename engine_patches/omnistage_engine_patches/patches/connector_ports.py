@@ -26,8 +26,8 @@ import inspect
 import os
 from typing import Any
 
-from . import contract
-from ._patching import Outcome, UpstreamFixed, apply_patch, is_ours, mark
+from .. import contract
+from .._patching import UpstreamFixed, is_ours, mark
 
 NAME = contract.CONNECTOR_PORTS
 TARGET = "vllm_omni.distributed.omni_connectors.utils.initialization"
@@ -40,7 +40,7 @@ def per_pod() -> bool:
     return os.environ.get(contract.CONNECTOR_PORTS_ENV) == contract.PORTS_PER_POD
 
 
-def _install() -> str | None:
+def install() -> str | None:
     module = importlib.import_module(TARGET)
     original = getattr(module, FUNCTION, None)
     if original is None:
@@ -68,6 +68,3 @@ def _install() -> str | None:
         setattr(m, FUNCTION, compute_connector_zmq_port)
     return None
 
-
-def apply() -> Outcome:
-    return apply_patch(NAME, _install)

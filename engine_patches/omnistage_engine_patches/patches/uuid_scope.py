@@ -43,8 +43,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from . import contract
-from ._patching import Outcome, UpstreamFixed, apply_patch, is_ours, mark
+from .. import contract
+from .._patching import UpstreamFixed, is_ours, mark
 
 NAME = contract.UUID_SCOPE
 logger = logging.getLogger("omnistage_engine_patches")
@@ -144,7 +144,7 @@ def _mirror(private: dict, caller: dict, before: dict) -> None:
             caller[key] = value
 
 
-def _install() -> str | None:
+def install() -> str | None:
     try:
         from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
         from vllm_omni.engine.messages import StageSubmissionMessage
@@ -209,6 +209,3 @@ def _install() -> str | None:
     AsyncOmniEngine._build_add_request_message = mark(_build_add_request_message, NAME)
     return None
 
-
-def apply() -> Outcome:
-    return apply_patch(NAME, _install)

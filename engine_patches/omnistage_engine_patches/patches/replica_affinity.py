@@ -66,8 +66,9 @@ import math
 from collections import Counter
 from typing import Any
 
-from . import contract, replica_aware_cache
-from ._patching import Outcome, apply_patch, is_ours, mark
+from .. import contract
+from .._patching import is_ours, mark
+from . import replica_aware_cache
 
 NAME = contract.REPLICA_AFFINITY
 logger = logging.getLogger("omnistage_engine_patches.replica_affinity")
@@ -198,7 +199,7 @@ def _shape_problem(stage_pool: type, submit: Any) -> str | None:
     return None
 
 
-def _install() -> str | None:
+def install() -> str | None:
     try:
         from vllm_omni.engine.stage_pool import StagePool
     except ImportError as e:
@@ -221,6 +222,3 @@ def _install() -> str | None:
     StagePool.submit_initial = mark(submit_initial, NAME)
     return None
 
-
-def apply() -> Outcome:
-    return apply_patch(NAME, _install)

@@ -49,8 +49,9 @@ import logging
 import os
 from typing import Any
 
-from . import contract, replica_aware_cache
-from ._patching import Outcome, UpstreamFixed, apply_patch, demote, is_ours, mark
+from .. import contract
+from .._patching import UpstreamFixed, demote, is_ours, mark
+from . import replica_aware_cache
 
 NAME = contract.FRONTEND_CACHE
 logger = logging.getLogger("omnistage_engine_patches")
@@ -139,7 +140,7 @@ def _is_stage0_frontend_config(engine: Any, vllm_config: Any) -> bool:
     return bool(configs) and configs[0] is vllm_config
 
 
-def _install() -> str | None:
+def install() -> str | None:
     # Every check runs before anything is changed, so a None-or-reason answer never half-applies.
     try:
         from vllm.multimodal.cache import MultiModalProcessorOnlyCache  # noqa: F401
@@ -229,6 +230,3 @@ def _install() -> str | None:
     MultiModalRegistry.processor_cache_from_config = mark(processor_cache_from_config, NAME)
     return None
 
-
-def apply() -> Outcome:
-    return apply_patch(NAME, _install)

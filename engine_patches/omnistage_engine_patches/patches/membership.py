@@ -19,7 +19,7 @@ kept unless noted):
   replica when the gate above is on, bumps the membership epoch, forgets a stale "detached"
   mark, records a registration the head failed to attach as detached, and detaches at once a replica that was told to leave while its attach was in flight
   (otherwise it would come back as a zombie member). It sits *outside* ``replica_metrics``'s
-  wrapper of the same function (``patches.py`` applies that one first): the zombie detach removes
+  wrapper of the same function (``patches/__init__.py`` applies that one first): the zombie detach removes
   the series that wrapper has just registered;
 * ``MembershipController._detach_replica``: records that the head dropped a replica on its own
   (DOWN, heartbeat timeout, dead engine) and clears its drain and hold marks.
@@ -41,12 +41,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import contract, replica_metrics
-from ._patching import Outcome, applied, apply_patch, is_ours, mark
+from .. import contract, metric_series
+from .._patching import applied, is_ours, mark
 
 logger = logging.getLogger("omnistage_engine_patches.membership")
 
-PATCH = contract.MEMBERSHIP
+NAME = contract.MEMBERSHIP
 
 #: How many leave results are kept in full, for idempotent answers to a repeated leave. Older
 #: ones shrink to their identity (``MembershipState.departed`` keeps *that* a replica left).
@@ -121,7 +121,7 @@ def running_orchestrators() -> list[Any]:
 
 
 def enabled() -> bool:
-    return applied(PATCH)
+    return applied(NAME)
 
 
 def state_of(orch: Any) -> MembershipState:
@@ -186,7 +186,7 @@ async def _stop_watcher_on_shutdown(orch: Any, controller: Any) -> None:
     controller_event.set()
 
 
-def _install() -> str | None:
+def install() -> str | None:
     from vllm_omni.engine.membership_controller import MembershipController
     from vllm_omni.engine.orchestrator import OrchestratorBase
     from vllm_omni.engine.stage_pool import StagePool
@@ -215,7 +215,7 @@ def _install() -> str | None:
     for attr in ("get_replica_id_by_addr", "get_client_by_addr", "remove_client", "_client_input_addr"):
         if not callable(getattr(StagePool, attr, None)):
             return f"target changed shape: StagePool.{attr} is missing"
-    if any(is_ours(fn, PATCH) for fn in targets.values()):
+    if any(is_ours(fn, NAME) for fn in targets.values()):
         return None  # our own wrappers are already in place
 
     orig_run = OrchestratorBase.run
@@ -286,8 +286,8 @@ def _install() -> str | None:
             # The operator asked this replica to leave while the head was still attaching it.
             logger.info("stage %d replica %d attached after it was told to leave: detaching", stage_id, replica_id)
             self._detach_replica(stage_id, input_addr)
-            if replica_metrics.enabled():
-                replica_metrics.remove_replica_series(orch, stage_id, replica_id)
+            if metric_series.enabled():
+                metric_series.remove_replica_series(orch, stage_id, replica_id)
             return None  # _register_once then records nothing for it
         return input_addr
 
@@ -310,22 +310,18 @@ def _install() -> str | None:
                 state.remember_detached((stage_id, replica_id))
                 state.bump()
 
-    OrchestratorBase.run = mark(run, PATCH)
-    StagePool._collect_serviceable_replicas = mark(_collect_serviceable_replicas, PATCH)
-    MembershipController._do_register = mark(_do_register, PATCH)
-    MembershipController._detach_replica = mark(_detach_replica, PATCH)
+    OrchestratorBase.run = mark(run, NAME)
+    StagePool._collect_serviceable_replicas = mark(_collect_serviceable_replicas, NAME)
+    MembershipController._do_register = mark(_do_register, NAME)
+    MembershipController._detach_replica = mark(_detach_replica, NAME)
     return None
 
-
-def apply() -> Outcome:
-    return apply_patch(PATCH, _install)
 
 
 __all__ = [
     "MAX_LEFT_RECORDS",
-    "PATCH",
+    "NAME",
     "MembershipState",
-    "apply",
     "draining_of",
     "enabled",
     "held_of",

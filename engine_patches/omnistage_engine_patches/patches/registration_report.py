@@ -47,8 +47,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from . import contract
-from ._patching import Outcome, apply_patch, demote, is_ours, mark, outcomes
+from .. import contract
+from .._patching import demote, is_ours, mark, outcomes
 
 NAME = contract.REGISTRATION_REPORT
 KEY = contract.REGISTRATION_PATCHES_KEY
@@ -88,7 +88,7 @@ def reported(stage_config: Any) -> dict[str, str] | None:
     return dict(value)
 
 
-def _install() -> str | None:
+def install() -> str | None:
     from vllm_omni.engine import stage_engine_startup as module
 
     original = getattr(module, FUNCTION, None)
@@ -131,6 +131,3 @@ def _install() -> str | None:
         namespace[FUNCTION] = register_stage_with_omni_master
     return None
 
-
-def apply() -> Outcome:
-    return apply_patch(NAME, _install)

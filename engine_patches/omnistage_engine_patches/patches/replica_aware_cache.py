@@ -61,8 +61,8 @@ import weakref
 from collections import Counter, OrderedDict
 from typing import Any
 
-from . import contract
-from ._patching import Outcome, applied, apply_patch, is_ours, mark
+from .. import contract
+from .._patching import applied, is_ours, mark
 
 NAME = contract.REPLICA_AWARE_CACHE
 logger = logging.getLogger("omnistage_engine_patches.replica_aware_cache")
@@ -279,7 +279,7 @@ async def _after_outputs(d: ReplicaAwareDispatch, client: Any, outputs: Any) -> 
 _WRAPPED_INHERITED = ("get_output_async", "abort_requests_async", "shutdown")
 
 
-def _install() -> str | None:
+def install() -> str | None:
     try:
         from vllm.multimodal.cache import BaseMultiModalReceiverCache, MultiModalProcessorCacheItemMetadata
         from vllm.v1.engine import EngineCoreOutput
@@ -366,6 +366,3 @@ def _install() -> str | None:
     StageEngineCoreClientBase.shutdown = mark(shutdown, NAME)
     return None
 
-
-def apply() -> Outcome:
-    return apply_patch(NAME, _install)
