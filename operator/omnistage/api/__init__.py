@@ -7,7 +7,7 @@ is what `kubectl explain` prints, and a rule's message here is what the API serv
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -35,6 +35,12 @@ POOL_SHORT_NAMES = ["osp"]
 # `omnistage render` on a laptop) the built-in default below applies.
 ENGINE_IMAGE_ENV = "OMNISTAGE_ENGINE_IMAGE"
 DEFAULT_ENGINE_IMAGE = "ghcr.io/omnistage/omnistage-engine:0.1.0"
+
+
+def either(values: Iterable[object]) -> str:
+    """"a, b or c": a description's list of the values a field takes."""
+    words = [str(v) for v in values]
+    return ", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else "".join(words)
 
 
 def operator_engine_image(environ: Mapping[str, str] = os.environ) -> str:

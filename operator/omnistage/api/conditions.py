@@ -75,6 +75,11 @@ class Reason(StrEnum):
     GPU_MEMORY_OVERCOMMITTED = "GpuMemoryOvercommitted"
 
 
+# An OmniStagePool's Ready=False reasons (the API reference lists them).
+POOL_REASONS = (Reason.OMNISTAGE_NOT_FOUND, Reason.NOT_MULTI_STAGE, Reason.UNKNOWN_STAGE, Reason.STAGE_IN_TWO_POOLS,
+                Reason.TOO_FEW_GPUS, Reason.GPU_MEMORY_OVERCOMMITTED, Reason.INVALID_SPEC)
+
+
 class Progress(StrEnum):
     """What a pass did: Progressing's reason (the set of them, comma-joined). All but CreatingHead
     and ScalingUp are also the reason of the Event that says it, and a retirement's reason is what

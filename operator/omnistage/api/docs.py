@@ -112,6 +112,18 @@ def _link(child: str, sub: dict[str, Any]) -> str | None:
     return None
 
 
+def _tables(node: dict[str, Any], path: str) -> list[str]:
+    """One table per object section below `path`."""
+    return [line for sub_path, sub in _sections(node, path) for line in _table(sub_path, sub)]
+
+
+def _columns(version: dict[str, Any]) -> list[str]:
+    """The `kubectl get` columns of a CRD version."""
+    return ["| Column | Type | Value | Meaning |", "|---|---|---|---|", *(
+        f"| {col['name']} | {col['type']} | `{col['jsonPath']}` | {_cell(col.get('description', ''))} |"
+        for col in version.get("additionalPrinterColumns", []))]
+
+
 def _table(path: str, node: dict[str, Any]) -> list[str]:
     required = set(node.get("required") or [])
     lines = [f'<a id="{_anchor(path)}"></a>', "", f"### `{path}`", ""]
@@ -161,15 +173,8 @@ def reference_markdown(crd: dict[str, Any] | None = None, pool_crd: dict[str, An
         "",
         ("Every field below is also described by `kubectl explain omnistage.spec` (the same text). "
         "The full CRD is `crds/omnistage.serving.omnistage.io.yaml` (`omnistage crd`)."), "",
-        "## `kubectl get omnistages` columns", "",
-        "| Column | Type | Value | Meaning |", "|---|---|---|---|",
-    ]
-    for col in version.get("additionalPrinterColumns", []):
-        lines.append(f"| {col['name']} | {col['type']} | `{col['jsonPath']}` | {_cell(col.get('description', ''))} |")
-    lines += ["", "## Spec", ""]
-    for path, node in _sections(spec, "spec"):
-        lines += _table(path, node)
-    lines += [
+        "## `kubectl get omnistages` columns", "", *_columns(version),
+        "", "## Spec", "", *_tables(spec, "spec"),
         "## Validation rules", "",
         ("Besides the per-field constraints above, every OmniStage obeys these rules. Rules with a CEL "
         "expression are enforced by the API server: `kubectl apply` is refused with the message. The API server "
@@ -184,10 +189,7 @@ def reference_markdown(crd: dict[str, Any] | None = None, pool_crd: dict[str, An
     for rule in SPEC_RULES:
         checker = "API server" if rule.cel else "operator (`InvalidSpec`)"
         lines.append(f"| `spec{rule.field}` | {checker} | {_cell(rule.message)} |")
-    lines += ["", "## Status", ""]
-    for path, node in _sections(status, "status"):
-        lines += _table(path, node)
-    lines += [
+    lines += ["", "## Status", "", *_tables(status, "status"),
         "## Conditions", "",
         ("The operator sets these condition types, in this order (reasons and what to do about them: "
         "[troubleshooting](troubleshooting.md)):"), "",
@@ -219,18 +221,11 @@ def pool_reference(crd: dict[str, Any]) -> list[str]:
         "| Scale subresource | replicas `.spec.replicas`, status `.status.replicas`, selector `.status.selector` |",
         "",
         ("A pool is checked against its OmniStage by the operator (no CEL rule sees two objects): its `Ready` "
-        "condition is False with reason `OmniStageNotFound`, `NotMultiStage`, `UnknownStage`, `StageInTwoPools`, "
-        "`TooFewGpus`, `GpuMemoryOvercommitted` or `InvalidSpec` and a message saying what to change ([troubleshooting]"
-        "(troubleshooting.md#an-omnistagepools-ready)). A refused pool keeps its pods and gets no new ones."), "",
-        "## `kubectl get omnistagepools` columns", "",
-        "| Column | Type | Value | Meaning |", "|---|---|---|---|",
+        f"condition is False with reason {api.either(f'`{r}`' for r in conditions.POOL_REASONS)} and a message "
+        "saying what to change ([troubleshooting](troubleshooting.md#an-omnistagepools-ready)). A refused pool "
+        "keeps its pods and gets no new ones."), "",
+        "## `kubectl get omnistagepools` columns", "", *_columns(version),
+        "", "## Pool spec", "", *_tables(root["properties"]["spec"], "omnistagepool.spec"),
+        "## Pool status", "", *_tables(root["properties"]["status"], "omnistagepool.status"),
     ]
-    for col in version.get("additionalPrinterColumns", []):
-        lines.append(f"| {col['name']} | {col['type']} | `{col['jsonPath']}` | {_cell(col.get('description', ''))} |")
-    lines += ["", "## Pool spec", ""]
-    for path, node in _sections(root["properties"]["spec"], "omnistagepool.spec"):
-        lines += _table(path, node)
-    lines += ["## Pool status", ""]
-    for path, node in _sections(root["properties"]["status"], "omnistagepool.status"):
-        lines += _table(path, node)
     return lines

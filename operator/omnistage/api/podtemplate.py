@@ -16,6 +16,7 @@ import copy
 import functools
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,13 +86,18 @@ def subschema(path: str) -> dict[str, Any]:
 _PATCH_MARKERS = ("x-kubernetes-patch-merge-key", "x-kubernetes-patch-strategy")
 
 
+def _pruned(node: Any, drop: Callable[[str, Any], bool]) -> Any:
+    """`node` without the mapping entries `drop(key, value)` picks, at any depth."""
+    if isinstance(node, dict):
+        return {k: _pruned(v, drop) for k, v in node.items() if not drop(k, v)}
+    if isinstance(node, list):
+        return [_pruned(v, drop) for v in node]
+    return node
+
+
 def without_patch_markers(node: Any) -> Any:
     """The schema as a CRD can carry it: the API server knows no x-kubernetes-patch-* fields."""
-    if isinstance(node, dict):
-        return {k: without_patch_markers(v) for k, v in node.items() if k not in _PATCH_MARKERS}
-    if isinstance(node, list):
-        return [without_patch_markers(v) for v in node]
-    return node
+    return _pruned(node, lambda key, _: key in _PATCH_MARKERS)
 
 
 # ---- strategic merge ------------------------------------------------------------------------------
@@ -151,11 +157,7 @@ def strategic_merge(original: Any, patch: Any, node: dict[str, Any]) -> Any:
 
 
 def _without_nulls(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_without_nulls(v) for v in value]
-    return value
+    return _pruned(value, lambda _, v: v is None)
 
 
 def overlay(pod: dict[str, Any], template: dict[str, Any] | None) -> dict[str, Any]:

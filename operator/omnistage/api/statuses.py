@@ -7,7 +7,7 @@ from enum import StrEnum
 
 from pydantic import ConfigDict, Field
 
-from . import EffectiveCacheMode, _Model
+from . import EffectiveCacheMode, _Model, either
 from .conditions import STAGE_TYPES
 from .conditions import TYPES as CONDITION_TYPES
 
@@ -23,11 +23,6 @@ class MemberState(StrEnum):
 
 # An OmniStagePool's status lists only its pods that stay, so none of them is Leaving.
 POOL_MEMBER_STATES = (MemberState.PENDING, MemberState.JOINING, MemberState.JOINED)
-
-
-def _either(values) -> str:
-    values = [str(v) for v in values]
-    return ", ".join(values[:-1]) + " or " + values[-1]
 
 
 class _Status(_Model):
@@ -61,7 +56,7 @@ class MemberStatus(_Status):
     pod: str = Field(description="Replica pod name.")
     ip: str | None = Field(None, description="Replica pod IP.")
     replica_id: int | None = Field(None, description="Replica id the head assigned (never reused).")
-    state: str = Field(description=f"{_either(MemberState)}.")
+    state: str = Field(description=f"{either(MemberState)}.")
     reason: str | None = Field(None, description="Why a Ready replica is not joined yet (e.g. CacheConsistent: CacheMismatch).")
 
 
@@ -125,7 +120,7 @@ class OmniStageStatus(_Status):
 class PoolMemberStatus(_Status):
     pod: str = Field(description="Pod name.")
     ip: str | None = Field(None, description="Pod IP.")
-    state: str = Field(description=f"{_either(POOL_MEMBER_STATES)} (every stage of the pod joined).")
+    state: str = Field(description=f"{either(POOL_MEMBER_STATES)} (every stage of the pod joined).")
     replica_ids: dict[str, int] = Field(
         default_factory=dict, description="Replica id the head assigned to this pod, by stage id.")
 

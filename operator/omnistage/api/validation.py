@@ -9,40 +9,36 @@ the exact item or key (spec.engine.extraArgs[2], spec.engine.stageOverrides.runt
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from omnistage_engine_patches import contract
 from pydantic import ValidationError
 
 from .. import names
 from ..known_pipelines import PIPELINES as KNOWN_PIPELINES
-from ..known_pipelines import SHIPPED_DEPLOY
 from . import (
-    CONNECTOR_PORT_SPAN,
     MAX_NAME_LENGTH,
     OPERATOR_OWNED_FLAGS,
     OmniStageSpec,
-    TransportMode,
-    TransportProtocol,
 )
 from . import podtemplate as pt
 from .cachemode import SENDER_CACHE_WITH_DYNAMIC_MEMBERSHIP, membership_can_change
-
-# Keys of the rendered stage 0 that carry the cache or the replica count. vllm-omni reads them at
-# the top of a stage and inside its nested blocks (runtime:, engine_args:, engine_extras:), so a
-# stageOverrides key is checked at any depth.
-OPERATOR_OWNED_STAGE_KEYS = ["mm_processor_cache_type", "mm_processor_cache_gb", "num_replicas",
-                             "omni_dp_size_local", "stage_id"]
-
-# The operator's environment namespace. OMNISTAGE_STANDIN_* are knobs of the test suite's stand-in
-# engine (tests/standin); the real engine and its plugin never read them, so users may set them.
-OWNED_ENV_PREFIX = "OMNISTAGE_"
-STANDIN_ENV_PREFIX = "OMNISTAGE_STANDIN_"
-# Besides the contract's names and the prefix: the engine's address (the master address is $(POD_IP)).
-_OWNED_ENV_NAMES = sorted({*(n for n in contract.OPERATOR_OWNED_ENV if not n.startswith(OWNED_ENV_PREFIX)),
-                           *pt.ADDRESS_ENV})
+from .owned import (
+    OPERATOR_OWNED_STAGE_KEYS,
+    OWNED_ENV_NAMES,
+    OWNED_ENV_PREFIX,
+    STANDIN_ENV_PREFIX,
+    env_value_and_source_items,
+    owned_env,
+    owned_env_cel,
+    owned_env_items,
+    owned_flag_items,
+    owned_flags_cel,
+    owned_stage_paths,
+    respelled_owned_flag_items,
+)
+from .pipeline_rules import multi_stage_problems
 
 
 @dataclass(frozen=True)
@@ -58,113 +54,6 @@ class Rule:
 def _unless(holds: Callable[[OmniStageSpec], bool]) -> Callable[[OmniStageSpec], list[str]]:
     """For rules about a field as a whole."""
     return lambda s: [] if holds(s) else [""]
-
-
-# ---- spec.engine.extraArgs ----------------------------------------------------------------------
-# vLLM's FlexibleArgumentParser (0.30.0) reads a flag as `--flag`, `--flag=v`, `--flag.key=v` (a
-# JSON field of the flag), with `_` for `-` after the leading `--`, and abbreviated: argparse's
-# allow_abbrev is on, so `--mm-processor-cache-t=shm` sets --mm-processor-cache-type.
-# The API server checks the literal spellings (`--flag`, `--flag=`, `--flag.` with - or _), which
-# cost CEL only the length of the literals. Cutting the option name out of an argument and
-# normalising it costs the length of the argument, which is unbounded: the operator checks the rest.
-
-
-def _spellings(flag: str) -> list[str]:
-    """The flag as written, and with underscores if it is a long flag."""
-    if not flag.startswith("--"):
-        return [flag]
-    return [flag, "--" + flag[2:].replace("-", "_")] if "-" in flag[2:] else [flag]
-
-
-def _literal_owned_flag(arg: str) -> bool:
-    return any(arg == s or arg.startswith((s + "=", s + ".")) for f in OPERATOR_OWNED_FLAGS for s in _spellings(f))
-
-
-def _flag_name(arg: str) -> str:
-    """The option name vLLM's parser looks up for `arg` ("" for a value, not a flag)."""
-    if not arg.startswith("-") or len(arg) < 2 or arg[1].isdigit():
-        return ""
-    name = arg.split("=", 1)[0].split(".", 1)[0]
-    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
-
-
-def _resolves_to_owned_flag(arg: str) -> bool:
-    """An abbreviation argparse would expand to an owned flag. Three characters ("--x", "-xy")
-    at least: shorter is no flag at all. A prefix shared with another flag is ambiguous and
-    fails in vLLM anyway, so refusing it costs nothing."""
-    name = _flag_name(arg)
-    return len(name) >= 3 and any(f.startswith(name) for f in OPERATOR_OWNED_FLAGS)
-
-
-def _owned_flag_items(spec: OmniStageSpec) -> list[str]:
-    return [f"[{i}]" for i, a in enumerate(spec.engine.extra_args) if _literal_owned_flag(a)]
-
-
-def _respelled_owned_flag_items(spec: OmniStageSpec) -> list[str]:
-    return [f"[{i}]" for i, a in enumerate(spec.engine.extra_args)
-            if _resolves_to_owned_flag(a) and not _literal_owned_flag(a)]
-
-
-def _owned_flags_cel() -> str:
-    tests = [f"a == '{s}' || a.startsWith('{s}=') || a.startsWith('{s}.')"
-             for f in OPERATOR_OWNED_FLAGS for s in _spellings(f)]
-    return "!has(self.engine.extraArgs) || self.engine.extraArgs.all(a, !(" + " || ".join(tests) + "))"
-
-
-# ---- spec.engine.env ------------------------------------------------------------------------------
-
-
-def _owned_env(name: str) -> bool:
-    """VLLM_PLUGINS switches the engine plugin off; OMNISTAGE_* are its switches, the resolved
-    cache mode and the membership token; POD_IP and VLLM_HOST_IP are the engine's address. The
-    operator renders all of them."""
-    if name.startswith(STANDIN_ENV_PREFIX):
-        return False
-    return name in _OWNED_ENV_NAMES or name in contract.OPERATOR_OWNED_ENV or name.startswith(OWNED_ENV_PREFIX)
-
-
-def _owned_env_items(spec: OmniStageSpec) -> list[str]:
-    return [f"[{i}].name" for i, e in enumerate(spec.engine.env) if _owned_env(e.name)]
-
-
-def _not_owned_env_cel(var: str) -> str:
-    """CEL: the env var `var` is not the operator's (the same test as _owned_env)."""
-    names = ", ".join(f"'{n}'" for n in _OWNED_ENV_NAMES)
-    return (f"!({var}.name in [{names}]) && "
-            f"(!{var}.name.startsWith('{OWNED_ENV_PREFIX}') || {var}.name.startsWith('{STANDIN_ENV_PREFIX}'))")
-
-
-def _owned_env_cel() -> str:
-    return f"!has(self.engine.env) || self.engine.env.all(e, {_not_owned_env_cel('e')})"
-
-
-def _env_value_and_source_items(spec: OmniStageSpec) -> list[str]:
-    return [f"[{i}]" for i, e in enumerate(spec.engine.env) if e.value_from is not None and e.value]
-
-
-# ---- spec.engine.stageOverrides -------------------------------------------------------------------
-
-
-def _walk(node: Any, path: str = "") -> Iterator[tuple[str, str]]:
-    """(path, key) of every mapping key at any depth, lists included."""
-    if isinstance(node, dict):
-        for key, value in node.items():
-            here = f"{path}.{key}"
-            yield here, str(key)
-            yield from _walk(value, here)
-    elif isinstance(node, list):
-        for i, value in enumerate(node):
-            yield from _walk(value, f"{path}[{i}]")
-
-
-def _owned_stage_key(key: str) -> bool:
-    # A dashed spelling of an owned key means nothing else, so it is refused too. A stage's env
-    # (env:, runtime.env:) reaches its engine processes, so the operator's variables are refused.
-    return key.replace("-", "_") in OPERATOR_OWNED_STAGE_KEYS or _owned_env(key)
-
-
-def _owned_stage_paths(spec: OmniStageSpec) -> list[str]:
-    return [path for path, key in _walk(spec.engine.stage_overrides) if _owned_stage_key(key)]
 
 
 # ---- spec.template ---------------------------------------------------------------------------------
@@ -205,7 +94,7 @@ def _engine_owned_field_items(spec: OmniStageSpec) -> list[str]:
 
 def _engine_owned_env_items(spec: OmniStageSpec) -> list[str]:
     return [f"[{i}].env[{j}].name" for i, c in pt.engine_containers(spec.template)
-            for j, e in pt.objects(c.get("env")) if isinstance(e.get("name"), str) and _owned_env(e["name"])]
+            for j, e in pt.objects(c.get("env")) if isinstance(e.get("name"), str) and owned_env(e["name"])]
 
 
 def _owned_mount_paths(spec: OmniStageSpec) -> list[str]:
@@ -333,10 +222,10 @@ SPEC_RULES = [
     ),
     Rule(
         ".engine.extraArgs",
-        _owned_flags_cel(),
+        owned_flags_cel(),
         "spec.engine.extraArgs must not set flags the operator manages (" + ", ".join(OPERATOR_OWNED_FLAGS)
         + "; as --flag, --flag=value or --flag.key=value, with - or _); " + _FLAGS_INSTEAD,
-        _owned_flag_items,
+        owned_flag_items,
     ),
     Rule(
         ".engine.extraArgs",
@@ -344,25 +233,25 @@ SPEC_RULES = [
         None,
         "spec.engine.extraArgs must not set flags the operator manages in a spelling vLLM expands "
         "(an abbreviation such as --mm-processor-cache-t, or mixed - and _); " + _FLAGS_INSTEAD,
-        _respelled_owned_flag_items,
+        respelled_owned_flag_items,
     ),
     Rule(
         ".engine.env",
-        _owned_env_cel(),
-        "spec.engine.env must not set variables the operator manages (" + ", ".join(_OWNED_ENV_NAMES)
+        owned_env_cel(),
+        "spec.engine.env must not set variables the operator manages (" + ", ".join(OWNED_ENV_NAMES)
         + f", {OWNED_ENV_PREFIX}*; the test stand-in's {STANDIN_ENV_PREFIX}* excepted): they switch the engine "
         "plugin off or on, set the frontend cache, carry the membership token and the engine's address; use "
         "spec.cache for the cache",
-        _owned_env_items,
+        owned_env_items,
     ),
     Rule(
         ".engine.stageOverrides",
         # CEL cannot see into a preserve-unknown-fields object, so only the operator checks this.
         None,
         "spec.engine.stageOverrides must not set " + ", ".join(OPERATOR_OWNED_STAGE_KEYS)
-        + f" or the operator's variables ({', '.join(_OWNED_ENV_NAMES)}, {OWNED_ENV_PREFIX}*) at any depth "
+        + f" or the operator's variables ({', '.join(OWNED_ENV_NAMES)}, {OWNED_ENV_PREFIX}*) at any depth "
         "(e.g. runtime.num_replicas, engine_args.mm_processor_cache_type); use spec.cache and spec.replicas instead",
-        _owned_stage_paths,
+        owned_stage_paths,
     ),
     Rule(
         ".modelVolume",
@@ -374,7 +263,7 @@ SPEC_RULES = [
         ".engine.env",
         "!has(self.engine.env) || self.engine.env.all(e, !has(e.valueFrom) || !has(e.value) || e.value == '')",
         "spec.engine.env entries take value or valueFrom, not both",
-        _env_value_and_source_items,
+        env_value_and_source_items,
     ),
     Rule(
         ".template.metadata.labels",
@@ -406,7 +295,7 @@ SPEC_RULES = [
         # the API server estimates such a rule at more than 100x its cost budget and refuses the CRD.
         None,
         "spec.template.spec.containers: the engine container's env must not set variables the operator manages ("
-        + ", ".join(_OWNED_ENV_NAMES) + f", {OWNED_ENV_PREFIX}*; the test stand-in's {STANDIN_ENV_PREFIX}* "
+        + ", ".join(OWNED_ENV_NAMES) + f", {OWNED_ENV_PREFIX}*; the test stand-in's {STANDIN_ENV_PREFIX}* "
         "excepted): they switch the engine plugin off or on, set the frontend cache, carry the membership token "
         "and the engine's address",
         _engine_owned_env_items,
@@ -458,80 +347,6 @@ SPEC_RULES = [
         _placement_conflict_items,
     ),
 ]
-
-# ---- spec.stages and spec.transport (multi-stage pipelines) ------------------------------------------
-# Checked by the operator alone: they read the known-pipelines table, which CEL cannot.
-
-
-def multi_stage_problems(spec: OmniStageSpec) -> list[tuple[str, str]]:
-    if not spec.stages:
-        return []  # a multi-stage spec.pipeline without stages is the .pipeline rule's
-    problem = _pipeline_problem(spec.pipeline)
-    if problem:
-        return [("spec.pipeline", problem)]
-    return stage_id_problems(spec.pipeline, [s.id for s in spec.stages]) + _stage_name_problems(spec) \
-        + _stage_override_problems(spec) + transport_problems(spec)
-
-
-def _pipeline_problem(pipeline: str | None) -> str | None:
-    renders = ", ".join(SHIPPED_DEPLOY)
-    if pipeline is None:
-        return f"spec.stages needs a multi-stage pipeline here; multi-stage pipelines the operator runs: {renders}"
-    if pipeline not in KNOWN_PIPELINES:
-        return f"{pipeline!r} is not a vllm-omni pipeline; use a registered key such as {renders}"
-    if len(KNOWN_PIPELINES[pipeline]) < 2:
-        return f"{pipeline!r} has only stage 0; remove spec.stages"
-    if pipeline not in SHIPPED_DEPLOY:
-        return f"the operator does not run {pipeline!r} across pods yet; multi-stage pipelines it runs: {renders}"
-    return None
-
-
-def stage_id_problems(pipeline: str, ids: list[int]) -> list[tuple[str, str]]:
-    """One entry per remote stage, ids 1..n-1 in order: the operator runs pods for each, and the head
-    waits for every one of them at startup."""
-    names = KNOWN_PIPELINES[pipeline]
-    remote = list(range(1, len(names)))
-    wanted = f"list stages {remote[0]}..{remote[-1]} ({', '.join(names[1:])}) once each, in order"
-    problems = []
-    for i, stage_id in enumerate(ids):
-        if stage_id not in remote:
-            problems.append((f"spec.stages[{i}].id",
-                             f"{pipeline} has no stage {stage_id} after stage 0 (stages 0..{len(names) - 1}); {wanted}"))
-    if not problems and ids != remote:
-        problems.append(("spec.stages", f"got stage ids {', '.join(map(str, ids)) or 'none'}; {wanted}"))
-    return problems
-
-
-def _stage_name_problems(spec: OmniStageSpec) -> list[tuple[str, str]]:
-    names = KNOWN_PIPELINES[spec.pipeline]
-    return [(f"spec.stages[{i}].name", f"{spec.pipeline} calls stage {s.id} {names[s.id]!r}; use that or leave it out")
-            for i, s in enumerate(spec.stages) if s.name is not None and s.id < len(names) and s.name != names[s.id]]
-
-
-def _stage_override_problems(spec: OmniStageSpec) -> list[tuple[str, str]]:
-    message = ("must not set " + ", ".join(OPERATOR_OWNED_STAGE_KEYS) + " or the operator's variables at any depth: "
-               "the operator renders each stage's replicas and ids")
-    return [(f"spec.stages[{i}].engine.stageOverrides{path}", message)
-            for i, s in enumerate(spec.stages) for path, key in _walk(s.engine.stage_overrides) if _owned_stage_key(key)]
-
-
-def transport_problems(spec: OmniStageSpec) -> list[tuple[str, str]]:
-    transport, problems = spec.transport, []
-    if transport is None:
-        return []
-    if transport.mode == TransportMode.SAME_NODE and transport.protocol == TransportProtocol.RDMA:
-        problems.append(("spec.transport.protocol", ("rdma needs mode network (sameNode moves data through /dev/shm); "
-                                                    "set mode network or protocol tcp")))
-    base, last = transport.base_port, transport.base_port + CONNECTOR_PORT_SPAN - 1
-    for name, port in (("httpPort", spec.engine.http_port), ("masterPort", spec.engine.master_port)):
-        if base <= port <= last:
-            problems.append(("spec.transport.basePort",
-                             f"the connectors' ports {base}..{last} hold spec.engine.{name} {port}; move basePort off it"))
-    problems += [(f"spec.transport.env[{i}].name", "is the operator's (" + ", ".join(_OWNED_ENV_NAMES)
-                  + f", {OWNED_ENV_PREFIX}*); remove it")
-                 for i, e in enumerate(transport.env) if _owned_env(e.name)]
-    return problems
-
 
 NAME_RULE_CEL = f"self.metadata.name.size() <= {MAX_NAME_LENGTH}"
 NAME_RULE_MESSAGE = f"metadata.name must be at most {MAX_NAME_LENGTH} characters so the child object names fit"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -244,29 +244,31 @@ def read_lease(namespace: str, name: str) -> dict[str, Any] | None:
         raise
 
 
-def create_lease(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any] | None:
-    """Create the Lease; None when another replica created it first (409)."""
-    body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-            "metadata": {"name": name, "namespace": namespace}, "spec": spec}
+def _lease_write(write: Callable[..., Any], *args: Any) -> dict[str, Any] | None:
+    """A Lease write; None when another replica wrote first (409)."""
     try:
-        return api_client().sanitize_for_serialization(coordination().create_namespaced_lease(namespace, body))
+        return api_client().sanitize_for_serialization(write(*args))
     except ApiException as e:
         if e.status == 409:
             return None
         raise
+
+
+def _lease(namespace: str, name: str, spec: dict[str, Any], **metadata: Any) -> dict[str, Any]:
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": name, "namespace": namespace, **metadata}, "spec": spec}
+
+
+def create_lease(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any] | None:
+    """Create the Lease; None when another replica created it first (409)."""
+    return _lease_write(coordination().create_namespaced_lease, namespace, _lease(namespace, name, spec))
 
 
 def replace_lease(namespace: str, name: str, resource_version: str, spec: dict[str, Any]) -> dict[str, Any] | None:
     """Update (PUT) the Lease only if it is still at `resource_version`; None when another replica
     wrote it in between (409). The precondition is what makes two replicas unable to both win."""
-    body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-            "metadata": {"name": name, "namespace": namespace, "resourceVersion": resource_version}, "spec": spec}
-    try:
-        return api_client().sanitize_for_serialization(coordination().replace_namespaced_lease(name, namespace, body))
-    except ApiException as e:
-        if e.status == 409:
-            return None
-        raise
+    return _lease_write(coordination().replace_namespaced_lease, name, namespace,
+                        _lease(namespace, name, spec, resourceVersion=resource_version))
 
 
 def watch_lease(namespace: str, name: str, resource_version: str, idle_timeout: float
