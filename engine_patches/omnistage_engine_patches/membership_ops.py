@@ -39,7 +39,7 @@ from itertools import compress, islice, repeat
 from typing import Any
 
 from . import contract, metric_series, report
-from ._patching import outcomes
+from ._patching import LOOP, outcomes
 from .patches import membership, registration_report
 from .patches.membership import Key, draining_of, held_of, state_of
 
@@ -126,7 +126,7 @@ class LiveHead:
                      if pools is not None and o.stage_pools is pools), None)
         if orch is None:
             raise MembershipError(503, "EngineNotReady", "the head's orchestrator is not running (starting or stopped)")
-        loop = getattr(orch, "_omnistage_loop", None)
+        loop = getattr(orch, LOOP, None)
         if loop is None or loop.is_closed():
             raise MembershipError(503, "EngineNotReady", "the head's orchestrator loop is not running")
         runtime = getattr(engine, "_runtime", None)

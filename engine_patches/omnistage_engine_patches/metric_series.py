@@ -15,7 +15,7 @@ import logging
 from typing import Any
 
 from . import contract
-from ._patching import applied
+from ._patching import NEXT_ENGINE_IDX, applied
 
 logger = logging.getLogger("omnistage_engine_patches.metric_series")
 
@@ -37,12 +37,12 @@ def attached(pool: Any, replica_id: int) -> bool:
 def _next_engine_idx(orch: Any) -> int:
     stat_logger = orch._stat_logger
     used = set(orch._stage_replica_to_engine_idx.values()) | set(stat_logger.stage_replica_map)
-    nxt = getattr(orch, "_omnistage_next_engine_idx", None)
+    nxt = getattr(orch, NEXT_ENGINE_IDX, None)
     if nxt is None:
         nxt = max((i for i in used if i >= 0), default=-1) + 1
     while nxt in used:
         nxt += 1
-    orch._omnistage_next_engine_idx = nxt + 1
+    setattr(orch, NEXT_ENGINE_IDX, nxt + 1)
     return nxt
 
 

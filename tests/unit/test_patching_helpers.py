@@ -55,3 +55,50 @@ def test_no_engine_idx_map_means_nothing_to_remove(caplog):
         assert metric_series.remove_replica_series(orch, 0, 1) == 0
         assert not metric_series.series_registered(types.SimpleNamespace(_stat_logger=object()), 0, 1)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+class Upstream:
+    def method(self, stage_id, replica_id):
+        return ("method", stage_id, replica_id)
+
+    async def run(self):
+        return "ran"
+
+
+def test_a_shape_check_names_the_first_target_that_does_not_fit():
+    fits = _patching.Target(Upstream, "method", ("self", "stage_id", "replica_id"))
+    assert _patching.shape_problem(fits, _patching.Target(Upstream, "run", ("self",), coroutine=True)) is None
+    assert _patching.shape_problem(fits, _patching.Target(Upstream, "gone")) == \
+        "target changed shape: Upstream.gone is missing"
+    assert _patching.shape_problem(_patching.Target(Upstream, "method", ("self", "stage"), more=True)) == \
+        "target changed shape: Upstream.method(self, stage, ...)"
+    assert _patching.shape_problem(_patching.Target(Upstream, "method", ("self", "stage_id", "replica_id"),
+                                                    coroutine=True)) == \
+        "target changed shape: async Upstream.method(self, stage_id, replica_id)"
+
+
+def test_a_wrapper_gets_the_original_keeps_its_signature_and_is_marked(monkeypatch):
+    class Owner(Upstream):
+        pass
+
+    @_patching.wrap(Owner, "method", "p")
+    def method(orig, self, stage_id, replica_id):
+        return ("wrapped", *orig(self, stage_id, replica_id))
+
+    @_patching.wrap(Owner, "run", "p")
+    async def run(orig, self):
+        return "wrapped " + await orig(self)
+
+    import asyncio
+    import inspect
+
+    assert Owner().method(0, 1) == ("wrapped", "method", 0, 1)
+    assert asyncio.run(Owner().run()) == "wrapped ran"
+    assert inspect.iscoroutinefunction(Owner.run)
+    assert list(inspect.signature(Owner.method).parameters) == ["self", "stage_id", "replica_id"]
+    assert _patching.ours("p", _patching.Target(Owner, "method")) and not _patching.ours("q", _patching.Target(Owner, "run"))
+
+
+def test_the_stashed_names_are_listed_once():
+    assert len(set(_patching.STASHED)) == len(_patching.STASHED)
+    assert all(name.startswith("_omnistage_") for name in _patching.STASHED)

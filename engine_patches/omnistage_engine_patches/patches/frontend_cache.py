@@ -50,7 +50,7 @@ import os
 from typing import Any
 
 from .. import contract
-from .._patching import UpstreamFixed, demote, is_ours, mark
+from .._patching import STAGE0_CACHE_DECIDED, UpstreamFixed, demote, is_ours, mark
 from . import replica_aware_cache
 
 NAME = contract.FRONTEND_CACHE
@@ -194,14 +194,14 @@ def install() -> str | None:
     @functools.wraps(original_init_stages)
     def _initialize_stages(self: Any, stage_init_timeout: int) -> None:
         token = _INITIALIZING_ENGINE.set(self)
-        self._omnistage_stage0_cache_decided = False
+        setattr(self, STAGE0_CACHE_DECIDED, False)
         replica_aware_cache.activate(None)  # until this engine's stage-0 frontend asks for it
         try:
             result = original_init_stages(self, stage_init_timeout)
         finally:
             _INITIALIZING_ENGINE.reset(token)
         renderer = getattr(getattr(self, "input_processor", None), "renderer", None)
-        if getattr(renderer, "mm_processor", None) is not None and not self._omnistage_stage0_cache_decided:
+        if getattr(renderer, "mm_processor", None) is not None and not getattr(self, STAGE0_CACHE_DECIDED):
             demote(NAME, "the stage-0 frontend renderer was built without passing stage 0's config through "
                          "processor_cache_from_config (upstream changed how it builds the frontend)")
         return result
@@ -211,7 +211,7 @@ def install() -> str | None:
         engine = _INITIALIZING_ENGINE.get()
         if engine is None or not _is_stage0_frontend_config(engine, vllm_config):
             return original_cache_ctor(self, vllm_config)
-        engine._omnistage_stage0_cache_decided = True
+        setattr(engine, STAGE0_CACHE_DECIDED, True)
         vllm_choice = self._get_cache_type(vllm_config)
         chosen = choose_cache_type(vllm_choice, requested_mode(), stage0_needs_processor_only(engine))
         replica_aware = chosen == _PROCESSOR_ONLY and requested_mode() == contract.CACHE_REPLICA_AWARE

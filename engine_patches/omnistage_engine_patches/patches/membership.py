@@ -32,8 +32,6 @@ through it, so they stay routable.
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import logging
 import os
 import weakref
@@ -42,7 +40,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import contract, metric_series
-from .._patching import applied, is_ours, mark
+from .._patching import (
+    DRAINING,
+    HELD,
+    LOOP,
+    MEMBERSHIP_STATE,
+    ORCHESTRATOR,
+    Target,
+    applied,
+    ours,
+    referent,
+    shape_problem,
+    wrap,
+)
 
 logger = logging.getLogger("omnistage_engine_patches.membership")
 
@@ -125,21 +135,21 @@ def enabled() -> bool:
 
 
 def state_of(orch: Any) -> MembershipState:
-    state = getattr(orch, "_omnistage_membership", None)
+    state = getattr(orch, MEMBERSHIP_STATE, None)
     if state is None:
         state = MembershipState()
-        orch._omnistage_membership = state
+        setattr(orch, MEMBERSHIP_STATE, state)
     return state
 
 
 def draining_of(pool: Any) -> set[int]:
     """Replica ids of ``pool`` that get no fresh picks while their requests finish (a leave)."""
-    return pool.__dict__.setdefault("_omnistage_draining", set())
+    return pool.__dict__.setdefault(DRAINING, set())
 
 
 def held_of(pool: Any) -> set[int]:
     """Replica ids of ``pool`` held unroutable until the operator joins them."""
-    return pool.__dict__.setdefault("_omnistage_held", set())
+    return pool.__dict__.setdefault(HELD, set())
 
 
 def route_joined_only() -> bool:
@@ -147,16 +157,11 @@ def route_joined_only() -> bool:
     return os.environ.get(contract.ROUTE_JOINED_ONLY_ENV, "").strip() == "1"
 
 
-def _orchestrator_of_controller(controller: Any) -> Any | None:
-    ref = getattr(controller, "_omnistage_orchestrator", None)
-    return ref() if ref is not None else None
-
-
 def _attach_failed(controller: Any, key: Key) -> None:
     """The head will not attach this registration (handshake failed, head shutting down): it is
     dropped, like a replica the head detaches. Otherwise it would stay ``registered`` for the
     life of the head (upstream attaches a registration once), in every default listing."""
-    orch = _orchestrator_of_controller(controller)
+    orch = referent(controller, ORCHESTRATOR)
     if orch is not None:
         state = state_of(orch)
         state.remember_detached(key)
@@ -191,78 +196,60 @@ def install() -> str | None:
     from vllm_omni.engine.orchestrator import OrchestratorBase
     from vllm_omni.engine.stage_pool import StagePool
 
-    targets = {
-        "OrchestratorBase.run": getattr(OrchestratorBase, "run", None),
-        "StagePool._collect_serviceable_replicas": getattr(StagePool, "_collect_serviceable_replicas", None),
-        "MembershipController._do_register": getattr(MembershipController, "_do_register", None),
-        "MembershipController._detach_replica": getattr(MembershipController, "_detach_replica", None),
-        "MembershipController.handle_unregister": getattr(MembershipController, "handle_unregister", None),
-    }
-    for label, fn in targets.items():
-        if not callable(fn):
-            return f"target changed shape: {label} is missing"
-    params = {label: list(inspect.signature(fn).parameters) for label, fn in targets.items()}
-    if not inspect.iscoroutinefunction(OrchestratorBase.run) or params["OrchestratorBase.run"] != ["self"]:
-        return "target changed shape: async OrchestratorBase.run(self)"
-    if params["StagePool._collect_serviceable_replicas"] != ["self"]:
-        return "target changed shape: StagePool._collect_serviceable_replicas(self)"
-    if params["MembershipController._do_register"] != ["self", "stage_id", "replica_id"]:
-        return "target changed shape: MembershipController._do_register(self, stage_id, replica_id)"
-    if params["MembershipController._detach_replica"] != ["self", "stage_id", "input_addr"]:
-        return "target changed shape: MembershipController._detach_replica(self, stage_id, input_addr)"
-    if params["MembershipController.handle_unregister"][:3] != ["self", "stage_id", "input_addr"]:
-        return "target changed shape: MembershipController.handle_unregister(self, stage_id, input_addr, ...)"
-    for attr in ("get_replica_id_by_addr", "get_client_by_addr", "remove_client", "_client_input_addr"):
-        if not callable(getattr(StagePool, attr, None)):
-            return f"target changed shape: StagePool.{attr} is missing"
-    if any(is_ours(fn, NAME) for fn in targets.values()):
+    targets = (
+        Target(OrchestratorBase, "run", ("self",), coroutine=True),
+        Target(StagePool, "_collect_serviceable_replicas", ("self",)),
+        Target(MembershipController, "_do_register", ("self", "stage_id", "replica_id")),
+        Target(MembershipController, "_detach_replica", ("self", "stage_id", "input_addr")),
+        Target(MembershipController, "handle_unregister", ("self", "stage_id", "input_addr"), more=True),
+    )
+    problem = shape_problem(*targets, *(Target(StagePool, attr) for attr in (
+        "get_replica_id_by_addr", "get_client_by_addr", "remove_client", "_client_input_addr")))
+    if problem:
+        return problem
+    if ours(NAME, *targets):
         return None  # our own wrappers are already in place
 
-    orig_run = OrchestratorBase.run
-    orig_collect = StagePool._collect_serviceable_replicas
-    orig_do_register = MembershipController._do_register
-    orig_detach = MembershipController._detach_replica
-
-    @functools.wraps(orig_run)
-    async def run(self):
-        self._omnistage_loop = asyncio.get_running_loop()
+    @wrap(OrchestratorBase, "run", NAME)
+    async def run(orig, self):
+        setattr(self, LOOP, asyncio.get_running_loop())
         state_of(self)
         controller = getattr(self, "_membership", None)
         stopper = None
         if controller is not None:
-            controller._omnistage_orchestrator = weakref.ref(self)
+            setattr(controller, ORCHESTRATOR, weakref.ref(self))
             stopper = asyncio.create_task(_stop_watcher_on_shutdown(self, controller), name="omnistage-membership-stop")
         _ORCHESTRATORS.add(self)
         try:
-            return await orig_run(self)
+            return await orig(self)
         finally:
             _ORCHESTRATORS.discard(self)
-            self._omnistage_loop = None
+            setattr(self, LOOP, None)
             if stopper is not None:
                 stopper.cancel()
 
-    @functools.wraps(orig_collect)
-    def _collect_serviceable_replicas(self):
-        candidates = orig_collect(self)
+    @wrap(StagePool, "_collect_serviceable_replicas", NAME)
+    def _collect_serviceable_replicas(orig, self):
+        candidates = orig(self)
         # Runs on every fresh pick: both sets are empty unless a leave or the gate is active.
-        draining = self.__dict__.get("_omnistage_draining")
-        held = self.__dict__.get("_omnistage_held")
+        draining = self.__dict__.get(DRAINING)
+        held = self.__dict__.get(HELD)
         if draining or held:
             excluded = (draining or set()) | (held or set())
             candidates = [(info, rid) for info, rid in candidates if rid not in excluded]
         return candidates
 
-    @functools.wraps(orig_do_register)
-    async def _do_register(self, stage_id, replica_id):
+    @wrap(MembershipController, "_do_register", NAME)
+    async def _do_register(orig, self, stage_id, replica_id):
         pool = self._pool_for_stage_id(stage_id)
-        orch = _orchestrator_of_controller(self)
+        orch = referent(self, ORCHESTRATOR)
         key = (stage_id, replica_id)
         # Held *before* upstream adds the client to the pool, so no pick can see it un-held.
         hold = pool is not None and route_joined_only() and not (orch is not None and key in state_of(orch).pods)
         if hold:
             held_of(pool).add(replica_id)
         try:
-            input_addr = await orig_do_register(self, stage_id, replica_id)
+            input_addr = await orig(self, stage_id, replica_id)
         except BaseException:
             if hold:
                 held_of(pool).discard(replica_id)
@@ -276,7 +263,7 @@ def install() -> str | None:
         if hold:
             logger.info("stage %d replica %d attached; held unroutable until the operator joins it",
                         stage_id, replica_id)
-        orch = _orchestrator_of_controller(self)
+        orch = referent(self, ORCHESTRATOR)
         if orch is None:
             return input_addr
         state = state_of(orch)
@@ -291,18 +278,18 @@ def install() -> str | None:
             return None  # _register_once then records nothing for it
         return input_addr
 
-    @functools.wraps(orig_detach)
-    def _detach_replica(self, stage_id, input_addr):
+    @wrap(MembershipController, "_detach_replica", NAME)
+    def _detach_replica(orig, self, stage_id, input_addr):
         pool = self._pool_for_stage_id(stage_id)
         replica_id = pool.get_replica_id_by_addr(input_addr) if pool is not None else None
         was_attached = pool is not None and pool.get_client_by_addr(input_addr) is not None
         try:
-            return orig_detach(self, stage_id, input_addr)
+            return orig(self, stage_id, input_addr)
         finally:
             if replica_id is not None:
                 draining_of(pool).discard(replica_id)
                 held_of(pool).discard(replica_id)
-            orch = _orchestrator_of_controller(self)
+            orch = referent(self, ORCHESTRATOR)
             if orch is not None and replica_id is not None and was_attached and (
                 pool.get_client_by_addr(input_addr) is None
             ):
@@ -310,14 +297,7 @@ def install() -> str | None:
                 state.remember_detached((stage_id, replica_id))
                 state.bump()
 
-    OrchestratorBase.run = mark(run, NAME)
-    StagePool._collect_serviceable_replicas = mark(_collect_serviceable_replicas, NAME)
-    MembershipController._do_register = mark(_do_register, NAME)
-    MembershipController._detach_replica = mark(_detach_replica, NAME)
     return None
-
-
-
 __all__ = [
     "MAX_LEFT_RECORDS",
     "NAME",

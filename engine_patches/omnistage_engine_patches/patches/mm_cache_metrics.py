@@ -14,14 +14,13 @@ Switch off: ``OMNISTAGE_DISABLE_PATCHES=mm_cache_metrics``.
 from __future__ import annotations
 
 import contextvars
-import functools
 import inspect
 import logging
 import weakref
 from typing import Any
 
 from .. import contract
-from .._patching import UpstreamFixed, is_ours, mark
+from .._patching import ENGINE_REF, Target, UpstreamFixed, ours, referent, shape_problem, wrap
 
 logger = logging.getLogger("omnistage_engine_patches.mm_cache_metrics")
 
@@ -33,13 +32,8 @@ FRONTEND_REPLICA_LABEL = "frontend"
 _CURRENT_ENGINE: contextvars.ContextVar[Any] = contextvars.ContextVar("omnistage_current_engine", default=None)
 
 
-def _params(fn: Any) -> list[str]:
-    return list(inspect.signature(fn).parameters)
-
-
 def _frontend_renderer(orch: Any) -> Any | None:
-    ref = getattr(orch, "_omnistage_engine_ref", None)
-    engine = ref() if ref is not None else None
+    engine = referent(orch, ENGINE_REF)
     input_processor = getattr(engine, "input_processor", None)
     return getattr(input_processor, "renderer", None)
 
@@ -88,54 +82,44 @@ def install() -> str | None:
         source = ""
     if "stat_mm_cache" in source or "mm_cache_stats=" in source:
         return UpstreamFixed("upstream orchestrator already records the frontend multimodal cache stats")
-    targets = {
-        "OmniEngineBase._bootstrap_orchestrator": getattr(OmniEngineBase, "_bootstrap_orchestrator", None),
-        "OrchestratorBase._init_metrics_state": getattr(OrchestratorBase, "_init_metrics_state", None),
-        "OrchestratorBase._process_llm_stage_outputs": getattr(OrchestratorBase, "_process_llm_stage_outputs", None),
-    }
-    for label, fn in targets.items():
-        if not callable(fn):
-            return f"target changed shape: {label} is missing"
-    if _params(OrchestratorBase._process_llm_stage_outputs)[:3] != ["self", "stage_id", "replica_id"]:
-        return "target changed shape: OrchestratorBase._process_llm_stage_outputs(self, stage_id, replica_id, ...)"
-    if _params(OmniEngineBase._bootstrap_orchestrator)[:1] != ["self"]:
-        return "target changed shape: OmniEngineBase._bootstrap_orchestrator"
-    if _params(OrchestratorBase._init_metrics_state)[:2] != ["self", "stage_pools"]:
-        return "target changed shape: OrchestratorBase._init_metrics_state(self, stage_pools, ...)"
+    targets = (
+        Target(OmniEngineBase, "_bootstrap_orchestrator", ("self",), more=True),
+        Target(OrchestratorBase, "_init_metrics_state", ("self", "stage_pools"), more=True),
+        Target(OrchestratorBase, "_process_llm_stage_outputs", ("self", "stage_id", "replica_id"), more=True),
+    )
+    problem = shape_problem(*targets)
+    if problem:
+        return problem
     from vllm.renderers.base import BaseRenderer
 
     if not callable(getattr(BaseRenderer, "stat_mm_cache", None)):
         return "target changed shape: vllm BaseRenderer.stat_mm_cache is missing"
-    if any(is_ours(fn, NAME) for fn in targets.values()):
+    if ours(NAME, *targets):
         return None  # our own wrappers are already in place
 
-    orig_bootstrap = OmniEngineBase._bootstrap_orchestrator
-    orig_init = OrchestratorBase._init_metrics_state
-    orig_process = OrchestratorBase._process_llm_stage_outputs
-
-    @functools.wraps(orig_bootstrap)
-    def _bootstrap_orchestrator(self, *args, **kwargs):
+    @wrap(OmniEngineBase, "_bootstrap_orchestrator", NAME)
+    def _bootstrap_orchestrator(orig, self, *args, **kwargs):
         token = _CURRENT_ENGINE.set(weakref.ref(self))
         try:
-            return orig_bootstrap(self, *args, **kwargs)
+            return orig(self, *args, **kwargs)
         finally:
             _CURRENT_ENGINE.reset(token)
 
-    @functools.wraps(orig_init)
-    def _init_metrics_state(self, *args, **kwargs):
-        result = orig_init(self, *args, **kwargs)
+    @wrap(OrchestratorBase, "_init_metrics_state", NAME)
+    def _init_metrics_state(orig, self, *args, **kwargs):
+        result = orig(self, *args, **kwargs)
         engine_ref = _CURRENT_ENGINE.get()
         if engine_ref is not None:
-            self._omnistage_engine_ref = engine_ref
+            setattr(self, ENGINE_REF, engine_ref)
         renderer = _frontend_renderer(self)
         if renderer is not None and getattr(renderer, "_mm_cache_stats", None) is not None:
             # Zero-valued from startup, so a dashboard sees the series before the first request.
             _frontend_children(self)
         return result
 
-    @functools.wraps(orig_process)
-    async def _process_llm_stage_outputs(self, stage_id, replica_id, *args, **kwargs):
-        result = await orig_process(self, stage_id, replica_id, *args, **kwargs)
+    @wrap(OrchestratorBase, "_process_llm_stage_outputs", NAME)
+    async def _process_llm_stage_outputs(orig, self, stage_id, replica_id, *args, **kwargs):
+        result = await orig(self, stage_id, replica_id, *args, **kwargs)
         if stage_id == 0 and self._stat_logger is not None:
             try:
                 record_frontend_mm_cache(self)
@@ -143,7 +127,4 @@ def install() -> str | None:
                 logger.exception("recording frontend multimodal cache stats failed")
         return result
 
-    OmniEngineBase._bootstrap_orchestrator = mark(_bootstrap_orchestrator, NAME)
-    OrchestratorBase._init_metrics_state = mark(_init_metrics_state, NAME)
-    OrchestratorBase._process_llm_stage_outputs = mark(_process_llm_stage_outputs, NAME)
     return None
