@@ -102,3 +102,10 @@ def test_a_wrapper_gets_the_original_keeps_its_signature_and_is_marked(monkeypat
 def test_the_stashed_names_are_listed_once():
     assert len(set(_patching.STASHED)) == len(_patching.STASHED)
     assert all(name.startswith("_omnistage_") for name in _patching.STASHED)
+
+
+def test_without_the_membership_patch_the_endpoint_says_so():
+    """The endpoint's answer when the patch is not in this process (never applied here): 503 naming it."""
+    with pytest.raises(MembershipError) as err:
+        LiveHead.locate(object())
+    assert err.value.status == 503 and "'membership' is not active" in err.value.message
