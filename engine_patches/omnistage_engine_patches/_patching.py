@@ -10,10 +10,13 @@ would stop every head, engine core and worker process.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from . import contract
 
@@ -123,3 +126,111 @@ def is_ours(fn: object, name: str | None = None) -> bool:
 def mark(fn: Callable, name: str) -> Callable:
     setattr(fn, PATCHED_ATTR, name)
     return fn
+
+
+def argument(fn: Callable, name: str) -> Callable[[tuple, dict], Any] | None:
+    """A reader of `fn`'s argument `name` from a wrapper's (args, kwargs) (args without `self`),
+    at the position `fn` declares it; None when `fn` cannot take it positionally or by keyword, or
+    declares no default for it (the shape check's answer: the wrapper must not guess a position).
+    """
+    params = list(inspect.signature(fn).parameters.values())
+    found = next((p for p in params if p.name == name), None)
+    if found is None or found.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD \
+            or found.default is inspect.Parameter.empty:
+        return None
+    position = params.index(found) - 1  # args as a method wrapper sees them: without self
+    default = found.default
+
+    def read(args: tuple, kwargs: dict) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        return args[position] if len(args) > position else default
+    return read
+
+
+# ---- the shape of an install: check every target, then wrap each ------------------------------------
+
+@dataclass(frozen=True)
+class Target:
+    """What an install expects of one upstream callable: `owner.attr` exists and, when `params` is
+    given, takes exactly those parameters (with `more`, those first), as a coroutine function when
+    `coroutine` says so."""
+
+    owner: Any
+    attr: str
+    params: tuple[str, ...] | None = None
+    more: bool = False
+    coroutine: bool | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{getattr(self.owner, '__name__', self.owner)}.{self.attr}"
+
+    def get(self) -> Any:
+        return getattr(self.owner, self.attr, None)
+
+    def problem(self) -> str | None:
+        fn = self.get()
+        if not callable(fn):
+            return f"target changed shape: {self.label} is missing"
+        if self.params is None:
+            return None
+        got = list(inspect.signature(fn).parameters)  # sees through wrappers (__wrapped__)
+        fits = (got[:len(self.params)] if self.more else got) == list(self.params)
+        if fits and (self.coroutine is None or inspect.iscoroutinefunction(fn) == self.coroutine):
+            return None
+        return (f"target changed shape: {'async ' if self.coroutine else ''}{self.label}"
+                f"({', '.join(self.params)}{', ...' if self.more else ''})")
+
+
+def shape_problem(*targets: Target) -> str | None:
+    """The first target missing, then the first of another shape, as the reason an install stays a
+    no-op; None when every target fits. Call it before changing anything."""
+    missing = next((t for t in targets if not callable(t.get())), None)
+    if missing is not None:
+        return missing.problem()
+    return next((p for t in targets if (p := t.problem()) is not None), None)
+
+
+def ours(name: str, *targets: Target) -> bool:
+    """Whether patch `name`'s wrappers already sit on any of the targets (applied before in this
+    process): a second install then changes nothing."""
+    return any(is_ours(t.get(), name) for t in targets)
+
+
+def wrap(owner: Any, attr: str, name: str) -> Callable[[Callable], Callable]:
+    """Decorator: install `fn(original, *args, **kwargs)` as `owner.attr`, marked as patch `name`'s,
+    with the original's name, signature and docstring (functools.wraps), async when `fn` is."""
+    original = getattr(owner, attr)
+
+    def install(fn: Callable) -> Callable:
+        if inspect.iscoroutinefunction(fn):
+            async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                return await fn(original, *args, **kwargs)
+        else:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                return fn(original, *args, **kwargs)
+        setattr(owner, attr, mark(functools.wraps(original)(wrapper), name))
+        return fn
+    return install
+
+
+# ---- what the patches keep on upstream objects ----------------------------------------------------
+# One list, so that a name used on two kinds of object is seen, and no name is spelled twice.
+MEMBERSHIP_STATE = "_omnistage_membership"  # orchestrator: membership's MembershipState
+LOOP = "_omnistage_loop"  # orchestrator: its running event loop (membership, read by membership_ops)
+NEXT_ENGINE_IDX = "_omnistage_next_engine_idx"  # orchestrator: replica_metrics' engine-idx allocator
+ENGINE_REF = "_omnistage_engine_ref"  # orchestrator: weakref to its engine (mm_cache_metrics)
+# A weakref to the orchestrator, on two kinds of object: the MembershipController (membership) and
+# each StagePool (replica_metrics: the attach hook only sees the controller's pools).
+ORCHESTRATOR = "_omnistage_orchestrator"
+DRAINING = "_omnistage_draining"  # StagePool.__dict__: replica ids that get no fresh picks (a leave)
+HELD = "_omnistage_held"  # StagePool.__dict__: replica ids unroutable until joined
+STAGE0_CACHE_DECIDED = "_omnistage_stage0_cache_decided"  # engine: frontend_cache decided stage 0's cache
+STASHED = (MEMBERSHIP_STATE, LOOP, NEXT_ENGINE_IDX, ENGINE_REF, ORCHESTRATOR, DRAINING, HELD, STAGE0_CACHE_DECIDED)
+
+
+def referent(obj: Any, key: str) -> Any | None:
+    """The object behind a weakref stashed on `obj` (None: none stashed, or it is gone)."""
+    ref = getattr(obj, key, None)
+    return ref() if ref is not None else None

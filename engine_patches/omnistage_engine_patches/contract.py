@@ -123,6 +123,46 @@ class EngineReport(TypedDict):
     patches: dict[str, PatchReport]
 
 
+class Member(TypedDict, total=False):
+    """One replica in the membership listing (GET MEMBERSHIP_PATH), written by membership_ops."""
+
+    stage: int
+    replicaId: int  # assigned by the head, never reused
+    host: str | None  # the address it registered from
+    pod: str | None  # the pod the operator joined it as (None: not joined)
+    local: bool  # the head's own replica
+    state: str  # PENDING, REGISTERED, ATTACHED, DRAINING, DETACHED or LEFT
+    registered: bool
+    attached: bool
+    held: bool  # attached but unroutable until joined (ROUTE_JOINED_ONLY_ENV)
+    coordinatorStatus: str  # "up" or "absent"
+    queueLength: int | None
+    inFlight: int
+    draining: bool
+    metricsRegistered: bool
+    patches: dict[str, str]  # its patch outcomes, as it sent them when it registered
+
+
+class Listing(TypedDict):
+    """GET MEMBERSHIP_PATH. Its ETag is the boot id and the epoch: 304 while neither moved."""
+
+    bootId: str
+    epoch: int  # rises with every join, leave and detach
+    distributed: bool
+    metricsEnabled: bool
+    stages: dict[str, list[Member]]  # stage id (a string: a JSON key) -> its members
+    next: str | None  # the cursor of the next page (include_all listings)
+
+
+def members(listing: Listing, stage: int = 0) -> list[Member]:
+    return list((listing.get("stages") or {}).get(str(stage)) or [])
+
+
+def is_head_local(member: Member, head_ip: str | None) -> bool:
+    """The head's own replica: flagged local, or listed at the head's address without a pod."""
+    return bool(member.get("local")) or (member.get("host") == head_ip and not member.get("pod"))
+
+
 def frontend_mode(cache_class: str | None, replica_aware: bool = False) -> str:
     """The mode a frontend implements: its cache class, and whether the replica-aware dispatch
     (which omits tensors per replica on top of the processor-only cache) is live."""

@@ -1,7 +1,7 @@
 """The live head's membership operations: list, join, leave (what :mod:`.membership_api` serves).
 
 This module reads and changes the real vllm-omni 0.30.0 objects of a distributed head and holds
-no membership truth of its own beyond what :mod:`.membership_hooks` keeps (which pod a replica
+no membership truth of its own beyond what :mod:`.patches.membership` keeps (which pod a replica
 belongs to, which replicas departed, an epoch):
 
 * ``OmniMasterServer`` routes: every (stage, replica id) the head ever allocated, the host each
@@ -13,7 +13,7 @@ belongs to, which replicas departed, an epoch):
   published, so a replica is ``up`` or ``absent``);
 * ``StagePool``: attached head-side clients, request affinity (= requests in flight);
 * ``MembershipController``: the upstream detach path (``handle_unregister``), reused as is;
-* the stat logger, through :mod:`.replica_metrics` (metric series at join, removed at leave).
+* the stat logger, through :mod:`.metric_series` (metric series at join, removed at leave).
 
 Everything that reads or mutates those objects runs on the orchestrator's event loop (the loop
 that owns them, where inference output processing also runs): :meth:`LiveHead.run` hands each
@@ -38,9 +38,10 @@ from dataclasses import dataclass
 from itertools import compress, islice, repeat
 from typing import Any
 
-from . import contract, membership_hooks, registration_report, replica_metrics, report
-from ._patching import outcomes
-from .membership_hooks import Key, draining_of, held_of, state_of
+from . import contract, metric_series, report
+from ._patching import LOOP, outcomes
+from .patches import membership, registration_report
+from .patches.membership import Key, draining_of, held_of, state_of
 
 logger = logging.getLogger("omnistage_engine_patches.membership")
 
@@ -114,18 +115,18 @@ class LiveHead:
 
     @classmethod
     def locate(cls, engine_client: Any) -> LiveHead:
-        if not membership_hooks.enabled():
-            outcome = outcomes().get(membership_hooks.PATCH)
+        if not membership.enabled():
+            outcome = outcomes().get(membership.NAME)
             reason = outcome.reason if outcome is not None else "the plugin was not loaded in this process"
             raise MembershipError(503, "MembershipPatchDisabled",
-                                  f"patch {membership_hooks.PATCH!r} is not active: {reason}")
+                                  f"patch {membership.NAME!r} is not active: {reason}")
         engine = getattr(engine_client, "engine", engine_client)
         pools = getattr(engine, "stage_pools", None)
-        orch = next((o for o in membership_hooks.running_orchestrators()
+        orch = next((o for o in membership.running_orchestrators()
                      if pools is not None and o.stage_pools is pools), None)
         if orch is None:
             raise MembershipError(503, "EngineNotReady", "the head's orchestrator is not running (starting or stopped)")
-        loop = getattr(orch, "_omnistage_loop", None)
+        loop = getattr(orch, LOOP, None)
         if loop is None or loop.is_closed():
             raise MembershipError(503, "EngineNotReady", "the head's orchestrator loop is not running")
         runtime = getattr(engine, "_runtime", None)
@@ -161,7 +162,7 @@ class LiveHead:
     # ---- reads (orchestrator loop) ----
 
     @property
-    def state(self) -> membership_hooks.MembershipState:
+    def state(self) -> membership.MembershipState:
         return state_of(self.orch)
 
     def _pool(self, stage_id: int) -> Any | None:
@@ -214,7 +215,7 @@ class LiveHead:
             return {}
         return {rep.input_addr: rep for rep in hub.get_replica_list().replicas}
 
-    def _entry(self, key: Key, up: dict[str, Any], in_flight: dict[int, InFlight]) -> dict[str, Any]:
+    def _entry(self, key: Key, up: dict[str, Any], in_flight: dict[int, InFlight]) -> contract.Member:
         stage_id, replica_id = key
         state = self.state
         alloc = self.master._stage_routes.get(key)
@@ -237,7 +238,7 @@ class LiveHead:
         rep = up.get(addr) if addr else None
         if pool is not None and stage_id not in in_flight:
             in_flight[stage_id] = InFlight(pool)
-        entry = {
+        entry: contract.Member = {
             "stage": stage_id,
             "replicaId": replica_id,
             "host": getattr(alloc, "replica_host", None),
@@ -251,7 +252,7 @@ class LiveHead:
             "queueLength": int(rep.queue_length) if rep is not None else None,
             "inFlight": in_flight[stage_id].of(replica_id, addr) if pool is not None else 0,
             "draining": draining,
-            "metricsRegistered": replica_metrics.series_registered(self.orch, stage_id, replica_id),
+            "metricsRegistered": metric_series.series_registered(self.orch, stage_id, replica_id),
         }
         # What the replica's own process reported at registration (registration_report). It is
         # there from the member's first listing on and never changes (auto-assign never hands a
@@ -267,7 +268,7 @@ class LiveHead:
             "bootId": report.BOOT_ID,
             "epoch": self.state.epoch,
             "distributed": True,
-            "metricsEnabled": getattr(self.orch, "_stat_logger", None) is not None and replica_metrics.enabled(),
+            "metricsEnabled": getattr(self.orch, "_stat_logger", None) is not None and metric_series.enabled(),
         }
 
     def _listed_candidates(self) -> set[Key]:
@@ -342,7 +343,7 @@ class LiveHead:
             while True:
                 candidates = [rid for rid in self._routes_from(routes, stage_id, ip)
                               if not state.has_left((stage_id, rid))]
-                attached = [rid for rid in candidates if replica_metrics.attached(pool, rid)]
+                attached = [rid for rid in candidates if metric_series.attached(pool, rid)]
                 if attached or time.monotonic() >= deadline:
                     break
                 await asyncio.sleep(POLL_SECONDS)
@@ -380,8 +381,8 @@ class LiveHead:
                 state.pods[key] = pod
                 held.discard(replica_id)  # routable from the next pick on
                 state.bump()
-            if replica_metrics.enabled():
-                replica_metrics.register_replica_series(self.orch, stage_id, replica_id)
+            if metric_series.enabled():
+                metric_series.register_replica_series(self.orch, stage_id, replica_id)
             return {**self._header(), **self._entry(key, self._hub_up(), {}), "replicaIds": attached}
 
         return await self.run(op, timeout=wait_seconds + 30.0)
@@ -402,7 +403,7 @@ class LiveHead:
 
         def rank(key: Key) -> tuple[bool, bool, int]:
             # Prefer a replica still in the membership, then an attached one, then the newest.
-            return (not state.has_left(key), replica_metrics.attached(pool, key[1]), key[1])
+            return (not state.has_left(key), metric_series.attached(pool, key[1]), key[1])
 
         if pod:
             keys = [k for k, p in state.pods.items() if p == pod and k[0] == stage_id]
@@ -457,10 +458,10 @@ class LiveHead:
         if client is None:
             # Never attached, or the head already dropped it (DOWN / heartbeat timeout): nothing
             # is routed to it and nothing is in flight there.
-            if replica_metrics.enabled():
-                replica_metrics.remove_replica_series(self.orch, stage_id, replica_id)
+            if metric_series.enabled():
+                metric_series.remove_replica_series(self.orch, stage_id, replica_id)
             return {**record, "drained": True, "timedOut": False, "detached": False, "inFlightAtDetach": 0,
-                    "waitedSeconds": 0.0, "metricsRegistered": replica_metrics.series_registered(self.orch, *key)}
+                    "waitedSeconds": 0.0, "metricsRegistered": metric_series.series_registered(self.orch, *key)}
 
         addr = client_addr(client)
         draining = draining_of(pool)
@@ -503,14 +504,14 @@ class LiveHead:
         finally:
             draining.discard(replica_id)
         in_flight = in_flight or 0
-        if replica_metrics.enabled():
-            replica_metrics.remove_replica_series(self.orch, stage_id, replica_id)  # idempotent
+        if metric_series.enabled():
+            metric_series.remove_replica_series(self.orch, stage_id, replica_id)  # idempotent
         waited = round(time.monotonic() - started, 3)
         logger.info("stage %d replica %d left (in flight at detach: %d, waited %.2fs)", stage_id, replica_id,
                     in_flight, waited)
         out = {**record, "drained": in_flight == 0, "timedOut": in_flight > 0, "detached": True,
                "inFlightAtDetach": in_flight, "waitedSeconds": waited,
-               "metricsRegistered": replica_metrics.series_registered(self.orch, *key)}
+               "metricsRegistered": metric_series.series_registered(self.orch, *key)}
         if cleanup_error is not None:
             out["cleanupError"] = cleanup_error
         return out

@@ -15,8 +15,9 @@ import uuid
 from importlib import metadata
 from typing import Any
 
-from . import contract, replica_aware_cache
+from . import contract
 from ._patching import outcomes
+from .patches import replica_aware_cache
 
 logger = logging.getLogger("omnistage_engine_patches.report")
 
@@ -47,7 +48,7 @@ def vllm_version() -> str | None:
             return found
     try:
         import vllm
-    except Exception:  # not installed, or broken: the report says unknown
+    except ImportError:  # not installed: the report says unknown
         return None
     return getattr(vllm, "__version__", None)
 
@@ -64,7 +65,7 @@ def frontend_renderer(engine_client: Any) -> Any | None:
 
 
 def frontend_cache(engine_client: Any) -> contract.FrontendCacheReport | None:
-    from .frontend_cache import requested_mode
+    from .patches.frontend_cache import requested_mode
 
     renderer = frontend_renderer(engine_client)
     if renderer is None:

@@ -8,11 +8,13 @@ import sys
 
 import yaml
 
-from . import api, pools
-from .crd import crd_yaml
+from . import api
+from .api.crd import crd_yaml
+from .api.validation import InvalidSpec
+from .control import pools
+from .names import LEASE_NAME
 from .render import render_children, target_from
 from .render.common import Pool, Target
-from .validation import InvalidSpec
 from .yamlio import dump_all
 
 PLACEHOLDER_HEAD_IP = "HEAD_POD_IP"
@@ -49,7 +51,7 @@ def cmd_crd(_: argparse.Namespace) -> int:
 
 
 def cmd_docs(_: argparse.Namespace) -> int:
-    from .docs import reference_markdown
+    from .api.docs import reference_markdown
 
     sys.stdout.write(reference_markdown())
     return 0
@@ -109,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                      f"(default: ${api.ENGINE_IMAGE_ENV}, else {api.DEFAULT_ENGINE_IMAGE})")
     run.add_argument("--leader-election-namespace", help="namespace of the leader-election Lease (default: "
                      "$POD_NAMESPACE, else the in-cluster ServiceAccount's; neither: no election, one replica only)")
-    run.add_argument("--leader-election-id", default="omnistage-operator", help="name of the leader-election Lease")
+    run.add_argument("--leader-election-id", default=LEASE_NAME, help="name of the leader-election Lease")
     run.set_defaults(func=cmd_run)
     return p
 

@@ -7,8 +7,9 @@ import os
 
 import kopf
 
-from . import api, handlers, leader
-from .metrics import serve
+from . import api
+from .runtime import handlers, leader
+from .runtime.metrics import serve
 
 
 def run(namespaces: list[str], metrics_port: int, probe_port: int, bind: str = "0.0.0.0",

@@ -539,7 +539,7 @@ def same_features(used: Any, truth: Any) -> bool:
 
 def in_flight_skew(pool: Any, replicas: int) -> int:
     """Most minus fewest requests in flight per replica, by the head's bindings (affinity's load)."""
-    from omnistage_engine_patches import replica_affinity
+    from omnistage_engine_patches.patches import replica_affinity
 
     load = replica_affinity.in_flight(pool)
     return max(load[r] for r in range(replicas)) - min(load[r] for r in range(replicas))
@@ -603,7 +603,7 @@ async def run_replica_aware_cell(cell: Cell, fe: FrontendRun, truth: dict[int, A
     `MsgpackEncoder` encodes; outputs (and misses) come back through `get_output_async`. An
     affinity cell routes through the real `StagePool.submit_initial` (the `replica_affinity`
     wrapper), with the orchestrator's output processor and request state stood in."""
-    from omnistage_engine_patches import replica_affinity, replica_aware_cache
+    from omnistage_engine_patches.patches import replica_affinity, replica_aware_cache
     from vllm.v1.engine import FinishReason
     from vllm_omni.engine.stage_pool import StagePool
 

@@ -7,7 +7,7 @@ event loop, where inference output processing runs too: whatever it costs stalls
 
 Real: ``membership_ops.LiveHead`` (the code the endpoint runs: ``snapshot`` handed from a
 caller's event loop to the "orchestrator" loop on its own thread with
-``asyncio.run_coroutine_threadsafe``, exactly as the HTTP handler does), ``membership_hooks``'
+``asyncio.run_coroutine_threadsafe``, exactly as the HTTP handler does), ``patches.membership``'
 ``MembershipState`` (departures recorded through its own methods), vllm-omni's
 ``StagePool._client_input_addr``, and a ticker task on the orchestrator loop that records the
 largest gap between its 1 ms ticks while a GET runs: that gap is the stall serving would see.
@@ -207,8 +207,8 @@ def main() -> int:
         ap.error("--repeat >= 1 and every size in [live + 2, 200000]")
 
     print("importing the plugin (vllm-omni's StagePool is imported with it) ...", flush=True)
-    from omnistage_engine_patches.membership_hooks import state_of
     from omnistage_engine_patches.membership_ops import LiveHead
+    from omnistage_engine_patches.patches.membership import state_of
 
     load_before = os.getloadavg()[0]
     rows = run(LiveHead, state_of, sizes, args.repeat, args.live, args.in_flight)

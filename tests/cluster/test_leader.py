@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 
 import yaml
-from omnistage import leader
+from omnistage.runtime import leader
 
 from tests.standin.harness import (
     L_ROLE,

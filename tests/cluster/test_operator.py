@@ -443,7 +443,7 @@ def test_spec_only_the_operator_rejects_is_invalidspec_and_deletes_nothing(kubec
                                                                            tmp_path):
     """What CEL cannot check (stageOverrides is free-form) the operator checks: Ready=False InvalidSpec,
     running pods untouched; fixing the spec brings it back without a restart."""
-    from omnistage.validation import InvalidSpec, validate_omnistage
+    from omnistage.api.validation import InvalidSpec, validate_omnistage
 
     bad = {"mm_processor_cache_type": "lru"}
     try:

@@ -69,7 +69,7 @@ REVIEWED: dict[tuple[str, str, str], str] = {
     ("", "services", "watch"): "informer.py",
     ("", "services", "create"): "kube.apply (server-side apply creating it)",
     ("", "services", "patch"): "kube.apply",
-    ("", "secrets", "get"): "kube.read (membership token, once per OmniStage: reconcile.TOKENS)",
+    ("", "secrets", "get"): "kube.read (membership token, once per OmniStage: memory.TOKENS)",
     ("", "secrets", "create"): "kube.create (membership token)",
     ("networking.k8s.io", "networkpolicies", "list"): "informer.py",
     ("networking.k8s.io", "networkpolicies", "watch"): "informer.py",
@@ -224,18 +224,18 @@ def test_namespaced_operator_reconciles_its_namespace_and_cannot_reach_another(
         assert not wrong, wrong
 
         # The forbidden action itself, twice: kubectl with the operator's kubeconfig, and the
-        # operator's own API client (omnistage.kube) in a process that has only that kubeconfig.
+        # operator's own API client (omnistage.runtime.kube) in a process that has only that kubeconfig.
         proc = ident.kubectl("get", "secret", "not-yours", "-n", other, check=False)
         print(f"[rbac]   kubectl get secret not-yours -n {other}: exit {proc.returncode}: {proc.stderr.strip()}")
         assert proc.returncode != 0 and "forbidden" in proc.stderr.lower(), proc
-        script = ("import sys\nfrom kubernetes.client.exceptions import ApiException\nfrom omnistage import kube\n"
+        script = ("import sys\nfrom kubernetes.client.exceptions import ApiException\nfrom omnistage.runtime import kube\n"
                   "try:\n    kube.read('Secret', sys.argv[1], 'not-yours')\n    print('read it')\n"
                   "except ApiException as e:\n    print(e.status)\n")
         env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower() and not k.startswith("KUBERNETES_")}
         env["KUBECONFIG"] = str(ident.kubeconfig)
         out = subprocess.run([sys.executable, "-c", script, other], capture_output=True, text=True, env=env,
                              timeout=60, check=False)
-        print(f"[rbac]   omnistage.kube.read('Secret', {other!r}, 'not-yours') as the operator: {out.stdout.strip()}")
+        print(f"[rbac]   omnistage.runtime.kube.read('Secret', {other!r}, 'not-yours') as the operator: {out.stdout.strip()}")
         assert out.stdout.strip() == "403", out
 
         # Restricted to `home`, the operator reconciles there under this identity...

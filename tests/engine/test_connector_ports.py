@@ -23,7 +23,8 @@ pytest.importorskip(
     "vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run hack/setup.sh)", exc_type=ImportError
 )
 
-from omnistage_engine_patches import _patching, connector_ports, contract
+from omnistage_engine_patches import _patching, contract
+from omnistage_engine_patches.patches import connector_ports
 from vllm_omni.distributed.omni_connectors.utils import initialization, kv_utils
 from vllm_omni.distributed.omni_connectors.utils.config import ConnectorSpec
 from vllm_omni.engine.stage_engine_core_client import StageEngineCoreClient
@@ -103,7 +104,7 @@ def test_upstream_without_the_replica_term_makes_it_upstream_fixed(monkeypatch):
         return base_port + from_stage
 
     monkeypatch.setattr(initialization, "compute_connector_zmq_port", compute_connector_zmq_port)
-    reason = connector_ports._install()
+    reason = connector_ports.install()
     assert isinstance(reason, _patching.UpstreamFixed)
     assert initialization.compute_connector_zmq_port is compute_connector_zmq_port
 
@@ -112,6 +113,6 @@ def test_an_importer_bound_to_another_function_leaves_everything_untouched(monke
     original = inspect.unwrap(initialization.compute_connector_zmq_port)
     monkeypatch.setattr(initialization, "compute_connector_zmq_port", original)
     monkeypatch.setattr(kv_utils, "compute_connector_zmq_port", lambda *a, **k: 0)
-    reason = connector_ports._install()
+    reason = connector_ports.install()
     assert reason and "kv_utils" in reason
     assert initialization.compute_connector_zmq_port is original  # checked everything before changing

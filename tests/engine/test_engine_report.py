@@ -25,7 +25,7 @@ pytest.importorskip(
 )
 
 import yaml
-from omnistage import engine_truth
+from omnistage.control import engine_truth
 from omnistage.render import target_from
 from omnistage.render.config import CONFIG_KEY, render_configmap
 from omnistage.render.pods import render_head_pod

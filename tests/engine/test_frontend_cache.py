@@ -34,7 +34,8 @@ pytest.importorskip(
     "vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run hack/setup.sh)", exc_type=ImportError
 )
 
-from omnistage_engine_patches import _patching, frontend_cache
+from omnistage_engine_patches import _patching, patches
+from omnistage_engine_patches.patches import frontend_cache
 from vllm import SamplingParams
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.cache import (
@@ -386,9 +387,9 @@ def test_applying_twice_is_harmless(engine_patches):
         OmniEngineBase.__dict__["_initialize_stages"],
         MultiModalRegistry.__dict__["processor_cache_from_config"],
     )
-    assert frontend_cache.apply() is engine_patches[PATCH]  # recorded once per process
+    assert patches.BY_NAME[frontend_cache.NAME].apply() is engine_patches[PATCH]  # recorded once per process
     if engine_patches[PATCH].applied:
-        assert frontend_cache._install() is None  # a second install sees its own wrappers
+        assert frontend_cache.install() is None  # a second install sees its own wrappers
     after = (
         OmniEngineBase.__dict__["_initialize_stages"],
         MultiModalRegistry.__dict__["processor_cache_from_config"],
@@ -412,7 +413,7 @@ def test_upstream_fix_makes_it_a_no_op(monkeypatch):
     monkeypatch.setattr(OmniEngineBase, "_initialize_stages", _initialize_stages)
     ctor = _unwrapped(MultiModalRegistry.__dict__["processor_cache_from_config"])
     monkeypatch.setattr(MultiModalRegistry, "processor_cache_from_config", ctor)
-    reason = frontend_cache._install()
+    reason = frontend_cache.install()
     assert reason and "upstream already" in reason
     assert OmniEngineBase.__dict__["_initialize_stages"] is _initialize_stages
     assert MultiModalRegistry.__dict__["processor_cache_from_config"] is ctor
@@ -428,7 +429,7 @@ def test_changed_signature_makes_it_a_no_op(monkeypatch):
 
     monkeypatch.setattr(OmniEngineBase, "_initialize_stages", init)
     monkeypatch.setattr(MultiModalRegistry, "processor_cache_from_config", processor_cache_from_config)
-    reason = frontend_cache._install()
+    reason = frontend_cache.install()
     assert reason and "unexpected signature" in reason
     assert OmniEngineBase.__dict__["_initialize_stages"] is init  # nothing half-applied
 

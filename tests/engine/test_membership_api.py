@@ -43,11 +43,12 @@ import pytest
 
 pytest.importorskip("vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run hack/setup.sh)")
 
-from omnistage_engine_patches import contract, membership_hooks, report
+from omnistage_engine_patches import contract, report
 from omnistage_engine_patches.contract import ENDPOINT_PLUGIN as PLUGIN_NAME
 from omnistage_engine_patches.contract import MEMBERSHIP_PATH as BASE_PATH
-from omnistage_engine_patches.membership_hooks import draining_of, held_of, state_of
 from omnistage_engine_patches.membership_ops import LiveHead
+from omnistage_engine_patches.patches import membership
+from omnistage_engine_patches.patches.membership import draining_of, held_of, state_of
 
 from tests.bench.bench_listing import fake_head
 from tests.engine.conftest import loopback_ip
@@ -776,7 +777,7 @@ def test_departed_replicas_stay_departed_after_many_leaves(monkeypatch):
     """Regression: once more replicas left than the head keeps full leave records for, the
     oldest must still be listed as left (not ``registered`` again), and a repeated leave still
     answers ``alreadyLeft``."""
-    monkeypatch.setattr(membership_hooks, "MAX_LEFT_RECORDS", 4)
+    monkeypatch.setattr(membership, "MAX_LEFT_RECORDS", 4)
     loop = asyncio.new_event_loop()
     try:
         head = fake_head(LiveHead, 40, live=2, in_flight=0, loop=loop, state_of=state_of)  # 37 departed

@@ -1,4 +1,4 @@
-"""How the patches are installed: the wrapper order patches.py promises, and that an install never
+"""How the patches are installed: the wrapper order patches/__init__.py promises, and that an install never
 takes vLLM down.
 
 Real here: the plugin loaded through vLLM's own plugin loader (conftest's ``engine_patches``)
@@ -23,34 +23,25 @@ import pytest
 
 pytest.importorskip("vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run hack/setup.sh)")
 
-from omnistage_engine_patches import _patching, contract
+from omnistage_engine_patches import _patching, contract, patches
 from omnistage_engine_patches._patching import is_ours
 
 pytestmark = pytest.mark.engine
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Every patch's install function, as ``module:function`` of omnistage_engine_patches.
-INSTALLS = {
-    contract.FRONTEND_CACHE: "frontend_cache:_install",
-    contract.UUID_SCOPE: "uuid_scope:_install",
-    contract.REPLICA_METRICS: "replica_metrics:_install_replica_metrics",
-    contract.MM_CACHE_METRICS: "replica_metrics:_install_mm_cache_metrics",
-    contract.MEMBERSHIP: "membership_hooks:_install",
-    contract.CONNECTOR_PORTS: "connector_ports:_install",
-    contract.REPLICA_AWARE_CACHE: "replica_aware_cache:_install",
-    contract.REPLICA_AFFINITY: "replica_affinity:_install",
-    contract.REGISTRATION_REPORT: "registration_report:_install",
-}
+# Every patch's install function, as ``module:function`` of omnistage_engine_patches: the registry's.
+INSTALLS = {p.name: f"{p.install.__module__.removeprefix('omnistage_engine_patches.')}:{p.install.__name__}"
+            for p in patches.PATCHES}
 
 
 def test_every_patch_has_an_install_here():
-    """Guard: a new patch in contract.PATCHES must be added to INSTALLS (and so be tested below)."""
-    assert set(INSTALLS) == set(contract.PATCHES)
+    """Guard: every patch in contract.PATCHES is in the registry once (and so tested below)."""
+    assert sorted(p.name for p in patches.PATCHES) == sorted(contract.PATCHES)
 
 
 def test_do_register_chain_has_membership_outside_replica_metrics(engine_patches):
-    """``MembershipController._do_register`` is wrapped twice; patches.py applies replica_metrics
+    """``MembershipController._do_register`` is wrapped twice; the registry (patches/__init__.py) applies replica_metrics
     first, so membership's wrapper is the outer one: its zombie detach (a replica told to leave
     while attaching) runs after replica_metrics registered the series, and removes them."""
     for name in (contract.REPLICA_METRICS, contract.MEMBERSHIP):

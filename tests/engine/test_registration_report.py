@@ -35,8 +35,9 @@ import pytest
 
 pytest.importorskip("vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run hack/setup.sh)")
 
-from omnistage_engine_patches import _patching, contract, registration_report
+from omnistage_engine_patches import _patching, contract
 from omnistage_engine_patches.membership_ops import LiveHead
+from omnistage_engine_patches.patches import registration_report
 from vllm_omni.engine import stage_engine_startup
 
 from tests.engine.conftest import loopback_ip, patch_applied
@@ -170,7 +171,7 @@ def test_wrapper_adds_the_report_only_to_auto_assigned_registrations(monkeypatch
     registration with an explicit replica id (the head's own replicas) is passed on as it came."""
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(stage_engine_startup, registration_report.FUNCTION, _fake_register(calls))
-    outcome = _patching.apply_patch("registration_report on a stand-in target", registration_report._install)
+    outcome = _patching.apply_patch("registration_report on a stand-in target", registration_report.install)
     assert outcome.outcome == contract.APPLIED, outcome
     wrapped = getattr(stage_engine_startup, registration_report.FUNCTION)
     assert _patching.is_ours(wrapped, contract.REGISTRATION_REPORT)
@@ -208,7 +209,7 @@ def test_changed_target_signature_is_skipped_and_left_alone(monkeypatch):
         raise AssertionError("never called here")
 
     monkeypatch.setattr(stage_engine_startup, registration_report.FUNCTION, register_stage_with_omni_master)
-    outcome = _patching.apply_patch("registration_report on a changed target", registration_report._install)
+    outcome = _patching.apply_patch("registration_report on a changed target", registration_report.install)
     assert outcome.outcome == contract.SKIPPED
     assert "changed shape" in outcome.reason and "omni_stage_config" in outcome.reason, outcome.reason
     assert getattr(stage_engine_startup, registration_report.FUNCTION) is register_stage_with_omni_master

@@ -35,7 +35,8 @@ pytest.importorskip(
     "vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run hack/setup.sh)", exc_type=ImportError
 )
 
-from omnistage_engine_patches import _patching, contract, replica_affinity, replica_aware_cache, report
+from omnistage_engine_patches import _patching, contract, report
+from omnistage_engine_patches.patches import replica_affinity, replica_aware_cache
 from vllm_omni.distributed.omni_coordinator.load_balancer import RoundRobinBalancer
 from vllm_omni.engine.stage_pool import StagePool
 
@@ -327,6 +328,6 @@ def test_changed_pool_shape_makes_it_a_no_op(monkeypatch):
     monkeypatch.setattr(StagePool, "select_replica_id", select_replica_id)
     if _patching.is_ours(original, PATCH):  # check the shape as a fresh process would see it
         monkeypatch.setattr(StagePool, "submit_initial", original.__wrapped__)
-    reason = replica_affinity._install()
+    reason = replica_affinity.install()
     assert reason and "StagePool.select_replica_id changed shape" in reason, reason
     assert not _patching.is_ours(StagePool.__dict__["submit_initial"], PATCH)

@@ -32,7 +32,8 @@ pytest.importorskip(
     "vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run hack/setup.sh)", exc_type=ImportError
 )
 
-from omnistage_engine_patches import _patching, contract, replica_aware_cache, report
+from omnistage_engine_patches import _patching, contract, report
+from omnistage_engine_patches.patches import replica_aware_cache
 from vllm import SamplingParams
 from vllm.multimodal.cache import MultiModalCache, MultiModalProcessorOnlyCache
 from vllm.renderers.params import ChatParams
@@ -431,7 +432,7 @@ def test_changed_client_shape_makes_it_a_no_op(monkeypatch):
     for attr, fn in before.items():
         if fn is not None:
             monkeypatch.delattr(StageEngineCoreClientBase, attr)
-    reason = replica_aware_cache._install()
+    reason = replica_aware_cache.install()
     assert reason and "awaits something before it sends" in reason, reason
     assert StageEngineCoreClientBase.__dict__["add_request_async"] is add_request_async
     assert not set(replica_aware_cache._WRAPPED_INHERITED) & set(StageEngineCoreClientBase.__dict__)

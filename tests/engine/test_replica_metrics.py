@@ -30,8 +30,9 @@ import pytest
 
 pytest.importorskip("vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run hack/setup.sh)")
 
-from omnistage_engine_patches import replica_metrics
+from omnistage_engine_patches import patches
 from omnistage_engine_patches.membership_ops import LiveHead
+from omnistage_engine_patches.patches import mm_cache_metrics, replica_metrics
 from prometheus_client import REGISTRY
 
 from tests.standin.engine import build_vllm_config, standin_head, wait_for, write_tiny_model
@@ -308,14 +309,14 @@ def _targets() -> dict[str, Any]:
 
 def test_applying_twice_is_harmless(engine_patches):
     """Guard: applying again (even bypassing the outcome cache) adds no second wrapper."""
-    if not (patch_applied(replica_metrics.REPLICA_METRICS) and patch_applied(replica_metrics.MM_CACHE_METRICS)):
+    if not (patch_applied(replica_metrics.NAME) and patch_applied(mm_cache_metrics.NAME)):
         pytest.skip("the patches are switched off in this run (OMNISTAGE_DISABLE_PATCHES)")
     before = _targets()
-    outcomes = replica_metrics.apply()
-    assert [o.name for o in outcomes] == [replica_metrics.REPLICA_METRICS, replica_metrics.MM_CACHE_METRICS]
+    outcomes = [patches.BY_NAME[n].apply() for n in (replica_metrics.NAME, mm_cache_metrics.NAME)]
+    assert [o.name for o in outcomes] == [replica_metrics.NAME, mm_cache_metrics.NAME]
     # Even with the outcome cache bypassed, an install sees its own wrappers and changes nothing.
-    assert replica_metrics._install_replica_metrics() is None
-    assert replica_metrics._install_mm_cache_metrics() is None
+    assert replica_metrics.install() is None
+    assert mm_cache_metrics.install() is None
     assert _targets() == before
 
 
@@ -325,7 +326,7 @@ def test_upstream_fix_makes_it_a_no_op(monkeypatch):
 
     monkeypatch.setattr(OmniPrometheusStatLogger, "unregister_replica", lambda self, idx: None, raising=False)
     before = _targets()
-    reason = replica_metrics._install_replica_metrics()
+    reason = replica_metrics.install()
     assert reason and "upstream" in reason
     assert _targets() == before
 
@@ -339,6 +340,6 @@ def test_changed_shape_makes_it_a_no_op(monkeypatch):
 
     monkeypatch.setattr(OrchestratorBase, "_remove_stage_replica_waiting", renamed)
     before = _targets()
-    reason = replica_metrics._install_replica_metrics()
+    reason = replica_metrics.install()
     assert reason and "changed shape" in reason
     assert _targets() == before

@@ -34,7 +34,8 @@ pytest.importorskip(
     "vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run hack/setup.sh)", exc_type=ImportError
 )
 
-from omnistage_engine_patches import _patching, uuid_scope
+from omnistage_engine_patches import _patching, patches
+from omnistage_engine_patches.patches import uuid_scope
 from vllm.multimodal.hasher import MultiModalHasher
 from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
 
@@ -270,9 +271,9 @@ def test_patch_outcome_follows_the_switch(engine_patches):
 
 def test_applying_twice_is_harmless(engine_patches):
     before = AsyncOmniEngine.__dict__["_build_add_request_message"]
-    assert uuid_scope.apply() is engine_patches[PATCH]
+    assert patches.BY_NAME[uuid_scope.NAME].apply() is engine_patches[PATCH]
     if engine_patches[PATCH].applied:
-        assert uuid_scope._install() is None  # sees its own wrapper, does not stack another
+        assert uuid_scope.install() is None  # sees its own wrapper, does not stack another
     assert AsyncOmniEngine.__dict__["_build_add_request_message"] is before
 
 
@@ -292,7 +293,7 @@ def test_upstream_fix_makes_it_a_no_op(monkeypatch):
     build = _original_build()
     monkeypatch.setattr(AsyncOmniEngine, "_build_add_request_message", build)
     monkeypatch.setattr(AsyncOmniEngine, "_ensure_stage_replica_mm_uuids", _ensure_stage_replica_mm_uuids)
-    reason = uuid_scope._install()
+    reason = uuid_scope.install()
     assert reason and "no longer writes" in reason
     assert AsyncOmniEngine.__dict__["_build_add_request_message"] is build
 
@@ -302,6 +303,6 @@ def test_changed_signature_makes_it_a_no_op(monkeypatch):
         return None
 
     monkeypatch.setattr(AsyncOmniEngine, "_build_add_request_message", _build_add_request_message)
-    reason = uuid_scope._install()
+    reason = uuid_scope.install()
     assert reason and "unexpected signature" in reason
     assert AsyncOmniEngine.__dict__["_build_add_request_message"] is _build_add_request_message

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from omnistage import conditions
+from omnistage.api import conditions
 from omnistage.known_pipelines import SHIPPED_DEPLOY
 
 from .support import Settings
@@ -32,8 +32,9 @@ PSA_ENFORCE = "pod-security.kubernetes.io/enforce"
 # The head listing's states of a replica that no longer serves (membership-and-metrics.md).
 GONE = ("left", "detached")
 # Events of a pod replaced or rolled (conditions.py): none may happen on the way to the first Ready.
-RESTART_REASONS = (conditions.R_HEAD_RESTARTED, conditions.R_ROLLING_HEAD, conditions.R_REPLACED_REPLICA,
-                   conditions.R_ROLLED_REPLICA, conditions.R_ROLLING_REPLICA)
+RESTART_REASONS = (conditions.Progress.HEAD_RESTARTED, conditions.Progress.ROLLING_HEAD,
+                   conditions.Progress.REPLACED_REPLICA, conditions.Progress.ROLLED_REPLICA,
+                   conditions.Progress.ROLLING_REPLICA)
 # Room above the stages' gpuMemoryUtilization sum: each process's CUDA context and allocator slack.
 MEMORY_SLACK = 0.05
 

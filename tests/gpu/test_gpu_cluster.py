@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from omnistage.engine_truth import required_patches
+from omnistage.control.engine_truth import required_patches
 from omnistage_engine_patches import contract
 
 from tests.standin.harness import condition, http_get, left_at_head, pod_ready, port_forward

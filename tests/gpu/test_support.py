@@ -14,11 +14,12 @@ import wave
 
 import pytest
 import yaml
-from omnistage import api, pools
+from omnistage import api
+from omnistage.api.validation import validate_omnistage
+from omnistage.control import pools
 from omnistage.known_pipelines import PIPELINES
 from omnistage.render.common import target_from
 from omnistage.render.pods import render_head_pod, render_pool_pod
-from omnistage.validation import validate_omnistage
 
 from . import multistage as ms
 from .support import (

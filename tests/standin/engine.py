@@ -297,7 +297,8 @@ def standin_frontend(engine: Any) -> SimpleNamespace:
     process, where vLLM itself chooses `lru`; with the frontend patch not applied, vLLM's `lru`
     stays. The instance is not initialised: the stand-in frontend processes no media, and the
     engine report only reads its class."""
-    from omnistage_engine_patches import _patching, contract, frontend_cache, replica_aware_cache
+    from omnistage_engine_patches import _patching, contract
+    from omnistage_engine_patches.patches import frontend_cache, replica_aware_cache
 
     mode = os.environ.get(FRONTEND_KNOB)
     if not mode:

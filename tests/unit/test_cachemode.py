@@ -3,7 +3,7 @@
 import itertools
 
 import pytest
-from omnistage.cachemode import CacheModeRejected, resolve_cache_mode
+from omnistage.api.cachemode import CacheModeRejected, resolve_cache_mode
 
 REJECT = "rejected"
 MEMBERSHIP_REPLICAS = [("static", 1), ("static", 2), ("static", 8), ("dynamic", 1), ("dynamic", 2), ("dynamic", 8)]

@@ -3,7 +3,7 @@ kubectl and HPA need."""
 
 import pytest
 import yaml
-from omnistage.crd import build_crd, build_pool_crd, crd_yaml
+from omnistage.api.crd import build_crd, build_pool_crd, crd_yaml
 
 from .conftest import ROOT
 

@@ -2,7 +2,7 @@
 
 * docs/reference.md is exactly what `omnistage docs` generates from the API models (`make docs`);
 * troubleshooting.md names every condition type, condition reason, Progressing action and Event
-  reason the operator sets (read from the code's syntax tree, so a new reason fails this test);
+  reason (the enums of conditions.py, held to the code's syntax tree, so a new reason fails this test);
 * membership-and-metrics.md names every operator metric;
 * every variable the GPU tier and hack/gpu-repro.py read is documented in docs/gpu-tests.md and in
   the Makefile's comments above `test-gpu`;
@@ -18,9 +18,11 @@ import subprocess
 import sys
 
 import pytest
-from omnistage import conditions
-from omnistage.crd import build_crd
-from omnistage.docs import KUBERNETES_TYPES, reference_markdown
+from omnistage.api import conditions
+from omnistage.api.conditions import EventReason, Progress, Reason, Type
+from omnistage.api.crd import build_crd
+from omnistage.api.docs import KUBERNETES_TYPES, reference_markdown
+from omnistage.api.statuses import MemberState
 
 from tests.gpu.support import ENGINE_IMAGE_ENV, SETTINGS
 
@@ -93,15 +95,41 @@ def test_reference_has_a_row_for_every_field_and_rule():
 
 
 # ----- troubleshooting: every reason the operator sets --------------------------------------------------
+# Every condition type, reason, Progressing action, Event reason and member state is a member of an enum
+# (api/conditions.py, api/statuses.MemberState). The tests below hold the enums to the code both ways: each member is
+# named somewhere in the operator package (so nothing is promised that no code sets), and no call that
+# sets a reason passes a string literal (so nothing is set that the enums, and so the docs, miss).
+
+DOCUMENTED = [("condition reason", Reason), ("Progressing action", Progress), ("Event reason", EventReason)]
+ENUMS = [Type, Reason, Progress, EventReason, MemberState]
+
+
+def _operator_trees():
+    for path in sorted(OPERATOR.rglob("*.py")):
+        yield path, ast.parse(path.read_text())
+
+
+def referenced(enum) -> set[str]:
+    """Members of `enum` the operator package names as Enum.MEMBER (or module.Enum.MEMBER)."""
+    found = set()
+    for _, tree in _operator_trees():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                owner = node.value
+                name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", None)
+                if name == enum.__name__:
+                    found.add(node.attr)
+    return found & set(enum.__members__)
+
+
+# The calls that set a reason, and which argument is the reason.
+REASON_ARGUMENT = {"Cond": 2, "emit": 1, "Emit": 1, "CreatePod": 1, "DeletePod": 2, "_retire": -2}
+
 
 def _literals(node: ast.AST):
-    """String constants an expression can evaluate to (through `x if c else y`, `a or b` and the named
-    constants of conditions.py, R_* and the condition types)."""
+    """String constants an expression can evaluate to (through `x if c else y` and `a or b`)."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         yield node.value
-    elif isinstance(node, ast.Name) and isinstance(getattr(conditions, node.id, None), str) \
-            and node.id.isupper():
-        yield getattr(conditions, node.id)
     elif isinstance(node, ast.IfExp):
         yield from _literals(node.body)
         yield from _literals(node.orelse)
@@ -110,48 +138,44 @@ def _literals(node: ast.AST):
             yield from _literals(value)
 
 
-def _calls(name: str):
-    """(call, file) for every call of a function or method called `name` in the operator package."""
-    for path in sorted(OPERATOR.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call):
-                func = node.func
-                called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-                if called == name:
-                    yield node, path
+def literal_reasons(trees) -> list[str]:
+    """`file:line literal` for every reason argument (and self.progressing.append(X)) that is a literal."""
+    out = []
+    for path, tree in trees:
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called == "append" and isinstance(func, ast.Attribute) \
+                    and getattr(func.value, "attr", None) == "progressing":
+                args = node.args
+            elif called in REASON_ARGUMENT and len(node.args) > abs(REASON_ARGUMENT[called]):
+                args = [node.args[REASON_ARGUMENT[called]]]
+            else:
+                continue
+            out += [f"{path.name}:{node.lineno} {lit!r}" for arg in args for lit in _literals(arg)]
+    return out
 
 
-def condition_reasons() -> set[str]:
-    """Reasons in Cond(TYPE, status, REASON, ...) and the CacheConsistent verdict reasons (R_*)."""
-    found = {lit for call, _ in _calls("Cond") if len(call.args) >= 3 for lit in _literals(call.args[2])}
-    return found | {v for k, v in vars(conditions).items() if k.startswith("R_")}
+def test_the_readers_see_what_they_should():
+    """Negative controls for the tests below: the syntax-tree readers find a known member and a literal."""
+    assert {"HEAD_PENDING", "UNSCHEDULABLE", "GPU_MEMORY_OVERCOMMITTED"} <= referenced(Reason)
+    assert {"LEAVING", "PENDING"} <= referenced(MemberState)
+    snippet = ast.parse('Cond(Type.READY, ok, Reason.WAITING if ok else "Stuck")\nself.progressing.append("Busy")\n'
+                        'self.emit("Normal", EventReason.JOINED, "joined")')
+    assert literal_reasons([(OPERATOR / "x.py", snippet)]) == ["x.py:1 'Stuck'", "x.py:2 'Busy'"]
 
 
-def progressing_actions() -> set[str]:
-    """What a pass appends to Progressing's reason: self.progressing.append(X) and _retire(pod, drain, X, why)."""
-    found = set()
-    for call, _ in _calls("append"):
-        target = call.func.value if isinstance(call.func, ast.Attribute) else None
-        if isinstance(target, ast.Attribute) and target.attr == "progressing":
-            found |= set(_literals(call.args[0]))
-    for call, _ in _calls("_retire"):
-        found |= set(_literals(call.args[-2]))  # the reason: second to last, whatever comes first
-    return found
+@pytest.mark.parametrize("enum", ENUMS, ids=lambda e: e.__name__)
+def test_every_member_is_set_somewhere(enum):
+    unused = sorted(set(enum.__members__) - referenced(enum))
+    assert not unused, f"{enum.__name__} promises {unused}, which no operator code sets"
 
 
-def event_reasons() -> set[str]:
-    """emit(TYPE, REASON, message) calls, the retire reasons (emitted as events) and the verdict reasons."""
-    found = {lit for call, _ in _calls("emit") if len(call.args) >= 2 for lit in _literals(call.args[1])}
-    return found | progressing_actions() - {"CreatingHead", "ScalingUp"} | {
-        v for k, v in vars(conditions).items() if k.startswith("R_")}
-
-
-def test_the_extraction_finds_what_it_should():
-    """Negative control for the tests below: the syntax-tree readers see the reasons we know about."""
-    assert {"HeadPending", "NoHead", "Unschedulable", "EngineExited", "NotSynced", "Waiting", "InvalidSpec",
-            "CacheMismatch", "Stable", "Converging", "AllReplicasServing"} <= condition_reasons()
-    assert {"RollingHead", "CreatingHead", "ScaledDown", "ScalingUp", "RolledReplica"} <= progressing_actions()
-    assert {"DrainTimeout", "LeaveFailed", "Joined", "Left", "HeadRestarted", "ChildSynced"} <= event_reasons()
+def test_no_reason_is_a_literal():
+    found = literal_reasons(_operator_trees())
+    assert not found, f"reasons written as literals (make them members of conditions.py's enums): {found}"
 
 
 def _troubleshooting() -> str:
@@ -164,17 +188,21 @@ def test_troubleshooting_has_a_section_per_condition_type():
         assert re.search(rf"^## {ctype}$", text, flags=re.MULTILINE), f"docs/troubleshooting.md has no section {ctype}"
 
 
-@pytest.mark.parametrize("kind, found", [("condition reason", condition_reasons),
-                                         ("Progressing action", progressing_actions),
-                                         ("Event reason", event_reasons)])
-def test_troubleshooting_names_every(kind, found):
+@pytest.mark.parametrize("kind, enum", DOCUMENTED, ids=[kind for kind, _ in DOCUMENTED])
+def test_troubleshooting_names_every(kind, enum):
     text = _troubleshooting()
-    missing = sorted(r for r in found() if f"`{r}`" not in text)
+    missing = sorted(r for r in enum if f"`{r}`" not in text)
     assert not missing, f"docs/troubleshooting.md does not explain the {kind}s {missing}"
 
 
+def test_every_member_state_is_explained():
+    text = (DOCS / "membership-and-metrics.md").read_text()
+    missing = sorted(s for s in MemberState if f"| `{s}` |" not in text)
+    assert not missing, f"docs/membership-and-metrics.md does not explain the member states {missing}"
+
+
 def test_every_operator_metric_is_documented():
-    names = set(re.findall(r'"(omnistage_[a-z_]+)"', (OPERATOR / "metrics.py").read_text()))
+    names = set(re.findall(r'"(omnistage_[a-z_]+)"', (OPERATOR / "runtime" / "metrics.py").read_text()))
     assert {"omnistage_engine_patch", "omnistage_condition", "omnistage_replicas"} <= names
     text = (DOCS / "membership-and-metrics.md").read_text()
     missing = sorted(n for n in names if f"`{n}`" not in text)

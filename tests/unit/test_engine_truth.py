@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 
 import pytest
-from omnistage import engine_truth
-from omnistage.conditions import R_CACHE_MISMATCH, R_CONSISTENT, R_ENGINE_UNREPORTED, R_PATCH_NOT_APPLIED
+from omnistage.api.conditions import Reason
+from omnistage.control import engine_truth
 from omnistage_engine_patches import contract
 
 ALL_APPLIED = {name: {"outcome": contract.APPLIED, "reason": "applied"} for name in contract.PATCHES}
@@ -32,40 +32,40 @@ def with_outcome(patch: str, outcome: str, reason: str = "target changed shape")
 @pytest.mark.parametrize(
     ("mode", "distributed", "cache_class", "patches", "reason"),
     [
-        ("processor-only", True, "MultiModalProcessorOnlyCache", ALL_APPLIED, R_CONSISTENT),
-        ("processor-only", True, "MultiModalProcessorSenderCache", ALL_APPLIED, R_CACHE_MISMATCH),
-        ("processor-only", True, "ShmObjectStoreSenderCache", ALL_APPLIED, R_CACHE_MISMATCH),
-        ("processor-only", True, None, ALL_APPLIED, R_CACHE_MISMATCH),
+        ("processor-only", True, "MultiModalProcessorOnlyCache", ALL_APPLIED, Reason.CONSISTENT),
+        ("processor-only", True, "MultiModalProcessorSenderCache", ALL_APPLIED, Reason.CACHE_MISMATCH),
+        ("processor-only", True, "ShmObjectStoreSenderCache", ALL_APPLIED, Reason.CACHE_MISMATCH),
+        ("processor-only", True, None, ALL_APPLIED, Reason.CACHE_MISMATCH),
         ("processor-only", True, "MultiModalProcessorOnlyCache",
-         with_outcome("frontend_cache", contract.UPSTREAM_FIXED, "upstream has it"), R_CONSISTENT),
+         with_outcome("frontend_cache", contract.UPSTREAM_FIXED, "upstream has it"), Reason.CONSISTENT),
         ("processor-only", True, "MultiModalProcessorOnlyCache",
-         with_outcome("frontend_cache", contract.SKIPPED), R_PATCH_NOT_APPLIED),
+         with_outcome("frontend_cache", contract.SKIPPED), Reason.PATCH_NOT_APPLIED),
         ("processor-only", True, "MultiModalProcessorOnlyCache",
-         with_outcome("frontend_cache", contract.DISABLED, "disabled by switch"), R_PATCH_NOT_APPLIED),
+         with_outcome("frontend_cache", contract.DISABLED, "disabled by switch"), Reason.PATCH_NOT_APPLIED),
         ("processor-only", True, "MultiModalProcessorOnlyCache",
-         with_outcome("uuid_scope", contract.SKIPPED), R_PATCH_NOT_APPLIED),
+         with_outcome("uuid_scope", contract.SKIPPED), Reason.PATCH_NOT_APPLIED),
         ("processor-only", True, "MultiModalProcessorOnlyCache",
-         with_outcome("membership", contract.SKIPPED), R_PATCH_NOT_APPLIED),
+         with_outcome("membership", contract.SKIPPED), Reason.PATCH_NOT_APPLIED),
         # Metrics patches are not part of the cache guarantee.
         ("processor-only", True, "MultiModalProcessorOnlyCache",
-         with_outcome("replica_metrics", contract.SKIPPED), R_CONSISTENT),
+         with_outcome("replica_metrics", contract.SKIPPED), Reason.CONSISTENT),
         ("processor-only", False, "MultiModalProcessorOnlyCache",
-         with_outcome("uuid_scope", contract.SKIPPED), R_CONSISTENT),
+         with_outcome("uuid_scope", contract.SKIPPED), Reason.CONSISTENT),
         ("processor-only", True, "MultiModalProcessorOnlyCache",
-         {k: v for k, v in ALL_APPLIED.items() if k != "frontend_cache"}, R_PATCH_NOT_APPLIED),
-        ("lru", False, "MultiModalProcessorSenderCache", with_outcome("frontend_cache", contract.SKIPPED), R_CONSISTENT),
-        ("lru", False, "MultiModalProcessorOnlyCache", ALL_APPLIED, R_CACHE_MISMATCH),
-        ("shm", False, "ShmObjectStoreSenderCache", ALL_APPLIED, R_CONSISTENT),
-        ("disabled", True, None, ALL_APPLIED, R_CONSISTENT),
-        ("disabled", True, "MultiModalProcessorOnlyCache", ALL_APPLIED, R_CACHE_MISMATCH),
-        ("not-applicable", True, None, ALL_APPLIED, R_CONSISTENT),
-        ("processor-only", True, "SomeFutureCache", ALL_APPLIED, R_CACHE_MISMATCH),
+         {k: v for k, v in ALL_APPLIED.items() if k != "frontend_cache"}, Reason.PATCH_NOT_APPLIED),
+        ("lru", False, "MultiModalProcessorSenderCache", with_outcome("frontend_cache", contract.SKIPPED), Reason.CONSISTENT),
+        ("lru", False, "MultiModalProcessorOnlyCache", ALL_APPLIED, Reason.CACHE_MISMATCH),
+        ("shm", False, "ShmObjectStoreSenderCache", ALL_APPLIED, Reason.CONSISTENT),
+        ("disabled", True, None, ALL_APPLIED, Reason.CONSISTENT),
+        ("disabled", True, "MultiModalProcessorOnlyCache", ALL_APPLIED, Reason.CACHE_MISMATCH),
+        ("not-applicable", True, None, ALL_APPLIED, Reason.CONSISTENT),
+        ("processor-only", True, "SomeFutureCache", ALL_APPLIED, Reason.CACHE_MISMATCH),
     ],
 )
 def test_verdict_table(mode, distributed, cache_class, patches, reason):
     verdict = engine_truth.check(mode, distributed, report(cache_class, patches))
     assert verdict.reason == reason, verdict.message
-    assert verdict.consistent is (reason == R_CONSISTENT)
+    assert verdict.consistent is (reason == Reason.CONSISTENT)
 
 
 PO = "MultiModalProcessorOnlyCache"
@@ -74,38 +74,38 @@ PO = "MultiModalProcessorOnlyCache"
 @pytest.mark.parametrize(
     ("mode", "distributed", "cache_class", "replica_aware", "patches", "reason"),
     [
-        ("replica-aware", True, PO, True, ALL_APPLIED, R_CONSISTENT),
-        ("replica-aware", False, PO, True, with_outcome("uuid_scope", contract.SKIPPED), R_CONSISTENT),
+        ("replica-aware", True, PO, True, ALL_APPLIED, Reason.CONSISTENT),
+        ("replica-aware", False, PO, True, with_outcome("uuid_scope", contract.SKIPPED), Reason.CONSISTENT),
         # The frontend is processor-only but the per-replica dispatch is not live: a mismatch
         # (safe, every tensor is sent, but not what the OmniStage promises).
-        ("replica-aware", True, PO, False, ALL_APPLIED, R_CACHE_MISMATCH),
-        ("replica-aware", True, PO, False, with_outcome("replica_aware_cache", contract.SKIPPED), R_PATCH_NOT_APPLIED),
+        ("replica-aware", True, PO, False, ALL_APPLIED, Reason.CACHE_MISMATCH),
+        ("replica-aware", True, PO, False, with_outcome("replica_aware_cache", contract.SKIPPED), Reason.PATCH_NOT_APPLIED),
         ("replica-aware", True, PO, False, with_outcome("replica_aware_cache", contract.DISABLED),
-         R_PATCH_NOT_APPLIED),
-        ("replica-aware", True, PO, True, with_outcome("frontend_cache", contract.SKIPPED), R_PATCH_NOT_APPLIED),
-        ("replica-aware", True, "MultiModalProcessorSenderCache", False, ALL_APPLIED, R_CACHE_MISMATCH),
+         Reason.PATCH_NOT_APPLIED),
+        ("replica-aware", True, PO, True, with_outcome("frontend_cache", contract.SKIPPED), Reason.PATCH_NOT_APPLIED),
+        ("replica-aware", True, "MultiModalProcessorSenderCache", False, ALL_APPLIED, Reason.CACHE_MISMATCH),
         # A head that strips per replica while the OmniStage promises processor-only.
-        ("processor-only", True, PO, True, ALL_APPLIED, R_CACHE_MISMATCH),
+        ("processor-only", True, PO, True, ALL_APPLIED, Reason.CACHE_MISMATCH),
         # processor-only never needs the replica-aware patch.
-        ("processor-only", True, PO, False, with_outcome("replica_aware_cache", contract.SKIPPED), R_CONSISTENT),
+        ("processor-only", True, PO, False, with_outcome("replica_aware_cache", contract.SKIPPED), Reason.CONSISTENT),
     ],
 )
 def test_verdict_table_replica_aware(mode, distributed, cache_class, replica_aware, patches, reason):
     verdict = engine_truth.check(mode, distributed, report(cache_class, patches, replica_aware))
     assert verdict.reason == reason, verdict.message
-    assert verdict.consistent is (reason == R_CONSISTENT)
+    assert verdict.consistent is (reason == Reason.CONSISTENT)
 
 
 def test_no_report_is_unreported_and_says_why():
     verdict = engine_truth.check("processor-only", True, None, "head unreachable: connection refused")
-    assert (verdict.consistent, verdict.reason) == (False, R_ENGINE_UNREPORTED)
+    assert (verdict.consistent, verdict.reason) == (False, Reason.ENGINE_UNREPORTED)
     assert "connection refused" in verdict.message and contract.GENERAL_PLUGIN in verdict.message
 
 
 def test_frontend_not_built_yet_is_unreported():
     r = report("MultiModalProcessorOnlyCache")
     r["frontendCache"] = None
-    assert engine_truth.check("processor-only", True, r).reason == R_ENGINE_UNREPORTED
+    assert engine_truth.check("processor-only", True, r).reason == Reason.ENGINE_UNREPORTED
 
 
 def test_messages_name_what_to_do():

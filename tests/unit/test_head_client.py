@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 
 import pytest
-from omnistage import head_client, reconcile
-from omnistage.head_client import HeadClient, HeadUnreachable
+from omnistage.runtime import head_client, headview, memory
+from omnistage.runtime.head_client import HeadClient, HeadUnreachable
 from omnistage_engine_patches import contract
 
 
@@ -95,46 +95,46 @@ def test_conditional_get_returns_none_while_unchanged(fake_head):
 
 
 def test_a_pass_at_rest_probes_once_and_a_new_boot_refetches_the_report(fake_head):
-    view = reconcile.HeadView("head-uid")
-    report, listing, rp, lp = reconcile.ask_head(fake_head.client, view, distributed=True)
+    view = headview.HeadView("head-uid")
+    report, listing, rp, lp = headview.ask_head(fake_head.client, view, distributed=True)
     assert (rp, lp) == (None, None) and report["bootId"] == listing["bootId"] == "boot-1"
     assert fake_head.paths() == [contract.MEMBERSHIP_PATH, contract.ENGINE_PATH]
     for _ in range(3):  # at rest: the listing probe only, answered 304; the copies are handed on
-        assert reconcile.ask_head(fake_head.client, view, distributed=True)[:2] == (report, listing)
+        assert headview.ask_head(fake_head.client, view, distributed=True)[:2] == (report, listing)
         assert fake_head.paths() == [contract.MEMBERSHIP_PATH]
     fake_head.epoch = 2  # a join/leave elsewhere: the listing again, not the report
-    _, listing, _, _ = reconcile.ask_head(fake_head.client, view, distributed=True)
+    _, listing, _, _ = headview.ask_head(fake_head.client, view, distributed=True)
     assert listing["epoch"] == 2 and fake_head.paths() == [contract.MEMBERSHIP_PATH]
     fake_head.boot = "boot-2"  # the head engine restarted in place: both
-    report, listing, _, _ = reconcile.ask_head(fake_head.client, view, distributed=True)
+    report, listing, _, _ = headview.ask_head(fake_head.client, view, distributed=True)
     assert report["bootId"] == listing["bootId"] == "boot-2"
     assert fake_head.paths() == [contract.MEMBERSHIP_PATH, contract.ENGINE_PATH]
 
 
 def test_an_unsettled_report_is_asked_again_and_a_static_head_probes_its_report(fake_head):
     fake_head.distributed_known = False  # the engine is not built yet
-    view = reconcile.HeadView("head-uid")
-    reconcile.ask_head(fake_head.client, view, distributed=True)
+    view = headview.HeadView("head-uid")
+    headview.ask_head(fake_head.client, view, distributed=True)
     fake_head.paths()
-    reconcile.ask_head(fake_head.client, view, distributed=True)
+    headview.ask_head(fake_head.client, view, distributed=True)
     assert fake_head.paths() == [contract.MEMBERSHIP_PATH, contract.ENGINE_PATH]
-    static = reconcile.HeadView("other")
-    report, listing, _, _ = reconcile.ask_head(fake_head.client, static, distributed=False)
+    static = headview.HeadView("other")
+    report, listing, _, _ = headview.ask_head(fake_head.client, static, distributed=False)
     assert listing is None and report is not None
-    reconcile.ask_head(fake_head.client, static, distributed=False)
+    headview.ask_head(fake_head.client, static, distributed=False)
     assert [inm is not None for _, inm in fake_head.requests] == [False, True]  # the second is conditional
 
 
 def test_an_unreachable_head_is_asked_once_per_pass():
     head = HeadClient("127.0.0.1", _free_loopback_port(), "token")
-    report, listing, rp, lp = reconcile.ask_head(head, reconcile.HeadView("u"), distributed=True)
+    report, listing, rp, lp = headview.ask_head(head, headview.HeadView("u"), distributed=True)
     assert report is None and listing is None and rp.startswith("head unreachable") and lp
 
 
 def test_a_dead_head_is_not_dialled_again_before_its_backoff(monkeypatch):
     head = HeadClient("127.0.0.1", _free_loopback_port(), "token")
-    view = reconcile.HeadView("u")
-    first = reconcile.ask_head(head, view, distributed=True)
+    view = headview.HeadView("u")
+    first = headview.ask_head(head, view, distributed=True)
     dials = []
 
     def dial(*args, **kwargs):
@@ -142,9 +142,9 @@ def test_a_dead_head_is_not_dialled_again_before_its_backoff(monkeypatch):
         raise HeadUnreachable("still dead")
 
     monkeypatch.setattr(head_client, "_conditional_call", dial)
-    assert reconcile.ask_head(head, view, distributed=True) == first and dials == []  # same answer, no dial
+    assert headview.ask_head(head, view, distributed=True) == first and dials == []  # same answer, no dial
     view.retry_at = 0.0  # the backoff is over (or the head pod changed): dialled, once, without a retry
-    assert reconcile.ask_head(head, view, distributed=True)[2] == "head unreachable: still dead"
+    assert headview.ask_head(head, view, distributed=True)[2] == "head unreachable: still dead"
     assert len(dials) == 1 and dials[0][-2] == 1  # attempts=1
     assert view.failures == 2 and view.retry_at > 0
 
@@ -160,25 +160,25 @@ def test_only_a_head_that_answered_before_gets_a_retry(monkeypatch, fake_head):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(head_client, "_conditional_call", counting)
-    view = reconcile.HeadView("u")
-    reconcile.ask_head(fake_head.client, view, distributed=True)
+    view = headview.HeadView("u")
+    headview.ask_head(fake_head.client, view, distributed=True)
     assert attempts and set(attempts) == {1} and view.answered  # never heard from: one attempt
     attempts.clear()
-    reconcile.ask_head(fake_head.client, view, distributed=True)
+    headview.ask_head(fake_head.client, view, distributed=True)
     assert attempts and set(attempts) == {2}  # it answered before: a blip is worth a retry
 
 
 def test_the_resync_probe_queues_a_pass_only_when_the_head_said_something_new(fake_head):
     key = ("ns", "probe-test")
-    view = reconcile.HEADS[key] = reconcile.HeadView("head-uid")
-    answers = reconcile.ask_head(fake_head.client, view, distributed=True)
-    reconcile.RESTING[key] = reconcile.Resting(("...", reconcile._head_part(view, *answers)), fake_head.client, True)
+    view = memory.HEADS[key] = headview.HeadView("head-uid")
+    answers = headview.ask_head(fake_head.client, view, distributed=True)
+    memory.RESTING[key] = memory.Resting(("...", headview.said(view, *answers)), fake_head.client, True)
     try:
         fake_head.paths()
-        assert reconcile.probe(*key) is False and fake_head.paths() == [contract.MEMBERSHIP_PATH]
+        assert headview.probe(*key) is False and fake_head.paths() == [contract.MEMBERSHIP_PATH]
         fake_head.epoch = 7
-        assert reconcile.probe(*key) is True
-        reconcile.RESTING.pop(key)
-        assert reconcile.probe(*key) is True and fake_head.paths() == [contract.MEMBERSHIP_PATH]  # not at rest
+        assert headview.probe(*key) is True
+        memory.RESTING.pop(key)
+        assert headview.probe(*key) is True and fake_head.paths() == [contract.MEMBERSHIP_PATH]  # not at rest
     finally:
-        reconcile.forget(*key)
+        memory.forget(*key)

@@ -3,8 +3,8 @@ The list + watch loop itself runs against the real API server in the cluster tie
 
 from __future__ import annotations
 
-from omnistage.informer import Informer
-from omnistage.render.common import L_OMNISTAGE
+from omnistage.names import L_OMNISTAGE
+from omnistage.runtime.informer import Informer
 
 
 def pod(name: str, rv: int, owner: str = "s1", **extra) -> dict:
@@ -54,7 +54,7 @@ def test_a_relist_replaces_the_scope():
 
 
 def test_an_omnistage_is_queued_for_a_new_generation_not_for_its_status():
-    from omnistage.informer import ClusterState
+    from omnistage.runtime.informer import ClusterState
 
     changes: list = []
     inf = ClusterState().omnistages
@@ -73,7 +73,7 @@ def test_an_omnistage_is_queued_for_a_new_generation_not_for_its_status():
 
 def test_a_pod_is_kept_without_its_spec_but_where_it_runs():
     """Only spec.nodeName is read back (pods.scheduled); the rest of a pod's spec is half its memory."""
-    from omnistage.informer import STATE
+    from omnistage.runtime.informer import STATE
     full = pod("a", 1)
     full["spec"] = {"nodeName": "h200-0", "containers": [{"name": "engine", "image": "x", "env": [{"name": "A"}]}]}
     STATE.pods._event("ADDED", full)

@@ -4,7 +4,7 @@ names a request; the names are the API server's (apiserver_request_total), so th
 from __future__ import annotations
 
 import pytest
-from omnistage.kube import request_kind
+from omnistage.runtime.kube import request_kind
 
 H = "https://127.0.0.1:6443"
 

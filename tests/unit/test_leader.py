@@ -7,8 +7,8 @@ import copy
 from collections import Counter
 
 import pytest
-from omnistage import leader
-from omnistage.leader import ACQUIRE, CREATE, RENEW, WAIT, Elector, Timing, decide, leading
+from omnistage.runtime import leader
+from omnistage.runtime.leader import ACQUIRE, CREATE, RENEW, WAIT, Elector, Timing, decide, leading
 
 
 def lease(holder: str | None, version: str = "1", duration: int = 15) -> dict:

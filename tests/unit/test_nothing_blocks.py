@@ -9,12 +9,12 @@ from __future__ import annotations
 import threading
 import time
 
-from omnistage import act as act_module
-from omnistage import metrics
-from omnistage.act import Drains, act
-from omnistage.head_client import HeadClient, HeadUnreachable
-from omnistage.plan import DRAIN_DONE, DRAIN_FAILED, DRAIN_RUNNING, Annotate, StartLeave
-from omnistage.workqueue import WorkQueue
+from omnistage.control.actions import DRAIN_DONE, DRAIN_FAILED, DRAIN_RUNNING, Annotate, StartLeave
+from omnistage.runtime import act as act_module
+from omnistage.runtime import metrics
+from omnistage.runtime.act import Drains, act
+from omnistage.runtime.head_client import HeadClient, HeadUnreachable
+from omnistage.runtime.workqueue import WorkQueue
 from prometheus_client import REGISTRY
 
 HEAD = HeadClient("127.0.0.1", 9, "token")
@@ -200,7 +200,7 @@ def test_events_go_through_the_operators_client_and_a_refused_one_does_not_fail_
     """Events are created with the operator's own client (no kopf posting context needed: passes
     run before kopf's first handler); a refused Event (a terminating namespace) is logged, not raised."""
     from kubernetes.client.exceptions import ApiException
-    from omnistage import handlers, kube
+    from omnistage.runtime import handlers, kube
 
     posted = []
 

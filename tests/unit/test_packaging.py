@@ -55,7 +55,7 @@ def test_operator_runs_without_vllm_as_in_its_image():
     code = ("import sys\n"
             "for name in ('vllm', 'vllm_omni', 'torch', 'fastapi'):\n"
             "    sys.modules[name] = None  # import fails, as in the operator image\n"
-            "import omnistage.cli, omnistage.handlers, omnistage.reconcile, omnistage.head_client\n"
+            "import omnistage.cli, omnistage.runtime.handlers, omnistage.runtime.reconcile, omnistage.runtime.head_client\n"
             "import omnistage_engine_patches.contract\n"
             "print('ok', sorted(m for m in sys.modules if m.startswith('omnistage_engine_patches')))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)

@@ -8,19 +8,12 @@ from __future__ import annotations
 import copy
 
 import pytest
-from omnistage import plan as plan_module
-from omnistage import pods
-from omnistage.conditions import (
-    CACHE_CONSISTENT,
-    CONFIG_RENDERED,
-    MEMBERSHIP_SYNCED,
-    PROGRESSING,
-    R_CACHE_MISMATCH,
-    R_CONSISTENT,
-    R_ENGINE_UNREPORTED,
-    READY,
-)
-from omnistage.plan import (
+from omnistage import names
+from omnistage.api.conditions import Reason, Type
+from omnistage.api.validation import InvalidSpec
+from omnistage.control import plan as plan_module
+from omnistage.control import pods
+from omnistage.control.actions import (
     DRAIN_DONE,
     DRAIN_FAILED,
     DRAIN_RUNNING,
@@ -33,10 +26,9 @@ from omnistage.plan import (
     Join,
     Observed,
     StartLeave,
-    plan,
 )
+from omnistage.control.plan import plan
 from omnistage.render import render_head_pod, render_replica_pod, target_from
-from omnistage.validation import InvalidSpec
 from omnistage_engine_patches import contract
 
 from .conftest import SAMPLE
@@ -62,7 +54,7 @@ def head(t, *, ready=True, template="same", phase="Running"):
     pod = render_head_pod(t)
     pod["metadata"].update(uid=HEAD_UID, creationTimestamp="2026-11-30T00:00:00Z")
     if template != "same":
-        pod["metadata"]["annotations"][pods.A_TEMPLATE_HASH] = "old"
+        pod["metadata"]["annotations"][names.A_TEMPLATE_HASH] = "old"
     pod["spec"]["nodeName"] = "h200-0"
     pod["status"] = ready_status(HEAD_IP, ready, phase)
     return pod
@@ -72,9 +64,9 @@ def replica(t, i, *, ready=True, head_uid=HEAD_UID, leaving=None, phase="Running
     pod = render_replica_pod(t, i, HEAD_IP, head_uid)
     pod["metadata"].update(uid=f"uid-r{i}", creationTimestamp=f"2026-11-30T0{i}:00:00Z")
     if leaving:
-        pod["metadata"]["annotations"][pods.A_LEAVING] = leaving
+        pod["metadata"]["annotations"][names.A_LEAVING] = leaving
     if template != "same":
-        pod["metadata"]["annotations"][pods.A_TEMPLATE_HASH] = "old"
+        pod["metadata"]["annotations"][names.A_TEMPLATE_HASH] = "old"
     pod["spec"]["nodeName"] = f"h200-{i}"
     pod["status"] = ready_status(f"127.77.0.{10 + i}", ready, phase)
     return pod
@@ -124,10 +116,10 @@ def cond(status, ctype):
 
 def test_at_rest_nothing_changes_and_ready():
     t, o = situation(3)
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     assert changes(actions) == []
     assert len(of(actions, EnsureChild)) == 4  # ConfigMap, two Services, NetworkPolicy
-    assert cond(status, READY)["status"] == "True"
+    assert cond(status, Type.READY)["status"] == "True"
     assert [m["state"] for m in status["members"]] == ["Joined", "Joined"]
     assert status["registeredReplicas"] == 3 and status["updatedReplicas"] == 3
 
@@ -135,22 +127,22 @@ def test_at_rest_nothing_changes_and_ready():
 def test_no_head_creates_the_head_and_no_replica():
     t, o = situation(3, pods_=lambda t: [], members=lambda rs: [], head=None, head_reachable=False, report=None,
                      listing=None)
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     creates = of(actions, CreatePod)
     assert [c.obj["metadata"]["name"] for c in creates] == ["qwen3-omni-head"]
-    assert "CreatingHead" in cond(status, PROGRESSING)["reason"]
+    assert "CreatingHead" in cond(status, Type.PROGRESSING)["reason"]
 
 
 def test_scale_up_creates_the_lowest_free_indices():
     t, o = situation(4, pods_=lambda t: [replica(t, 2)], members=lambda rs: [member(rs[0], 5)])
-    actions, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     assert [pods.index(c.obj) for c in of(actions, CreatePod)] == [1, 3]
     assert of(actions, DeletePod) == [] and of(actions, StartLeave) == []
 
 
 def test_scale_down_starts_drains_of_the_newest_and_deletes_nothing_yet():
     t, o = situation(2, pods_=lambda t: [replica(t, 1), replica(t, 2), replica(t, 3)])
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     leaves = of(actions, StartLeave)
     assert [(a.pod, a.leaves, a.drain_seconds) for a in leaves] == [
         ("qwen3-omni-replica-3", ((0, 3),), t.spec.engine.drain_timeout_seconds),
@@ -158,7 +150,7 @@ def test_scale_down_starts_drains_of_the_newest_and_deletes_nothing_yet():
     assert {a.name for a in of(actions, Annotate)} == {"qwen3-omni-replica-2", "qwen3-omni-replica-3"}
     assert of(actions, DeletePod) == []  # the pods stay until their drain is over
     assert [m["state"] for m in status["members"]] == ["Joined", "Leaving", "Leaving"]
-    assert "ScaledDown" in cond(status, PROGRESSING)["reason"]
+    assert "ScaledDown" in cond(status, Type.PROGRESSING)["reason"]
 
 
 def test_victims_are_chosen_by_choose_victims_unscheduled_first():
@@ -167,7 +159,7 @@ def test_victims_are_chosen_by_choose_victims_unscheduled_first():
         unscheduled["spec"].pop("nodeName")
         return [unscheduled, replica(t, 2), replica(t, 3)]
     t, o = situation(3, pods_=rs, members=lambda rs: [member(r, i) for i, r in enumerate(rs[1:], 2)])
-    actions, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     # Not a member (never joined): nothing to drain, deleted at once.
     assert [(a.name, a.reason) for a in of(actions, DeletePod)] == [("qwen3-omni-replica-1", "ScaledDown")]
     assert of(actions, StartLeave) == []
@@ -178,7 +170,7 @@ def test_victims_are_chosen_by_choose_victims_unscheduled_first():
 def test_a_draining_replica_is_finished_on_a_later_pass(drain, expect):
     t, o = situation(2, pods_=lambda t: [replica(t, 1), replica(t, 2, leaving="ScaledDown")],
                      drains={"uid-r2": drain} if drain else {})
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     leaving = [a for a in changes(actions) if getattr(a, "name", getattr(a, "pod", None)) == "qwen3-omni-replica-2"]
     if expect == "wait":
         assert leaving == []
@@ -195,14 +187,14 @@ def test_a_draining_replica_is_finished_on_a_later_pass(drain, expect):
 def test_a_leaving_replica_the_head_no_longer_lists_is_deleted():
     t, o = situation(2, pods_=lambda t: [replica(t, 1), replica(t, 2, leaving="ScaledDown")],
                      members=lambda rs: [member(rs[0], 1), member(rs[1], 2, state=contract.LEFT)])
-    actions, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     assert [a.name for a in of(actions, DeletePod)] == ["qwen3-omni-replica-2"]
     assert of(actions, StartLeave) == []
 
 
 def test_head_engine_restarted_rolls_every_replica_and_joins_nobody():
     t, o = situation(3, listing=listing(boot="boot-2"))
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     assert {a.name for a in of(actions, DeletePod)} == {"qwen3-omni-replica-1", "qwen3-omni-replica-2"}
     assert any(e.reason == "HeadRestarted" for e in of(actions, Emit))
     assert of(actions, Join) == []
@@ -213,10 +205,10 @@ def test_head_engine_restarted_rolls_every_replica_and_joins_nobody():
 
 def test_head_template_changed_rolls_the_head_first():
     t, o = situation(3, head=lambda t: head(t, template="old"))
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     assert [a.name for a in of(actions, DeletePod)] == ["qwen3-omni-head"]
     assert of(actions, StartLeave) == [] and of(actions, Join) == [] and of(actions, CreatePod) == []
-    assert "RollingHead" in cond(status, PROGRESSING)["reason"]
+    assert "RollingHead" in cond(status, Type.PROGRESSING)["reason"]
 
 
 @pytest.mark.parametrize(("make", "reason"), [
@@ -226,8 +218,8 @@ def test_head_template_changed_rolls_the_head_first():
 ])
 def test_stale_replicas_leave_without_a_drain(make, reason):
     t, o = situation(3, pods_=lambda t: [replica(t, 1), make(t)])
-    actions, _ = plan(t, o, AT)
-    assert of(actions, Annotate) == [Annotate("qwen3-omni-replica-2", {pods.A_LEAVING: reason})]
+    actions, _, _ = plan(t, o, AT)
+    assert of(actions, Annotate) == [Annotate("qwen3-omni-replica-2", {names.A_LEAVING: reason})]
     # Listed by the head (same name): told to leave with no drain; the pod goes when it has.
     assert [(a.pod, a.drain_seconds) for a in of(actions, StartLeave)] == [("qwen3-omni-replica-2", 0)]
     # Its replacement does not wait for it (a new index).
@@ -237,18 +229,18 @@ def test_stale_replicas_leave_without_a_drain(make, reason):
 def test_stale_replica_the_head_does_not_know_is_deleted_at_once():
     t, o = situation(3, pods_=lambda t: [replica(t, 1), replica(t, 2, head_uid="previous-head")],
                      members=lambda rs: [member(rs[0], 1)])
-    actions, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     assert [(a.name, a.reason) for a in of(actions, DeletePod)] == [("qwen3-omni-replica-2", "RolledReplica")]
 
 
 def test_invalid_spec_deletes_nothing():
     _, o = situation(3)
-    actions, status = plan(InvalidSpec([("spec.cache.mode", "lru needs a static single replica")]), o, AT)
+    actions, status, _ = plan(InvalidSpec([("spec.cache.mode", "lru needs a static single replica")]), o, AT)
     assert changes(actions) == []
     assert [e.reason for e in of(actions, Emit)] == ["InvalidSpec"]
-    assert cond(status, CONFIG_RENDERED)["status"] == "False" and cond(status, READY)["reason"] == "InvalidSpec"
+    assert cond(status, Type.CONFIG_RENDERED)["status"] == "False" and cond(status, Type.READY)["reason"] == "InvalidSpec"
     # Said once: the same invalid spec on the next pass emits nothing.
-    again, _ = plan(InvalidSpec([("spec.cache.mode", "lru needs a static single replica")]),
+    again, _, _ = plan(InvalidSpec([("spec.cache.mode", "lru needs a static single replica")]),
                     Observed({**o.obj, "status": status}), AT)
     assert again == []
 
@@ -256,51 +248,51 @@ def test_invalid_spec_deletes_nothing():
 def test_unreachable_head_no_membership_calls_scale_down_deletes_without_a_drain():
     t, o = situation(2, pods_=lambda t: [replica(t, 1), replica(t, 2)], report=None, listing=None,
                      report_problem="head unreachable: timed out", listing_problem="timed out")
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     assert of(actions, Join) == [] and of(actions, Forget) == [] and of(actions, StartLeave) == []
     # Nobody to tell: its heartbeat timeout detaches the replica; the scale-down does not wait.
     assert [a.name for a in of(actions, DeletePod)] == ["qwen3-omni-replica-2"]
-    assert cond(status, CACHE_CONSISTENT)["reason"] == R_ENGINE_UNREPORTED
-    assert cond(status, MEMBERSHIP_SYNCED)["message"] == "head unreachable: timed out"
-    assert cond(status, READY)["status"] == "False"
+    assert cond(status, Type.CACHE_CONSISTENT)["reason"] == Reason.ENGINE_UNREPORTED
+    assert cond(status, Type.MEMBERSHIP_SYNCED)["message"] == "head unreachable: timed out"
+    assert cond(status, Type.READY)["status"] == "False"
 
 
 def test_joins_are_held_while_cache_consistent_is_false():
     t, o = situation(3, members=lambda rs: [], report=lambda t: report(t, "MultiModalProcessorSenderCache"))
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     assert of(actions, Join) == []
-    assert cond(status, CACHE_CONSISTENT)["reason"] == R_CACHE_MISMATCH
-    assert [e.reason for e in of(actions, Emit)] == [R_CACHE_MISMATCH]
-    assert all(m["state"] == "Joining" and m["reason"] == f"{CACHE_CONSISTENT}: {R_CACHE_MISMATCH}"
+    assert cond(status, Type.CACHE_CONSISTENT)["reason"] == Reason.CACHE_MISMATCH
+    assert [e.reason for e in of(actions, Emit)] == [Reason.CACHE_MISMATCH]
+    assert all(m["state"] == "Joining" and m["reason"] == f"{Type.CACHE_CONSISTENT}: {Reason.CACHE_MISMATCH}"
                for m in status["members"])
-    assert "is not joined" in cond(status, MEMBERSHIP_SYNCED)["message"]
+    assert "is not joined" in cond(status, Type.MEMBERSHIP_SYNCED)["message"]
 
 
 def test_ready_unjoined_replicas_join_once_cache_consistent():
     t, o = situation(3, members=lambda rs: [member(rs[0], 1)])
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     assert of(actions, Join) == [Join("qwen3-omni-replica-2", "127.77.0.12")]
-    assert cond(status, CACHE_CONSISTENT)["reason"] == R_CONSISTENT
+    assert cond(status, Type.CACHE_CONSISTENT)["reason"] == Reason.CONSISTENT
 
 
 def test_a_member_whose_pod_is_gone_is_forgotten():
     t, o = situation(3, members=lambda rs: [member(rs[0], 1), member(rs[1], 2),
                                             {"replicaId": 9, "pod": "qwen3-omni-replica-9", "host": "127.77.0.99",
                                              "state": contract.ATTACHED}])
-    actions, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     assert of(actions, Forget) == [Forget(9, "qwen3-omni-replica-9")]
 
 
 def test_template_change_rolls_one_replica_at_a_time():
     rs = lambda t: [replica(t, 1, template="old"), replica(t, 2, template="old"), replica(t, 3, template="old")]
     t, o = situation(4, pods_=rs)
-    actions, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     assert [(a.pod, a.drain_seconds) for a in of(actions, StartLeave)] == [
         ("qwen3-omni-replica-1", t.spec.engine.drain_timeout_seconds)]
     # While that one drains, no second one starts.
     draining = lambda t: [replica(t, 1, template="old", leaving="RollingReplica"), *rs(t)[1:]]
     t, o = situation(4, pods_=draining, drains={"uid-r1": DRAIN_RUNNING})
-    actions, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     assert of(actions, StartLeave) == [] and of(actions, DeletePod) == []
     # Its replacement (a new index) is created while it drains; the next roll waits for it to be Ready.
     assert [pods.index(c.obj) for c in of(actions, CreatePod)] == [4]
@@ -309,7 +301,7 @@ def test_template_change_rolls_one_replica_at_a_time():
 def test_a_roll_waits_for_every_other_replica_to_be_ready():
     t, o = situation(3, pods_=lambda t: [replica(t, 1, template="old"), replica(t, 2, ready=False)],
                      members=lambda rs: [member(rs[0], 1)])
-    actions, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     assert of(actions, StartLeave) == [] and of(actions, DeletePod) == []
 
 
@@ -361,7 +353,7 @@ def test_a_replaced_head_never_reads_as_an_engine_restart():
     is carried between passes the way the API server stores it (a merge patch from kube.merge_patch);
     with a plain merge patch the old head's bootId stayed next to the new head's uid, and the new
     head's first listing then read as an engine restart that rolled the new replicas a second time."""
-    from omnistage.kube import merge_patch
+    from omnistage.runtime.kube import merge_patch
 
     t, o = situation(3)
     stored = o.obj["status"]
@@ -369,7 +361,7 @@ def test_a_replaced_head_never_reads_as_an_engine_restart():
     def passes(observed):
         nonlocal stored
         obj = {**o.obj, "status": stored}
-        actions, status = plan(t, Observed(**{**observed, "obj": obj}), AT)
+        actions, status, _ = plan(t, Observed(**{**observed, "obj": obj}), AT)
         stored = apply_merge_patch(stored, merge_patch(stored, status))
         return actions
 
@@ -391,7 +383,7 @@ def test_a_replaced_head_never_reads_as_an_engine_restart():
 
 
 def test_merge_patch_sends_null_for_what_the_new_status_leaves_out():
-    from omnistage.kube import merge_patch
+    from omnistage.runtime.kube import merge_patch
 
     old = {"head": {"uid": "a", "bootId": "b", "ip": "127.0.0.1"}, "engine": {"x": 1}, "replicas": 3}
     new = {"head": {"uid": "c"}, "replicas": 3}

@@ -8,29 +8,20 @@ from __future__ import annotations
 import copy
 
 import pytest
-from omnistage import pods
-from omnistage.conditions import PROGRESSING, READY, STAGES_COVERED, STAGES_READY
-from omnistage.plan import (
+from omnistage import names
+from omnistage.api.conditions import Reason, Type
+from omnistage.control import pods
+from omnistage.control.actions import (
     CreatePod,
     DeletePod,
     Forget,
     Join,
     Observed,
-    PoolStatus,
     StartLeave,
-    plan,
-    pool_status,
 )
-from omnistage.pools import (
-    R_GPU_MEMORY_OVERCOMMITTED,
-    R_NOT_MULTI_STAGE,
-    R_OMNISTAGE_NOT_FOUND,
-    R_STAGE_IN_TWO_POOLS,
-    R_TOO_FEW_GPUS,
-    R_UNKNOWN_STAGE,
-    fit,
-    parse,
-)
+from omnistage.control.plan import plan
+from omnistage.control.pools import fit, parse
+from omnistage.control.status import pool_status
 from omnistage.render import target_from
 from omnistage.render.pods import render_pool_pod
 from omnistage_engine_patches import contract
@@ -56,7 +47,7 @@ def pool_pod(t, pool, i, *, ready=True, head_uid=HEAD_UID, leaving=None, phase="
     pod = render_pool_pod(t, parse(pool), i, "127.77.0.10", head_uid)
     pod["metadata"].update(uid=f"uid-{pool['metadata']['name']}-{i}", creationTimestamp=f"2026-11-30T0{i}:30:00Z")
     if leaving:
-        pod["metadata"]["annotations"][pods.A_LEAVING] = leaving
+        pod["metadata"]["annotations"][names.A_LEAVING] = leaving
     pod["spec"]["nodeName"] = f"h200-{i}"
     status = {"podIP": f"127.77.1.{i}", "phase": phase,
               "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
@@ -94,28 +85,28 @@ def test_at_rest_with_a_speech_pool_is_ready_and_says_where_each_stage_runs():
     pool = pool_obj()
     pp = [pool_pod(t, pool, 1)]
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=joined_everywhere(pp))
-    actions, status = plan(t, o, AT)
-    assert [a for a in changes(actions) if not isinstance(a, PoolStatus)] == []
-    assert cond(status, READY)["status"] == "True"
-    assert cond(status, STAGES_COVERED)["message"] == "stage 1: pool speech; stage 2: pool speech"
-    assert cond(status, STAGES_READY)["status"] == "True"
+    actions, status, pool_statuses = plan(t, o, AT)
+    assert changes(actions) == []
+    assert cond(status, Type.READY)["status"] == "True"
+    assert cond(status, Type.STAGES_COVERED)["message"] == "stage 1: pool speech; stage 2: pool speech"
+    assert cond(status, Type.STAGES_READY)["status"] == "True"
     assert status["stages"] == [
         {"id": 1, "name": "talker", "pool": "speech", "desired": 1, "ready": 1, "registered": 1},
         {"id": 2, "name": "code2wav", "pool": "speech", "desired": 1, "ready": 1, "registered": 1}]
     # Stage-0 counts stay stage 0's: the scale subresource must not count pool pods.
     assert status["replicas"] == 2 and status["registeredReplicas"] == 2
-    [written] = of(actions, PoolStatus)
-    assert written.status["registeredReplicas"] == 1 and written.status["selector"].endswith("role=pool")
-    assert written.status["members"] == [{"pod": "speech-1", "ip": "127.77.1.1", "state": "Joined",
-                                          "replicaIds": {"1": 0, "2": 0}}]
-    assert next(c for c in written.status["conditions"] if c["type"] == READY)["status"] == "True"
+    [written] = pool_statuses.values()
+    assert written["registeredReplicas"] == 1 and written["selector"].endswith("role=pool")
+    assert written["members"] == [{"pod": "speech-1", "ip": "127.77.1.1", "state": "Joined",
+                                   "replicaIds": {"1": 0, "2": 0}}]
+    assert next(c for c in written["conditions"] if c["type"] == Type.READY)["status"] == "True"
 
 
 def test_pool_pods_are_created_once_the_head_has_an_ip_not_once_it_is_ready():
     obj, t = pipeline()
     pool = pool_obj(replicas=2)
     o = observe(obj, t, pools=[pool], head=head(t, ready=False), head_reachable=True, report=None, listing=None)
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     created = [a.obj["metadata"]["name"] for a in of(actions, CreatePod)]
     assert created == ["qwen3-omni-replica-1", "speech-1", "speech-2"]
     pod = next(a.obj for a in of(actions, CreatePod) if a.obj["metadata"]["name"] == "speech-1")
@@ -123,8 +114,8 @@ def test_pool_pods_are_created_once_the_head_has_an_ip_not_once_it_is_ready():
     assert container["command"] == ["python3", "-m", "omnistage_engine_patches.stages"]
     assert container["args"][:5] == ["--stage-id", "1", "--stage-id", "2", "--"]
     assert {"name": contract.CONNECTOR_PORTS_ENV, "value": contract.PORTS_PER_POD} in container["env"]
-    assert cond(status, STAGES_READY)["status"] == "False"
-    assert cond(status, READY)["status"] == "False"
+    assert cond(status, Type.STAGES_READY)["status"] == "False"
+    assert cond(status, Type.READY)["status"] == "False"
 
 
 def test_no_pool_pod_without_a_head_ip():
@@ -132,7 +123,7 @@ def test_no_pool_pod_without_a_head_ip():
     no_ip = head(t, ready=False)
     no_ip["status"].pop("podIP")
     o = observe(obj, t, pools=[pool_obj()], head=no_ip, head_reachable=False, report=None, listing=None)
-    actions, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     assert of(actions, CreatePod) == []
 
 
@@ -144,7 +135,7 @@ def test_every_stage_of_a_ready_pool_pod_is_joined_and_the_initial_slot_by_its_i
     by_stage = {1: [{"replicaId": 0, "host": "127.77.1.1", "state": contract.ATTACHED}],
                 2: [{"replicaId": 0, "host": "127.77.1.1", "state": contract.ATTACHED}]}
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=by_stage)
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     assert of(actions, Join) == [Join("speech-1", "127.77.1.1", 1), Join("speech-1", "127.77.1.1", 2)]
     assert status["stages"][0]["registered"] == 0
 
@@ -155,7 +146,7 @@ def test_stage_joins_do_not_wait_for_the_stage0_cache_verdict():
     pp = [pool_pod(t, pool, 1)]
     bad = report(t, cache_class="MultiModalProcessorSenderCache")
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], stage0=[], by_stage={}, report=bad)
-    actions, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     assert of(actions, Join) == [Join("speech-1", "127.77.1.1", 1), Join("speech-1", "127.77.1.1", 2)]
 
 
@@ -164,10 +155,10 @@ def test_scale_down_drains_every_stage_of_the_newest_pool_pod():
     pool = pool_obj(replicas=1)
     pp = [pool_pod(t, pool, 1), pool_pod(t, pool, 2)]
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=joined_everywhere(pp))
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     assert of(actions, StartLeave) == [StartLeave("speech-2", "uid-speech-2", ((1, 1), (2, 1)), 300)]
     assert of(actions, DeletePod) == []
-    assert status["stages"][0]["desired"] == 1 and cond(status, PROGRESSING)["reason"] == "ScaledDown"
+    assert status["stages"][0]["desired"] == 1 and cond(status, Type.PROGRESSING)["reason"] == "ScaledDown"
 
 
 def test_a_drained_pool_pod_is_deleted_with_its_pools_reason():
@@ -176,7 +167,7 @@ def test_a_drained_pool_pod_is_deleted_with_its_pools_reason():
     pp = [pool_pod(t, pool, 1), pool_pod(t, pool, 2, leaving="ScaledDown")]
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=joined_everywhere(pp),
                 drains={"uid-speech-2": "done"})
-    actions, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     assert of(actions, DeletePod) == [DeletePod("speech-2", "uid-speech-2", "ScaledDown",
                                                 "deleted pool pod speech-2: its pool's spec.replicas is 1")]
 
@@ -189,7 +180,7 @@ def test_a_pool_pod_gone_from_the_cluster_is_forgotten_for_each_stage():
     for k in (1, 2):
         by_stage[k].append({"replicaId": 4, "pod": "speech-9", "host": "127.77.1.9", "state": contract.ATTACHED})
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=by_stage)
-    actions, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     assert of(actions, Forget) == [Forget(4, "speech-9", 1), Forget(4, "speech-9", 2)]
 
 
@@ -198,7 +189,7 @@ def test_a_new_head_rolls_pool_pods_too():
     pool = pool_obj()
     pp = [pool_pod(t, pool, 1, head_uid="old-head")]
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage={})
-    actions, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     assert [a.name for a in of(actions, DeletePod)] == ["speech-1"]
 
 
@@ -207,7 +198,7 @@ def test_a_failed_pool_pod_is_replaced():
     pool = pool_obj()
     pp = [pool_pod(t, pool, 1, ready=False, phase="Failed")]
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage={})
-    actions, _status = plan(t, o, AT)
+    actions, _status, _ = plan(t, o, AT)
     assert [a.name for a in of(actions, DeletePod)] == ["speech-1"]
     assert [a.obj["metadata"]["name"] for a in of(actions, CreatePod)] == ["speech-2"]
 
@@ -217,11 +208,11 @@ def test_a_deleted_pool_drains_and_removes_its_pods_and_uncovers_its_stages():
     pool = pool_obj()
     pp = [pool_pod(t, pool, 1)]
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[], by_stage=joined_everywhere(pp))
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     assert of(actions, StartLeave) == [StartLeave("speech-1", "uid-speech-1", ((1, 0), (2, 0)), 300)]
-    assert cond(status, STAGES_COVERED)["reason"] == "Uncovered"
-    assert "stage 1, 2 runs in no OmniStagePool" in cond(status, STAGES_COVERED)["message"]
-    assert cond(status, READY)["status"] == "False"
+    assert cond(status, Type.STAGES_COVERED)["reason"] == "Uncovered"
+    assert "stage 1, 2 runs in no OmniStagePool" in cond(status, Type.STAGES_COVERED)["message"]
+    assert cond(status, Type.READY)["status"] == "False"
 
 
 def test_a_stage_in_two_pools_stays_with_the_older_one_and_the_newer_keeps_its_pods():
@@ -230,23 +221,22 @@ def test_a_stage_in_two_pools_stays_with_the_older_one_and_the_newer_keeps_its_p
     pp = [pool_pod(t, older, 1), pool_pod(t, newer, 1)]
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[newer, older],
                 by_stage=joined_everywhere(pp))
-    actions, status = plan(t, o, AT)
+    actions, status, written = plan(t, o, AT)
     assert of(actions, DeletePod) == [] and of(actions, StartLeave) == []  # a mistake loses nothing
-    written = {a.name: a.status for a in of(actions, PoolStatus)}
-    ready = next(c for c in written["talkers"]["conditions"] if c["type"] == READY)
-    assert (ready["status"], ready["reason"]) == ("False", R_STAGE_IN_TWO_POOLS)
+    ready = next(c for c in written["talkers"]["conditions"] if c["type"] == Type.READY)
+    assert (ready["status"], ready["reason"]) == ("False", Reason.STAGE_IN_TWO_POOLS)
     assert "stage 1 already runs in pool speech" in ready["message"]
-    assert cond(status, STAGES_COVERED)["status"] == "True"
-    assert "pool talkers: stage 1 already runs in pool speech" in cond(status, STAGES_COVERED)["message"]
+    assert cond(status, Type.STAGES_COVERED)["status"] == "True"
+    assert "pool talkers: stage 1 already runs in pool speech" in cond(status, Type.STAGES_COVERED)["message"]
 
 
 @pytest.mark.parametrize("stages, pool, reason, fragment", [
-    (None, pool_obj(), R_NOT_MULTI_STAGE, "has no spec.stages"),
-    (STAGES, pool_obj(stage_ids=(1, 3)), R_UNKNOWN_STAGE, "has no stage 3 in spec.stages"),
-    ([{"id": 1, "engine": {"tensorParallelSize": 2}}, {"id": 2}], pool_obj(gpu={"count": 1}), R_TOO_FEW_GPUS,
+    (None, pool_obj(), Reason.NOT_MULTI_STAGE, "has no spec.stages"),
+    (STAGES, pool_obj(stage_ids=(1, 3)), Reason.UNKNOWN_STAGE, "has no stage 3 in spec.stages"),
+    ([{"id": 1, "engine": {"tensorParallelSize": 2}}, {"id": 2}], pool_obj(gpu={"count": 1}), Reason.TOO_FEW_GPUS,
      "spec.gpu.count 1 is less than the tensorParallelSize 2"),
     # The shipped talker (0.6) and code2wav (0.1) fit one GPU; 0.95 for the talker does not.
-    ([{"id": 1, "engine": {"gpuMemoryUtilization": 0.95}}, {"id": 2}], pool_obj(), R_GPU_MEMORY_OVERCOMMITTED,
+    ([{"id": 1, "engine": {"gpuMemoryUtilization": 0.95}}, {"id": 2}], pool_obj(), Reason.GPU_MEMORY_OVERCOMMITTED,
      "adds up to more than 1 (stage 1 0.95, stage 2 0.1)"),
 ])
 def test_a_pool_that_cannot_run_says_what_to_change(stages, pool, reason, fragment):
@@ -260,7 +250,7 @@ def test_a_pool_without_its_omnistage_says_so():
     [fitted] = fit(None, "qwen3-omni", [pool_obj()])
     status = pool_status(fitted, None, [], at=AT)
     ready = status["conditions"][0]
-    assert (ready["status"], ready["reason"]) == ("False", R_OMNISTAGE_NOT_FOUND)
+    assert (ready["status"], ready["reason"]) == ("False", Reason.OMNISTAGE_NOT_FOUND)
     assert "OmniStage qwen3-omni does not exist" in ready["message"] and status["replicas"] == 0
 
 
@@ -281,7 +271,7 @@ def test_a_head_container_restart_rolls_the_pool_even_while_the_head_answers_not
     restarted["status"]["containerStatuses"] = [{"name": "engine", "restartCount": 1}]
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], head=restarted, report=None,
                 listing=None)
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     assert sorted(a.name for a in of(actions, DeletePod)) == ["qwen3-omni-replica-1", "speech-1"]
     assert any(a.reason == "HeadRestarted" and "restartCount 0 -> 1" in a.message for a in actions
                if hasattr(a, "reason") and a.reason == "HeadRestarted")
@@ -298,7 +288,7 @@ def test_an_unchanged_restart_count_rolls_nothing():
     same["status"]["containerStatuses"] = [{"name": "engine", "restartCount": 1}]
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], head=same,
                 by_stage=joined_everywhere(pp))
-    actions, status = plan(t, o, AT)
+    actions, status, _ = plan(t, o, AT)
     assert of(actions, DeletePod) == [] and status["head"]["bootId"] == "boot-1"
 
 
@@ -317,9 +307,9 @@ def test_stage_pods_patch_outcomes_are_in_status():
     pp = [pool_pod(t, pool, 1)]
     applied = {name: contract.APPLIED for name in contract.PATCHES}
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=reported(pp, applied))
-    _, status = plan(t, o, AT)
+    _, status, _ = plan(t, o, AT)
     assert status["stages"][0]["patches"] == dict(sorted(applied.items()))
-    assert cond(status, STAGES_READY)["status"] == "True" and cond(status, READY)["status"] == "True"
+    assert cond(status, Type.STAGES_READY)["status"] == "True" and cond(status, Type.READY)["status"] == "True"
 
 
 def test_a_stage_pod_without_connector_ports_holds_stages_ready_false():
@@ -330,11 +320,11 @@ def test_a_stage_pod_without_connector_ports_holds_stages_ready_false():
     pp = [pool_pod(t, pool, 1)]
     outcomes = {name: contract.APPLIED for name in contract.PATCHES} | {contract.CONNECTOR_PORTS: contract.SKIPPED}
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=reported(pp, outcomes))
-    actions, status = plan(t, o, AT)
-    ready = cond(status, STAGES_READY)
+    actions, status, _ = plan(t, o, AT)
+    ready = cond(status, Type.STAGES_READY)
     assert (ready["status"], ready["reason"]) == ("False", "PatchNotApplied")
     assert "stage 1: connector_ports skipped in speech-1" in ready["message"]
-    assert cond(status, READY)["status"] == "False"
+    assert cond(status, Type.READY)["status"] == "False"
     assert status["stages"][0]["patches"][contract.CONNECTOR_PORTS] == contract.SKIPPED
     assert "patchProblem" not in status["stages"][0]
     assert any(getattr(a, "reason", None) == "PatchNotApplied" for a in actions)

@@ -1,13 +1,14 @@
 """Victim choice, replica naming and condition merging: pure functions of API objects."""
 
-from omnistage import pods
-from omnistage.conditions import Cond, merge, ready
+from omnistage.api.conditions import Cond, merge, ready
+from omnistage.control import pods
+from omnistage.names import A_LEAVING
 
 
 def pod(name, index, created, *, node="h200-0", ready_=True, leaving=False):
     annotations = {"serving.omnistage.io/replica-index": str(index)}
     if leaving:
-        annotations[pods.A_LEAVING] = "ScaledDown"
+        annotations[A_LEAVING] = "ScaledDown"
     return {
         "metadata": {"name": name, "uid": f"uid-{name}", "creationTimestamp": created, "annotations": annotations},
         "spec": {"nodeName": node} if node else {},

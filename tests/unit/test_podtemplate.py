@@ -8,11 +8,12 @@ import tomllib
 
 import pytest
 import yaml
-from omnistage import api, podtemplate
-from omnistage.crd import build_crd
+from omnistage import api
+from omnistage.api import podtemplate
+from omnistage.api.crd import build_crd
+from omnistage.api.validation import SPEC_RULES, InvalidSpec, validate_omnistage
+from omnistage.names import A_TEMPLATE_HASH
 from omnistage.render import render_head_pod, render_replica_pod, target_from
-from omnistage.render.common import A_TEMPLATE_HASH
-from omnistage.validation import SPEC_RULES, InvalidSpec, validate_omnistage
 
 from .conftest import ROOT, SAMPLE
 from .test_cli import omnistage
@@ -301,7 +302,7 @@ def test_template_near_miss_is_accepted(template):
 def test_operator_only_template_rules_are_the_ones_over_the_cel_budget():
     """Engine env names and mount paths sit in lists inside a list the API server cannot bound; the
     operator checks them (InvalidSpec, pods untouched). Everything else is refused by the API server too."""
-    from omnistage import validation
+    from omnistage.api import validation
 
     operator_only = [r.broken for r in SPEC_RULES if r.cel is None and r.field.startswith(".template")]
     assert operator_only == [validation._engine_owned_env_items, validation._engine_owned_mount_items]

@@ -4,8 +4,8 @@ import copy
 
 import pytest
 import yaml
+from omnistage.names import A_HEAD_UID, A_TEMPLATE_HASH
 from omnistage.render import render_children, render_head_pod, render_replica_pod, selector, target_from
-from omnistage.render.common import A_HEAD_UID, A_TEMPLATE_HASH
 
 from .conftest import SAMPLE
 

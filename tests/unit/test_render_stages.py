@@ -11,10 +11,10 @@ import os
 import pytest
 import yaml
 from omnistage.api import DEFAULT_ENGINE_IMAGE, TransportMode
+from omnistage.api.validation import InvalidSpec
 from omnistage.known_pipelines import SHIPPED_DEPLOY
 from omnistage.render import render_deploy_config, target_from
 from omnistage.render.stages import NIXL
-from omnistage.validation import InvalidSpec
 
 from .conftest import ROOT, SAMPLE
 

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import yaml
-from omnistage.validation import InvalidSpec, validate_omnistage
+from omnistage.api.validation import InvalidSpec, validate_omnistage
 
 from .conftest import ROOT, SAMPLE
 
@@ -213,7 +213,7 @@ def test_every_problem_names_its_own_item():
 
 def test_operator_only_rules_cover_what_cel_cannot():
     """The API server sees the literal spellings; the rule without CEL takes the rest, never the same arg."""
-    from omnistage.validation import SPEC_RULES
+    from omnistage.api.validation import SPEC_RULES
 
     flag_rules = [r for r in SPEC_RULES if r.field == ".engine.extraArgs"]
     assert [r.cel is None for r in flag_rules] == [False, True]

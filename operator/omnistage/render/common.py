@@ -9,28 +9,22 @@ from typing import Any
 
 from .. import api
 from ..api import OmniStagePoolSpec, OmniStageSpec
-from ..cachemode import CacheDecision, resolve_cache_mode
-from ..podtemplate import L_INSTANCE, L_MANAGED_BY, L_NAME, LABEL_PREFIX
-from ..validation import validate_omnistage
-
-L_OMNISTAGE = f"{LABEL_PREFIX}/omnistage"
-L_COMPONENT = f"{LABEL_PREFIX}/component"   # COMPONENT_ENGINE or COMPONENT_POOL
-L_ROLE = f"{LABEL_PREFIX}/role"             # "head", "replica" or "pool"
-L_POOL = f"{LABEL_PREFIX}/pool"             # the OmniStagePool of a pool pod
-A_TEMPLATE_HASH = f"{LABEL_PREFIX}/template-hash"
-A_CONFIG_HASH = f"{LABEL_PREFIX}/config-hash"
-A_HEAD_UID = f"{LABEL_PREFIX}/head-uid"
-A_REPLICA_INDEX = f"{LABEL_PREFIX}/replica-index"
-A_STAGE_IDS = f"{LABEL_PREFIX}/stage-ids"      # a pool pod's stages ("1,2"): read even after its pool is gone
-
-ROLE_HEAD = "head"
-ROLE_REPLICA = "replica"
-ROLE_POOL = "pool"
-# Stage-0 pods (head and replicas: what the OmniStage's scale selector counts) and the pods of the
-# OmniStagePools (stages >= 1, counted by each pool's own selector).
-COMPONENT_ENGINE = "engine"
-COMPONENT_POOL = "pool"
-ENGINE_COMPONENTS = (COMPONENT_ENGINE, COMPONENT_POOL)
+from ..api.cachemode import CacheDecision, membership_can_change, resolve_cache_mode
+from ..api.validation import validate_omnistage
+from ..names import (
+    APP_NAME,
+    COMPONENT_ENGINE,
+    COMPONENT_POOL,
+    L_COMPONENT,
+    L_INSTANCE,
+    L_MANAGED_BY,
+    L_NAME,
+    L_OMNISTAGE,
+    L_POOL,
+    L_ROLE,
+    MANAGED_BY,
+    ROLE_POOL,
+)
 
 
 @dataclass(frozen=True)
@@ -60,9 +54,8 @@ class Target:
     @property
     def distributed(self) -> bool:
         """Distributed runtime (head + headless replicas) unless a static single replica without
-        remote stages."""
-        return bool(self.spec.stages) or not (self.spec.membership == api.Membership.STATIC
-                                               and self.spec.replicas == 1)
+        remote stages: the same rule as the cache mode's."""
+        return bool(self.spec.stages) or membership_can_change(self.spec.membership, self.spec.replicas)
 
     def child_name(self, suffix: str) -> str:
         return f"{self.name}-{suffix}"
@@ -84,9 +77,9 @@ def target_from(obj: dict[str, Any], default_image: str | None = None) -> Target
 
 def labels(t: Target, role: str | None = None, pool: str | None = None) -> dict[str, str]:
     out = {
-        L_NAME: "omnistage",
+        L_NAME: APP_NAME,
         L_INSTANCE: t.name,
-        L_MANAGED_BY: "omnistage-operator",
+        L_MANAGED_BY: MANAGED_BY,
         L_OMNISTAGE: t.name,
     }
     if role:

@@ -9,7 +9,8 @@ from typing import Any
 
 import yaml
 
-from ..podtemplate import CONFIG_DIR
+from ..api.podtemplate import CONFIG_DIR
+from ..names import A_CONFIG_HASH, A_EFFECTIVE_CACHE_MODE
 from .common import Target, config_hash, metadata
 from .stage0 import pipeline_keys, stage0_deploy
 from .stages import render_pipeline_deploy_config
@@ -39,8 +40,8 @@ def render_configmap(t: Target) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata(t, t.child_name("config"), annotations={
-            "serving.omnistage.io/config-hash": config_hash(text),
-            "serving.omnistage.io/effective-cache-mode": str(t.cache.mode),
+            A_CONFIG_HASH: config_hash(text),
+            A_EFFECTIVE_CACHE_MODE: str(t.cache.mode),
         }),
         "data": {CONFIG_KEY: text},
     }

@@ -5,16 +5,8 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from .common import (
-    ENGINE_COMPONENTS,
-    L_COMPONENT,
-    L_OMNISTAGE,
-    ROLE_HEAD,
-    ROLE_REPLICA,
-    Target,
-    metadata,
-    selector_labels,
-)
+from ..names import ENGINE_COMPONENTS, L_COMPONENT, L_OMNISTAGE, ROLE_HEAD, ROLE_REPLICA
+from .common import Target, metadata, selector_labels
 from .pods import TOKEN_KEY
 
 

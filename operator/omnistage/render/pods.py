@@ -8,9 +8,8 @@ from typing import Any
 
 from omnistage_engine_patches import contract
 
-from .. import podtemplate
-from ..api import EnvVar, GpuSpec, PlacementSpec, TransportMode, TransportProtocol
-from ..podtemplate import (
+from ..api import EnvVar, GpuSpec, PlacementSpec, TransportMode, TransportProtocol, podtemplate
+from ..api.podtemplate import (
     CACHE_DIR,
     CONFIG_DIR,
     ENGINE_CONTAINER,
@@ -24,7 +23,7 @@ from ..podtemplate import (
     V_TOKEN,
     VLLM_HOST_IP_ENV,
 )
-from .common import (
+from ..names import (
     A_CONFIG_HASH,
     A_HEAD_UID,
     A_REPLICA_INDEX,
@@ -35,6 +34,8 @@ from .common import (
     ROLE_HEAD,
     ROLE_POOL,
     ROLE_REPLICA,
+)
+from .common import (
     Pool,
     Target,
     config_hash,

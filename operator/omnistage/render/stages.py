@@ -15,7 +15,7 @@ files), and changes only what running the stages in their own pods needs:
   middle stage (talker) can both receive and send through across pods; sameNode: the shipped
   SharedMemoryConnector config, unchanged.
 
-validation.multi_stage_problems has checked the pipeline, the stage ids and the transport.
+pipeline_rules.multi_stage_problems has checked the pipeline, the stage ids and the transport.
 """
 
 from __future__ import annotations

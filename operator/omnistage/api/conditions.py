@@ -1,0 +1,159 @@
+"""Kubernetes-style conditions, merged by type: lastTransitionTime moves only when status does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+
+class Type(StrEnum):
+    """Condition types, in the order status lists them."""
+
+    READY = "Ready"
+    HEAD_READY = "HeadReady"
+    REPLICAS_AVAILABLE = "ReplicasAvailable"
+    MEMBERSHIP_SYNCED = "MembershipSynced"
+    CACHE_CONSISTENT = "CacheConsistent"
+    CONFIG_RENDERED = "ConfigRendered"
+    PROGRESSING = "Progressing"
+    REPLICA_FAILURE = "ReplicaFailure"
+    # With spec.stages: every stage >= 1 runs in exactly one valid OmniStagePool; every stage has its
+    # pool's replicas joined on the head.
+    STAGES_COVERED = "StagesCovered"
+    STAGES_READY = "StagesReady"
+
+
+TYPES = list(Type)
+STAGE_TYPES = (Type.STAGES_COVERED, Type.STAGES_READY)  # set only with spec.stages
+
+
+class Reason(StrEnum):
+    """Every condition reason the operator sets, by condition. An Event that announces a condition
+    (InvalidSpec, Uncovered, PatchNotApplied, a CacheConsistent verdict) carries the same reason."""
+
+    # ConfigRendered (and Ready, and an OmniStagePool's Ready when its spec is not even a valid model)
+    RENDERED = "Rendered"
+    INVALID_SPEC = "InvalidSpec"
+    # HeadReady
+    HEAD_READY = "HeadReady"
+    HEAD_PENDING = "HeadPending"
+    NO_HEAD = "NoHead"
+    # ReplicasAvailable
+    ALL_AVAILABLE = "AllAvailable"
+    UNAVAILABLE = "Unavailable"
+    # MembershipSynced
+    SYNCED = "Synced"
+    NOT_SYNCED = "NotSynced"
+    # CacheConsistent: the engine's real stage-0 frontend cache against status.effectiveCacheMode
+    CONSISTENT = "Consistent"
+    ENGINE_UNREPORTED = "EngineUnreported"  # the head has not said what it runs (starting, old or no plugin)
+    PATCH_NOT_APPLIED = "PatchNotApplied"  # a patch the mode needs is skipped or disabled (also StagesReady's)
+    CACHE_MISMATCH = "CacheMismatch"  # the frontend built another cache than the OmniStage promises
+    # ReplicaFailure
+    UNSCHEDULABLE = "Unschedulable"
+    ENGINE_EXITED = "EngineExited"
+    NO_FAILURE = "NoFailure"
+    # Progressing, when the pass itself did nothing (else: the Progress values it did)
+    CONVERGING = "Converging"
+    STABLE = "Stable"
+    # StagesCovered
+    ALL_COVERED = "AllCovered"
+    UNCOVERED = "Uncovered"
+    # StagesReady
+    ALL_STAGES_SERVING = "AllStagesServing"
+    # Ready (an OmniStage's and an OmniStagePool's), StagesReady
+    ALL_REPLICAS_SERVING = "AllReplicasServing"
+    WAITING = "Waiting"
+    # An OmniStagePool's Ready=False: why it cannot run (pools.py)
+    OMNISTAGE_NOT_FOUND = "OmniStageNotFound"
+    NOT_MULTI_STAGE = "NotMultiStage"
+    UNKNOWN_STAGE = "UnknownStage"
+    STAGE_IN_TWO_POOLS = "StageInTwoPools"
+    TOO_FEW_GPUS = "TooFewGpus"
+    GPU_MEMORY_OVERCOMMITTED = "GpuMemoryOvercommitted"
+
+
+# An OmniStagePool's Ready=False reasons (the API reference lists them).
+POOL_REASONS = (Reason.OMNISTAGE_NOT_FOUND, Reason.NOT_MULTI_STAGE, Reason.UNKNOWN_STAGE, Reason.STAGE_IN_TWO_POOLS,
+                Reason.TOO_FEW_GPUS, Reason.GPU_MEMORY_OVERCOMMITTED, Reason.INVALID_SPEC)
+
+
+class Progress(StrEnum):
+    """What a pass did: Progressing's reason (the set of them, comma-joined). All but CreatingHead
+    and ScalingUp are also the reason of the Event that says it, and a retirement's reason is what
+    the pod's `leaving` annotation records."""
+
+    CREATING_HEAD = "CreatingHead"
+    ROLLING_HEAD = "RollingHead"
+    HEAD_RESTARTED = "HeadRestarted"
+    SCALING_UP = "ScalingUp"
+    SCALED_DOWN = "ScaledDown"
+    ROLLING_REPLICA = "RollingReplica"  # its pod template changed
+    ROLLED_REPLICA = "RolledReplica"  # it belonged to a previous head
+    REPLACED_REPLICA = "ReplacedReplica"  # its engine exited or it turned NotReady
+    POOL_DELETED = "PoolDeleted"  # a pool pod whose OmniStagePool is gone leaves (drained) and is deleted
+
+
+class EventReason(StrEnum):
+    """The reasons of Events that are neither a condition's (Reason) nor a pass's Progress."""
+
+    CONFIG_RENDERED = "ConfigRendered"  # the ConfigMap was created or changed
+    CHILD_SYNCED = "ChildSynced"  # a Service or the NetworkPolicy was created or changed
+    CREATED_HEAD = "CreatedHead"
+    SCALED_UP = "ScaledUp"
+    JOINED = "Joined"
+    LEFT = "Left"
+    DRAIN_TIMEOUT = "DrainTimeout"
+    LEAVE_FAILED = "LeaveFailed"
+    CREATE_REFUSED = "CreateRefused"  # the API server refused a pod (admission, quota): message has its words
+
+
+@dataclass(frozen=True)
+class Cond:
+    type: str
+    status: bool
+    reason: str
+    message: str = ""
+
+
+def timestamp() -> str:
+    """Now, in RFC 3339 as conditions and Events carry it."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def get(status: dict[str, Any], ctype: str) -> dict[str, Any]:
+    """A status's condition of that type ({} when it has none)."""
+    return next((c for c in status.get("conditions", []) if c.get("type") == ctype), {})
+
+
+def merge(previous: list[dict[str, Any]], new: list[Cond], generation: int | None, now: str) -> list[dict[str, Any]]:
+    """Conditions of types not in `new` are kept as they were."""
+    old = {c.get("type"): c for c in previous or []}
+    fresh = {c.type for c in new}
+    out = [c for c in previous or [] if c.get("type") not in fresh]
+    for c in new:
+        status = "True" if c.status else "False"
+        before = old.get(c.type)
+        changed = before is None or before.get("status") != status
+        out.append({
+            # str(): the enums' plain values, as the API server hands them back
+            "type": str(c.type), "status": status, "reason": str(c.reason), "message": c.message,
+            "observedGeneration": generation,
+            "lastTransitionTime": now if changed else before.get("lastTransitionTime", now),
+        })
+    return sorted(out, key=lambda c: TYPES.index(c["type"]) if c["type"] in TYPES else len(TYPES))
+
+
+def ready(head_ready: bool, replicas_available: bool, membership_synced: bool, config_ok: bool,
+          cache_consistent: bool, stages_ready: bool = True) -> Cond:
+    if not config_ok:
+        return Cond(Type.READY, False, Reason.INVALID_SPEC, "the spec is invalid; see ConfigRendered")
+    missing = [n for n, ok in ((Type.HEAD_READY, head_ready), (Type.REPLICAS_AVAILABLE, replicas_available),
+                               (Type.MEMBERSHIP_SYNCED, membership_synced), (Type.CACHE_CONSISTENT, cache_consistent),
+                               (Type.STAGES_READY, stages_ready)) if not ok]
+    if missing:
+        return Cond(Type.READY, False, Reason.WAITING, "waiting for " + ", ".join(missing))
+    return Cond(Type.READY, True, Reason.ALL_REPLICAS_SERVING,
+                "head ready, replicas available, membership synced, engine cache consistent")

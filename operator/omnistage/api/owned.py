@@ -1,0 +1,134 @@
+"""What in an OmniStage spec is the operator's: the flags it renders on the engine command line, the
+environment it sets, the deploy-config keys of a stage. validation.py (and pipeline_rules.py, for
+spec.stages and spec.transport) refuse them, as CEL and in Python, from these predicates."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from omnistage_engine_patches import contract
+
+from . import OPERATOR_OWNED_FLAGS, OmniStageSpec
+from . import podtemplate as pt
+
+# Keys of the rendered stage 0 that carry the cache or the replica count. vllm-omni reads them at
+# the top of a stage and inside its nested blocks (runtime:, engine_args:, engine_extras:), so a
+# stageOverrides key is checked at any depth.
+OPERATOR_OWNED_STAGE_KEYS = ["mm_processor_cache_type", "mm_processor_cache_gb", "num_replicas",
+                             "omni_dp_size_local", "stage_id"]
+
+# The operator's environment namespace. OMNISTAGE_STANDIN_* are knobs of the test suite's stand-in
+# engine (tests/standin); the real engine and its plugin never read them, so users may set them.
+OWNED_ENV_PREFIX = "OMNISTAGE_"
+STANDIN_ENV_PREFIX = "OMNISTAGE_STANDIN_"
+# Besides the contract's names and the prefix: the engine's address (the master address is $(POD_IP)).
+OWNED_ENV_NAMES = sorted({*(n for n in contract.OPERATOR_OWNED_ENV if not n.startswith(OWNED_ENV_PREFIX)),
+                           *pt.ADDRESS_ENV})
+
+
+# ---- spec.engine.extraArgs ----------------------------------------------------------------------
+# vLLM's FlexibleArgumentParser (0.30.0) reads a flag as `--flag`, `--flag=v`, `--flag.key=v` (a
+# JSON field of the flag), with `_` for `-` after the leading `--`, and abbreviated: argparse's
+# allow_abbrev is on, so `--mm-processor-cache-t=shm` sets --mm-processor-cache-type.
+# The API server checks the literal spellings (`--flag`, `--flag=`, `--flag.` with - or _), which
+# cost CEL only the length of the literals. Cutting the option name out of an argument and
+# normalising it costs the length of the argument, which is unbounded: the operator checks the rest.
+
+
+def _spellings(flag: str) -> list[str]:
+    """The flag as written, and with underscores if it is a long flag."""
+    if not flag.startswith("--"):
+        return [flag]
+    return [flag, "--" + flag[2:].replace("-", "_")] if "-" in flag[2:] else [flag]
+
+
+def _literal_owned_flag(arg: str) -> bool:
+    return any(arg == s or arg.startswith((s + "=", s + ".")) for f in OPERATOR_OWNED_FLAGS for s in _spellings(f))
+
+
+def _flag_name(arg: str) -> str:
+    """The option name vLLM's parser looks up for `arg` ("" for a value, not a flag)."""
+    if not arg.startswith("-") or len(arg) < 2 or arg[1].isdigit():
+        return ""
+    name = arg.split("=", 1)[0].split(".", 1)[0]
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+
+
+def _resolves_to_owned_flag(arg: str) -> bool:
+    """An abbreviation argparse would expand to an owned flag. Three characters ("--x", "-xy")
+    at least: shorter is no flag at all. A prefix shared with another flag is ambiguous and
+    fails in vLLM anyway, so refusing it costs nothing."""
+    name = _flag_name(arg)
+    return len(name) >= 3 and any(f.startswith(name) for f in OPERATOR_OWNED_FLAGS)
+
+
+def owned_flag_items(spec: OmniStageSpec) -> list[str]:
+    return [f"[{i}]" for i, a in enumerate(spec.engine.extra_args) if _literal_owned_flag(a)]
+
+
+def respelled_owned_flag_items(spec: OmniStageSpec) -> list[str]:
+    return [f"[{i}]" for i, a in enumerate(spec.engine.extra_args)
+            if _resolves_to_owned_flag(a) and not _literal_owned_flag(a)]
+
+
+def owned_flags_cel() -> str:
+    tests = [f"a == '{s}' || a.startsWith('{s}=') || a.startsWith('{s}.')"
+             for f in OPERATOR_OWNED_FLAGS for s in _spellings(f)]
+    return "!has(self.engine.extraArgs) || self.engine.extraArgs.all(a, !(" + " || ".join(tests) + "))"
+
+
+# ---- spec.engine.env ------------------------------------------------------------------------------
+
+
+def owned_env(name: str) -> bool:
+    """VLLM_PLUGINS switches the engine plugin off; OMNISTAGE_* are its switches, the resolved
+    cache mode and the membership token; POD_IP and VLLM_HOST_IP are the engine's address. The
+    operator renders all of them."""
+    if name.startswith(STANDIN_ENV_PREFIX):
+        return False
+    return name in OWNED_ENV_NAMES or name in contract.OPERATOR_OWNED_ENV or name.startswith(OWNED_ENV_PREFIX)
+
+
+def owned_env_items(spec: OmniStageSpec) -> list[str]:
+    return [f"[{i}].name" for i, e in enumerate(spec.engine.env) if owned_env(e.name)]
+
+
+def not_owned_env_cel(var: str) -> str:
+    """CEL: the env var `var` is not the operator's (the same test as owned_env)."""
+    names = ", ".join(f"'{n}'" for n in OWNED_ENV_NAMES)
+    return (f"!({var}.name in [{names}]) && "
+            f"(!{var}.name.startsWith('{OWNED_ENV_PREFIX}') || {var}.name.startsWith('{STANDIN_ENV_PREFIX}'))")
+
+
+def owned_env_cel() -> str:
+    return f"!has(self.engine.env) || self.engine.env.all(e, {not_owned_env_cel('e')})"
+
+
+def env_value_and_source_items(spec: OmniStageSpec) -> list[str]:
+    return [f"[{i}]" for i, e in enumerate(spec.engine.env) if e.value_from is not None and e.value]
+
+
+# ---- spec.engine.stageOverrides -------------------------------------------------------------------
+
+
+def walk(node: Any, path: str = "") -> Iterator[tuple[str, str]]:
+    """(path, key) of every mapping key at any depth, lists included."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            here = f"{path}.{key}"
+            yield here, str(key)
+            yield from walk(value, here)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from walk(value, f"{path}[{i}]")
+
+
+def owned_stage_key(key: str) -> bool:
+    # A dashed spelling of an owned key means nothing else, so it is refused too. A stage's env
+    # (env:, runtime.env:) reaches its engine processes, so the operator's variables are refused.
+    return key.replace("-", "_") in OPERATOR_OWNED_STAGE_KEYS or owned_env(key)
+
+
+def owned_stage_paths(spec: OmniStageSpec) -> list[str]:
+    return [path for path, key in walk(spec.engine.stage_overrides) if owned_stage_key(key)]

@@ -1,0 +1,101 @@
+"""The words of a pass: what `reconcile.observe` read (Observed) and what `plan` decides that
+`act` executes (the actions, in order). Shared by the three and by the tests; pure data."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Drain states the act step records for a replica pod (by pod uid) while its `leave` runs elsewhere.
+DRAIN_RUNNING = "running"  # the head is draining it; the pod stays until the leave returns
+DRAIN_DONE = "done"  # the leave returned (drained or timed out): delete the pod
+DRAIN_FAILED = "failed"  # the head could not be told; its heartbeat timeout detaches the replica
+
+
+# ---- actions: what act.py executes, in order ---------------------------------------------------
+
+@dataclass(frozen=True)
+class Emit:
+    type: str  # "Normal" | "Warning"
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class EnsureChild:
+    """Create the child, or patch it when the `compare` fields drifted (Event when it changed)."""
+    obj: dict[str, Any]
+    compare: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CreatePod:
+    obj: dict[str, Any]
+    reason: str
+    message: str  # "{pod}" is replaced by the created pod's name
+
+
+@dataclass(frozen=True)
+class DeletePod:
+    name: str
+    uid: str
+    reason: str | None = None  # Event after the delete, when set
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Annotate:
+    name: str
+    annotations: dict[str, str | None]
+
+
+@dataclass(frozen=True)
+class StartLeave:
+    """Tell the head to stop routing to the pod's replicas and drain them; runs off the reconcile
+    worker. `leaves` holds one (stage, replica id) per stage the pod runs (a pool pod may run two).
+    The pod is deleted by a later pass, once the drain state says every leave returned."""
+    pod: str
+    uid: str
+    leaves: tuple[tuple[int, int], ...]
+    drain_seconds: int
+
+
+@dataclass(frozen=True)
+class Forget:
+    """The head still lists a replica whose pod is gone: leave at once (no drain, nothing to route to)."""
+    replica_id: int
+    who: str
+    stage: int = 0
+
+
+@dataclass(frozen=True)
+class Join:
+    pod: str
+    ip: str
+    stage: int = 0
+
+
+Action = Emit | EnsureChild | CreatePod | DeletePod | Annotate | StartLeave | Forget | Join
+
+
+# ---- observation ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything one pass read. `head_reachable` means a head client could be built (head pod has
+    an IP and is not terminating); report/listing are None when not asked or no answer, with why."""
+    obj: dict[str, Any]
+    head: dict[str, Any] | None = None
+    replicas: tuple[dict[str, Any], ...] = ()
+    head_reachable: bool = False
+    report: dict[str, Any] | None = None
+    report_problem: str | None = None
+    listing: dict[str, Any] | None = None
+    listing_problem: str | None = None
+    drains: Mapping[str, str] = field(default_factory=dict)  # pod uid -> DRAIN_* (act's drain executor)
+    problems: tuple[str, ...] = ()  # what the previous act step could not do (joins refused, ...)
+    pools: tuple[dict[str, Any], ...] = ()  # the OmniStagePools whose spec.omniStage names it
+
+
+HEAD_NOT_READY = "head pod is not ready"  # why a pass read nothing from the head

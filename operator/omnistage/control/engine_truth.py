@@ -1,0 +1,116 @@
+"""Does the engine really run the cache the OmniStage promises? One pure function.
+
+The OmniStage's `status.effectiveCacheMode` is the operator's decision; the head's engine report
+(`contract.ENGINE_PATH`) is what the engine built. They must agree, and every patch the decision
+depends on must be in effect, before a replica may receive traffic from that head: a replica
+routed by a sender-cache frontend fails silently (HTTP 200, no content).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omnistage_engine_patches import contract
+
+from ..api.conditions import Reason
+
+# What to run when the report disagrees (said in the Warning Event and the condition).
+SUPPORTED_ENGINE = "vllm 0.30.0 and vllm-omni 0.30.0 with this operator's omnistage-engine-patches plugin"
+PLUGIN_ADVICE = (f"use an engine image with {SUPPORTED_ENGINE} installed, and keep {contract.GENERAL_PLUGIN} and "
+                 f"{contract.ENDPOINT_PLUGIN} in {contract.VLLM_PLUGINS_ENV}")
+
+# The mode the report names for each effective cache mode the operator resolves.
+_EXPECTED_FRONTEND = {
+    contract.CACHE_PROCESSOR_ONLY: contract.CACHE_PROCESSOR_ONLY,
+    contract.CACHE_REPLICA_AWARE: contract.CACHE_REPLICA_AWARE,
+    contract.CACHE_LRU: contract.CACHE_LRU,
+    contract.CACHE_SHM: contract.CACHE_SHM,
+    contract.CACHE_DISABLED: contract.CACHE_NONE,
+    contract.CACHE_NOT_APPLICABLE: contract.CACHE_NONE,
+}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    consistent: bool
+    reason: str
+    message: str
+
+
+def required_patches(effective_mode: str, distributed: bool) -> list[str]:
+    """The patches the effective mode and the topology depend on.
+
+    processor-only: the plugin builds it (vLLM 0.30.0 has no knob for it). replica-aware: that, plus
+    the dispatch that omits tensors per replica (`replica_aware_cache`). Distributed: UUID
+    scoping must not write replica keys into callers' prompts (defect 2), and the membership
+    hooks hold unjoined replicas unroutable and serve join/leave.
+    """
+    needed = {
+        contract.CACHE_PROCESSOR_ONLY: [contract.FRONTEND_CACHE],
+        # the processor-only frontend, plus the per-replica dispatch on top of it
+        contract.CACHE_REPLICA_AWARE: [contract.FRONTEND_CACHE, contract.REPLICA_AWARE_CACHE],
+    }.get(effective_mode, [])
+    if distributed:
+        needed += [contract.UUID_SCOPE, contract.MEMBERSHIP]
+    return needed
+
+
+def _engine(report: dict[str, Any]) -> str:
+    return (f"plugin {report.get('pluginVersion') or '?'}, vllm {report.get('vllmVersion') or '?'}, "
+            f"vllm-omni {report.get('vllmOmniVersion') or '?'}")
+
+
+def check(effective_mode: str, distributed: bool, report: dict[str, Any] | None,
+          unreported_because: str | None = None) -> Verdict:
+    """Compare the operator's decision with the head's report.
+
+    `report` None: the head did not answer (`unreported_because` says why).
+    """
+    if report is None:
+        return Verdict(False, Reason.ENGINE_UNREPORTED,
+                       f"the head has not reported its engine ({unreported_because or 'no answer'}); "
+                       f"replicas are not joined until it does. If it never does: {PLUGIN_ADVICE}")
+    frontend = report.get("frontendCache")
+    if not isinstance(frontend, dict):
+        return Verdict(False, Reason.ENGINE_UNREPORTED,
+                       f"the head's stage-0 frontend is not built yet ({_engine(report)})")
+    patches = report.get("patches") or {}
+    broken = []
+    for name in required_patches(effective_mode, distributed):
+        outcome = patches.get(name) or {}
+        if outcome.get("outcome") not in contract.EFFECTIVE_OUTCOMES:
+            broken.append(f"{name} {outcome.get('outcome') or 'missing'}"
+                          + (f" ({outcome['reason']})" if outcome.get("reason") else ""))
+    if broken:
+        return Verdict(False, Reason.PATCH_NOT_APPLIED,
+                       f"engine patches not in effect: {'; '.join(broken)}. The head runs {_engine(report)}; "
+                       f"{PLUGIN_ADVICE}")
+    expected = _EXPECTED_FRONTEND.get(effective_mode)
+    actual = frontend.get("mode")
+    if actual != expected:
+        return Verdict(False, Reason.CACHE_MISMATCH,
+                       f"status.effectiveCacheMode is {effective_mode} but the head's stage-0 frontend built "
+                       f"{frontend.get('cacheClass') or 'no cache'} ({actual}); the head runs {_engine(report)}. "
+                       f"{PLUGIN_ADVICE}")
+    built = frontend.get("cacheClass") or "no multimodal cache"
+    return Verdict(True, Reason.CONSISTENT, f"the head's stage-0 frontend runs {built} ({effective_mode}); "
+                                       f"{_engine(report)}")
+
+
+def summary(report: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The part of the report that goes into status.engine."""
+    if report is None:
+        return None
+    frontend = report.get("frontendCache") if isinstance(report.get("frontendCache"), dict) else {}
+    out = {
+        "bootId": report.get("bootId"),
+        "pluginVersion": report.get("pluginVersion"),
+        "vllmVersion": report.get("vllmVersion"),
+        "vllmOmniVersion": report.get("vllmOmniVersion"),
+        "distributed": report.get("distributed"),
+        "frontendCacheClass": frontend.get("cacheClass"),
+        "frontendCacheMode": frontend.get("mode"),
+        "patches": {name: str((p or {}).get("outcome")) for name, p in sorted((report.get("patches") or {}).items())},
+    }
+    return {k: v for k, v in out.items() if v is not None}

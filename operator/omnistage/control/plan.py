@@ -1,0 +1,395 @@
+"""The reconcile decision as one pure function: plan(t, observed) -> Plan(actions, status, pools).
+
+Nothing here talks to the API server or a head: `reconcile.observe` reads, `act` executes, and
+status.py describes what the decision leaves. Keeping the decision pure lets a table of situations
+(tests/unit/test_plan.py) pin down every rule, and makes a pass cheap to reason about: the same
+observation always yields the same actions.
+
+The steps run in dependency order (children, head, head restart, stale replicas, template roll,
+scale, membership) on one Pass, which records what each decided, so that a pod deleted early in
+the pass is not counted, joined or deleted again by a later step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from omnistage_engine_patches import contract
+
+from ..api import OmniStagePoolSpec
+from ..api.conditions import Cond, EventReason, Progress, Reason, Type, merge, timestamp
+from ..api.conditions import get as condition
+from ..api.validation import InvalidSpec
+from ..names import A_LEAVING
+from ..render import (
+    render_api_service,
+    render_configmap,
+    render_head_pod,
+    render_master_service,
+    render_network_policy,
+    render_replica_pod,
+)
+from ..render.common import Pool, Target
+from ..render.pods import render_pool_pod
+from . import engine_truth, pods, pools, status
+from .actions import (
+    DRAIN_DONE,
+    DRAIN_FAILED,
+    HEAD_NOT_READY,
+    Action,
+    Annotate,
+    CreatePod,
+    DeletePod,
+    Emit,
+    EnsureChild,
+    Forget,
+    Join,
+    Observed,
+    StartLeave,
+)
+
+# Why a replica leaves, by the reason its `leaving` annotation records (the delete's Event says it).
+_WHY = {
+    Progress.SCALED_DOWN: "spec.replicas is {replicas}",
+    Progress.ROLLING_REPLICA: "its pod template changed",
+    Progress.ROLLED_REPLICA: "it belongs to a previous head",
+    Progress.REPLACED_REPLICA: "its engine exited or it turned NotReady",
+    Progress.POOL_DELETED: "its OmniStagePool {pool} is gone",
+}
+# A pool pod's drain when its pool is gone (the pool's own setting went with it).
+DEFAULT_POOL_DRAIN = OmniStagePoolSpec.model_fields["drain_timeout_seconds"].default
+
+
+class Plan(NamedTuple):
+    actions: list[Action]  # for act, in order
+    status: dict[str, Any]  # the OmniStage's, as the actions leave it
+    pools: dict[str, dict[str, Any]]  # OmniStagePool name -> its status, for those that changed
+
+
+def plan(t: Target | InvalidSpec, o: Observed, at: str | None = None) -> Plan:
+    """The one decision. `t` is the validated target or the InvalidSpec it raised; `at` is the
+    timestamp for condition transitions (a parameter, so the function stays pure)."""
+    at = at or timestamp()
+    generation = o.obj["metadata"].get("generation")
+    if isinstance(t, InvalidSpec):
+        return _invalid(t, o, generation, at)
+    p = decide(t, o)
+    return Plan(p.actions, status.omnistage_status(p, generation, at), status.pool_statuses(p, at))
+
+
+def decide(t: Target, o: Observed) -> Pass:
+    p = Pass(t, o)
+    p.children()
+    p.head_pod()
+    p.engine_report()
+    p.membership_read()
+    p.retire_stale()
+    p.scale()
+    p.sync_membership()
+    p.announce_stages()
+    return p
+
+
+def _invalid(err: InvalidSpec, o: Observed, generation: int | None, at: str) -> Plan:
+    """Loses nothing: running pods stay as they are until the spec is fixed."""
+    previous = o.obj.get("status") or {}
+    message = str(err)
+    actions: list[Action] = []
+    if condition(previous, Type.CONFIG_RENDERED).get("message") != message:
+        actions.append(Emit("Warning", Reason.INVALID_SPEC, message))
+    conds = [Cond(Type.CONFIG_RENDERED, False, Reason.INVALID_SPEC, message),
+             Cond(Type.READY, False, Reason.INVALID_SPEC, message)]
+    return Plan(actions, {**previous, "conditions": merge(previous.get("conditions", []), conds, generation, at)}, {})
+
+
+class Pass:
+    """One pass's working state: the observation plus what the steps decided so far. Once decide()
+    returns it is the decision that status.py describes."""
+
+    def __init__(self, t: Target, o: Observed):
+        self.t, self.o, self.previous = t, o, o.obj.get("status") or {}
+        self.actions: list[Action] = []
+        self.progressing: list[str] = []  # Progress values: what this pass did
+        self.head = o.head
+        self.head_going = False  # this pass deletes the head (it rolls)
+        self.gone: set[str] = set()  # pod uids deleted by this plan
+        self.handled: set[str] = set()  # pod uids whose retirement this plan already decided
+        self.listing = o.listing
+        self.report = o.report
+        self.membership_problem: str | None = None
+        self.head_restarted = False  # this pass saw the head's container restart
+        self.verdict: engine_truth.Verdict | None = None
+        self.want_head = render_head_pod(t)  # rendered once per pass
+        self._want_replica: dict[int, dict[str, Any]] = {}
+        self._want_pool_pod: dict[tuple[str, int], dict[str, Any]] = {}
+        self.pools = pools.fit(t, t.name, o.pools)
+        self.pool_of = {f.name: f for f in self.pools}
+
+    # -- helpers
+    def emit(self, etype: str, reason: str, message: str) -> None:
+        self.actions.append(Emit(etype, reason, message))
+
+    def want_replica(self, index: int) -> dict[str, Any]:
+        if index not in self._want_replica:
+            self._want_replica[index] = render_replica_pod(self.t, index, pods.ip(self.head) or "",
+                                                           pods.uid(self.head))
+        return self._want_replica[index]
+
+    def want_pool_pod(self, pool: Pool, index: int) -> dict[str, Any]:
+        key = (pool.name, index)
+        if key not in self._want_pool_pod:
+            self._want_pool_pod[key] = render_pool_pod(self.t, pool, index, pods.ip(self.head) or "",
+                                                       pods.uid(self.head))
+        return self._want_pool_pod[key]
+
+    def want(self, pod: dict[str, Any]) -> dict[str, Any] | None:
+        """The pod as it should be now; None for a pod of a pool that cannot run (it is not rolled)."""
+        if pods.pool(pod) is None:
+            return self.want_replica(pods.index(pod))
+        fitted = self.pool_of.get(pods.pool(pod))
+        return self.want_pool_pod(fitted.pool, pods.index(pod)) if fitted is not None and fitted.runs else None
+
+    def drain_of(self, pod: dict[str, Any]) -> int:
+        if pods.pool(pod) is None:
+            return self.t.spec.engine.drain_timeout_seconds
+        fitted = self.pool_of.get(pods.pool(pod))
+        return fitted.pool.spec.drain_timeout_seconds if fitted is not None and fitted.pool else DEFAULT_POOL_DRAIN
+
+    def head_staying(self) -> bool:
+        """A head pod that is not on its way out (by an earlier delete or by this pass)."""
+        return self.head is not None and not pods.terminating(self.head) and not self.head_going
+
+    def head_live(self) -> bool:
+        return self.head_staying() and bool(pods.ip(self.head))
+
+    def head_talks(self) -> bool:
+        """A head client exists and the head pod is Ready: the only head the plan reads answers from."""
+        return self.o.head_reachable and self.head_live() and pods.ready(self.head)
+
+    def live(self, pool: str | None = "*") -> list[dict[str, Any]]:
+        """Replica and pool pods not going away; of one pool (None: stage-0 replicas) unless "*"."""
+        return [r for r in self.o.replicas if not pods.terminating(r) and pods.uid(r) not in self.gone
+                and (pool == "*" or pods.pool(r) == pool)]
+
+    def members(self, stage: int = 0) -> list[contract.Member]:
+        return contract.members(self.listing, stage) if self.listing is not None else []
+
+    def member_of(self, pod: dict[str, Any], stage: int = 0) -> dict[str, Any] | None:
+        for mm in self.members(stage):
+            if mm.get("pod") == pods.name(pod) or (pods.ip(pod) and mm.get("host") == pods.ip(pod)):
+                return mm
+        return None
+
+    def joined(self, pod: dict[str, Any], stage: int) -> bool:
+        mm = self.member_of(pod, stage)
+        return mm is not None and mm.get("pod") == pods.name(pod)
+
+    def stage_ids(self) -> list[int]:
+        return [0, *(s.id for s in self.t.spec.stages)]
+
+    def delete(self, pod: dict[str, Any], reason: str | None = None, message: str = "") -> None:
+        self.actions.append(DeletePod(pods.name(pod), pods.uid(pod), reason, message))
+        self.gone.add(pods.uid(pod))
+
+    # -- steps
+    def children(self) -> None:
+        t = self.t
+        for child, compare in ((render_configmap(t), ("data",)), (render_api_service(t), ("spec",)),
+                               (render_master_service(t), ("spec",)), (render_network_policy(t), ("spec",))):
+            self.actions.append(EnsureChild(child, compare))
+
+    def head_pod(self) -> None:
+        head, want = self.head, self.want_head
+        if head is not None and not pods.terminating(head):
+            outdated = pods.template_hash(head) != pods.template_hash(want)
+            if outdated or pods.terminal(head):
+                # Replicas are bound to one head incarnation (they never re-register), so the head
+                # rolls first and its replicas follow; rolling them first would restart them twice.
+                why = "its pod template changed" if outdated else f"it is {head['status'].get('phase')}"
+                self.emit("Normal", Progress.ROLLING_HEAD, f"replacing head pod {pods.name(head)}: {why}")
+                self.actions.append(DeletePod(pods.name(head), pods.uid(head)))
+                self.progressing.append(Progress.ROLLING_HEAD)
+                # What the old head said no longer counts; its successor is created on a later pass
+                # (the name is taken until the old pod is gone).
+                self.head_going = True
+                self.listing, self.report = None, None
+                return
+        if head is None:
+            self.actions.append(CreatePod(want, EventReason.CREATED_HEAD, "created head pod {pod}"))
+            self.progressing.append(Progress.CREATING_HEAD)
+
+    def engine_report(self) -> None:
+        """Hold the cache guarantee against what the head says it runs."""
+        if not self.head_talks():
+            why = HEAD_NOT_READY
+            self.report = None
+        else:
+            why = self.o.report_problem
+        self.verdict = engine_truth.check(str(self.t.cache.mode), self.t.distributed, self.report, why)
+        before = condition(self.previous, Type.CACHE_CONSISTENT)
+        if self.verdict.consistent or why == HEAD_NOT_READY:
+            if self.verdict.consistent and before.get("status") == "False":
+                self.emit("Normal", self.verdict.reason, self.verdict.message)
+            return
+        if before.get("message") != self.verdict.message:
+            self.emit("Warning", self.verdict.reason, self.verdict.message)
+
+    def membership_read(self) -> None:
+        if not self.t.distributed:
+            self.listing = None
+            return  # a static single replica: no master, no membership to keep
+        before = self.previous.get("head") or {}
+        if self.head_live() and before.get("uid") == pods.uid(self.head) and before.get("restarts") is not None \
+                and pods.restarts(self.head) > before["restarts"]:
+            # The head's container restarted: a new engine process, which its replicas never register
+            # with again. Seen from the pod, not the head's boot id: a multi-stage head answers nothing
+            # (not even /health) until a replica of every remote stage registered, which none will.
+            self._roll_for_new_head(f"its container restarted (restartCount {before['restarts']} -> "
+                                    f"{pods.restarts(self.head)})")
+            self.head_restarted = True
+            return
+        if not self.head_talks():
+            self.membership_problem, self.listing = HEAD_NOT_READY, None
+            return
+        if self.listing is None:
+            self.membership_problem = f"head unreachable: {self.o.listing_problem}"
+            return
+        boot = self.listing.get("bootId")
+        if before.get("uid") == pods.uid(self.head) and before.get("bootId") and boot != before.get("bootId"):
+            # Same head pod, new engine process: its replicas registered with the old one.
+            self._roll_for_new_head(f"boot id {before.get('bootId')} -> {boot}")
+
+    def _roll_for_new_head(self, why: str) -> None:
+        self.emit("Warning", Progress.HEAD_RESTARTED, f"head engine restarted ({why}); rolling every replica"
+                  + (" and every pool pod" if self.t.spec.stages else ""))
+        for r in self.live():
+            self.delete(r)
+        self.progressing.append(Progress.HEAD_RESTARTED)
+
+    def _retire(self, pod: dict[str, Any], drain_seconds: int, reason: str, why: str) -> None:
+        """Tell the engine first, then delete: the engine stops routing to the replica and drains it,
+        so no request is cut off by the pod's deletion. The drain is started here and finished on a
+        later pass (the `leaving` annotation records the decision across passes and restarts)."""
+        uid = pods.uid(pod)
+        if uid in self.handled or uid in self.gone:
+            return
+        self.handled.add(uid)
+        if pods.annotation(pod, A_LEAVING) is None:
+            self.actions.append(Annotate(pods.name(pod), {A_LEAVING: reason}))
+        self.progressing.append(reason)
+        members = [(stage, self.member_of(pod, stage)) for stage in pods.stage_ids(pod)]
+        leaves = tuple((stage, mm["replicaId"]) for stage, mm in members
+                       if mm is not None and mm.get("state") != contract.LEFT)
+        drain = self.o.drains.get(uid)
+        if leaves and self.head_talks() and drain not in (DRAIN_DONE, DRAIN_FAILED):
+            if drain is None:  # not started, or started by an operator that has since restarted
+                self.actions.append(StartLeave(pods.name(pod), uid, leaves, drain_seconds))
+            return  # DRAIN_RUNNING: the pod stays until the head let every stage's replica go
+        # Left, never joined, or the head cannot be told (its heartbeat timeout detaches it).
+        kind = "pool pod" if pods.pool(pod) else "replica pod"
+        self.delete(pod, reason, f"deleted {kind} {pods.name(pod)}: {why}")
+
+    def retire_stale(self) -> None:
+        """Replicas of another head incarnation or a finished process go at once; replicas whose
+        template changed roll one at a time while every other replica is Ready."""
+        if not self.head_live():
+            return
+        head_uid = pods.uid(self.head)
+        for r in self.live():
+            drain = self.drain_of(r)
+            if pods.annotation(r, A_LEAVING) is not None:
+                # A retirement decided earlier (this operator or one before a restart) is finished,
+                # whatever happened to the spec since.
+                reason = pods.annotation(r, A_LEAVING) or Progress.SCALED_DOWN
+                self._retire(r, drain if reason in (Progress.SCALED_DOWN, Progress.ROLLING_REPLICA, Progress.POOL_DELETED) else 0,
+                             reason, self._why(reason, r))
+            elif pods.pool(r) is not None and pods.pool(r) not in self.pool_of:
+                self._retire(r, drain, Progress.POOL_DELETED, self._why(Progress.POOL_DELETED, r))
+            elif pods.head_uid(r) != head_uid:
+                self._retire(r, 0, Progress.ROLLED_REPLICA, "it belongs to a previous head")
+            elif pods.terminal(r):
+                self._retire(r, 0, Progress.REPLACED_REPLICA, f"its engine exited ({r['status'].get('phase')})")
+            elif self.listing is not None and self.member_of(r) is not None and not pods.ready(r):
+                self._retire(r, 0, Progress.REPLACED_REPLICA, "it turned NotReady")
+        live = self.live()
+        if any(pods.uid(r) in self.handled for r in live):
+            return  # one replica at a time: a roll waits for every drain in progress
+        outdated = [r for r in live if self.want(r) is not None
+                    and pods.template_hash(r) != pods.template_hash(self.want(r))]
+        if outdated and all(pods.ready(r) for r in live if r not in outdated):
+            self._retire(outdated[0], self.drain_of(outdated[0]), Progress.ROLLING_REPLICA, "its pod template changed")
+
+    def _why(self, reason: str, pod: dict[str, Any]) -> str:
+        fitted = self.pool_of.get(pods.pool(pod) or "")
+        replicas = fitted.pool.spec.replicas if fitted and fitted.pool else self.t.spec.replicas
+        why = _WHY.get(reason, "it was leaving").format(replicas=replicas, pool=pods.pool(pod))
+        return f"its pool's {why}" if fitted and reason == Progress.SCALED_DOWN else why
+
+    def staying(self, pool: str | None) -> list[dict[str, Any]]:
+        """Live pods of a pool (None: stage-0 replicas) not on their way out: what its replicas is compared with."""
+        return [r for r in self.live(pool) if pods.uid(r) not in self.handled]
+
+    def scale(self) -> None:
+        t = self.t
+        self._scale(None, t.spec.replicas - 1 if t.distributed else 0, f"spec.replicas {t.spec.replicas}")
+        for fitted in self.pools:
+            if fitted.runs:  # a pool that cannot run keeps the pods it has (loses nothing) and gets no more
+                self._scale(fitted.pool, fitted.pool.spec.replicas,
+                            f"OmniStagePool {fitted.name} spec.replicas {fitted.pool.spec.replicas}")
+
+    def _scale(self, pool: Pool | None, desired: int, why: str) -> None:
+        name = pool.name if pool else None
+        staying = self.staying(name)
+        if len(staying) > desired:
+            for victim in pods.choose_victims(staying, len(staying) - desired):
+                self._retire(victim, self.drain_of(victim), Progress.SCALED_DOWN, self._why(Progress.SCALED_DOWN, victim))
+            return
+        # Pool pods too are created once the head has an IP, not once it is Ready: the head turns Ready
+        # only after one replica of each remote stage registered.
+        if len(staying) < desired and self.head_live():
+            every = [r for r in self.o.replicas if pods.pool(r) == name]
+            for i in pods.free_indices(every, desired - len(staying)):
+                want = self.want_pool_pod(pool, i) if pool else self.want_replica(i)
+                kind = "pool pod" if pool else "replica pod"
+                self.actions.append(CreatePod(want, EventReason.SCALED_UP, f"created {kind} {{pod}} ({why})"))
+                self.progressing.append(Progress.SCALING_UP)
+
+    def sync_membership(self) -> None:
+        """Join every Ready replica the head has not acknowledged; make the head forget every replica
+        whose pod is gone (it would otherwise wait out its 30 s heartbeat timeout)."""
+        if self.listing is None:
+            return
+        live = {pods.name(r): r for r in self.live()}
+        head_ip = pods.ip(self.head)
+        for stage in self.stage_ids():
+            runs = [r for r in live.values() if stage in pods.stage_ids(r)]
+            for mm in self.members(stage):
+                if contract.is_head_local(mm, head_ip) or mm.get("state") == contract.LEFT:
+                    continue
+                pod = live.get(mm.get("pod")) or next((r for r in runs if pods.ip(r) == mm.get("host")), None)
+                if pod is None:
+                    self.actions.append(Forget(mm["replicaId"], str(mm.get("pod") or mm.get("host")), stage))
+        for name, pod in live.items():
+            if not pods.ready(pod) or pods.annotation(pod, A_LEAVING) is not None \
+                    or pods.uid(pod) in self.handled:
+                continue
+            for stage in pods.stage_ids(pod):
+                if self.joined(pod, stage):
+                    continue
+                if stage == 0 and not self.verdict.consistent:
+                    # The head holds an unjoined replica unroutable (contract.ROUTE_JOINED_ONLY_ENV); the
+                    # multimodal cache guarantee is stage 0's (later stages take no frontend media).
+                    self.membership_problem = f"{name} is not joined: {Type.CACHE_CONSISTENT} is False ({self.verdict.reason})"
+                    continue
+                self.actions.append(Join(name, pods.ip(pod), stage))
+
+    def announce_stages(self) -> None:
+        """A Warning when StagesCovered or StagesReady turns bad, or says something new while bad."""
+        if not self.t.spec.stages:
+            return
+        covered, stages_ready = status.stage_conditions(self, status.stage_rows(self))
+        if not covered.status and covered.message != condition(self.previous, Type.STAGES_COVERED).get("message"):
+            self.emit("Warning", Reason.UNCOVERED, covered.message)
+        if stages_ready.reason == Reason.PATCH_NOT_APPLIED \
+                and stages_ready.message != condition(self.previous, Type.STAGES_READY).get("message"):
+            self.emit("Warning", Reason.PATCH_NOT_APPLIED, stages_ready.message)

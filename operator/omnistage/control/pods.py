@@ -1,0 +1,119 @@
+"""Pure reading of pod objects (dicts as the API returns them) and the scale-down victim choice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..names import A_HEAD_UID, A_LEAVING, A_REPLICA_INDEX, A_STAGE_IDS, A_TEMPLATE_HASH, L_POOL
+
+
+def name(pod: dict[str, Any]) -> str:
+    return pod["metadata"]["name"]
+
+
+def uid(pod: dict[str, Any]) -> str:
+    return pod["metadata"]["uid"]
+
+
+def pool(pod: dict[str, Any]) -> str | None:
+    """The OmniStagePool of a pool pod (None: a stage-0 pod)."""
+    return pod["metadata"].get("labels", {}).get(L_POOL)
+
+
+def stage_ids(pod: dict[str, Any]) -> tuple[int, ...]:
+    """The stages a pod runs a replica of: its pool's, as rendered; stage 0 for head and replicas."""
+    ids = annotation(pod, A_STAGE_IDS)
+    return tuple(int(i) for i in ids.split(",")) if ids else (0,)
+
+
+def annotation(pod: dict[str, Any], key: str) -> str | None:
+    return (pod["metadata"].get("annotations") or {}).get(key)
+
+
+def ip(pod: dict[str, Any]) -> str | None:
+    return (pod.get("status") or {}).get("podIP")
+
+
+def index(pod: dict[str, Any]) -> int:
+    return int(annotation(pod, A_REPLICA_INDEX) or 0)
+
+
+def template_hash(pod: dict[str, Any]) -> str | None:
+    return annotation(pod, A_TEMPLATE_HASH)
+
+
+def head_uid(pod: dict[str, Any]) -> str | None:
+    return annotation(pod, A_HEAD_UID)
+
+
+def restarts(pod: dict[str, Any]) -> int:
+    """How often the pod's containers restarted (the kubelet's restartCount)."""
+    return sum(int(c.get("restartCount") or 0) for c in (pod.get("status") or {}).get("containerStatuses") or [])
+
+
+def terminating(pod: dict[str, Any]) -> bool:
+    return bool(pod["metadata"].get("deletionTimestamp"))
+
+
+def terminal(pod: dict[str, Any]) -> bool:
+    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+def _condition(pod: dict[str, Any], ctype: str) -> dict[str, Any] | None:
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == ctype:
+            return c
+    return None
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    c = _condition(pod, "Ready")
+    return bool(c and c.get("status") == "True") and not terminating(pod) and not terminal(pod)
+
+
+def unschedulable(pod: dict[str, Any]) -> str | None:
+    """The scheduler's message when it could not place the pod, else None."""
+    c = _condition(pod, "PodScheduled")
+    if c and c.get("status") == "False":
+        return c.get("message") or c.get("reason") or "Unschedulable"
+    return None
+
+
+def scheduled(pod: dict[str, Any]) -> bool:
+    return bool((pod.get("spec") or {}).get("nodeName"))
+
+
+def created(pod: dict[str, Any]) -> str:
+    return pod["metadata"].get("creationTimestamp") or ""
+
+
+def choose_victims(replicas: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """Which replica pods leave on scale-down: those already leaving (a crash mid-scale must finish
+    the same choice), then unscheduled ones (they serve nothing), then not-ready, then the newest
+    (the oldest have the warmest caches). Ties go to the highest index, so the choice is stable."""
+    def rank(pod: dict[str, Any]) -> tuple:
+        return (
+            annotation(pod, A_LEAVING) is None,
+            scheduled(pod),
+            ready(pod),
+            _neg(created(pod)),
+            -index(pod),
+        )
+    return sorted(replicas, key=rank)[:max(0, count)]
+
+
+def _neg(timestamp: str) -> tuple[int, ...]:
+    """Sort key that puts later RFC 3339 timestamps first."""
+    return tuple(-ord(c) for c in timestamp)
+
+
+def free_indices(replicas: list[dict[str, Any]], count: int) -> list[int]:
+    """The lowest replica indices (from 1) not used by any existing pod: deterministic names make a
+    create after a crash a harmless conflict instead of a duplicate pod."""
+    used = {index(p) for p in replicas}
+    out, i = [], 1
+    while len(out) < count:
+        if i not in used:
+            out.append(i)
+        i += 1
+    return out

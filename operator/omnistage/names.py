@@ -1,0 +1,43 @@
+"""Every name the operator writes on objects, once: labels, annotations, roles, components and its
+own name. Renderers write them, the plan and the informer read them, validation refuses them in a
+user's pod template; all import them from here. Imports nothing, so every layer may use it."""
+
+from __future__ import annotations
+
+GROUP = "serving.omnistage.io"  # the API group; also the prefix of every operator label and annotation
+
+# The operator's own name: managed-by label value, server-side-apply field manager, Event source and
+# leader-election Lease. One spelling, so a selector on managed-by finds what the field manager wrote.
+OPERATOR = "omnistage-operator"
+MANAGED_BY = FIELD_MANAGER = EVENT_SOURCE = LEASE_NAME = OPERATOR
+APP_NAME = "omnistage"  # the app.kubernetes.io/name value
+
+# ---- labels ----------------------------------------------------------------------------------------
+L_NAME = "app.kubernetes.io/name"
+L_INSTANCE = "app.kubernetes.io/instance"
+L_MANAGED_BY = "app.kubernetes.io/managed-by"
+# Every label and annotation under GROUP/ is the operator's too (selectors, hashes, head UID...).
+OPERATOR_LABELS = (L_NAME, L_INSTANCE, L_MANAGED_BY)
+L_OMNISTAGE = f"{GROUP}/omnistage"
+L_COMPONENT = f"{GROUP}/component"   # COMPONENT_ENGINE or COMPONENT_POOL
+L_ROLE = f"{GROUP}/role"             # ROLE_HEAD, ROLE_REPLICA or ROLE_POOL
+L_POOL = f"{GROUP}/pool"             # the OmniStagePool of a pool pod
+
+# ---- annotations -----------------------------------------------------------------------------------
+A_TEMPLATE_HASH = f"{GROUP}/template-hash"
+A_CONFIG_HASH = f"{GROUP}/config-hash"
+A_EFFECTIVE_CACHE_MODE = f"{GROUP}/effective-cache-mode"  # on the ConfigMap
+A_HEAD_UID = f"{GROUP}/head-uid"
+A_REPLICA_INDEX = f"{GROUP}/replica-index"
+A_STAGE_IDS = f"{GROUP}/stage-ids"      # a pool pod's stages ("1,2"): read even after its pool is gone
+A_LEAVING = f"{GROUP}/leaving"          # a retirement decided (value: its reason); survives a restart
+
+# ---- roles and components --------------------------------------------------------------------------
+ROLE_HEAD = "head"
+ROLE_REPLICA = "replica"
+ROLE_POOL = "pool"
+# Stage-0 pods (head and replicas: what the OmniStage's scale selector counts) and the pods of the
+# OmniStagePools (stages >= 1, counted by each pool's own selector).
+COMPONENT_ENGINE = "engine"
+COMPONENT_POOL = "pool"
+ENGINE_COMPONENTS = (COMPONENT_ENGINE, COMPONENT_POOL)

@@ -1,0 +1,184 @@
+"""The act step: executes the plan's actions (actions.py), one API or head call each, and decides nothing.
+Every object a write returns goes into the watch-fed store (informer.STATE.wrote), so the next
+pass does not act again on a change the watch has not delivered yet.
+
+The one thing it does not do inline is a draining `leave`: the head's leave endpoint answers only
+when the replica is drained (up to spec.engine.drainTimeoutSeconds), so it runs on a small executor
+of its own (DRAINS). Its outcome is recorded by pod uid and read by the next pass's plan (which then
+deletes the pod), and the OmniStage is queued again as soon as the leave returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
+from .. import api
+from ..api.conditions import EventReason
+from ..control.actions import (
+    DRAIN_DONE,
+    DRAIN_FAILED,
+    DRAIN_RUNNING,
+    Action,
+    Annotate,
+    CreatePod,
+    DeletePod,
+    Emit,
+    EnsureChild,
+    Forget,
+    Join,
+    StartLeave,
+)
+from . import head_client, kube
+from .head_client import HeadClient, HeadRefused, HeadUnreachable
+from .informer import STATE
+
+log = logging.getLogger(__name__)
+
+# Emits a Kubernetes Event on the OmniStage: (type "Normal"|"Warning", reason, message).
+EmitFn = Callable[[str, str, str], None]
+
+
+class Drains:
+    """Draining leaves, off the reconcile workers: a bounded pool, and the state of each by pod uid
+    (in memory only: after an operator restart the plan sees no record for a pod that carries the
+    `leaving` annotation and simply starts the leave again; the head's leave is idempotent)."""
+
+    def __init__(self, workers: int = 4):
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="omnistage-drain")
+        self._lock = threading.Lock()
+        self._state: dict[tuple[str, str], dict[str, str]] = {}  # (namespace, name) -> pod uid -> DRAIN_*
+        self.on_done: Callable[[str, str], None] = lambda namespace, name: None  # set by handlers: enqueue
+
+    def states(self, namespace: str, name: str) -> dict[str, str]:
+        with self._lock:
+            return dict(self._state.get((namespace, name), {}))
+
+    def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
+        with self._lock:
+            if uid is None:
+                self._state.pop((namespace, name), None)
+            else:
+                self._state.get((namespace, name), {}).pop(uid, None)
+
+    def _set(self, key: tuple[str, str], uid: str, state: str) -> None:
+        with self._lock:
+            self._state.setdefault(key, {})[uid] = state
+
+    def start(self, namespace: str, name: str, client: HeadClient, a: StartLeave, emit: EmitFn) -> None:
+        key = (namespace, name)
+        with self._lock:
+            if self._state.get(key, {}).get(a.uid) == DRAIN_RUNNING:
+                return
+            self._state.setdefault(key, {})[a.uid] = DRAIN_RUNNING
+
+        def leave(stage: int, replica_id: int) -> str:
+            who = f"replica {replica_id}" + (f" of stage {stage}" if stage else "")
+            try:
+                ack = head_client.leave(client, replica_id, a.drain_seconds, stage)
+                drained = ack.get("drained", True)
+                emit("Normal" if drained else "Warning", EventReason.LEFT if drained else EventReason.DRAIN_TIMEOUT,
+                     f"{who} ({a.pod}) left the engine"
+                     + ("" if drained else f" after the {a.drain_seconds}s drain timeout with requests in flight"))
+                return DRAIN_DONE
+            except (HeadUnreachable, HeadRefused) as err:
+                # The head cannot route to a replica it cannot reach either; its heartbeat timeout
+                # detaches the replica. Deleting keeps the scale-down moving.
+                emit("Warning", EventReason.LEAVE_FAILED, f"leave for {who} ({a.pod}) failed ({err}); deleting anyway")
+            except Exception:  # never lose the record: a stuck RUNNING would hold the pod forever
+                log.exception("leave for %s/%s failed", namespace, a.pod)
+            return DRAIN_FAILED
+
+        def run() -> None:
+            # A pool pod's stages drain side by side: its deletion waits for the slowest, not the sum.
+            if len(a.leaves) == 1:
+                states = [leave(*a.leaves[0])]
+            else:
+                with ThreadPoolExecutor(max_workers=len(a.leaves), thread_name_prefix="omnistage-leave") as each:
+                    states = list(each.map(lambda sr: leave(*sr), a.leaves))
+            self._set(key, a.uid, DRAIN_FAILED if DRAIN_FAILED in states else DRAIN_DONE)
+            self.on_done(namespace, name)
+
+        self._pool.submit(run)
+
+
+DRAINS = Drains()
+
+
+def act(namespace: str, actions: list[Action], client: HeadClient | None, emit: EmitFn, owner: str,
+        drains: Drains = DRAINS) -> list[str]:
+    """Execute in order; return what could not be done that status should say (membership problems)."""
+    problems: list[str] = []
+    for a in actions:
+        if isinstance(a, Emit):
+            emit(a.type, a.reason, a.message)
+        elif isinstance(a, EnsureChild):
+            meta = a.obj["metadata"]
+            result, child = kube.apply(a.obj, a.compare, STATE.of(a.obj["kind"]).get(meta["namespace"], meta["name"]))
+            if result != "unchanged":
+                STATE.wrote(child)
+                emit("Normal", EventReason.CONFIG_RENDERED if a.obj["kind"] == "ConfigMap" else EventReason.CHILD_SYNCED,
+                     f"{a.obj['kind']} {a.obj['metadata']['name']} {result}")
+        elif isinstance(a, CreatePod):
+            try:
+                pod, created = kube.create(a.obj)
+            except ApiException as err:
+                if err.status not in (403, 422) or "being terminated" in (err.body or ""):
+                    raise  # a terminating namespace is reconcile's to handle (it stops the pass)
+                # Refused by admission (e.g. Pod Security refusing sameNode's hostPath /dev/shm) or a
+                # quota: no later pass will do better until someone acts, so say it where people look.
+                why = f"creating pod {a.obj['metadata']['name']} was refused ({err.status}): {kube.reason_of(err)}"
+                emit("Warning", EventReason.CREATE_REFUSED, why)
+                problems.append(why)
+                continue
+            STATE.wrote(pod)
+            if created:
+                emit("Normal", a.reason, a.message.format(pod=pod["metadata"]["name"]))
+        elif isinstance(a, DeletePod):
+            STATE.wrote(kube.delete_pod(namespace, a.name, uid=a.uid))
+            drains.forget(namespace, owner, a.uid)
+            if a.reason:
+                emit("Normal", a.reason, a.message)
+        elif isinstance(a, Annotate):
+            STATE.wrote(kube.patch_pod_annotations(namespace, a.name, a.annotations))
+        elif isinstance(a, StartLeave):
+            if client is not None:
+                drains.start(namespace, owner, client, a, emit)
+        elif isinstance(a, Forget):
+            who = f"replica {a.replica_id}" + (f" of stage {a.stage}" if a.stage else "")
+            try:
+                head_client.leave(client, a.replica_id, 0, a.stage)
+                emit("Normal", EventReason.LEFT, f"{who} ({a.who}) left: its pod is gone")
+            except (HeadUnreachable, HeadRefused) as err:
+                problems.append(f"leave for departed {who} failed: {err}")
+        elif isinstance(a, Join):
+            try:
+                ack = head_client.join(client, a.pod, a.ip, a.stage)
+                kind = f"pool pod {a.pod} joined stage {a.stage}" if a.stage else f"replica pod {a.pod} joined the engine"
+                emit("Normal", EventReason.JOINED, f"{kind} as replica {ack.get('replicaId')}")
+            except HeadRefused as err:
+                # Not registered, not attached, or the newest registration from this IP is a detached
+                # predecessor (kwok reuses pod IPs): wait. A replica whose engine really died fails
+                # its pod, and the failed pod is replaced by a later pass.
+                problems.append(f"{a.pod} has not joined yet: {err.explain()}")
+            except HeadUnreachable as err:
+                problems.append(f"join for {a.pod} failed: {err}")
+        else:  # pragma: no cover - a new action type without an executor is a programming error
+            raise TypeError(f"no executor for {a!r}")
+    return problems
+
+
+def write_pool_statuses(namespace: str, statuses: dict[str, dict[str, Any]]) -> None:
+    """Each OmniStagePool's status, by name (the OmniStage's pass decides for its pools)."""
+    for name, status in statuses.items():
+        pool = STATE.pools.get(namespace, name)
+        try:
+            STATE.wrote(kube.patch_status(namespace, name, status, (pool or {}).get("status"), api.POOL_PLURAL))
+        except ApiException as err:
+            if err.status != 404:  # deleted since the watch delivered it: nothing to describe
+                raise

@@ -1,0 +1,155 @@
+"""kopf registrations, kept thin: every trigger queues the same reconcile() for its OmniStage.
+
+Handlers and the resync thread only enqueue (workqueue.QUEUE): a bounded pool runs the passes, one
+OmniStage at a time per key, so a slow head delays nobody else and a handler never waits on one."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import threading
+import time
+import zlib
+
+import kopf
+
+from .. import api
+from . import kube, leader, memory, metrics
+from .act import DRAINS
+from .headview import probe
+from .informer import STATE
+from .metrics import RECONCILE_SECONDS, STATUS
+from .reconcile import reconcile
+from .workqueue import WorkQueue
+
+log = logging.getLogger(__name__)
+RESYNC_SECONDS = 5.0  # every OmniStage's head is probed this often
+FULL_RESYNC_SECONDS = 60.0  # and every OmniStage gets a full pass this often (spread over the period)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_) -> None:
+    prefix = api.GROUP
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=prefix)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=prefix)
+    settings.watching.server_timeout = 300  # a watch resumed every 5 min, not every minute: API requests at rest
+    settings.posting.level = logging.INFO
+    # Handlers only enqueue; the reconcile passes run on QUEUE's workers.
+    settings.execution.max_workers = 8
+
+
+def _emitter(body):
+    ref = {"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND,
+           "metadata": {"name": body["metadata"]["name"], "namespace": body["metadata"]["namespace"],
+                        "uid": body["metadata"]["uid"]}}
+
+    def emit(etype: str, reason: str, message: str) -> None:
+        kube.post_event(ref, etype, reason, message)
+    return emit
+
+
+def _work(namespace: str, name: str) -> None:
+    """One queued pass, measured; the series of an OmniStage found gone are removed after it."""
+    if not leader.is_leading():  # leadership lost while this pass was queued
+        return
+    start, gone = time.monotonic(), False
+    try:
+        gone = reconcile(namespace, name, None, emitter=_emitter) is None
+    except Exception as err:
+        metrics.reconcile_failed(namespace, name, type(err).__name__)
+        raise
+    finally:
+        RECONCILE_SECONDS.labels(namespace, name).observe(time.monotonic() - start)
+        if gone:
+            memory.forget(namespace, name)
+
+
+# 16: a pass mostly waits (API writes, a head's answer); after a start, every hanging head holds
+# one worker for a read timeout once, and at 1,000 OmniStages with 10% hanging 8 workers made the
+# restart take 90 s (bench_fleet).
+QUEUE = WorkQueue(_work, workers=16)
+DRAINS.on_done = QUEUE.enqueue  # a finished drain is deleted by the next pass, now
+
+
+def _probe(namespace: str, name: str) -> None:
+    """The resync's cheap look at an OmniStage at rest: its head's conditional GET; a full pass
+    only when the head said something new (headview.probe)."""
+    if leader.is_leading() and probe(namespace, name):
+        QUEUE.enqueue(namespace, name)
+
+
+# Probes have workers of their own: a head that hangs (up to the read timeout) holds a prober,
+# never a reconcile worker, so a scale waits on no dead head.
+PROBES = WorkQueue(_probe, workers=8)
+
+
+def _run(namespace: str, name: str) -> None:
+    if not leader.is_leading():  # a follower replica does nothing (leader.py)
+        return
+    QUEUE.enqueue(namespace, name)
+
+
+@kopf.on.startup()
+def start_resync(**_) -> None:
+    """The watch-fed store (informer.py), and the level-based safety net: every RESYNC_SECONDS each
+    OmniStage's head is probed (one conditional GET, 304 at rest; a full pass when it said
+    something new or the OmniStage was not at rest) and every FULL_RESYNC_SECONDS each gets a full
+    pass (spread over the period, so a scale never waits behind the whole fleet). Neither costs an
+    API request. The probe is what notices a head engine restarted in place (new boot id: 200)
+    within RESYNC_SECONDS. A plain thread, not a kopf timer: kopf timers put a finalizer on each
+    OmniStage, which then blocks namespace deletion whenever the operator is down or the namespace
+    refuses the children."""
+    literal = WATCHED_NAMESPACES and not any(set("*?[") & set(p) for p in WATCHED_NAMESPACES)
+    # Namespaced mode may not list cluster-wide (RBAC); globs need the cluster-wide watch.
+    scopes: list[str | None] = list(WATCHED_NAMESPACES) if literal else [None]
+    STATE.start(scopes, on_change=_on_watched)  # called from the informers' threads
+    threading.Thread(target=_resync_forever, name="omnistage-resync", daemon=True).start()
+
+
+def _on_watched(namespace: str, name: str) -> None:
+    """An engine pod or a child changed: a replica that disappears or turns NotReady must leave the
+    engine now, not after its 30 s heartbeat timeout; a new head needs its replicas rolled; a
+    child edited by someone else is put back."""
+    if _watched(namespace):
+        _run(namespace, name)
+
+
+def _resync_forever() -> None:
+    slots, tick = max(1, round(FULL_RESYNC_SECONDS / RESYNC_SECONDS)), 0
+    while True:
+        time.sleep(RESYNC_SECONDS)
+        tick += 1
+        if not leader.is_leading():  # a follower does nothing (leader.py)
+            continue
+        for obj in STATE.omnistages.all():
+            ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+            if not _watched(ns):
+                continue
+            if zlib.crc32(f"{ns}/{name}".encode()) % slots == tick % slots:
+                _run(ns, name)  # its full pass of the period
+            else:
+                PROBES.enqueue(ns, name)  # queued: the loop never waits on a head
+
+
+WATCHED_NAMESPACES: list[str] = []  # set by operator_main.run; globs as kopf accepts them; [] = all
+
+
+def _watched(namespace: str) -> bool:
+    return not WATCHED_NAMESPACES or any(fnmatch.fnmatchcase(namespace, p) for p in WATCHED_NAMESPACES)
+
+
+@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
+def on_omnistage_event(namespace: str, name: str, type: str, **_) -> None:
+    """The one kopf handler that sees OmniStages. A new OmniStage or generation (spec, scale), and
+    every OmniStage listed at a start, reach the queue from the watch-fed store (informer.py): no
+    create/update/resume handler, so kopf never writes its progress annotations (one PATCH per
+    OmniStage on every start and every spec change)."""
+    if type == "DELETED":
+        # A last pass finds it gone and removes its metric series (after any pass still running).
+        metrics.forget(namespace, name)
+        _run(namespace, name)
+
+
+@kopf.on.probe(id="omnistages")
+def watched(**_) -> int:
+    return STATUS.count()

@@ -1,0 +1,291 @@
+"""The one Kubernetes client the operator uses (the official `kubernetes` package), and the few
+idempotent verbs the reconcile loop needs on top of it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from functools import cache
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from kubernetes import client, config, watch
+from kubernetes.client.exceptions import ApiException
+
+from .. import api
+from ..api.conditions import timestamp
+from ..names import EVENT_SOURCE, FIELD_MANAGER
+from . import metrics
+
+log = logging.getLogger(__name__)
+
+
+@cache
+def api_client() -> client.ApiClient:
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    api = client.ApiClient()
+    send = api.rest_client.request
+
+    def counted(method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+        # What the operator costs the API server, visible to whoever runs it (and to bench_fleet).
+        metrics.API_REQUESTS.labels(*request_kind(method, url, kwargs.get("query_params"))).inc()
+        return send(method, url, *args, **kwargs)
+
+    api.rest_client.request = counted
+    return api
+
+
+def request_kind(method: str, url: str, query: Any = None) -> tuple[str, str]:
+    """(verb, resource) of one API request, as the API server's apiserver_request_total names them:
+    GET /api/v1/namespaces/ns/pods -> ("list", "pods"); ...?watch=true -> ("watch", "pods")."""
+    path = urlsplit(url).path.strip("/").split("/")
+    rest = path[2:] if path[:1] == ["api"] else path[3:]  # drop api/v1 or apis/GROUP/VERSION
+    if rest[:1] == ["namespaces"] and len(rest) > 2:
+        rest = rest[2:]
+    resource, named = (rest[0] if rest else ""), len(rest) > 1
+    params = dict(query or []) | dict(parse_qsl(urlsplit(url).query))
+    if str(params.get("watch", "")).lower() == "true":
+        return "watch", resource
+    verb = {"GET": "get" if named else "list", "POST": "create", "PUT": "update",
+            "PATCH": "patch", "DELETE": "delete"}.get(method.upper(), method.lower())
+    return verb, resource
+
+
+def core() -> client.CoreV1Api:
+    return client.CoreV1Api(api_client())
+
+
+def custom() -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(api_client())
+
+
+def networking() -> client.NetworkingV1Api:
+    return client.NetworkingV1Api(api_client())
+
+
+def get_omnistage(namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return custom().get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, name)
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def patch_status(namespace: str, name: str, status: dict[str, Any],
+                 previous: dict[str, Any] | None, plural: str = api.PLURAL) -> dict[str, Any]:
+    """An OmniStage's status (or, with plural api.POOL_PLURAL, an OmniStagePool's)."""
+    return custom().patch_namespaced_custom_object_status(
+        api.GROUP, api.VERSION, namespace, plural, name, {"status": merge_patch(previous or {}, status)})
+
+
+EVENT_MESSAGE_LIMIT = 1024  # what the API server keeps of a message
+
+
+def post_event(involved: dict[str, Any], etype: str, reason: str, message: str) -> None:
+    """One core/v1 Event on `involved` (apiVersion, kind, metadata name/namespace/uid). Posted
+    through this client, not kopf's, so an Event does not depend on a kopf handler having run first
+    (the watch-fed store queues passes before kopf delivers its first event). Never raises: an Event
+    is not worth a failed pass."""
+    meta = involved["metadata"]
+    now = timestamp()
+    body = {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": involved["apiVersion"], "kind": involved["kind"], "name": meta["name"],
+                           "namespace": meta["namespace"], "uid": meta.get("uid")},
+        "type": etype, "reason": reason, "message": message[:EVENT_MESSAGE_LIMIT],
+        "source": {"component": EVENT_SOURCE}, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+    }
+    try:
+        core().create_namespaced_event(meta["namespace"], body, _request_timeout=10)
+    except Exception as err:  # noqa: BLE001 -- a terminating namespace, an API hiccup: say it in the log
+        log.warning("%s/%s: Event %s not posted (%s): %s", meta["namespace"], meta["name"], reason,
+                    getattr(err, "status", type(err).__name__), message)
+
+
+def reason_of(err: ApiException) -> str:
+    """The API server's message of a refused request (its Status body), else the HTTP reason."""
+    try:
+        return json.loads(err.body or "{}").get("message") or str(err.reason)
+    except ValueError:
+        return str(err.reason)
+
+
+def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns `old` into `new`. A key `new` leaves out is sent
+    as null: a plain merge patch keeps it, and so a replaced head's stale bootId once survived
+    next to its successor's uid, which read as an engine restart and rolled every replica twice."""
+    out: dict[str, Any] = {k: None for k in old if k not in new}
+    for k, v in new.items():
+        out[k] = merge_patch(old[k], v) if isinstance(v, dict) and isinstance(old.get(k), dict) else v
+    return out
+
+
+def _reader(kind: str):
+    return {  # the membership token, and a pod whose create answered 409 (the rest comes from watches)
+        "Secret": core().read_namespaced_secret,
+        "Pod": core().read_namespaced_pod,
+    }[kind]
+
+
+def _creator(kind: str):
+    return {
+        "Secret": core().create_namespaced_secret,
+        "Pod": core().create_namespaced_pod,
+    }[kind]
+
+
+def _applier(kind: str):
+    return {
+        "ConfigMap": core().patch_namespaced_config_map,
+        "Service": core().patch_namespaced_service,
+        "NetworkPolicy": networking().patch_namespaced_network_policy,
+    }[kind]
+
+
+def read(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return api_client().sanitize_for_serialization(_reader(kind)(name, namespace))
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def create(obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """Create, or return the existing object of that name: (object, created)."""
+    meta = obj["metadata"]
+    try:
+        made = _creator(obj["kind"])(meta["namespace"], obj)
+        return _with_kind(api_client().sanitize_for_serialization(made), obj["kind"]), True
+    except ApiException as e:
+        if e.status != 409:
+            raise
+    existing = read(obj["kind"], meta["namespace"], meta["name"])
+    if existing is None:  # deleted in between; the next reconcile creates it
+        raise RuntimeError(f"{obj['kind']} {meta['name']} vanished right after a conflict")
+    return _with_kind(existing, obj["kind"]), False
+
+
+def _with_kind(obj: dict[str, Any], kind: str) -> dict[str, Any]:
+    return {**obj, "kind": obj.get("kind") or kind}  # typed responses leave kind out
+
+
+def apply(obj: dict[str, Any], compare: tuple[str, ...], existing: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """Server-side apply of a child the operator owns (one field manager, conflicts forced), unless
+    `existing` (the watch-fed copy) already holds every rendered `compare` field, label and
+    annotation: an unchanged child costs no request. Returns ("created" | "updated" | "unchanged",
+    the object as the API server holds it)."""
+    if existing is not None and not _drifted(obj, existing, compare):
+        return "unchanged", existing
+    meta = obj["metadata"]
+    applied = _applier(obj["kind"])(meta["name"], meta["namespace"], obj, field_manager=FIELD_MANAGER, force=True,
+                                    _content_type="application/apply-patch+yaml")
+    return ("created" if existing is None else "updated"), _with_kind(
+        api_client().sanitize_for_serialization(applied), obj["kind"])
+
+
+def _drifted(obj: dict[str, Any], existing: dict[str, Any], compare: tuple[str, ...]) -> bool:
+    return any(_differs(obj.get(k), existing.get(k)) for k in compare) or any(
+        _differs(obj["metadata"].get(k), existing["metadata"].get(k)) for k in ("labels", "annotations"))
+
+
+def _differs(want: Any, have: Any) -> bool:
+    """True when `want` is not contained in `have` (the server adds defaults we do not render)."""
+    if isinstance(want, dict):
+        return not isinstance(have, dict) or any(_differs(v, have.get(k)) for k, v in want.items())
+    if isinstance(want, list):
+        return not isinstance(have, list) or len(want) != len(have) or any(
+            _differs(w, h) for w, h in zip(want, have))
+    return want != have and not (want in (None, {}, []) and have in (None, {}, []))
+
+
+def delete_pod(namespace: str, name: str, uid: str | None = None,
+               grace_seconds: int | None = None) -> dict[str, Any] | None:
+    """Delete a pod (only the incarnation `uid`, when given): the pod as the deletion left it
+    (deletionTimestamp set), or None when it was already gone."""
+    body = client.V1DeleteOptions(
+        preconditions=client.V1Preconditions(uid=uid) if uid else None,
+        grace_period_seconds=grace_seconds,
+    )
+    try:
+        gone = core().delete_namespaced_pod(name, namespace, body=body)
+    except ApiException as e:
+        if e.status in (404, 409):
+            return None
+        raise
+    out = api_client().sanitize_for_serialization(gone)
+    return _with_kind(out, "Pod") if isinstance(out, dict) and out.get("metadata", {}).get("uid") else None
+
+
+def patch_pod_annotations(namespace: str, name: str, annotations: dict[str, str | None]) -> dict[str, Any]:
+    pod = core().patch_namespaced_pod(name, namespace, {"metadata": {"annotations": annotations}})
+    return _with_kind(api_client().sanitize_for_serialization(pod), "Pod")
+
+
+
+# ----- leader election (operator/omnistage/leader.py): one coordination.k8s.io/v1 Lease ----------
+
+def coordination() -> client.CoordinationV1Api:
+    return client.CoordinationV1Api(api_client())
+
+
+def read_lease(namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return api_client().sanitize_for_serialization(coordination().read_namespaced_lease(name, namespace))
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def _lease_write(write: Callable[..., Any], *args: Any) -> dict[str, Any] | None:
+    """A Lease write; None when another replica wrote first (409)."""
+    try:
+        return api_client().sanitize_for_serialization(write(*args))
+    except ApiException as e:
+        if e.status == 409:
+            return None
+        raise
+
+
+def _lease(namespace: str, name: str, spec: dict[str, Any], **metadata: Any) -> dict[str, Any]:
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": name, "namespace": namespace, **metadata}, "spec": spec}
+
+
+def create_lease(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any] | None:
+    """Create the Lease; None when another replica created it first (409)."""
+    return _lease_write(coordination().create_namespaced_lease, namespace, _lease(namespace, name, spec))
+
+
+def replace_lease(namespace: str, name: str, resource_version: str, spec: dict[str, Any]) -> dict[str, Any] | None:
+    """Update (PUT) the Lease only if it is still at `resource_version`; None when another replica
+    wrote it in between (409). The precondition is what makes two replicas unable to both win."""
+    return _lease_write(coordination().replace_namespaced_lease, name, namespace,
+                        _lease(namespace, name, spec, resourceVersion=resource_version))
+
+
+def watch_lease(namespace: str, name: str, resource_version: str, idle_timeout: float
+                ) -> Iterator[dict[str, Any] | None]:
+    """The Lease's changes after `resource_version` (None: deleted), from one watch that the server
+    ends after 5 minutes. A watch that delivers nothing for `idle_timeout` s raises urllib3's
+    ReadTimeoutError: that silence is what a follower waits for."""
+    w = watch.Watch()
+    try:
+        for event in w.stream(coordination().list_namespaced_lease, namespace, field_selector=f"metadata.name={name}",
+                              resource_version=resource_version, timeout_seconds=300,
+                              _request_timeout=(5, idle_timeout)):
+            if event["type"] in ("ADDED", "MODIFIED"):
+                yield api_client().sanitize_for_serialization(event["object"])
+            elif event["type"] == "DELETED":
+                yield None
+            elif event["type"] == "ERROR":  # e.g. 410 Gone: the caller reads the Lease afresh
+                raise RuntimeError(f"Lease watch error: {event.get('raw_object')}")
+    finally:
+        w.stop()

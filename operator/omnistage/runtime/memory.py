@@ -1,0 +1,86 @@
+"""Everything the operator holds in process memory per OmniStage, and the one forget() that drops
+it when the OmniStage is gone. None of it is state the cluster lacks: after a restart each piece
+is rebuilt (the token read again, the head asked again, a `leaving` pod's leave issued again), so
+an operator restart converges. Kept apart from the pass so that what a pass remembers is listed
+in one place; kopf's per-object memo does not fit, as the passes run on the operator's own
+workers, outside kopf handlers.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import metrics
+from .act import DRAINS
+
+if TYPE_CHECKING:
+    from .head_client import HeadClient
+    from .headview import HeadView
+
+Key = tuple[str, str]  # (namespace, name)
+
+_locks: dict[Key, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def lock(namespace: str, name: str) -> threading.Lock:
+    """Defence in depth: the work queue already never runs one OmniStage twice at once."""
+    with _locks_guard:
+        return _locks.setdefault((namespace, name), threading.Lock())
+
+
+class Tokens:
+    """Each OmniStage's membership token, by the OmniStage's uid (a re-created OmniStage has a new
+    Secret). RBAC refuses the operator list/watch on Secrets, so the token cannot come from a
+    watch: reconcile.ensure_token reads (or creates) it once and keeps it here."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tokens: dict[Key, tuple[str | None, str]] = {}  # -> (OmniStage uid, token)
+
+    def held(self, namespace: str, name: str, uid: str | None) -> str | None:
+        with self._lock:
+            held = self._tokens.get((namespace, name))
+        return held[1] if held is not None and held[0] == uid else None
+
+    def keep(self, namespace: str, name: str, uid: str | None, token: str) -> None:
+        with self._lock:
+            self._tokens[(namespace, name)] = (uid, token)
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._tokens.pop((namespace, name), None)
+
+
+TOKENS = Tokens()
+
+# The last answers of each OmniStage's head (headview.ask_head keeps them, with their ETags).
+HEADS: dict[Key, HeadView] = {}
+
+
+@dataclass(frozen=True)
+class Resting:
+    """What a pass read when it found its OmniStage at rest (no change, no problem, status as
+    written), and how to ask its head again. plan() is pure, so the same reading gives the same
+    nothing: a later pass that reads the same skips the plan, and the resync only probes the head."""
+
+    fingerprint: tuple[Any, ...]
+    client: HeadClient | None
+    distributed: bool
+
+
+RESTING: dict[Key, Resting] = {}
+
+
+def forget(namespace: str, name: str) -> None:
+    """Drop everything held for a deleted OmniStage: its lock, token, head answers, rest, drain
+    states and metric series."""
+    with _locks_guard:
+        _locks.pop((namespace, name), None)
+    TOKENS.forget(namespace, name)
+    HEADS.pop((namespace, name), None)
+    RESTING.pop((namespace, name), None)
+    DRAINS.forget(namespace, name)
+    metrics.forget(namespace, name)
