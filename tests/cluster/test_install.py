@@ -5,8 +5,10 @@ hack/gen-helm-chart.py. Here:
 
 * the committed chart is what the generator makes of manifests/ now (drift fails the test);
 * `helm lint --strict` passes for every mode, and the values schema refuses a wrong type;
-* `helm template` equals the kustomize build in every mode, modulo exactly one decision: the
-  Namespace object is not in the chart (`helm install --create-namespace` owns it);
+* `helm template` equals the kustomize build in every mode, modulo exactly two decisions: the
+  Namespace object is not in the chart (`helm install --create-namespace` owns it), and every
+  templated object carries Helm's own two labels (helm.sh/chart, app.kubernetes.io/managed-by) on
+  top of the three the manifests give it (tests/unit/test_chart.py renders every value);
 * both forms are applied to the cluster, `--dry-run=server` and for real (the Deployment rolls out
   on the local cluster's CPU node, where kwok runs it; its image is never pulled there);
 * the PodMonitor/ServiceMonitor and the KEDA ScaledObject example are validated by the API server
@@ -93,13 +95,25 @@ def test_chart_values_schema_refuses_a_wrong_type(helm):
     assert proc.returncode != 0 and "namespaced" in proc.stderr, show(proc)
 
 
+def helm_labelled(obj: dict[str, Any]) -> dict[str, Any]:
+    """The object as the chart renders it at the defaults: with Helm's two labels (not on the CRDs,
+    which crds/ holds as they are)."""
+    if obj["kind"] == "CustomResourceDefinition":
+        return obj
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["version"]
+    obj = json.loads(json.dumps(obj))
+    obj["metadata"]["labels"].update({"helm.sh/chart": f"omnistage-operator-{version}",
+                                      "app.kubernetes.io/managed-by": "Helm"})
+    return obj
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_helm_template_equals_kustomize(helm, kustomize, mode):
     values, sources = MODES[mode]
     built = [d for src in sources for d in kustomize(ROOT / src)]
-    # The one difference by design: helm install --create-namespace owns the namespace.
+    # The differences by design: helm install --create-namespace owns the namespace; Helm's labels.
     assert [d["metadata"]["name"] for d in built if d["kind"] == "Namespace"] == [NS]
-    want = {key(d): d for d in built if d["kind"] != "Namespace"}
+    want = {key(d): helm_labelled(d) for d in built if d["kind"] != "Namespace"}
     got = {key(d): d for d in docs(helm("template", RELEASE, str(CHART), "--namespace", NS, "--include-crds",
                                         *values).stdout)}
     print(f"\n[install] {mode}: kustomize {len(built)} objects, helm template {len(got)} (+ the Namespace)")
