@@ -183,8 +183,9 @@ def values_spec(dep: dict[str, Any], monitors: list[dict[str, Any]]) -> list[Val
               "Prefix of every object name (default: the release name, plus `-omnistage-operator` unless the "
               "release name contains it). Cluster-scoped objects (ClusterRoles, bindings) are named after it too."),
         Value("monitoring.enabled", False, {"type": "boolean"},
-              "Install manifests/monitoring: a ServiceMonitor (operator metrics) and a PodMonitor (engine "
-              "vllm:* metrics); needs the Prometheus Operator's CRDs."),
+              "Install manifests/monitoring: a ServiceMonitor (operator metrics), a PodMonitor (engine "
+              "vllm:* metrics), a PrometheusRule (the alerts) and the Grafana dashboard ConfigMap (label "
+              "grafana_dashboard); needs the Prometheus Operator's CRDs."),
         Value("monitoring.namespace", "", DNS_LABEL,
               "Namespace of the monitoring objects; empty: the release namespace. The ServiceMonitor names "
               "the release namespace, so it finds the operator's Service from anywhere."),

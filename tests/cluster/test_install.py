@@ -11,10 +11,10 @@ hack/gen-helm-chart.py. Here:
   top of the three the manifests give it (tests/unit/test_chart.py renders every value);
 * both forms are applied to the cluster, `--dry-run=server` and for real (the Deployment rolls out
   on the local cluster's CPU node, where kwok runs it; its image is never pulled there);
-* the PodMonitor/ServiceMonitor and the KEDA ScaledObject example are validated by the API server
-  against the real upstream CRDs (copied from their Go modules by hack/build-k8s-bins.sh: KEDA
-  v2.21.0, Prometheus Operator v0.85.0), dry-run and for real, and the ScaledObject's target
-  serves the scale subresource KEDA drives.
+* the PodMonitor/ServiceMonitor/PrometheusRule (and the dashboard ConfigMap) and the KEDA
+  ScaledObject example are validated by the API server against the real upstream CRDs (copied from
+  their Go modules by hack/build-k8s-bins.sh: KEDA v2.21.0, Prometheus Operator v0.85.0), dry-run
+  and for real, and the ScaledObject's target serves the scale subresource KEDA drives.
 
 The real installs use the manifests' own names (namespace omnistage-system, ClusterRole
 omnistage-operator, ...), so they run only on the local control plane (never on a cluster that may
@@ -221,8 +221,8 @@ def test_helm_installs_dry_run_and_for_real(kubectl, helm, kustomize, wait_for, 
 def monitoring_crds(kubectl, third_party_crds, wait_for) -> list[str]:
     files = sorted(third_party_crds.glob("*.yaml"))
     names = [docs(f.read_text())[0]["metadata"]["name"] for f in files]
-    assert sorted(names) == ["podmonitors.monitoring.coreos.com", "scaledobjects.keda.sh",
-                             "servicemonitors.monitoring.coreos.com"], names
+    assert sorted(names) == ["podmonitors.monitoring.coreos.com", "prometheusrules.monitoring.coreos.com",
+                             "scaledobjects.keda.sh", "servicemonitors.monitoring.coreos.com"], names
     for f in files:
         kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=omnistage-tests", "-f", str(f))
     for name in names:
@@ -232,24 +232,35 @@ def monitoring_crds(kubectl, third_party_crds, wait_for) -> list[str]:
     return names
 
 
-def test_pod_and_service_monitors_validate_against_the_prometheus_operator_crds(kubectl, kustomize, namespace,
-                                                                                monitoring_crds):
+def test_monitoring_objects_validate_against_the_prometheus_operator_crds(kubectl, kustomize, namespace,
+                                                                          monitoring_crds):
     # Into the test namespace (the monitoring manifests name omnistage-system), as the chart would.
     objects = [json.loads(json.dumps(d).replace(f'"{NS}"', f'"{namespace}"'))
                for d in kustomize(MANIFESTS / "monitoring")]
-    assert sorted(d["kind"] for d in objects) == ["PodMonitor", "ServiceMonitor"]
+    assert sorted(d["kind"] for d in objects) == ["ConfigMap", "PodMonitor", "PrometheusRule", "ServiceMonitor"]
     out = _apply(kubectl, objects, "--dry-run=server")
-    assert out.count("(server dry run)") == 2, out
+    assert out.count("(server dry run)") == 4, out
     print(f"\n[install] {_apply(kubectl, objects)}")
     pm = kubectl.json("get", "podmonitor", "omnistage-engines", "-n", namespace)
     assert pm["spec"]["selector"]["matchLabels"] == {"serving.omnistage.io/component": "engine",
                                                      "serving.omnistage.io/role": "head"}
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "http"
-    # The schema is real: a wrong type is refused, not stored.
-    bad = json.loads(json.dumps(objects[[d["kind"] for d in objects].index("PodMonitor")]))
-    bad["spec"]["podMetricsEndpoints"] = "http"
-    proc = kubectl("apply", "--server-side", "--dry-run=server", "-f", "-", input=json.dumps(bad), check=False)
-    assert proc.returncode != 0 and "podMetricsEndpoints" in proc.stderr, show(proc)
+    rule = kubectl.json("get", "prometheusrule", "omnistage-operator", "-n", namespace)
+    assert {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]} >= {
+        "OmniStageCacheInconsistent", "OmniStagePatchNotApplied", "OmniStageReplicasNotJoined",
+        "OmniStageOperatorNotLeading"}
+    dashboard = kubectl.json("get", "configmap", "omnistage-operator-dashboard", "-n", namespace)
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["omnistage.json"])["uid"] == "omnistage-operator"
+    # The schemas are real: a wrong type or format is refused, not stored.
+    by_kind = {d["kind"]: d for d in objects}
+    bad_pm = json.loads(json.dumps(by_kind["PodMonitor"]))
+    bad_pm["spec"]["podMetricsEndpoints"] = "http"
+    bad_rule = json.loads(json.dumps(by_kind["PrometheusRule"]))
+    bad_rule["spec"]["groups"][0]["rules"][0]["for"] = "five minutes"
+    for bad, field in ((bad_pm, "podMetricsEndpoints"), (bad_rule, "for")):
+        proc = kubectl("apply", "--server-side", "--dry-run=server", "-f", "-", input=json.dumps(bad), check=False)
+        assert proc.returncode != 0 and field in proc.stderr, show(proc)
 
 
 def test_keda_scaledobject_validates_and_targets_the_scale_subresource(kubectl, namespace, omnistage_crd,

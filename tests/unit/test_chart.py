@@ -273,7 +273,8 @@ def _check_fullname_override(objs):
 
 def _check_monitoring(objs):
     sm, pm = one(objs, "ServiceMonitor"), one(objs, "PodMonitor")
-    for m in (sm, pm):
+    rule, dashboard = one(objs, "PrometheusRule"), one(objs, "ConfigMap", f"{RELEASE}-dashboard")
+    for m in (sm, pm, rule, dashboard):
         assert m["metadata"]["namespace"] == "monitoring" and m["metadata"]["labels"]["release"] == "kps"
     assert sm["spec"]["namespaceSelector"] == {"matchNames": [NS]}
     assert [e["interval"] for e in sm["spec"]["endpoints"]] == ["1m"]
@@ -335,6 +336,17 @@ def _set_keys(values: dict[str, Any], schema: dict[str, Any], prefix: str = "") 
 def test_every_value_is_rendered_by_a_case():
     covered = set().union(*(_set_keys(values, SCHEMA) for values, _ in CASES))
     assert _leaves(SCHEMA) - covered == set(), "values without a case in CASES"
+
+
+def test_monitoring_templates_pass_through_as_written(render):
+    # Prometheus' and Grafana's own {{ }} templates are escaped by the generator, not executed by Helm.
+    objs = render(None, "--set", "monitoring.enabled=true")
+    manifests = ROOT / "manifests" / "monitoring"
+    dashboard = one(objs, "ConfigMap", f"{RELEASE}-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["data"]["omnistage.json"] == (manifests / "dashboards" / "omnistage.json").read_text()
+    want = yaml.safe_load((manifests / "prometheusrule.yaml").read_text())["spec"]
+    assert one(objs, "PrometheusRule")["spec"] == want
 
 
 # ----- the schema ------------------------------------------------------------------------------------------
