@@ -115,8 +115,11 @@ def test_defaults_render_what_values_yaml_says(render):
     for absent in ("imagePullSecrets", "nodeSelector", "tolerations", "priorityClassName"):
         assert absent not in pod
     assert "annotations" not in dep["spec"]["template"]["metadata"]
-    assert sorted(o["kind"] for o in objs) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role",
-                                               "RoleBinding", "Service", "ServiceAccount"]
+    assert sorted(o["kind"] for o in objs) == ["ClusterRole", "ClusterRoleBinding", "Deployment",
+                                               "PodDisruptionBudget", "Role", "RoleBinding", "Service",
+                                               "ServiceAccount"]
+    assert one(objs, "PodDisruptionBudget")["spec"] == {
+        "maxUnavailable": 1, "selector": {"matchLabels": {"app.kubernetes.io/name": "omnistage-operator"}}}
 
 
 @pytest.mark.parametrize("sets", [[], ["--set", "namespaced=true"], ["--set", "monitoring.enabled=true"]],
@@ -142,7 +145,8 @@ def test_names_follow_the_release(render):
     assert names == {("ServiceAccount", fullname), ("ClusterRole", fullname),
                      ("ClusterRole", f"{fullname}-discovery"), ("ClusterRoleBinding", f"{fullname}-discovery"),
                      ("Role", f"{fullname}-leader-election"), ("RoleBinding", f"{fullname}-leader-election"),
-                     ("RoleBinding", fullname), ("Service", f"{fullname}-metrics"), ("Deployment", fullname)}
+                     ("RoleBinding", fullname), ("Service", f"{fullname}-metrics"), ("Deployment", fullname),
+                     ("PodDisruptionBudget", fullname)}
     assert {o["roleRef"]["name"] for o in objs if "roleRef" in o} == {
         fullname, f"{fullname}-discovery", f"{fullname}-leader-election"}
     assert subjects(objs) == {fullname}
@@ -262,6 +266,7 @@ def _check_name_override(objs):
     assert dep["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "osto"}
     assert dep["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "osto"
     assert one(objs, "Service")["spec"]["selector"] == {"app.kubernetes.io/name": "osto"}
+    assert one(objs, "PodDisruptionBudget")["spec"]["selector"] == {"matchLabels": {"app.kubernetes.io/name": "osto"}}
 
 
 def _check_fullname_override(objs):
