@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import api, podtemplate
+from . import api, conditions, podtemplate
 from .validation import NAME_RULE_CEL, NAME_RULE_MESSAGE, SPEC_RULES
 from .yamlio import dump_all
 
@@ -90,6 +90,15 @@ def _embed_kubernetes_types(spec_schema: dict[str, Any]) -> None:
     env["valueFrom"] = _kubernetes_type("spec.containers.env.valueFrom", env["valueFrom"]["description"])
 
 
+# Both kinds: what `kubectl get` answers first is whether it works and, if not, why (KServe's READY).
+READY_COLUMNS = [
+    {"name": "Status", "type": "string", "jsonPath": f'.status.conditions[?(@.type=="{conditions.READY}")].status',
+     "description": "The Ready condition"},
+    {"name": "Reason", "type": "string", "jsonPath": f'.status.conditions[?(@.type=="{conditions.READY}")].reason',
+     "description": "Why it is (not) Ready; docs/troubleshooting.md lists every reason"},
+]
+
+
 def build_crd() -> dict[str, Any]:
     spec_schema = _schema_of(api.OmniStageSpec)
     _embed_kubernetes_types(spec_schema)
@@ -108,6 +117,7 @@ def build_crd() -> dict[str, Any]:
          "description": "Replicas the engine head acknowledged"},
         {"name": "Cache", "type": "string", "jsonPath": ".status.effectiveCacheMode",
          "description": "Resolved stage-0 frontend cache mode"},
+        *READY_COLUMNS,
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ])
 
@@ -180,6 +190,7 @@ def build_pool_crd() -> dict[str, Any]:
         {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Pods that are Ready"},
         {"name": "Registered", "type": "integer", "jsonPath": ".status.registeredReplicas",
          "description": "Pods joined on the head for every one of their stages"},
+        *READY_COLUMNS,
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ])
 

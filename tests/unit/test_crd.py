@@ -28,14 +28,14 @@ def test_scale_subresource_selects_counted_pods(build):
 def test_printer_columns_and_short_name():
     crd = build_crd()
     cols = [c["name"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]
-    assert cols == ["Desired", "Ready", "Registered", "Cache", "Age"]
+    assert cols == ["Desired", "Ready", "Registered", "Cache", "Status", "Reason", "Age"]
     assert crd["spec"]["names"]["shortNames"] == ["ost"]
 
 
 def test_pool_printer_columns_and_short_name():
     crd = build_pool_crd()
     cols = [c["name"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]
-    assert cols == ["OmniStage", "Stages", "Desired", "Ready", "Registered", "Age"]
+    assert cols == ["OmniStage", "Stages", "Desired", "Ready", "Registered", "Status", "Reason", "Age"]
     assert crd["spec"]["names"]["shortNames"] == ["osp"] and crd["metadata"]["name"] == "omnistagepools.serving.omnistage.io"
 
 
