@@ -164,6 +164,10 @@ def _root(description: str, spec_schema: dict[str, Any], status_model: type[api.
     status_schema = _schema_of(status_model)
     for schema in (spec_schema, status_schema):
         _sort_enum_defaults(schema)
+    # Conditions are a map keyed by type (the API conventions): the API server refuses two of one
+    # type, and server-side apply and strategic merge merge them by type.
+    status_schema["properties"]["conditions"].update({"x-kubernetes-list-type": "map",
+                                                       "x-kubernetes-list-map-keys": ["type"]})
     return {
         "type": "object",
         "description": description,

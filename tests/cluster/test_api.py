@@ -75,6 +75,15 @@ def test_get_prints_printer_columns(sample, kubectl, namespace):
     assert (cells.get("STATUS"), cells.get("REASON")) == ("False", "HeadPending"), row
 
 
+def test_conditions_are_keyed_by_type(sample, kubectl, namespace):
+    ready = {"type": "Ready", "status": "False", "reason": "HeadPending", "message": "m",
+             "lastTransitionTime": "2026-12-01T00:00:00Z"}
+    proc = kubectl("patch", "omnistage", sample["metadata"]["name"], "-n", namespace, "--subresource=status",
+                   "--type=merge", "-p", json.dumps({"status": {"conditions": [ready, {**ready, "status": "True"}]}}),
+                   check=False)
+    assert proc.returncode != 0 and "Duplicate value" in proc.stderr, proc.stderr
+
+
 def _spec_properties(crd: dict[str, Any]) -> dict[str, Any]:
     (version,) = crd["spec"]["versions"]
     return version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
