@@ -23,12 +23,12 @@ is on PATH), turned into templates by these rules and nothing else:
     monitoring.namespace); the Namespace object itself is left to `helm install --create-namespace`;
   * "{{" and "}}" in a manifest string (Prometheus alert templates, Grafana legends) are escaped,
     so Helm renders them as written;
-  * the CRD goes to crds/ (Helm installs it once and never deletes it with the release: deleting a
-    CRD deletes every OmniStage).
+  * the CRDs go to crds/ (Helm installs them once and never deletes them with the release: deleting
+    a CRD deletes every OmniStage); the namespaced overlay leaves them out for the same reason.
 
 Objects equal in both modes are emitted once; the others under `if .Values.namespaced`. So
-`helm template --namespace omnistage-system --include-crds` equals the kustomize build minus the
-Namespace and plus Helm's two labels (tests/cluster/test_install.py checks exactly that, for every
+`helm template --namespace omnistage-system --include-crds` equals the kustomize build (plus crds/
+in namespaced mode) minus the Namespace and plus Helm's two labels (tests/cluster/test_install.py checks exactly that, for every
 mode; tests/unit/test_chart.py renders every value).
 """
 
@@ -146,9 +146,11 @@ def values_spec(dep: dict[str, Any], monitors: list[dict[str, Any]]) -> list[Val
               f"Engine image of OmniStages that leave `spec.engine.image` unset (env {ENGINE_IMAGE_ENV} of the "
               "operator; the Dockerfile's `engine` target)."),
         Value("namespaced", False, {"type": "boolean"},
-              "false: the operator watches every namespace (manifests/base). true: only the release namespace, "
-              "bound there by a RoleBinding, plus cluster-wide CRD discovery (manifests/overlays/namespaced); "
-              "OmniStages must then live in the release namespace."),
+              "false: the operator watches every namespace (manifests/base). true: only its own (the release) "
+              "namespace, bound there by a RoleBinding, plus cluster-wide CRD discovery "
+              "(manifests/overlays/namespaced); OmniStages must then live in the release namespace. Tenants "
+              "in other namespaces: one release each, with distinct release names (cluster-scoped names "
+              "follow the fullname)."),
         Value("replicaCount", dep["spec"]["replicas"], {"type": "integer", "minimum": 0},
               "Operator pods. One acts (the holder of the Lease omnistage-operator), the other stands by "
               "and takes over within the lease time; 1 saves a pod and costs that failover."),
@@ -668,8 +670,10 @@ def generate(out: Path, kubectl: str) -> None:
         if obj["kind"] == "Namespace":
             continue  # helm install --namespace ... --create-namespace
         if obj["kind"] == "CustomResourceDefinition":
-            if base.get(k) != namespaced.get(k):
-                sys.exit(f"gen-helm-chart: {k} differs between the modes; crds/ cannot be conditional")
+            if k in namespaced:
+                # crds/ is Helm's install-once step in both modes; kustomize's namespaced overlay leaves
+                # the shared CRDs out so that a tenant's `kubectl delete -k` keeps them.
+                sys.exit(f"gen-helm-chart: {k} is in {SOURCES['namespaced']}; the namespaced overlay must not carry CRDs")
             (out / "crds" / f"{obj['metadata']['name']}.yaml").write_text(
                 HEADER.format(src="crds/ (via manifests/base)") + yaml.safe_dump(obj, sort_keys=False, width=1000))
             continue

@@ -46,7 +46,8 @@ CLUSTER_DIR = Path(os.environ.get("OMNISTAGE_CLUSTER_DIR", "/tmp/omnistage-clust
 # helm values of each mode -> the kustomize directories that are its source.
 MODES = {
     "cluster-wide": ([], ["manifests"]),
-    "namespaced": (["--set", "namespaced=true"], ["manifests/overlays/namespaced"]),
+    # The namespaced overlay leaves the shared CRDs out (a tenant's uninstall keeps them); Helm's crds/ has them.
+    "namespaced": (["--set", "namespaced=true"], ["crds", "manifests/overlays/namespaced"]),
     "monitoring": (["--set", "monitoring.enabled=true"], ["manifests", "manifests/monitoring"]),
 }
 
@@ -111,6 +112,7 @@ def helm_labelled(obj: dict[str, Any]) -> dict[str, Any]:
 def test_helm_template_equals_kustomize(helm, kustomize, mode):
     values, sources = MODES[mode]
     built = [d for src in sources for d in kustomize(ROOT / src)]
+    assert sum(d["kind"] == "CustomResourceDefinition" for d in built) == 2, "both CRDs, once"
     # The differences by design: helm install --create-namespace owns the namespace; Helm's labels.
     assert [d["metadata"]["name"] for d in built if d["kind"] == "Namespace"] == [NS]
     want = {key(d): helm_labelled(d) for d in built if d["kind"] != "Namespace"}
@@ -128,9 +130,32 @@ def test_chart_follows_the_release_namespace_and_values(helm):
     assert NS not in out
     dep = next(d for d in docs(out) if d["kind"] == "Deployment")
     c = dep["spec"]["template"]["spec"]["containers"][0]
-    assert dep["metadata"]["namespace"] == "gpu-ops" and "--namespace=gpu-ops" in c["args"]
+    # The watched namespace is the pod's own, from the downward API.
+    assert dep["metadata"]["namespace"] == "gpu-ops" and "--namespace=$(POD_NAMESPACE)" in c["args"]
+    assert {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}} in c["env"]
     assert c["image"] == "ghcr.io/omnistage/omnistage-operator:9.9.9"
     assert {"name": "OMNISTAGE_ENGINE_IMAGE", "value": "registry.example/engine:9.9.9"} in c["env"]
+
+
+def test_a_namespace_overlay_retargets_the_namespaced_install(kustomize, tmp_path):
+    # What docs/install.md tells a tenant to write: the operator then watches team-a (its own namespace,
+    # from the downward API), and the shared CRDs are not part of the tenant's objects.
+    overlay = tmp_path / "team-a"
+    overlay.mkdir()
+    source = os.path.relpath(MANIFESTS / "overlays" / "namespaced", overlay)
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "namespace": "team-a", "nameSuffix": "-team-a", "resources": [source]}))
+    objects = kustomize(overlay)
+    assert "CustomResourceDefinition" not in {d["kind"] for d in objects}
+    assert NS not in json.dumps(objects)
+    dep = next(d for d in objects if d["kind"] == "Deployment")
+    assert "--namespace=$(POD_NAMESPACE)" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    # nameSuffix keeps two tenants' cluster-scoped objects apart; kustomize follows the references.
+    cluster_scoped = [d for d in objects if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    assert cluster_scoped and all(d["metadata"]["name"].endswith("-team-a") for d in cluster_scoped)
+    assert {s["name"] for d in objects if d["kind"].endswith("Binding") for s in d["subjects"]} == {
+        "omnistage-operator-team-a"}
 
 
 # ----- both forms on the cluster ----------------------------------------------------------------------

@@ -172,7 +172,7 @@ def _check_engine_image(objs):
 
 
 def _check_namespaced(objs):
-    assert "--namespace=omnistage-system" in container(objs)["args"]
+    assert "--namespace=$(POD_NAMESPACE)" in container(objs)["args"]
     assert {(o["kind"], o["metadata"]["name"]) for o in objs if o["kind"] in RBAC_KINDS} == {
         ("ClusterRole", RELEASE), ("RoleBinding", RELEASE), ("ClusterRole", f"{RELEASE}-discovery"),
         ("ClusterRoleBinding", f"{RELEASE}-discovery"), ("Role", f"{RELEASE}-leader-election"),
