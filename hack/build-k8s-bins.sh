@@ -2,7 +2,7 @@
 # Build kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, etcd, kwok and helm from
 # their Go modules (no Docker, no release downloads) into a versioned cache outside the repo, and
 # copy the third-party CRDs the cluster tier validates against (KEDA's ScaledObject, the Prometheus
-# Operator's PodMonitor/ServiceMonitor) out of their Go modules next to them.
+# Operator's PodMonitor/ServiceMonitor/PrometheusRule) out of their Go modules next to them.
 # Prints the binary directory on its last line. Each piece is skipped when the cached one reports
 # the pinned version. `--check` only reports whether the cache is complete.
 set -euo pipefail
@@ -23,7 +23,7 @@ KEY="k8s-bin-$K8S_VERSION-etcd$ETCD_VERSION-kwok$KWOK_VERSION-helm$HELM_VERSION-
 OUT="${K8S_BIN:-$CACHE_ROOT/$KEY}"
 CRD_DIR="$OUT/third-party-crds"
 THIRD_PARTY_CRDS=(keda.sh_scaledobjects.yaml monitoring.coreos.com_podmonitors.yaml
-                  monitoring.coreos.com_servicemonitors.yaml)
+                  monitoring.coreos.com_servicemonitors.yaml monitoring.coreos.com_prometheusrules.yaml)
 
 export GOTOOLCHAIN=local     # fail loudly rather than fetch another toolchain
 export GOFLAGS=-mod=mod
@@ -154,7 +154,7 @@ build_helm() {
 }
 
 copy_crds() {
-  # Real upstream CRDs, so the cluster tier validates the PodMonitor and the KEDA ScaledObject
+  # Real upstream CRDs, so the cluster tier validates the monitors, the alert rules and the KEDA ScaledObject
   # against the schemas a real cluster would use (a module zip is a few MB; nothing is compiled).
   local keda prom
   log "copying third-party CRDs from github.com/kedacore/keda/v2@$KEDA_VERSION and prometheus-operator@$PROM_OPERATOR_VERSION"
@@ -163,7 +163,8 @@ copy_crds() {
   mkdir -p "$CRD_DIR"
   install -m 0644 "$keda/config/crd/bases/keda.sh_scaledobjects.yaml" "$CRD_DIR/"
   install -m 0644 "$prom/example/prometheus-operator-crd/monitoring.coreos.com_podmonitors.yaml" \
-    "$prom/example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml" "$CRD_DIR/"
+    "$prom/example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml" \
+    "$prom/example/prometheus-operator-crd/monitoring.coreos.com_prometheusrules.yaml" "$CRD_DIR/"
 }
 
 have_k8s || build_k8s

@@ -58,13 +58,30 @@ def test_get_prints_printer_columns(sample, kubectl, namespace):
         out = kubectl("get", resource, "-n", namespace).stdout
         print(out)
         header, *rows = out.strip().splitlines()
-        assert header.split() == ["NAME", "DESIRED", "READY", "REGISTERED", "CACHE", "AGE"]
+        assert header.split() == ["NAME", "DESIRED", "READY", "REGISTERED", "CACHE", "STATUS", "REASON", "AGE"]
         assert len(rows) == 1
         row = rows[0].split()
         assert row[0] == name
         assert row[1] == str(sample["spec"].get("replicas", 1))
     everywhere = kubectl("get", "omnistage", "-A").stdout
     assert everywhere.split()[:2] == ["NAMESPACE", "NAME"] and namespace in everywhere
+    # Status and Reason are the Ready condition's (written here as the operator would).
+    ready = {"type": "Ready", "status": "False", "reason": "HeadPending", "message": "the head pod is not Ready",
+             "lastTransitionTime": "2026-12-01T00:00:00Z"}
+    kubectl("patch", "omnistage", name, "-n", namespace, "--subresource=status", "--type=merge",
+            "-p", json.dumps({"status": {"conditions": [ready]}}))
+    header, row = kubectl("get", "ost", name, "-n", namespace).stdout.strip().splitlines()
+    cells = dict(zip(header.split(), row.split()))
+    assert (cells.get("STATUS"), cells.get("REASON")) == ("False", "HeadPending"), row
+
+
+def test_conditions_are_keyed_by_type(sample, kubectl, namespace):
+    ready = {"type": "Ready", "status": "False", "reason": "HeadPending", "message": "m",
+             "lastTransitionTime": "2026-12-01T00:00:00Z"}
+    proc = kubectl("patch", "omnistage", sample["metadata"]["name"], "-n", namespace, "--subresource=status",
+                   "--type=merge", "-p", json.dumps({"status": {"conditions": [ready, {**ready, "status": "True"}]}}),
+                   check=False)
+    assert proc.returncode != 0 and "Duplicate value" in proc.stderr, proc.stderr
 
 
 def _spec_properties(crd: dict[str, Any]) -> dict[str, Any]:

@@ -5,14 +5,16 @@ hack/gen-helm-chart.py. Here:
 
 * the committed chart is what the generator makes of manifests/ now (drift fails the test);
 * `helm lint --strict` passes for every mode, and the values schema refuses a wrong type;
-* `helm template` equals the kustomize build in every mode, modulo exactly one decision: the
-  Namespace object is not in the chart (`helm install --create-namespace` owns it);
+* `helm template` equals the kustomize build in every mode, modulo exactly two decisions: the
+  Namespace object is not in the chart (`helm install --create-namespace` owns it), and every
+  templated object carries Helm's own two labels (helm.sh/chart, app.kubernetes.io/managed-by) on
+  top of the three the manifests give it (tests/unit/test_chart.py renders every value);
 * both forms are applied to the cluster, `--dry-run=server` and for real (the Deployment rolls out
   on the local cluster's CPU node, where kwok runs it; its image is never pulled there);
-* the PodMonitor/ServiceMonitor and the KEDA ScaledObject example are validated by the API server
-  against the real upstream CRDs (copied from their Go modules by hack/build-k8s-bins.sh: KEDA
-  v2.21.0, Prometheus Operator v0.85.0), dry-run and for real, and the ScaledObject's target
-  serves the scale subresource KEDA drives.
+* the PodMonitor/ServiceMonitor/PrometheusRule (and the dashboard ConfigMap) and the KEDA
+  ScaledObject example are validated by the API server against the real upstream CRDs (copied from
+  their Go modules by hack/build-k8s-bins.sh: KEDA v2.21.0, Prometheus Operator v0.85.0), dry-run
+  and for real, and the ScaledObject's target serves the scale subresource KEDA drives.
 
 The real installs use the manifests' own names (namespace omnistage-system, ClusterRole
 omnistage-operator, ...), so they run only on the local control plane (never on a cluster that may
@@ -44,7 +46,8 @@ CLUSTER_DIR = Path(os.environ.get("OMNISTAGE_CLUSTER_DIR", "/tmp/omnistage-clust
 # helm values of each mode -> the kustomize directories that are its source.
 MODES = {
     "cluster-wide": ([], ["manifests"]),
-    "namespaced": (["--set", "namespaced=true"], ["manifests/overlays/namespaced"]),
+    # The namespaced overlay leaves the shared CRDs out (a tenant's uninstall keeps them); Helm's crds/ has them.
+    "namespaced": (["--set", "namespaced=true"], ["crds", "manifests/overlays/namespaced"]),
     "monitoring": (["--set", "monitoring.enabled=true"], ["manifests", "manifests/monitoring"]),
 }
 
@@ -93,13 +96,26 @@ def test_chart_values_schema_refuses_a_wrong_type(helm):
     assert proc.returncode != 0 and "namespaced" in proc.stderr, show(proc)
 
 
+def helm_labelled(obj: dict[str, Any]) -> dict[str, Any]:
+    """The object as the chart renders it at the defaults: with Helm's two labels (not on the CRDs,
+    which crds/ holds as they are)."""
+    if obj["kind"] == "CustomResourceDefinition":
+        return obj
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["version"]
+    obj = json.loads(json.dumps(obj))
+    obj["metadata"]["labels"].update({"helm.sh/chart": f"omnistage-operator-{version}",
+                                      "app.kubernetes.io/managed-by": "Helm"})
+    return obj
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_helm_template_equals_kustomize(helm, kustomize, mode):
     values, sources = MODES[mode]
     built = [d for src in sources for d in kustomize(ROOT / src)]
-    # The one difference by design: helm install --create-namespace owns the namespace.
+    assert sum(d["kind"] == "CustomResourceDefinition" for d in built) == 2, "both CRDs, once"
+    # The differences by design: helm install --create-namespace owns the namespace; Helm's labels.
     assert [d["metadata"]["name"] for d in built if d["kind"] == "Namespace"] == [NS]
-    want = {key(d): d for d in built if d["kind"] != "Namespace"}
+    want = {key(d): helm_labelled(d) for d in built if d["kind"] != "Namespace"}
     got = {key(d): d for d in docs(helm("template", RELEASE, str(CHART), "--namespace", NS, "--include-crds",
                                         *values).stdout)}
     print(f"\n[install] {mode}: kustomize {len(built)} objects, helm template {len(got)} (+ the Namespace)")
@@ -114,9 +130,32 @@ def test_chart_follows_the_release_namespace_and_values(helm):
     assert NS not in out
     dep = next(d for d in docs(out) if d["kind"] == "Deployment")
     c = dep["spec"]["template"]["spec"]["containers"][0]
-    assert dep["metadata"]["namespace"] == "gpu-ops" and "--namespace=gpu-ops" in c["args"]
+    # The watched namespace is the pod's own, from the downward API.
+    assert dep["metadata"]["namespace"] == "gpu-ops" and "--namespace=$(POD_NAMESPACE)" in c["args"]
+    assert {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}} in c["env"]
     assert c["image"] == "ghcr.io/omnistage/omnistage-operator:9.9.9"
     assert {"name": "OMNISTAGE_ENGINE_IMAGE", "value": "registry.example/engine:9.9.9"} in c["env"]
+
+
+def test_a_namespace_overlay_retargets_the_namespaced_install(kustomize, tmp_path):
+    # What docs/install.md tells a tenant to write: the operator then watches team-a (its own namespace,
+    # from the downward API), and the shared CRDs are not part of the tenant's objects.
+    overlay = tmp_path / "team-a"
+    overlay.mkdir()
+    source = os.path.relpath(MANIFESTS / "overlays" / "namespaced", overlay)
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "namespace": "team-a", "nameSuffix": "-team-a", "resources": [source]}))
+    objects = kustomize(overlay)
+    assert "CustomResourceDefinition" not in {d["kind"] for d in objects}
+    assert NS not in json.dumps(objects)
+    dep = next(d for d in objects if d["kind"] == "Deployment")
+    assert "--namespace=$(POD_NAMESPACE)" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    # nameSuffix keeps two tenants' cluster-scoped objects apart; kustomize follows the references.
+    cluster_scoped = [d for d in objects if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    assert cluster_scoped and all(d["metadata"]["name"].endswith("-team-a") for d in cluster_scoped)
+    assert {s["name"] for d in objects if d["kind"].endswith("Binding") for s in d["subjects"]} == {
+        "omnistage-operator-team-a"}
 
 
 # ----- both forms on the cluster ----------------------------------------------------------------------
@@ -207,8 +246,8 @@ def test_helm_installs_dry_run_and_for_real(kubectl, helm, kustomize, wait_for, 
 def monitoring_crds(kubectl, third_party_crds, wait_for) -> list[str]:
     files = sorted(third_party_crds.glob("*.yaml"))
     names = [docs(f.read_text())[0]["metadata"]["name"] for f in files]
-    assert sorted(names) == ["podmonitors.monitoring.coreos.com", "scaledobjects.keda.sh",
-                             "servicemonitors.monitoring.coreos.com"], names
+    assert sorted(names) == ["podmonitors.monitoring.coreos.com", "prometheusrules.monitoring.coreos.com",
+                             "scaledobjects.keda.sh", "servicemonitors.monitoring.coreos.com"], names
     for f in files:
         kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=omnistage-tests", "-f", str(f))
     for name in names:
@@ -218,24 +257,35 @@ def monitoring_crds(kubectl, third_party_crds, wait_for) -> list[str]:
     return names
 
 
-def test_pod_and_service_monitors_validate_against_the_prometheus_operator_crds(kubectl, kustomize, namespace,
-                                                                                monitoring_crds):
+def test_monitoring_objects_validate_against_the_prometheus_operator_crds(kubectl, kustomize, namespace,
+                                                                          monitoring_crds):
     # Into the test namespace (the monitoring manifests name omnistage-system), as the chart would.
     objects = [json.loads(json.dumps(d).replace(f'"{NS}"', f'"{namespace}"'))
                for d in kustomize(MANIFESTS / "monitoring")]
-    assert sorted(d["kind"] for d in objects) == ["PodMonitor", "ServiceMonitor"]
+    assert sorted(d["kind"] for d in objects) == ["ConfigMap", "PodMonitor", "PrometheusRule", "ServiceMonitor"]
     out = _apply(kubectl, objects, "--dry-run=server")
-    assert out.count("(server dry run)") == 2, out
+    assert out.count("(server dry run)") == 4, out
     print(f"\n[install] {_apply(kubectl, objects)}")
     pm = kubectl.json("get", "podmonitor", "omnistage-engines", "-n", namespace)
     assert pm["spec"]["selector"]["matchLabels"] == {"serving.omnistage.io/component": "engine",
                                                      "serving.omnistage.io/role": "head"}
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "http"
-    # The schema is real: a wrong type is refused, not stored.
-    bad = json.loads(json.dumps(objects[[d["kind"] for d in objects].index("PodMonitor")]))
-    bad["spec"]["podMetricsEndpoints"] = "http"
-    proc = kubectl("apply", "--server-side", "--dry-run=server", "-f", "-", input=json.dumps(bad), check=False)
-    assert proc.returncode != 0 and "podMetricsEndpoints" in proc.stderr, show(proc)
+    rule = kubectl.json("get", "prometheusrule", "omnistage-operator", "-n", namespace)
+    assert {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]} >= {
+        "OmniStageCacheInconsistent", "OmniStagePatchNotApplied", "OmniStageReplicasNotJoined",
+        "OmniStageOperatorNotLeading"}
+    dashboard = kubectl.json("get", "configmap", "omnistage-operator-dashboard", "-n", namespace)
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["omnistage.json"])["uid"] == "omnistage-operator"
+    # The schemas are real: a wrong type or format is refused, not stored.
+    by_kind = {d["kind"]: d for d in objects}
+    bad_pm = json.loads(json.dumps(by_kind["PodMonitor"]))
+    bad_pm["spec"]["podMetricsEndpoints"] = "http"
+    bad_rule = json.loads(json.dumps(by_kind["PrometheusRule"]))
+    bad_rule["spec"]["groups"][0]["rules"][0]["for"] = "five minutes"
+    for bad, field in ((bad_pm, "podMetricsEndpoints"), (bad_rule, "for")):
+        proc = kubectl("apply", "--server-side", "--dry-run=server", "-f", "-", input=json.dumps(bad), check=False)
+        assert proc.returncode != 0 and field in proc.stderr, show(proc)
 
 
 def test_keda_scaledobject_validates_and_targets_the_scale_subresource(kubectl, namespace, omnistage_crd,

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from omnistage import leader
+
 from tests.standin.harness import HeadEndpoint, condition, engine_pods, is_true, pod_ready, remote_members
 
 
@@ -24,6 +26,13 @@ class GpuOmniStage:
 
 def head(kubectl: Any, stage: GpuOmniStage) -> HeadEndpoint:
     return HeadEndpoint(kubectl, stage.namespace, stage.name, http_port=stage.http_port)
+
+
+def operator_leader(kubectl: Any, namespace: str) -> str | None:
+    """The operator pod that holds the leader Lease in its namespace (the one that acts and exports the
+    OmniStages' series; manifests/ run a second, idle one), or None."""
+    proc = kubectl("get", "lease", leader.LEASE_NAME, "-n", namespace, "-o", "json", check=False)
+    return json.loads(proc.stdout)["spec"].get("holderIdentity") if proc.returncode == 0 else None
 
 
 def converged(kubectl: Any, stage: GpuOmniStage, replicas: int) -> dict[str, Any] | None:

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
-from .checks import GpuOmniStage, converged, wait_for
+from .checks import GpuOmniStage, converged, operator_leader, wait_for
 from .support import (
     MANIFESTS,
     OPERATOR_NAME,
@@ -170,8 +170,11 @@ def operator_in_cluster(settings: Settings, kubectl: Kubectl) -> Iterator[Instal
 
 
 def _operator_log(kubectl: Kubectl) -> str:
-    proc = kubectl("logs", f"deployment/{OPERATOR_NAME}", "-n", OPERATOR_NAMESPACE, "--tail=200", check=False)
-    return proc.stdout or proc.stderr
+    """The leader's log (`logs deployment/...` picks either pod, possibly the idle follower)."""
+    leading = operator_leader(kubectl, OPERATOR_NAMESPACE)
+    target = f"pod/{leading}" if leading else f"deployment/{OPERATOR_NAME}"
+    proc = kubectl("logs", target, "-n", OPERATOR_NAMESPACE, "--tail=200", check=False)
+    return f"({target})\n" + (proc.stdout or proc.stderr)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from omnistage_engine_patches import contract
 
 from tests.standin.harness import condition, http_get, left_at_head, pod_ready, port_forward
 
-from .checks import converged, head, wait_for
+from .checks import converged, head, operator_leader, wait_for
 from .support import ENGINE_IMAGE_ENV, OPERATOR_CONTAINER, OPERATOR_NAME, ROOT, allocatable_gpus, gpus_needed
 
 # No pytest-timeout limit (the project's default is 600 s, less than one model load): every wait in
@@ -53,17 +53,27 @@ def _value(lines: list[str], metric: str, **labels: str) -> float | None:
 
 def test_operator_runs_in_the_cluster_from_the_install_manifests(kubectl, operator_in_cluster, settings):
     op = operator_in_cluster
+    want = kubectl.json("get", "deployment", op.name, "-n", op.namespace)["spec"]["replicas"]
     pods = kubectl.json("get", "pods", "-n", op.namespace, "-l", f"app.kubernetes.io/name={OPERATOR_NAME}")["items"]
     running = [p for p in pods if pod_ready(p) and not p["metadata"].get("deletionTimestamp")]
-    assert len(running) == 1, f"expected one Ready operator pod, found {[p['metadata']['name'] for p in pods]}"
-    pod = running[0]
-    assert pod["spec"]["serviceAccountName"] == OPERATOR_NAME
-    container = next(c for c in pod["spec"]["containers"] if c["name"] == OPERATOR_CONTAINER)
-    if op.installed:
-        assert container["image"] == op.image
-        if settings.engine_image:
-            env = {e["name"]: e.get("value") for e in container.get("env") or []}
-            assert env.get(ENGINE_IMAGE_ENV) == settings.engine_image
+    # Every replica Ready (the follower answers its probes too, by design), exactly one of them leading.
+    assert len(running) == want, f"expected {want} Ready operator pods, found {[p['metadata']['name'] for p in pods]}"
+    names = {p["metadata"]["name"] for p in running}
+
+    def leader_among_them() -> str | None:
+        holder = operator_leader(kubectl, op.namespace)
+        return holder if holder in names else None
+
+    leading = wait_for("an operator pod holding the Lease", leader_among_them, timeout=120, interval=5)
+    print(f"[gpu] operator pods {sorted(names)}, leader {leading}")
+    for pod in running:
+        assert pod["spec"]["serviceAccountName"] == OPERATOR_NAME
+        container = next(c for c in pod["spec"]["containers"] if c["name"] == OPERATOR_CONTAINER)
+        if op.installed:
+            assert container["image"] == op.image
+            if settings.engine_image:
+                env = {e["name"]: e.get("value") for e in container.get("env") or []}
+                assert env.get(ENGINE_IMAGE_ENV) == settings.engine_image
 
 
 def test_ready_with_the_cache_guarantee_proven_on_the_live_engine(kubectl, gpu_omnistage, settings):
@@ -97,7 +107,10 @@ def test_operator_metrics_report_the_engine(kubectl, operator_in_cluster, gpu_om
     dep = kubectl.json("get", "deployment", op.name, "-n", op.namespace)
     ports = {p.get("name"): p["containerPort"] for c in dep["spec"]["template"]["spec"]["containers"]
              for p in c.get("ports") or []}
-    with port_forward(kubectl, op.namespace, f"deployment/{op.name}", ports["metrics"]) as local:
+    # The leader's: the follower reconciles nothing, so it exports no OmniStage series.
+    leading = operator_leader(kubectl, op.namespace)
+    assert leading, "no operator pod holds the Lease"
+    with port_forward(kubectl, op.namespace, f"pod/{leading}", ports["metrics"]) as local:
         assert local, "kubectl port-forward to the operator did not start"
         text = http_get(f"http://127.0.0.1:{local}/metrics", timeout=10)
     assert text, "the operator's /metrics did not answer"

@@ -8,6 +8,7 @@ import base64
 import http.server
 import io
 import json
+import subprocess
 import threading
 import time
 import wave
@@ -22,6 +23,7 @@ from omnistage.render.common import target_from
 from omnistage.render.pods import render_head_pod, render_pool_pod
 
 from . import multistage as ms
+from .checks import operator_leader
 from .support import (
     ENGINE_IMAGE_ENV,
     ROOT,
@@ -92,6 +94,20 @@ def test_install_objects_replace_only_the_two_images():
     assert operator_container(rendered)["image"] != container["image"], "the input must not change"
     assert [o["kind"] for o in out] == [o["kind"] for o in rendered]
     assert install_objects(rendered, None, None) == rendered
+
+
+def test_the_operator_leader_is_the_lease_holder():
+    # manifests/ run two Ready operator pods; the tier reads metrics and logs from the one leading.
+    calls = []
+
+    def kubectl(*args, check=True):
+        calls.append(args)
+        lease = {"spec": {"holderIdentity": "omnistage-operator-7d9c-abcde"}}
+        return subprocess.CompletedProcess(args, 0 if "omnistage-system" in args else 1, json.dumps(lease), "")
+
+    assert operator_leader(kubectl, "omnistage-system") == "omnistage-operator-7d9c-abcde"
+    assert calls[0][:3] == ("get", "lease", "omnistage-operator")
+    assert operator_leader(kubectl, "elsewhere") is None
 
 
 def test_object_refs_name_kind_group_and_namespace():

@@ -28,14 +28,22 @@ def test_scale_subresource_selects_counted_pods(build):
 def test_printer_columns_and_short_name():
     crd = build_crd()
     cols = [c["name"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]
-    assert cols == ["Desired", "Ready", "Registered", "Cache", "Age"]
+    assert cols == ["Desired", "Ready", "Registered", "Cache", "Status", "Reason", "Age"]
     assert crd["spec"]["names"]["shortNames"] == ["ost"]
+
+
+@pytest.mark.parametrize("build", [build_crd, build_pool_crd])
+def test_conditions_are_a_map_keyed_by_type(build):
+    status = build()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    conditions = status["properties"]["conditions"]
+    assert (conditions["x-kubernetes-list-type"], conditions["x-kubernetes-list-map-keys"]) == ("map", ["type"])
+    assert "type" in conditions["items"]["required"]  # a map key must be required
 
 
 def test_pool_printer_columns_and_short_name():
     crd = build_pool_crd()
     cols = [c["name"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]
-    assert cols == ["OmniStage", "Stages", "Desired", "Ready", "Registered", "Age"]
+    assert cols == ["OmniStage", "Stages", "Desired", "Ready", "Registered", "Status", "Reason", "Age"]
     assert crd["spec"]["names"]["shortNames"] == ["osp"] and crd["metadata"]["name"] == "omnistagepools.serving.omnistage.io"
 
 

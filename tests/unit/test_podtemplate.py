@@ -120,8 +120,20 @@ def test_engine_container_merged_by_name_sidecar_appended():
         assert c["envFrom"] == [{"secretRef": {"name": "extra"}}]
         assert c["volumeMounts"][-1] == {"name": "scratch", "mountPath": "/scratch"}
         assert {"name": "config", "mountPath": "/etc/omnistage", "readOnly": True} in c["volumeMounts"]
-        assert c["securityContext"] == {"allowPrivilegeEscalation": False}
+        # The template's securityContext merges over the operator's defaults.
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
         assert pod["spec"]["volumes"][-1] == {"name": "scratch", "emptyDir": {}}
+
+
+def test_engine_pods_are_hardened_by_default_and_the_template_can_loosen_it():
+    for pod in pods({}):
+        assert engine(pod)["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        assert pod["spec"]["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    loosened = {"spec": {"securityContext": {"seccompProfile": {"type": "Unconfined"}},
+                         "containers": [{"name": "engine", "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}}]}}
+    for pod in pods(loosened):
+        assert engine(pod)["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+        assert pod["spec"]["securityContext"] == {"seccompProfile": {"type": "Unconfined"}}
 
 
 def test_pod_fields_labels_and_annotations():

@@ -119,11 +119,15 @@ def test_replica_aware_is_rendered_for_the_engine_plugin(membership, replicas):
     assert env["OMNISTAGE_FRONTEND_CACHE"] == "replica-aware"
 
 
-def test_network_policy_admits_only_own_replicas_to_engine_ports():
+def test_network_policy_fences_every_engine_pod_and_admits_only_its_own():
     np = render_children(target(replicas=2), "tok", HEAD_IP, HEAD_UID).network_policy
+    own_engines = {"matchLabels": {"serving.omnistage.io/omnistage": "qwen3-omni"},
+                   "matchExpressions": [{"key": "serving.omnistage.io/component", "operator": "In",
+                                         "values": ["engine", "pool"]}]}
+    # The replicas are selected too: their listeners (--omni-replica-address) are unauthenticated.
+    assert np["spec"]["podSelector"] == own_engines
     engine_rule, http_rule = np["spec"]["ingress"]
-    assert engine_rule["from"][0]["podSelector"]["matchLabels"]["serving.omnistage.io/role"] == "replica"
-    assert engine_rule["from"][0]["podSelector"]["matchLabels"]["serving.omnistage.io/omnistage"] == "qwen3-omni"
+    assert engine_rule["from"] == [{"podSelector": own_engines}]
     assert "from" not in http_rule and http_rule["ports"] == [{"port": 8000, "protocol": "TCP"}]
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from .. import api
 from ..yamlio import dump_all
-from . import podtemplate, statuses
+from . import conditions, podtemplate, statuses
 from .validation import NAME_RULE_CEL, NAME_RULE_MESSAGE, SPEC_RULES
 
 _DROP = {"title"}
@@ -91,6 +91,15 @@ def _embed_kubernetes_types(spec_schema: dict[str, Any]) -> None:
     env["valueFrom"] = _kubernetes_type("spec.containers.env.valueFrom", env["valueFrom"]["description"])
 
 
+# Both kinds: what `kubectl get` answers first is whether it works and, if not, why (KServe's READY).
+READY_COLUMNS = [
+    {"name": "Status", "type": "string", "jsonPath": f'.status.conditions[?(@.type=="{conditions.Type.READY}")].status',
+     "description": "The Ready condition"},
+    {"name": "Reason", "type": "string", "jsonPath": f'.status.conditions[?(@.type=="{conditions.Type.READY}")].reason',
+     "description": "Why it is (not) Ready; docs/troubleshooting.md lists every reason"},
+]
+
+
 def build_crd() -> dict[str, Any]:
     spec_schema = _schema_of(api.OmniStageSpec)
     _embed_kubernetes_types(spec_schema)
@@ -109,6 +118,7 @@ def build_crd() -> dict[str, Any]:
          "description": "Replicas the engine head acknowledged"},
         {"name": "Cache", "type": "string", "jsonPath": ".status.effectiveCacheMode",
          "description": "Resolved stage-0 frontend cache mode"},
+        *READY_COLUMNS,
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ])
 
@@ -155,6 +165,10 @@ def _root(description: str, spec_schema: dict[str, Any], status_model: type[api.
     status_schema = _schema_of(status_model)
     for schema in (spec_schema, status_schema):
         _sort_enum_defaults(schema)
+    # Conditions are a map keyed by type (the API conventions): the API server refuses two of one
+    # type, and server-side apply and strategic merge merge them by type.
+    status_schema["properties"]["conditions"].update({"x-kubernetes-list-type": "map",
+                                                       "x-kubernetes-list-map-keys": ["type"]})
     return {
         "type": "object",
         "description": description,
@@ -181,6 +195,7 @@ def build_pool_crd() -> dict[str, Any]:
         {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Pods that are Ready"},
         {"name": "Registered", "type": "integer", "jsonPath": ".status.registeredReplicas",
          "description": "Pods joined on the head for every one of their stages"},
+        *READY_COLUMNS,
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ])
 

@@ -37,29 +37,23 @@ def render_master_service(t: Target) -> dict[str, Any]:
 
 
 def render_network_policy(t: Target) -> dict[str, Any]:
-    """The head binds its coordinator and three sockets per replica on random ports, so replicas
-    need every TCP port of the head; everyone else gets only the HTTP port.
-
-    With spec.stages every engine pod of the OmniStage (head, replicas, pool pods) takes every TCP
-    port from every other: each producing stage replica listens for its consumers (the connectors'
-    zmq ports and UCX's own listeners), and the listeners are unauthenticated, so this policy is
-    their only fence."""
-    if t.spec.stages:
-        def engines() -> dict[str, Any]:  # a fresh dict each time: one object twice would dump as a YAML alias
-            return {"matchLabels": {L_OMNISTAGE: t.name},
-                    "matchExpressions": [{"key": L_COMPONENT, "operator": "In", "values": list(ENGINE_COMPONENTS)}]}
-        selected, peers = engines(), [{"podSelector": engines()}]
-    else:
-        selected = {"matchLabels": selector_labels(t, ROLE_HEAD)}
-        peers = [{"podSelector": {"matchLabels": selector_labels(t, ROLE_REPLICA)}}]
+    """Every engine pod of the OmniStage (head, replicas, pool pods) takes every TCP port from every
+    other; everyone else gets only the HTTP port. The head binds its coordinator and three sockets
+    per replica on random ports, so replicas need every TCP port of the head; a replica, started
+    with --omni-replica-address (its pod IP), and each producing stage replica (the connectors' zmq
+    ports, UCX's own listeners) listen too, unauthenticated: this policy is their only fence, so it
+    selects them as well, not the head alone."""
+    def engines() -> dict[str, Any]:  # a fresh dict each time: one object twice would dump as a YAML alias
+        return {"matchLabels": {L_OMNISTAGE: t.name},
+                "matchExpressions": [{"key": L_COMPONENT, "operator": "In", "values": list(ENGINE_COMPONENTS)}]}
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": metadata(t, t.child_name("head-engine")),
         "spec": {
-            "podSelector": selected,
+            "podSelector": engines(),
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": peers},
+                {"from": [{"podSelector": engines()}]},
                 {"ports": [{"port": t.spec.engine.http_port, "protocol": "TCP"}]},
             ],
         },

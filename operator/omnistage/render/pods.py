@@ -67,6 +67,12 @@ UCX_TLS_TCP = "tcp,sm,self"
 # SharedMemoryConnector's POSIX shm names resolve to the same files in every pod.
 SAME_NODE_SHM_ROOT = "/dev/shm/omnistage"
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
+# The hardening vLLM tolerates (the production sample runs with it): no privilege escalation, no
+# capabilities, the runtime's seccomp profile. Not runAsNonRoot or a read-only root: the engine image
+# runs as root and writes its caches under /root/.cache. spec.template's securityContext merges over
+# these (e.g. `capabilities: {add: [IPC_LOCK]}` for RDMA).
+CONTAINER_SECURITY_CONTEXT = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+POD_SECURITY_CONTEXT = {"seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def head_pod_name(t: Target) -> str:
@@ -201,6 +207,7 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None) -
                          "memory": f"{MEMORY_REQUEST_GIB_PER_GPU * gpu.count}Gi"},
         },
         "volumeMounts": mounts,
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
     if s.engine.image_pull_policy:
         container["imagePullPolicy"] = s.engine.image_pull_policy
@@ -227,6 +234,7 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None) -
         # Room for vLLM's own drain after the operator's leave has already drained the replica.
         "terminationGracePeriodSeconds": drain + 30,
         "enableServiceLinks": False,
+        "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
     }
     affinity = _with_head_node(t, role, placement.affinity)
     if affinity:
