@@ -116,10 +116,10 @@ class LiveHead:
     @classmethod
     def locate(cls, engine_client: Any) -> LiveHead:
         if not membership.enabled():
-            outcome = outcomes().get(membership.PATCH)
+            outcome = outcomes().get(membership.NAME)
             reason = outcome.reason if outcome is not None else "the plugin was not loaded in this process"
             raise MembershipError(503, "MembershipPatchDisabled",
-                                  f"patch {membership.PATCH!r} is not active: {reason}")
+                                  f"patch {membership.NAME!r} is not active: {reason}")
         engine = getattr(engine_client, "engine", engine_client)
         pools = getattr(engine, "stage_pools", None)
         orch = next((o for o in membership.running_orchestrators()

@@ -1,12 +1,15 @@
 """The engine plugin's helpers that need no vLLM: reading a wrapped method's argument where the
-method declares it, and removing a replica's series from an orchestrator that has none."""
+method declares it, the shape checks and wrappers, removing a replica's series from an orchestrator
+that has none, and the endpoint's answer without the membership patch."""
 
 from __future__ import annotations
 
 import logging
 import types
 
+import pytest
 from omnistage_engine_patches import _patching, metric_series
+from omnistage_engine_patches.membership_ops import LiveHead, MembershipError
 
 
 class StatLogger:
@@ -102,3 +105,10 @@ def test_a_wrapper_gets_the_original_keeps_its_signature_and_is_marked(monkeypat
 def test_the_stashed_names_are_listed_once():
     assert len(set(_patching.STASHED)) == len(_patching.STASHED)
     assert all(name.startswith("_omnistage_") for name in _patching.STASHED)
+
+
+def test_without_the_membership_patch_the_endpoint_says_so():
+    """The endpoint's answer when the patch is not in this process (never applied here): 503 naming it."""
+    with pytest.raises(MembershipError) as err:
+        LiveHead.locate(object())
+    assert err.value.status == 503 and "'membership' is not active" in err.value.message
