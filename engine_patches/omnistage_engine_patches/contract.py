@@ -154,6 +154,25 @@ class Listing(TypedDict):
     next: str | None  # the cursor of the next page (include_all listings)
 
 
+class JoinRequest(TypedDict, total=False):
+    """POST JOIN_PATH: join the (stage, pod) replica registered from `ip` (membership_api.JoinBody)."""
+
+    stage: int
+    pod: str
+    ip: str
+    waitSeconds: float  # how long to wait for the registration (default 5)
+
+
+class LeaveRequest(TypedDict, total=False):
+    """POST LEAVE_PATH: one of replicaId, pod or ip picks the replica (membership_api.LeaveBody)."""
+
+    stage: int
+    replicaId: int
+    pod: str
+    ip: str
+    drainTimeoutSeconds: float  # how long its requests in flight may finish
+
+
 def members(listing: Listing, stage: int = 0) -> list[Member]:
     return list((listing.get("stages") or {}).get(str(stage)) or [])
 

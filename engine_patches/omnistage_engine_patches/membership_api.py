@@ -94,6 +94,7 @@ import json
 import logging
 import os
 from argparse import Namespace
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -101,7 +102,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from . import contract, report
-from .membership_ops import DEFAULT_PAGE, MAX_PAGE, LiveHead, MembershipError
+from .membership_listing import DEFAULT_PAGE, MAX_PAGE
+from .membership_ops import LiveHead, MembershipError
 
 logger = logging.getLogger("omnistage_engine_patches.membership_api")
 
@@ -331,25 +333,27 @@ async def list_membership(request: Request) -> Response:
     return await _handle(request, op)
 
 
-@router.post(contract.JOIN_PATH)
-async def join(request: Request) -> JSONResponse:
+async def _command(request: Request, model: type[_Body], call: Callable[[LiveHead, Any], Awaitable[Any]]
+                   ) -> JSONResponse:
+    """A POST: its body parsed as `model`, then `call(head, body)` on the live head."""
     async def op():
-        body = await _parse(request, JoinBody)
-        head = LiveHead.locate(_engine_client(request))
-        return await head.join(body.stage, body.pod, body.ip, body.wait_seconds)
+        body = await _parse(request, model)
+        return await call(LiveHead.locate(_engine_client(request)), body)
 
     return await _handle(request, op)
+
+
+@router.post(contract.JOIN_PATH)
+async def join(request: Request) -> JSONResponse:
+    return await _command(request, JoinBody, lambda head, body: head.join(body.stage, body.pod, body.ip,
+                                                                          body.wait_seconds))
 
 
 @router.post(contract.LEAVE_PATH)
 async def leave(request: Request) -> JSONResponse:
-    async def op():
-        body = await _parse(request, LeaveBody)
-        head = LiveHead.locate(_engine_client(request))
-        return await head.leave(body.stage, replica_id=body.replica_id, pod=body.pod or None, ip=body.ip or None,
-                                drain_timeout=body.drain_timeout_seconds)
-
-    return await _handle(request, op)
+    return await _command(request, LeaveBody, lambda head, body: head.leave(
+        body.stage, replica_id=body.replica_id, pod=body.pod or None, ip=body.ip or None,
+        drain_timeout=body.drain_timeout_seconds))
 
 
 # ---- the plugin -------------------------------------------------------------------------------

@@ -222,7 +222,7 @@ INVALID = [
     ("shm-size-not-a-quantity", {"shmSize": "lots"}, ["spec.shmSize"]),
     ("host-path-relative", {"modelVolume": {"hostPath": {"path": "models"}}}, ["spec.modelVolume.hostPath.path"]),
     ("unknown-field", {"replica": 2}, ['unknown field "spec.replica"']),
-    # CEL rules (operator/omnistage/validation.py)
+    # CEL rules (operator/omnistage/api/validation.py)
     ("lru-with-dynamic-membership", {"membership": "dynamic", "cache": {"mode": "lru"}},
      ["spec.cache.mode", "processor-only"]),
     ("shm-with-two-replicas", {"membership": "static", "replicas": 2, "cache": {"mode": "shm"}},
@@ -277,7 +277,7 @@ INVALID = [
     ("template-duplicate-env", {"template": {"spec": {"containers": [
         {"name": "engine", "env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}]}}},
      ["spec.template.spec.containers[0].env[1]", "Duplicate value"]),
-    # ... and what the operator owns in it (CEL rules, operator/omnistage/validation.py)
+    # ... and what the operator owns in it (CEL rules, operator/omnistage/api/validation.py)
     ("template-operator-label", {"template": {"metadata": {"labels": {"serving.omnistage.io/role": "head"}}}},
      ["spec.template.metadata.labels", "must not set the operator's labels"]),
     ("template-operator-annotation", {"template": {"metadata": {"annotations": {

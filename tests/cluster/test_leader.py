@@ -1,4 +1,4 @@
-"""Two operator replicas, one leader (issue 10 section 4; operator/omnistage/leader.py).
+"""Two operator replicas, one leader (issue 10 section 4; operator/omnistage/runtime/leader.py).
 
 Two `omnistage run` processes under the operator's own ServiceAccount (conftest.py
 operator_identity), each with the environment the Deployment gives a pod (POD_NAMESPACE, POD_NAME):

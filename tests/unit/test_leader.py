@@ -1,4 +1,4 @@
-"""Leader election rules (operator/omnistage/leader.py): the pure decisions, then the Elector against
+"""Leader election rules (operator/omnistage/runtime/leader.py): the pure decisions, then the Elector against
 an in-memory Lease store with the API server's optimistic concurrency and a fake clock."""
 
 from __future__ import annotations

@@ -1,12 +1,15 @@
 """The engine plugin's helpers that need no vLLM: reading a wrapped method's argument where the
-method declares it, and removing a replica's series from an orchestrator that has none."""
+method declares it, the shape checks and wrappers, removing a replica's series from an orchestrator
+that has none, and the endpoint's answer without the membership patch."""
 
 from __future__ import annotations
 
 import logging
 import types
 
+import pytest
 from omnistage_engine_patches import _patching, metric_series
+from omnistage_engine_patches.membership_ops import LiveHead, MembershipError
 
 
 class StatLogger:
@@ -109,3 +112,16 @@ def test_without_the_membership_patch_the_endpoint_says_so():
     with pytest.raises(MembershipError) as err:
         LiveHead.locate(object())
     assert err.value.status == 503 and "'membership' is not active" in err.value.message
+
+
+def test_the_join_and_leave_bodies_are_the_contracts_on_both_sides():
+    """The operator writes contract.JoinRequest/LeaveRequest; the endpoint's models read exactly those keys."""
+    pytest.importorskip("fastapi", reason="the endpoint needs fastapi (it comes with vLLM)")
+    import typing
+
+    from omnistage_engine_patches import contract, membership_api
+
+    for model, shape in ((membership_api.JoinBody, contract.JoinRequest),
+                         (membership_api.LeaveBody, contract.LeaveRequest)):
+        keys = {f.alias or name for name, f in model.model_fields.items()}
+        assert keys == set(typing.get_type_hints(shape)), model.__name__

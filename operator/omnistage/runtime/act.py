@@ -20,20 +20,8 @@ from kubernetes.client.exceptions import ApiException
 
 from .. import api
 from ..api.conditions import EventReason
-from ..control.actions import (
-    DRAIN_DONE,
-    DRAIN_FAILED,
-    DRAIN_RUNNING,
-    Action,
-    Annotate,
-    CreatePod,
-    DeletePod,
-    Emit,
-    EnsureChild,
-    Forget,
-    Join,
-    StartLeave,
-)
+from ..control import actions
+from ..control.actions import DRAIN_DONE, DRAIN_FAILED, DRAIN_RUNNING, Action
 from . import head_client, kube
 from .head_client import HeadClient, HeadRefused, HeadUnreachable
 from .informer import STATE
@@ -70,7 +58,7 @@ class Drains:
         with self._lock:
             self._state.setdefault(key, {})[uid] = state
 
-    def start(self, namespace: str, name: str, client: HeadClient, a: StartLeave, emit: EmitFn) -> None:
+    def start(self, namespace: str, name: str, client: HeadClient, a: actions.StartLeave, emit: EmitFn) -> None:
         key = (namespace, name)
         with self._lock:
             if self._state.get(key, {}).get(a.uid) == DRAIN_RUNNING:
@@ -110,21 +98,21 @@ class Drains:
 DRAINS = Drains()
 
 
-def act(namespace: str, actions: list[Action], client: HeadClient | None, emit: EmitFn, owner: str,
+def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: EmitFn, owner: str,
         drains: Drains = DRAINS) -> list[str]:
     """Execute in order; return what could not be done that status should say (membership problems)."""
     problems: list[str] = []
-    for a in actions:
-        if isinstance(a, Emit):
+    for a in planned:
+        if isinstance(a, actions.Emit):
             emit(a.type, a.reason, a.message)
-        elif isinstance(a, EnsureChild):
+        elif isinstance(a, actions.EnsureChild):
             meta = a.obj["metadata"]
             result, child = kube.apply(a.obj, a.compare, STATE.of(a.obj["kind"]).get(meta["namespace"], meta["name"]))
             if result != "unchanged":
                 STATE.wrote(child)
                 emit("Normal", EventReason.CONFIG_RENDERED if a.obj["kind"] == "ConfigMap" else EventReason.CHILD_SYNCED,
                      f"{a.obj['kind']} {a.obj['metadata']['name']} {result}")
-        elif isinstance(a, CreatePod):
+        elif isinstance(a, actions.CreatePod):
             try:
                 pod, created = kube.create(a.obj)
             except ApiException as err:
@@ -139,24 +127,24 @@ def act(namespace: str, actions: list[Action], client: HeadClient | None, emit: 
             STATE.wrote(pod)
             if created:
                 emit("Normal", a.reason, a.message.format(pod=pod["metadata"]["name"]))
-        elif isinstance(a, DeletePod):
+        elif isinstance(a, actions.DeletePod):
             STATE.wrote(kube.delete_pod(namespace, a.name, uid=a.uid))
             drains.forget(namespace, owner, a.uid)
             if a.reason:
                 emit("Normal", a.reason, a.message)
-        elif isinstance(a, Annotate):
+        elif isinstance(a, actions.Annotate):
             STATE.wrote(kube.patch_pod_annotations(namespace, a.name, a.annotations))
-        elif isinstance(a, StartLeave):
+        elif isinstance(a, actions.StartLeave):
             if client is not None:
                 drains.start(namespace, owner, client, a, emit)
-        elif isinstance(a, Forget):
+        elif isinstance(a, actions.Forget):
             who = f"replica {a.replica_id}" + (f" of stage {a.stage}" if a.stage else "")
             try:
                 head_client.leave(client, a.replica_id, 0, a.stage)
                 emit("Normal", EventReason.LEFT, f"{who} ({a.who}) left: its pod is gone")
             except (HeadUnreachable, HeadRefused) as err:
                 problems.append(f"leave for departed {who} failed: {err}")
-        elif isinstance(a, Join):
+        elif isinstance(a, actions.Join):
             try:
                 ack = head_client.join(client, a.pod, a.ip, a.stage)
                 kind = f"pool pod {a.pod} joined stage {a.stage}" if a.stage else f"replica pod {a.pod} joined the engine"

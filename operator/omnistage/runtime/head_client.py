@@ -140,13 +140,13 @@ def listing_if_changed(head: HeadClient, etag: str | None,
 
 
 def join(head: HeadClient, pod: str, ip: str, stage: int = 0) -> dict[str, Any]:
-    return _call("join", "POST", head, contract.JOIN_PATH, {"stage": stage, "pod": pod, "ip": ip},
-                 timeout=JOIN_SECONDS, attempts=2)
+    body: contract.JoinRequest = {"stage": stage, "pod": pod, "ip": ip}
+    return _call("join", "POST", head, contract.JOIN_PATH, body, timeout=JOIN_SECONDS, attempts=2)
 
 
 def leave(head: HeadClient, replica_id: int, drain_seconds: int, stage: int = 0) -> dict[str, Any]:
     """Stop routing to the replica, drain it up to `drain_seconds`, detach it, drop its metrics.
     The head answers when drained, so a draining leave (drain_seconds > 0) belongs on act.DRAINS."""
-    body = {"stage": stage, "replicaId": replica_id, "drainTimeoutSeconds": drain_seconds}
+    body: contract.LeaveRequest = {"stage": stage, "replicaId": replica_id, "drainTimeoutSeconds": drain_seconds}
     return _call("leave", "POST", head, contract.LEAVE_PATH, body, timeout=drain_seconds + READ_SECONDS,
                  attempts=3 if drain_seconds else 2)
