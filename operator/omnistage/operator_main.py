@@ -22,7 +22,7 @@ def run(namespaces: list[str], metrics_port: int, probe_port: int, bind: str = "
         os.environ[api.ENGINE_IMAGE_ENV] = engine_image
     logging.getLogger(__name__).info("engine image where spec.engine.image is unset: %s",
                                      api.operator_engine_image())
-    handlers.WATCHED_NAMESPACES[:] = namespaces
+    handlers.watch(namespaces)
     lease_namespace = lease_namespace or leader.default_namespace()
     elector = None
     if lease_namespace:

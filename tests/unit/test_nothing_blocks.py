@@ -220,3 +220,13 @@ def test_events_go_through_the_operators_client_and_a_refused_one_does_not_fail_
     assert body["involvedObject"] == {"apiVersion": "serving.omnistage.io/v1alpha1", "kind": "OmniStage",
                                       "name": "ost", "namespace": "ns", "uid": "u"}
     assert body["source"] == {"component": "omnistage-operator"} and body["metadata"]["generateName"] == "ost."
+
+def test_watch_sets_the_namespaces_a_trigger_may_queue(monkeypatch):
+    """`omnistage run -n 't-*'` reaches the handlers through watch(): a trigger elsewhere queues nothing."""
+    from omnistage.runtime import handlers
+
+    monkeypatch.setattr(handlers, "WATCHED_NAMESPACES", [])
+    handlers.watch(["t-*", "prod"])
+    assert handlers._watched("t-1") and handlers._watched("prod") and not handlers._watched("real-1")
+    handlers.watch([])
+    assert handlers._watched("real-1")  # no namespace given: all

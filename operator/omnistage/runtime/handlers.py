@@ -25,6 +25,12 @@ from .workqueue import WorkQueue
 log = logging.getLogger(__name__)
 RESYNC_SECONDS = 5.0  # every OmniStage's head is probed this often
 FULL_RESYNC_SECONDS = 60.0  # and every OmniStage gets a full pass this often (spread over the period)
+WATCHED_NAMESPACES: list[str] = []  # globs as kopf accepts them; [] = all. Set by watch(), before kopf starts
+
+
+def watch(namespaces: list[str]) -> None:
+    """The namespaces this operator reconciles (operator_main.run, from `omnistage run -n`)."""
+    WATCHED_NAMESPACES[:] = namespaces
 
 
 @kopf.on.startup()
@@ -129,9 +135,6 @@ def _resync_forever() -> None:
                 _run(ns, name)  # its full pass of the period
             else:
                 PROBES.enqueue(ns, name)  # queued: the loop never waits on a head
-
-
-WATCHED_NAMESPACES: list[str] = []  # set by operator_main.run; globs as kopf accepts them; [] = all
 
 
 def _watched(namespace: str) -> bool:
