@@ -179,10 +179,13 @@ def table(results: list[Result]) -> str:
     return "\n".join(r.line() for r in results)
 
 
-def load(base: str, stop_file: str, concurrency: int = 2, clips: int = 4, max_seconds: float = 3600) -> int:
+def load(base: str, stop_file: str, concurrency: int = 2, clips: int = 4, max_seconds: float = 3600,
+         pace: float = 0.5) -> int:
     """Repeated audio (`clips` clips in turn) at `concurrency` until `stop_file` exists (bounded by
     max_seconds): one line per request as it is answered, the head's per-replica counts every 10 s,
-    a summary at the end. Exit 1 when any request got no complete answer (`make demo` fails then)."""
+    a summary at the end. Exit 1 when any request got no complete answer (`make demo` fails then).
+    Each worker waits `pace` seconds between requests: a saturated head on a 2-core machine would
+    starve the replica that is starting beside it."""
     import itertools
     import os
 
@@ -209,6 +212,7 @@ def load(base: str, stop_file: str, concurrency: int = 2, clips: int = 4, max_se
             if os.path.exists(stop_file) or time.monotonic() - t0 > max_seconds:
                 return
             yield item
+            time.sleep(pace / concurrency)  # under run_many's lock: spaces the requests of all workers
 
     run_many(base, until_stopped(), concurrency, on_result=printed)
     bad = [r for r in results if not r.complete]
