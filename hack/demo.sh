@@ -156,10 +156,9 @@ stop_bg operator "$OPERATOR_MARK"
 stop_bg runtime "$RUNTIME_MARK"
 # setsid + own stdio: they outlive this script and a Ctrl-C here does not reach them.
 if [[ $ENGINE == real ]]; then
-  # The CPU engine "image": the environment's bin directory, the tiny model for spec.model, and the
-  # test-only vllm-omni CPU platform plugin added to VLLM_PLUGINS (tests/standin/realpod.py).
-  STANDIN_ARGS+=(--engine-env "$CPU_VENV" --model "omnistage-test/tiny-qwen2.5-omni-thinker=$TINY_MODEL"
-                 --plugin omnistage_cpu)
+  # The CPU engine "image": the environment's bin directory, the tiny model for spec.model, the test-only
+  # vllm-omni CPU platform plugin added to VLLM_PLUGINS (tests/standin/realpod.py, cpu_engine_image).
+  STANDIN_ARGS+=(--engine-env "$CPU_VENV" --model "omnistage-test/tiny-qwen2.5-omni-thinker=$TINY_MODEL")
 fi
 setsid "$PY" -m tests.standin.runtime --namespace "$NS" --state-dir "$D/standin" "${STANDIN_ARGS[@]}" \
   </dev/null >"$D/runtime.log" 2>&1 & echo $! > "$D/runtime.pid"

@@ -50,6 +50,13 @@ OFFLINE_ENV = {
     "PYTHONUNBUFFERED": "1",
     "LANG": "C.UTF-8",
 }
+# The CPU engine image's own settings. vLLM's CPU backend binds each engine's OpenMP threads to core 0
+# by default ("auto": the first NUMA node's cores minus one reserved); with several engines on a
+# 2-core machine they all share that core and a busy head starves a replica starting beside it.
+CPU_ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# The test-only plugins the CPU image adds to VLLM_PLUGINS (tests/cpu_engine/cpu_platform): vllm-omni's
+# CPU platform, and the probe of what each engine core admitted.
+CPU_TEST_PLUGINS = ("omnistage_cpu", "omnistage_feature_probe")
 VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
 
@@ -69,6 +76,12 @@ class EngineImage:
     models: dict[str, Path] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=lambda: dict(OFFLINE_ENV))
     extra_plugins: tuple[str, ...] = ()
+
+
+def cpu_engine_image(venv: Path, models: dict[str, Path]) -> EngineImage:
+    """The CPU engine "image" of the real-engine tier and `make demo`: hack/real-engine-env.sh's venv."""
+    return EngineImage(bin_dir=venv / "bin", models=models, env={**OFFLINE_ENV, **CPU_ENGINE_ENV},
+                       extra_plugins=CPU_TEST_PLUGINS)
 
 
 @dataclass

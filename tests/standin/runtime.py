@@ -39,7 +39,7 @@ NETWORK RULE (DESIGN.md section 7): only 127.0.0.0/8. Pod IPs and master address
 refused (logged and skipped), the API server must be on loopback, probes dial pod IPs only, and
 proxy variables are stripped from children so nothing is sent through a proxy.
 
-REAL MODE (`image=EngineImage(...)`, or `--engine-env VENV --model NAME=DIR --plugin P`): instead of
+REAL MODE (`image=EngineImage(...)`, or `--engine-env VENV --model NAME=DIR`: realpod.cpu_engine_image): instead of
 a stand-in, each engine pod runs its OWN container command and args with its own environment and
 mounts (tests/standin/realpod.py has the mapping: the image is a venv on this machine, spec.model a
 local directory). Probes, restart policy and kill are the same; a deleted pod's process gets the
@@ -47,7 +47,7 @@ pod's terminationGracePeriodSeconds (capped at REAL_GRACE_CAP) after SIGTERM, an
 
 Usage:
   python -m tests.standin.runtime [--namespace NS|GLOB ...] [--kubeconfig F] [--state-dir D]
-  python -m tests.standin.runtime --engine-env ~/.cache/omnistage/venv-cpu --model NAME=DIR --plugin P ...
+  python -m tests.standin.runtime --engine-env ~/.cache/omnistage/venv-cpu --model NAME=DIR ...
   python -m tests.standin.runtime kill NS/POD [--state-dir D]
   with StandinRuntime(namespaces=[ns]) as rt: ...          (pytest fixtures)
 
@@ -1081,16 +1081,13 @@ def main(argv: list[str] | None = None) -> int:
                          "environment of hack/real-engine-env.sh) instead of a stand-in")
     ap.add_argument("--model", action="append", default=[], metavar="NAME=DIR",
                     help="real mode: serve DIR where a pod names spec.model NAME (repeatable)")
-    ap.add_argument("--plugin", action="append", default=[], metavar="NAME",
-                    help="real mode: a vLLM plugin the image adds to the rendered VLLM_PLUGINS (repeatable)")
     ap.add_argument("--head-module", default=HEAD_MODULE, help=argparse.SUPPRESS)     # harness self-tests
     ap.add_argument("--replica-module", default=REPLICA_MODULE, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     image = None
     if args.engine_env:
         models = dict(m.split("=", 1) for m in args.model)
-        image = EngineImage(bin_dir=Path(args.engine_env) / "bin", models={k: Path(v) for k, v in models.items()},
-                            extra_plugins=tuple(args.plugin))
+        image = realpod.cpu_engine_image(Path(args.engine_env), {k: Path(v) for k, v in models.items()})
     rt = StandinRuntime(kubeconfig=args.kubeconfig, namespaces=args.namespace, state_dir=args.state_dir,
                         python=args.python, probes=not args.no_probes,
                         head_module=args.head_module, replica_module=args.replica_module, image=image)

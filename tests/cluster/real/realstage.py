@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from tests.cpu_engine import client
+from tests.standin import realpod
 from tests.standin.harness import HeadEndpoint, stage0
 from tests.standin.realpod import EngineImage
 from tests.standin.runtime import StandinRuntime
@@ -26,9 +27,6 @@ TINY_MODEL = Path(os.environ.get("OMNISTAGE_TINY_MODEL", CACHE / "tiny-omni"))
 # argument rewritten by value, realpod.EngineImage.models).
 TINY_MODEL_NAME = "omnistage-test/tiny-qwen2.5-omni-thinker"
 SAMPLE = Path(__file__).resolve().parents[2] / "cpu_engine" / "omnistage.yaml"
-# The test-only plugins of tests/cpu_engine/cpu_platform: vllm-omni's CPU platform, and the probe of
-# what each engine core computed on (feature_probe.py), added to the rendered VLLM_PLUGINS.
-TEST_PLUGINS = ("omnistage_cpu", "omnistage_feature_probe")
 HEAD_READY_TIMEOUT = 20 * 60
 JOIN_TIMEOUT = 20 * 60
 
@@ -36,8 +34,7 @@ JOIN_TIMEOUT = 20 * 60
 def cpu_engine_image() -> EngineImage | None:
     if not (CPU_VENV / "bin" / "vllm").exists() or not (TINY_MODEL / "config.json").exists():
         return None
-    return EngineImage(bin_dir=CPU_VENV / "bin", models={TINY_MODEL_NAME: TINY_MODEL},
-                       extra_plugins=TEST_PLUGINS)
+    return realpod.cpu_engine_image(CPU_VENV, {TINY_MODEL_NAME: TINY_MODEL})
 
 
 def tiny_omnistage(name: str, replicas: int) -> dict[str, Any]:
