@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from ..names import ENGINE_COMPONENTS, L_COMPONENT, L_OMNISTAGE, ROLE_HEAD, ROLE_REPLICA
+from ..names import ENGINE_COMPONENTS, L_COMPONENT, L_OMNISTAGE, ROLE_HEAD
 from .common import Target, metadata, selector_labels
 from .pods import TOKEN_KEY
 
