@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from omnistage import leader
+from omnistage.runtime import leader
 
 from tests.standin.harness import HeadEndpoint, condition, engine_pods, is_true, pod_ready, remote_members
 

@@ -68,6 +68,13 @@ class RealOmniStage:
         """The OmniStage; first, a pod the runtime refused to run fails the test at once (it never starts)."""
         refused = {pod: why for (ns, pod), why in self.runtime.refusals.items() if ns == self.namespace}
         assert not refused, f"the real-mode runtime refused to run: {refused}"
+        # An engine that exits before it ever served rejected what was rendered (a flag, a variable, a
+        # mount): fail now with its log, not after the start-up timeout.
+        for (ns, pod), p in self.runtime.processes().items():
+            if ns == self.namespace and p.last_exit not in (None, 0) and not any(a == "ready" for _, a in p.history) \
+                    and p.role == "head":
+                tail = "\n".join(p.log_path.read_text(errors="replace").splitlines()[-40:])
+                raise AssertionError(f"{pod} exited with {p.last_exit} before it was ever Ready:\n{tail}")
         return self.kubectl.json("get", "omnistage", self.name, "-n", self.namespace)
 
     def base(self) -> str:
