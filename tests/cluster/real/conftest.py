@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.cluster.real.realstage import CPU_VENV, TINY_MODEL, cpu_engine_image
+from tests.cluster.real.realstage import CPU_VENV, TINY_MODEL, cpu_engine_image, live
 from tests.standin.realpod import EngineImage
 from tests.standin.runtime import StandinRuntime
 
@@ -38,6 +38,15 @@ REAL_PREFIX = "real-"
 @pytest.fixture(scope="module")
 def operator_namespaces() -> list[str]:
     return [REAL_PREFIX + "*"]
+
+
+@pytest.fixture(autouse=True)
+def _live_output(pytestconfig: pytest.Config) -> Iterator[None]:
+    """This tier's figures (per-request tables, timings) reach the terminal as they happen, in `make
+    test` and CI too, not only on failure: it runs for minutes and its output is the report. (The
+    module fixtures that bring engines up do the same with realstage.live.)"""
+    with live(pytestconfig):
+        yield
 
 
 @pytest.fixture(scope="module")

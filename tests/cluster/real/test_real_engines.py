@@ -27,6 +27,7 @@ from tests.cluster.real.realstage import (
     RealOmniStage,
     count,
     dump_status,
+    live,
     print_engine_tails,
     print_table,
     send_attributed,
@@ -41,8 +42,17 @@ pytestmark = pytest.mark.timeout(HEAD_READY_TIMEOUT + 300)
 
 
 @pytest.fixture(scope="module")
-def stage(kubectl, operator, standin, real_namespace, wait_for) -> Any:
-    s = RealOmniStage(kubectl, standin, real_namespace, NAME, wait_for)
+def stage(kubectl, operator, standin, real_namespace, wait_for, pytestconfig) -> Any:
+    # Capture off for the bring-up and the teardown's figures only (pytest switches it per test).
+    steps = _bring_up(RealOmniStage(kubectl, standin, real_namespace, NAME, wait_for))
+    with live(pytestconfig):
+        s = next(steps)
+    yield s
+    with live(pytestconfig):
+        next(steps, None)
+
+
+def _bring_up(s: RealOmniStage) -> Any:
     t0 = time.monotonic()
     s.apply(tiny_omnistage(NAME, replicas=1))
     s.wait_for("the head Ready (real engine start-up)", lambda: s.get().get("status", {}).get("readyReplicas") == 1

@@ -30,6 +30,7 @@ from tests.cluster.real.realstage import (
     RealOmniStage,
     count,
     dump_status,
+    live,
     print_engine_tails,
     tiny_omnistage,
 )
@@ -51,8 +52,17 @@ def standin(kubeconfig, kwok_nodes, state_dir, engine_image, real_namespace):
 
 
 @pytest.fixture(scope="module")
-def stage(kubectl, operator, standin, real_namespace, wait_for) -> Any:
-    s = RealOmniStage(kubectl, standin, real_namespace, NAME, wait_for)
+def stage(kubectl, operator, standin, real_namespace, wait_for, pytestconfig) -> Any:
+    # Capture off for the bring-up and the teardown's figures only (pytest switches it per test).
+    steps = _bring_up(RealOmniStage(kubectl, standin, real_namespace, NAME, wait_for))
+    with live(pytestconfig):
+        s = next(steps)
+    yield s
+    with live(pytestconfig):
+        next(steps, None)
+
+
+def _bring_up(s: RealOmniStage) -> Any:
     t0 = time.monotonic()
     s.apply(tiny_omnistage(NAME, replicas=2))
     s.wait_for("the head Ready", lambda: s.head.report() is not None, timeout=HEAD_READY_TIMEOUT, interval=2)
