@@ -40,12 +40,13 @@ def operator_namespaces() -> list[str]:
     return [REAL_PREFIX + "*"]
 
 
-@pytest.fixture(autouse=True)
-def _live_output(pytestconfig: pytest.Config) -> Iterator[None]:
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     """This tier's figures (per-request tables, timings) reach the terminal as they happen, in `make
-    test` and CI too, not only on failure: it runs for minutes and its output is the report. (The
-    module fixtures that bring engines up do the same with realstage.live.)"""
-    with live(pytestconfig):
+    test` and CI too, not only on failure: it runs for minutes and its output is the report. Innermost
+    wrapper of the test call (pytest turns capture back on around each call); the module fixtures that
+    bring engines up do the same with realstage.live."""
+    with live(item.config):
         yield
 
 
