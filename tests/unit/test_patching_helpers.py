@@ -107,8 +107,12 @@ def test_the_stashed_names_are_listed_once():
     assert all(name.startswith("_omnistage_") for name in _patching.STASHED)
 
 
-def test_without_the_membership_patch_the_endpoint_says_so():
-    """The endpoint's answer when the patch is not in this process (never applied here): 503 naming it."""
+def test_without_the_membership_patch_the_endpoint_says_so(monkeypatch):
+    """The endpoint's answer when the patch is not active in this process: 503 naming it. (`make test`
+    runs the engine tier first, in the same process, and that applies the patch: switch it off here.)"""
+    from omnistage_engine_patches.patches import membership
+
+    monkeypatch.setattr(membership, "enabled", lambda: False)
     with pytest.raises(MembershipError) as err:
         LiveHead.locate(object())
     assert err.value.status == 503 and "'membership' is not active" in err.value.message
