@@ -26,7 +26,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.cluster.real.realstage import CPU_VENV, TINY_MODEL, cpu_engine_image, live
+from tests.cluster.real.realstage import (
+    CPU_VENV,
+    TINY_MODEL,
+    cpu_engine_image,
+    dump_status,
+    print_engine_tails,
+)
 from tests.standin.realpod import EngineImage
 from tests.standin.runtime import StandinRuntime
 
@@ -40,14 +46,42 @@ def operator_namespaces() -> list[str]:
     return [REAL_PREFIX + "*"]
 
 
+def _capture_off(item: pytest.Item) -> Iterator[None]:
+    capman = item.config.pluginmanager.getplugin("capturemanager")
+    if capman is None:
+        yield
+        return
+    with capman.global_and_fixture_disabled():
+        yield
+
+
+# This tier's progress and figures (the engines' start-up waits, per-request tables, timings) reach the
+# terminal as they happen, in `make test` and CI too, not only on failure: it runs for minutes and its
+# output is the report. Innermost wrappers of each phase: pytest turns capture back on around each one.
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    yield from _capture_off(item)
+
+
 @pytest.hookimpl(hookwrapper=True, trylast=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    """This tier's figures (per-request tables, timings) reach the terminal as they happen, in `make
-    test` and CI too, not only on failure: it runs for minutes and its output is the report. Innermost
-    wrapper of the test call (pytest turns capture back on around each call); the module fixtures that
-    bring engines up do the same with realstage.live."""
-    with live(item.config):
-        yield
+    yield from _capture_off(item)
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    yield from _capture_off(item)
+
+
+@pytest.fixture(autouse=True)
+def _logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    """On a failure: the module's OmniStage status and its engines' last log lines."""
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed and "stage" in request.fixturenames:
+        stage = request.getfixturevalue("stage")
+        dump_status(stage)
+        print_engine_tails(stage)
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,11 @@ requests they send (the fixtures are in conftest.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,17 +29,6 @@ TINY_MODEL_NAME = "omnistage-test/tiny-qwen2.5-omni-thinker"
 SAMPLE = Path(__file__).resolve().parents[2] / "cpu_engine" / "omnistage.yaml"
 HEAD_READY_TIMEOUT = 20 * 60
 JOIN_TIMEOUT = 20 * 60
-
-
-@contextlib.contextmanager
-def live(pytestconfig: Any) -> Iterator[None]:
-    """pytest's output capture off for the block: progress and figures reach the terminal as they come."""
-    capman = pytestconfig.pluginmanager.getplugin("capturemanager")
-    if capman is None:
-        yield
-        return
-    with capman.global_and_fixture_disabled():
-        yield
 
 
 def cpu_engine_image() -> EngineImage | None:

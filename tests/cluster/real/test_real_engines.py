@@ -26,9 +26,6 @@ from tests.cluster.real.realstage import (
     HEAD_READY_TIMEOUT,
     RealOmniStage,
     count,
-    dump_status,
-    live,
-    print_engine_tails,
     print_table,
     send_attributed,
     tiny_omnistage,
@@ -42,17 +39,8 @@ pytestmark = pytest.mark.timeout(HEAD_READY_TIMEOUT + 300)
 
 
 @pytest.fixture(scope="module")
-def stage(kubectl, operator, standin, real_namespace, wait_for, pytestconfig) -> Any:
-    # Capture off for the bring-up and the teardown's figures only (pytest switches it per test).
-    steps = _bring_up(RealOmniStage(kubectl, standin, real_namespace, NAME, wait_for))
-    with live(pytestconfig):
-        s = next(steps)
-    yield s
-    with live(pytestconfig):
-        next(steps, None)
-
-
-def _bring_up(s: RealOmniStage) -> Any:
+def stage(kubectl, operator, standin, real_namespace, wait_for) -> Any:
+    s = RealOmniStage(kubectl, standin, real_namespace, NAME, wait_for)
     t0 = time.monotonic()
     s.apply(tiny_omnistage(NAME, replicas=1))
     s.wait_for("the head Ready (real engine start-up)", lambda: s.get().get("status", {}).get("readyReplicas") == 1
@@ -63,14 +51,6 @@ def _bring_up(s: RealOmniStage) -> Any:
     for phase, seconds in s.timings.items():
         print(f"[real] timing {phase:<40} {seconds:7.1f}s")
 
-
-@pytest.fixture(autouse=True)
-def _logs_on_failure(request, stage):
-    failed = request.session.testsfailed
-    yield
-    if request.session.testsfailed > failed:
-        dump_status(stage)
-        print_engine_tails(stage)
 
 
 def test_rendered_command_runs_and_reports_live_engine(stage, standin):

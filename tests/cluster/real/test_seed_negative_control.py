@@ -29,9 +29,6 @@ from tests.cluster.real.realstage import (
     JOIN_TIMEOUT,
     RealOmniStage,
     count,
-    dump_status,
-    live,
-    print_engine_tails,
     tiny_omnistage,
 )
 from tests.cpu_engine import client
@@ -52,17 +49,8 @@ def standin(kubeconfig, kwok_nodes, state_dir, engine_image, real_namespace):
 
 
 @pytest.fixture(scope="module")
-def stage(kubectl, operator, standin, real_namespace, wait_for, pytestconfig) -> Any:
-    # Capture off for the bring-up and the teardown's figures only (pytest switches it per test).
-    steps = _bring_up(RealOmniStage(kubectl, standin, real_namespace, NAME, wait_for))
-    with live(pytestconfig):
-        s = next(steps)
-    yield s
-    with live(pytestconfig):
-        next(steps, None)
-
-
-def _bring_up(s: RealOmniStage) -> Any:
+def stage(kubectl, operator, standin, real_namespace, wait_for) -> Any:
+    s = RealOmniStage(kubectl, standin, real_namespace, NAME, wait_for)
     t0 = time.monotonic()
     s.apply(tiny_omnistage(NAME, replicas=2))
     s.wait_for("the head Ready", lambda: s.head.report() is not None, timeout=HEAD_READY_TIMEOUT, interval=2)
@@ -72,14 +60,6 @@ def _bring_up(s: RealOmniStage) -> Any:
     print(f"\n[real] unpatched head and replica up {time.monotonic() - t0:.0f}s after kubectl apply")
     yield s
 
-
-@pytest.fixture(autouse=True)
-def _logs_on_failure(request, stage):
-    failed = request.session.testsfailed
-    yield
-    if request.session.testsfailed > failed:
-        dump_status(stage)
-        print_engine_tails(stage)
 
 
 def test_report_and_status_tell_the_truth(stage):
