@@ -670,7 +670,8 @@ class StandinRuntime:
         container = _engine_container(pod)
         args = [_expand(a, pod) or "" for a in container.get("args") or []]
         if role == "head":
-            for port in _head_ports(args):
+            # A single-engine head (membership static, 1 replica) has no master port: only its HTTP port.
+            for port in filter(None, (_arg(args, "--port") or "8000", _arg(args, "--omni-master-port"))):
                 if not _port_free(ip, int(port)):
                     # Not one of ours (we wait for our own previous holder of an IP): most likely another
                     # local cluster on this machine whose nodes have the same loopback pod CIDRs.
