@@ -31,7 +31,7 @@ test-connector: setup
 	$(PY) -m pytest tests/connector
 
 test-cluster: setup
-	$(PY) -m pytest tests/cluster --ignore=tests/cluster/real
+	$(PY) -m pytest tests/cluster --ignore=tests/cluster/real --ignore=tests/cluster/kind
 
 # One OmniStage on real vLLM 0.30.0 / vllm-omni 0.30.0 engine cores on the CPU (tiny model, random
 # weights), behind the operator on the local control plane; the plugin's negative control included.
@@ -106,9 +106,16 @@ test-gpu: setup
 	OMNISTAGE_USE_EXISTING_CLUSTER=1 OMNISTAGE_GPU_CLUSTER=1 KUBECONFIG="$(KUBECONFIG)" \
 		$(PY) -m pytest tests/gpu -v $(PYTEST_ARGS)
 
-# tests/cluster on a kind cluster with fake H200 GPUs; needs Docker, kind and kubectl (see hack/kind/e2e.sh).
-e2e-kind: setup
-	PY=$(PY) bash hack/kind/e2e.sh
+# The kind tier (tests/cluster/kind, hack/kind/e2e.sh): a kind cluster built here (no registry; cached in
+# ~/.cache/omnistage/kind-*), the operator from its image via `helm install`, real CPU engine containers
+# on two H200-labelled workers. Needs root (dockerd, iptables). OMNISTAGE_KEEP_CLUSTER=1 keeps the cluster.
+e2e-kind: setup real-engine-env
+	PY=$(PY) bash hack/kind/e2e.sh $(PYTEST_ARGS)
+
+# Delete the kind cluster and stop the dockerd hack/kind/containment.sh started.
+.PHONY: e2e-kind-down
+e2e-kind-down:
+	bash hack/kind/up.sh down; bash hack/kind/containment.sh down
 
 # The README's first command: setup, local control plane, CRD, stand-in engine runtime and the
 # operator in the background, the sample applied and scaled 2 -> 4 -> 1 (hack/demo.sh).

@@ -57,23 +57,35 @@ have_crds() {
 }
 cached() { have_k8s && have_etcd && have_kwok && have_helm && have_crds; }
 
+NODE_CMDS=(kubelet kubeadm kube-proxy)
+have_node() {
+  local b v
+  for b in "${NODE_CMDS[@]}"; do
+    [[ -x "$1/$b" ]] || return 1
+    if [[ $b == kubeadm ]]; then v="$("$1/$b" version -o short 2>/dev/null)"; else v="$("$1/$b" --version 2>/dev/null)"; fi
+    [[ "$v" == *"$K8S_VERSION" ]] || return 1
+  done
+}
+
 # --check: print the binary directory if the cache is complete, else exit 1; never build.
 if [[ "${1:-}" == "--check" ]]; then cached && echo "$OUT"; exit; fi
 
-if cached; then
+if [[ "${1:-}" != "--node" ]] && cached; then
   log "cached binaries match $K8S_VERSION / etcd $ETCD_VERSION / kwok $KWOK_VERSION / helm $HELM_VERSION"
   echo "$OUT"; exit 0
 fi
 
-mkdir -p "$OUT"
-# Two pytest sessions (or a session and `make cluster-up`) may both find the cache incomplete:
-# one builds, the other waits for it and then finds everything cached.
-exec 9>"$OUT.lock"
-if ! flock -n 9; then
-  log "another build holds $OUT.lock; waiting for it (up to 90 min)"
-  flock -w 5400 9 || { log "gave up waiting for $OUT.lock"; exit 1; }
+if [[ "${1:-}" != "--node" ]]; then
+  mkdir -p "$OUT"
+  # Two pytest sessions (or a session and `make cluster-up`) may both find the cache incomplete:
+  # one builds, the other waits for it and then finds everything cached.
+  exec 9>"$OUT.lock"
+  if ! flock -n 9; then
+    log "another build holds $OUT.lock; waiting for it (up to 90 min)"
+    flock -w 5400 9 || { log "gave up waiting for $OUT.lock"; exit 1; }
+  fi
+  if cached; then log "built meanwhile by another process"; echo "$OUT"; exit 0; fi
 fi
-if cached; then log "built meanwhile by another process"; echo "$OUT"; exit 0; fi
 
 start=$(date +%s)
 WORK="$(mktemp -d)"; trap 'rm -rf "$WORK"' EXIT
@@ -83,7 +95,9 @@ moddir() {
     | python3 -c 'import json,sys; d=json.load(sys.stdin); print(d.get("Dir") or sys.exit(d.get("Error","no Dir")))'
 }
 
+# build_k8s OUTDIR CMD...: k8s.io/kubernetes/cmd/CMD at K8S_VERSION, with the version stamped.
 build_k8s() {
+  local out=$1; shift
   local minor STAGING_VERSION KMOD m pkg p LDF
   minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"
   STAGING_VERSION="v0.${K8S_VERSION#v1.}"   # v1.36.3 -> v0.36.3
@@ -99,8 +113,7 @@ build_k8s() {
   [[ ${#STAGING[@]} -gt 10 ]] || { echo "could not parse the staging modules from $KMOD" >&2; exit 1; }
   for m in "${STAGING[@]}"; do go mod edit -replace="$m=$m@$STAGING_VERSION"; done
   go mod edit -require="k8s.io/kubernetes@$K8S_VERSION"
-  PKGS=(k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager
-        k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl)
+  PKGS=("${@/#/k8s.io/kubernetes/cmd/}")
   log "downloading modules for ${#PKGS[@]} kubernetes commands (${#STAGING[@]} staging replaces)"
   go get -tool "${PKGS[@]/%/@$K8S_VERSION}" 2>&1 | tail -n 3 >&2
 
@@ -112,7 +125,7 @@ build_k8s() {
   done
   for pkg in "${PKGS[@]}"; do
     log "go build ${pkg##*/} (the first one compiles most of kubernetes; expect many minutes on 2 cores)"
-    go build -trimpath -ldflags "$LDF" -o "$OUT/" "$pkg"
+    go build -trimpath -ldflags "$LDF" -o "$out/" "$pkg"
   done
 }
 
@@ -167,7 +180,18 @@ copy_crds() {
     "$prom/example/prometheus-operator-crd/monitoring.coreos.com_prometheusrules.yaml" "$CRD_DIR/"
 }
 
-have_k8s || build_k8s
+if [[ "${1:-}" == "--node" ]]; then
+  NODE_OUT="${2:?--node DIR}"; mkdir -p "$NODE_OUT"
+  exec 8>"$NODE_OUT/.node-bins.lock"; flock -w 5400 8   # one build at a time; a second finds it cached
+  if ! have_node "$NODE_OUT"; then
+    build_k8s "$NODE_OUT" "${NODE_CMDS[@]}"
+    log "node binaries built in $(( $(date +%s) - start ))s"
+    have_node "$NODE_OUT" || { echo "node binaries do not report $K8S_VERSION" >&2; exit 1; }
+  fi
+  echo "$NODE_OUT"; exit 0
+fi
+
+have_k8s || build_k8s "$OUT" kube-apiserver kube-controller-manager kube-scheduler kubectl
 have_etcd || build_etcd
 have_kwok || build_kwok
 have_helm || build_helm

@@ -1,33 +1,28 @@
 #!/usr/bin/env bash
-# `make e2e-kind`: run tests/cluster against a kind cluster instead of the local control plane.
-# Needs Docker, kind and kubectl on PATH (not available on the project's CI machines, which is why
-# the default tier uses hack/cluster-up.sh). The GPUs are fake: each H200 worker's node status
-# gets 8 nvidia.com/gpu, which the scheduler honours like a device plugin's.
-#   KIND_CLUSTER (default omnistage-e2e)   OMNISTAGE_KEEP_CLUSTER=1 keeps the cluster afterwards
-set -euo pipefail
+# `make e2e-kind`: the kind tier, everything built here (no registry) and cached under
+# ~/.cache/omnistage (hack/kind/build.sh), on one cluster for the whole run:
+#   containment (dockerd, the network rule) -> build what is missing -> cluster up -> containment
+#   checks -> the operator and CPU engine images (built, checked, kind-loaded) -> tests/cluster/kind
+# Prints where the time went. OMNISTAGE_KEEP_CLUSTER=1 keeps the cluster afterwards (a rerun reuses
+# it); KIND_CLUSTER names it (default omnistage-e2e). Extra arguments go to pytest.
+set -Eeuo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"; ROOT="$(cd "$HERE/../.." && pwd)"
+PY="${PY:-python3}"; export KIND_CLUSTER="${KIND_CLUSTER:-omnistage-e2e}"
+T0=$(date +%s); STEPS=()
+log() { echo "[e2e-kind +$(( $(date +%s) - T0 ))s] $*" >&2; }
+step() { local name=$1 t=$(date +%s); shift; log "$name"; "$@"; STEPS+=("$name: $(( $(date +%s) - t ))s"); }
+summary() { log "time by step: $(printf '%s; ' "${STEPS[@]}")"; }
+trap summary EXIT
 
-ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-NAME="${KIND_CLUSTER:-omnistage-e2e}"
-PY="${PY:-python3}"
-KUBECONFIG="$(mktemp -d)/kubeconfig"; export KUBECONFIG
-log() { echo "[e2e-kind $(date +%H:%M:%S)] $*" >&2; }
-
-for tool in docker kind kubectl; do
-  command -v "$tool" >/dev/null || { log "$tool not found on PATH; e2e-kind needs Docker, kind and kubectl"; exit 1; }
-done
-
-log "creating kind cluster $NAME (kubeconfig $KUBECONFIG)"
-kind create cluster --name "$NAME" --config "$ROOT/hack/kind/cluster.yaml" --kubeconfig "$KUBECONFIG" --wait 180s
-[[ "${OMNISTAGE_KEEP_CLUSTER:-0}" == 1 ]] || trap 'log "deleting kind cluster $NAME"; kind delete cluster --name "$NAME"' EXIT
-
-for node in $(kubectl get nodes -l nvidia.com/gpu.product=NVIDIA-H200 -o name); do
-  log "advertising 8 fake nvidia.com/gpu on $node"
-  # The kubelet keeps extended resources it does not manage, so the patch sticks.
-  kubectl patch "$node" --subresource=status --type=merge \
-    -p '{"status":{"capacity":{"nvidia.com/gpu":"8"},"allocatable":{"nvidia.com/gpu":"8"}}}'
-done
-
-log "running tests/cluster against kind"
+[[ $(id -u) == 0 ]] || { log "needs root (dockerd, iptables)"; exit 1; }
+step "containment up" bash "$HERE/containment.sh" up
+C="$(bash "$HERE/build.sh" | tail -1)"; STEPS+=("build (cached pieces skipped): $(( $(date +%s) - T0 ))s")
+B="$C/bin"
+step "cluster up" bash "$HERE/up.sh" >/dev/null
+KUBECONFIG="${OMNISTAGE_CACHE:-$HOME/.cache/omnistage}/kind-state/kubeconfig"; export KUBECONFIG
+[[ "${OMNISTAGE_KEEP_CLUSTER:-0}" == 1 ]] || trap 'bash "$HERE/up.sh" down; summary' EXIT
+step "containment checks" bash "$HERE/containment.sh" check omnistage-local/slim:bookworm
+step "images" "$PY" "$HERE/images.py" --load "$KIND_CLUSTER" --kind "$B/kind"
 cd "$ROOT"
-OMNISTAGE_USE_EXISTING_CLUSTER=1 OMNISTAGE_KUBECTL="$(command -v kubectl)" \
-  "$PY" -m pytest tests/cluster "$@"
+step "tests/cluster/kind" env OMNISTAGE_USE_EXISTING_CLUSTER=1 OMNISTAGE_KIND_CLUSTER="$KIND_CLUSTER" \
+  OMNISTAGE_KUBECTL="$B/kubectl" OMNISTAGE_HELM="$B/helm" "$PY" -m pytest tests/cluster/kind --durations=20 "$@"

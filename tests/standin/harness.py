@@ -233,27 +233,39 @@ class HeadEndpoint:
             return http_get(base + "/metrics", timeout=5) if base else None
 
 
+class PortForward:
+    """`kubectl port-forward` to a random local port on 127.0.0.1 (for clusters whose pod IPs are not
+    loopback); `port` is None when it did not start within `timeout`."""
+
+    def __init__(self, kubectl: Callable[..., Any], namespace: str, target: str, port: int, timeout: float = 20):
+        cmd = [kubectl.binary, f"--kubeconfig={kubectl.kubeconfig}", "port-forward", "-n", namespace,
+               "--address", "127.0.0.1", target, f":{port}"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.port: int | None = None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            m = re.search(r"Forwarding from 127\.0\.0\.1:(\d+)", self.proc.stdout.readline() or "")
+            if m:
+                self.port = int(m.group(1))
+                break
+
+    def alive(self) -> bool:
+        return self.port is not None and self.proc.poll() is None
+
+    def close(self) -> None:
+        self.proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+
+
 @contextlib.contextmanager
 def port_forward(kubectl: Callable[..., Any], namespace: str, target: str, port: int,
                  timeout: float = 20) -> Iterator[int | None]:
-    """kubectl port-forward to a random local port on 127.0.0.1 (for clusters whose pod IPs are not loopback)."""
-    cmd = [kubectl.binary, f"--kubeconfig={kubectl.kubeconfig}", "port-forward", "-n", namespace,
-           "--address", "127.0.0.1", target, f":{port}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    forward = PortForward(kubectl, namespace, target, port, timeout)
     try:
-        local = None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and proc.poll() is None:
-            line = proc.stdout.readline()
-            m = re.search(r"Forwarding from 127\.0\.0\.1:(\d+)", line or "")
-            if m:
-                local = int(m.group(1))
-                break
-        yield local
+        yield forward.port
     finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(5)
+        forward.close()
 
 
 # ----- readers -------------------------------------------------------------------------------------

@@ -1,0 +1,136 @@
+"""The kind tier's OmniStage: the real-engine tier's RealOmniStage, read through the API server and
+`kubectl port-forward` only (no runtime of ours: the kubelets run the pods), and the manifest that
+runs the tiny model on the kind workers' CPU engine image (hack/kind/images.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.cluster.real.realstage import CPU_VENV, RealOmniStage, tiny_omnistage
+from tests.cpu_engine import client
+from tests.standin.harness import PortForward
+
+ENGINE_IMAGE = "omnistage-local/omnistage-engine-cpu:dev"     # hack/kind/images.py
+OPERATOR_IMAGE = "omnistage-local/omnistage-operator:dev"
+ENGINE_VENV = "/opt/omnistage-engine"                         # hack/kind/up.sh mounts it into the workers
+MODEL_DIR = "/opt/omnistage-models/tiny-omni"
+
+
+def python_prefix() -> str:
+    """The interpreter prefix of the host's CPU venv: up.sh mounts it into the workers at the same path
+    (the venv's bin/python links to it)."""
+    cfg = (CPU_VENV / "pyvenv.cfg").read_text().splitlines()
+    home = next(line.split("=", 1)[1].strip() for line in cfg if line.startswith("home"))
+    return str(Path(home).parent)
+
+
+def kind_omnistage(name: str, replicas: int) -> dict[str, Any]:
+    """tests/cpu_engine/omnistage.yaml for the kind workers: the CPU engine image (pulled never: it was
+    `kind load`ed), the model from the node (spec.modelVolume), the venv and its interpreter mounted
+    from the node, and requests a 2-core node can grant (the operator's defaults are per H200)."""
+    m = tiny_omnistage(name, replicas)
+    spec = m["spec"]
+    spec["model"] = "/models"
+    spec["modelVolume"] = {"mountPath": "/models", "hostPath": {"path": MODEL_DIR}}
+    spec["engine"].update(image=ENGINE_IMAGE, imagePullPolicy="Never")
+    spec["template"] = {"spec": {
+        "containers": [{"name": "engine",
+                        "resources": {"requests": {"cpu": "100m", "memory": "1Gi"}},
+                        "volumeMounts": [{"name": "engine-venv", "mountPath": ENGINE_VENV, "readOnly": True},
+                                         {"name": "engine-python", "mountPath": python_prefix(), "readOnly": True}]}],
+        "volumes": [{"name": "engine-venv", "hostPath": {"path": ENGINE_VENV, "type": "Directory"}},
+                    {"name": "engine-python", "hostPath": {"path": python_prefix(), "type": "Directory"}}]}}
+    return m
+
+
+@dataclass
+class KindOmniStage(RealOmniStage):
+    """RealOmniStage with the kubelet as the runtime: the head through a port-forward that is reopened
+    when its pod is replaced, engine logs from `kubectl logs`."""
+
+    _forward: tuple[str, PortForward] | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def get(self) -> dict[str, Any]:
+        # A head container that exits before it ever was Ready rejected what was rendered: fail now.
+        pod = self.kubectl("get", "pod", f"{self.name}-head", "-n", self.namespace, "-o", "json", check=False)
+        if pod.returncode == 0:
+            for cs in json.loads(pod.stdout).get("status", {}).get("containerStatuses") or []:
+                term = (cs.get("lastState") or {}).get("terminated") or {}
+                if term.get("exitCode") and not cs.get("ready") and cs.get("restartCount", 0) >= 2:
+                    raise AssertionError(f"{self.name}-head keeps exiting ({term.get('exitCode')}, "
+                                         f"{term.get('reason')}):\n{self.logs(f'{self.name}-head', previous=True)}")
+        return self.kubectl.json("get", "omnistage", self.name, "-n", self.namespace)
+
+    def base(self) -> str:
+        """http://127.0.0.1:PORT forwarded to the current head pod (a new pod uid or a dead forward: a new one)."""
+        uid = self.kubectl("get", "pod", f"{self.name}-head", "-n", self.namespace,
+                           "-o", "jsonpath={.metadata.uid}").stdout.strip()
+        with self._lock:
+            if self._forward and (self._forward[0] != uid or not self._forward[1].alive()):
+                self.close_forward()
+            if not self._forward:
+                forward = PortForward(self.kubectl, self.namespace, f"pod/{self.name}-head", 8000)
+                assert forward.port, f"kubectl port-forward to {self.name}-head did not start"
+                self._forward = (uid, forward)
+            return f"http://127.0.0.1:{self._forward[1].port}"
+
+    def close_forward(self) -> None:
+        if self._forward:
+            self._forward[1].close()
+            self._forward = None
+
+    def logs(self, pod: str, previous: bool = False) -> str:
+        args = ["logs", pod, "-n", self.namespace, "-c", "engine", "--tail=60"] + (["--previous"] if previous else [])
+        return self.kubectl(*args, check=False).stdout
+
+    def engine_logs(self, role: str | None = None) -> dict[str, str]:
+        sel = f"serving.omnistage.io/omnistage={self.name}" + (f",serving.omnistage.io/role={role}" if role else "")
+        pods = self.kubectl.json("get", "pods", "-n", self.namespace, "-l", sel)["items"]
+        return {p["metadata"]["name"]: self.logs(p["metadata"]["name"]) for p in pods}
+
+    def pod(self, name: str) -> dict[str, Any]:
+        return self.kubectl.json("get", "pod", name, "-n", self.namespace)
+
+    def exec(self, pod: str, *cmd: str) -> str:
+        return self.kubectl("exec", pod, "-n", self.namespace, "-c", "engine", "--", *cmd).stdout
+
+
+@contextlib.contextmanager
+def stream(stage: KindOmniStage, requests: int, concurrency: int = 2, seconds: float = 600,
+           max_tokens: int = 32) -> Iterator[list[client.Result]]:
+    """A bounded stream of requests through the head while the body runs; on exit, waits for what is in
+    flight (bounded in count and time) and leaves every result in the yielded list."""
+    model = client.served_model(stage.base())
+    payloads = [(f"stream #{i + 1}", client.body(model, "audio", 70 + i % 4, max_tokens=max_tokens))
+                for i in range(requests)]
+    results: list[client.Result] = []
+    stop = threading.Event()
+
+    def paced() -> Iterator[tuple[str, dict]]:
+        for p in payloads:
+            if stop.is_set():
+                return
+            yield p
+
+    t = threading.Thread(target=lambda: results.extend(
+        client.run_many(stage.base(), paced(), concurrency, deadline=time.monotonic() + seconds)), daemon=True)
+    t.start()
+    try:
+        yield results
+    finally:
+        time.sleep(3)
+        stop.set()
+        t.join(seconds)
+
+
+def sh(*cmd: str) -> str:
+    return subprocess.run(list(cmd), check=True, capture_output=True, text=True).stdout

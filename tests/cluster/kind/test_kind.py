@@ -1,0 +1,206 @@
+"""On kind, as users run it: the operator from its image via Helm, an OmniStage whose engine pods are
+real containers under real kubelets, serving real requests (fixtures and what is real: conftest.py).
+
+One cluster, one operator release, one OmniStage for the module, in this order: install, serve,
+what only a kubelet shows, scale up and down under load, a replica pod deleted, the leader operator
+pod deleted during a scale, the head container killed, `helm upgrade` while serving, `helm uninstall`.
+Every step prints its figures; requests go through the head with a bounded stream and every one
+must get a complete answer where the operator could have finished it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.cluster.kind.conftest import CHART, HEAD_READY_TIMEOUT, OPERATOR_NS, RELEASE, helm_values
+from tests.cluster.kind.kindstage import KindOmniStage, kind_omnistage, stream
+from tests.cluster.real.realstage import send_attributed
+from tests.cpu_engine import client
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(HEAD_READY_TIMEOUT + 600)]
+NAME = "tiny"
+FIGURES: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def stage(kubectl, operator, kind_namespace, wait_for) -> KindOmniStage:
+    s = KindOmniStage(kubectl, None, kind_namespace, NAME, wait_for)
+    t0 = time.monotonic()
+    s.apply(kind_omnistage(NAME, replicas=2))
+    s.wait_serving(2, f"{NAME}: head Ready and one replica joined (real engines on kind)", timeout=HEAD_READY_TIMEOUT)
+    FIGURES["apply -> head Ready and 1 replica joined"] = time.monotonic() - t0
+    yield s
+    s.close_forward()
+    print("\n[kind] figures (seconds)")
+    for k, v in FIGURES.items():
+        print(f"  {k:<58} {v:8.1f}")
+
+
+def operator_pods(kubectl) -> list[dict]:
+    return kubectl.json("get", "pods", "-n", OPERATOR_NS, "-l", "app.kubernetes.io/name=omnistage-operator")["items"]
+
+
+def leader(kubectl) -> str:
+    lease = kubectl.json("get", "lease", "-n", OPERATOR_NS, "-o", "json")["items"]
+    holders = [li["spec"].get("holderIdentity") or "" for li in lease if "omnistage" in li["metadata"]["name"]]
+    return next((h for h in holders if h), "")
+
+
+def ready(pod: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions") or [])
+
+
+def test_operator_installed_by_helm_runs_in_cluster(kubectl, operator, wait_for):
+    pods = operator_pods(kubectl)
+    assert len(pods) == 2 and all(ready(p) for p in pods), [(p["metadata"]["name"], ready(p)) for p in pods]
+    for p in pods:
+        spec = p["spec"]
+        assert spec["serviceAccountName"] == "omnistage-operator"
+        assert spec["containers"][0]["image"].startswith("omnistage-local/omnistage-operator")
+        assert (spec.get("securityContext") or {}).get("runAsUser") == 65532
+    wait_for("one operator pod holds the leader Lease", lambda: leader(kubectl), timeout=120)
+    holder = leader(kubectl)
+    print(f"\n[kind] operator pods {[p['metadata']['name'] for p in pods]} on "
+          f"{sorted({p['spec']['nodeName'] for p in pods})}; leader {holder}")
+    assert any(p["metadata"]["name"] in holder for p in pods), f"leader {holder!r} is not one of the pods"
+
+
+def test_omnistage_serves_through_the_head(stage):
+    head = stage.pod(f"{NAME}-head")
+    [replica] = stage.replica_pods()
+    nodes = {head["spec"]["nodeName"], stage.pod(replica)["spec"]["nodeName"]}
+    print(f"\n[kind] head on {head['spec']['nodeName']}, {replica} on {stage.pod(replica)['spec']['nodeName']}")
+    model = client.served_model(stage.base())
+    rows = [send_attributed(stage, client.body(model, "audio", 1000), f"same new audio #{i + 1}") for i in range(3)]
+    for r, who in rows:
+        print(f"  {r.line()}  replica {who}")
+    assert all(r.complete for r, _ in rows), "the seed: the same new audio three times through two replicas"
+    assert len({who for _, who in rows}) == 2, "round-robin reached both replicas"
+    st = stage.get()["status"]
+    assert st.get("effectiveCacheMode") == "processor-only", st.get("effectiveCacheMode")
+    assert len(nodes) >= 1
+
+
+def test_rendered_pods_run_as_rendered_under_a_kubelet(stage):
+    """What only a real kubelet shows: probes, /dev/shm, the security context, the grace period, and
+    how the stand-in runtime of the cluster tier differs (printed, asserted where the kubelet decides)."""
+    head = stage.pod(f"{NAME}-head")
+    [replica_name] = stage.replica_pods()
+    replica = stage.pod(replica_name)
+    hc = head["spec"]["containers"][0]
+    assert hc.get("startupProbe") and hc.get("readinessProbe"), "the head's probes are rendered"
+    statuses = {p["metadata"]["name"]: p["status"]["containerStatuses"][0] for p in (head, replica)}
+    assert all(cs["ready"] and cs["started"] for cs in statuses.values()), statuses
+    shm = stage.exec(f"{NAME}-head", "sh", "-c", "df -k /dev/shm | tail -1")
+    caps = stage.exec(f"{NAME}-head", "sh", "-c", "grep -E '^(CapEff|NoNewPrivs)' /proc/1/status")
+    routes = stage.exec(f"{NAME}-head", "ip", "route")
+    print(f"\n[kind] head /dev/shm: {shm.strip()}\n[kind] head {caps.strip()}\n[kind] head routes: {routes.strip()}")
+    assert "default" not in routes, "network rule: pods route only 198.19.0.0/16, no default route"
+    assert "tmpfs" in shm or "shm" in shm, shm
+    assert "CapEff:\t0000000000000000" in caps, "capabilities.drop [ALL] holds in the container"
+    assert "NoNewPrivs:\t1" in caps, "allowPrivilegeEscalation false holds"
+    for p in (head, replica):
+        assert p["spec"]["terminationGracePeriodSeconds"] >= 60, p["spec"]["terminationGracePeriodSeconds"]
+    started = {n: cs["state"]["running"]["startedAt"] for n, cs in statuses.items()}
+    ready_at = {p["metadata"]["name"]: next(c["lastTransitionTime"] for c in p["status"]["conditions"] if c["type"] == "Ready")
+                for p in (head, replica)}
+    print("[kind] kubelet vs the cluster tier's stand-in runtime:")
+    for n, at in started.items():
+        print(f"  {n:<22} container started {at}, pod Ready {ready_at[n]}")
+    print("  stand-in runtime: marks a pod Ready when its probe answers (head) or at once (no probe: replicas),"
+          " same as the kubelet here; it restarts a head in place like restartPolicy Always")
+
+
+def test_scale_up_and_down_under_load(stage):
+    with stream(stage, requests=400, concurrency=2, seconds=900) as results:
+        t0 = stage.scale(3)
+        stage.wait_serving(3, "scale 2 -> 3: the new replica joined", timeout=HEAD_READY_TIMEOUT)
+        FIGURES["kubectl scale 2->3 -> joined"] = time.monotonic() - t0
+        newest = stage.replica_pods()[-1]
+        t1 = stage.scale(2)
+        stage.wait_for("scale 3 -> 2: a replica pod gone", lambda: len(stage.replica_pods()) == 1
+                       and stage.get()["status"].get("replicas") == 2, timeout=300, interval=1)
+        FIGURES["kubectl scale 3->2 -> pod gone"] = time.monotonic() - t1
+    lost = [r for r in results if not r.complete]
+    print(f"\n[kind] scale 2->3->2 under load: {len(results)} requests, {len(lost)} without a complete answer "
+          f"(the newest replica was {newest})")
+    assert results and not lost, client.table(lost)
+
+
+def test_replica_pod_deleted_is_replaced_and_rejoins(stage):
+    [victim] = stage.replica_pods()
+    t0 = time.monotonic()
+    stage.kubectl("delete", "pod", victim, "-n", stage.namespace, "--wait=false")
+    def replaced() -> bool:
+        joined = stage.joined()
+        return len(joined) == 1 and joined[0]["pod"] != victim
+    stage.wait_for(f"a replacement for {victim} joined", replaced, timeout=HEAD_READY_TIMEOUT, interval=3)
+    FIGURES["kubectl delete pod (replica) -> replacement joined"] = time.monotonic() - t0
+    model = client.served_model(stage.base())
+    results = client.run_many(stage.base(), [(f"after #{i}", client.body(model, "audio", 5 + i)) for i in range(4)], 2)
+    assert all(r.complete for r in results), client.table(results)
+
+
+def test_leader_deleted_during_a_scale(stage, kubectl, wait_for):
+    old = leader(kubectl)
+    t0 = stage.scale(3)
+    pod = next(p["metadata"]["name"] for p in operator_pods(kubectl) if p["metadata"]["name"] in old)
+    kubectl("delete", "pod", pod, "-n", OPERATOR_NS, "--wait=false")
+    wait_for("another operator pod leads", lambda: leader(kubectl) and leader(kubectl) != old, timeout=180)
+    FIGURES["leader pod deleted -> new leader"] = time.monotonic() - t0
+    stage.wait_serving(3, "the scale to 3 completes under the new leader", timeout=HEAD_READY_TIMEOUT)
+    FIGURES["kubectl scale 2->3 with the leader deleted -> joined"] = time.monotonic() - t0
+    t1 = stage.scale(2)
+    stage.wait_serving(2, "back to 2", timeout=600)
+    FIGURES["kubectl scale 3->2 -> serving with 2"] = time.monotonic() - t1
+
+
+def test_head_container_killed_kubelet_restarts_it_and_replicas_roll(stage, kubectl):
+    before = stage.pod(f"{NAME}-head")["status"]["containerStatuses"][0]["restartCount"]
+    [old_replica] = stage.replica_pods()
+    node = stage.pod(f"{NAME}-head")["spec"]["nodeName"]
+    t0 = time.monotonic()
+    # The container's main process, from its node (what an OOM kill or a crash does).
+    stage.exec(f"{NAME}-head", "sh", "-c", "kill -9 1")
+    stage.wait_for("the kubelet restarted the head container", lambda: stage.pod(f"{NAME}-head")["status"]
+                   ["containerStatuses"][0]["restartCount"] > before, timeout=300, interval=2)
+    stage.wait_serving(2, "the head serving again with a joined replica", timeout=HEAD_READY_TIMEOUT)
+    FIGURES["head container killed -> serving with 2 again"] = time.monotonic() - t0
+    print(f"\n[kind] head on {node} restarted by its kubelet; replicas before {old_replica}, after {stage.replica_pods()}")
+    model = client.served_model(stage.base())
+    results = client.run_many(stage.base(), [(f"after head restart #{i}", client.body(model, "audio", 9 + i))
+                                             for i in range(4)], 2)
+    assert all(r.complete for r in results), client.table(results)
+
+
+def test_helm_upgrade_while_serving(stage, helm, kubectl, wait_for):
+    engine_uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in stage.kubectl.json(
+        "get", "pods", "-n", stage.namespace, "-l", f"serving.omnistage.io/omnistage={NAME}")["items"]}
+    with stream(stage, requests=200, concurrency=2, seconds=600) as results:
+        t0 = time.monotonic()
+        helm("upgrade", RELEASE, str(CHART), "--namespace", OPERATOR_NS, *helm_values(),
+             "--set", "podAnnotations.omnistage-e2e/upgraded=yes", "--wait", "--timeout", "5m", timeout=360)
+        FIGURES["helm upgrade --wait (operator pods rolled)"] = time.monotonic() - t0
+        wait_for("a leader after the upgrade", lambda: leader(kubectl), timeout=180)
+        time.sleep(20)  # a reconcile pass of the new leader while requests flow
+    after = {p["metadata"]["name"]: p["metadata"]["uid"] for p in stage.kubectl.json(
+        "get", "pods", "-n", stage.namespace, "-l", f"serving.omnistage.io/omnistage={NAME}")["items"]}
+    lost = [r for r in results if not r.complete]
+    print(f"\n[kind] helm upgrade while serving: {len(results)} requests, {len(lost)} incomplete; engine pods "
+          f"{'unchanged' if after == engine_uids else 'CHANGED'}")
+    assert after == engine_uids, "an operator upgrade must not replace engine pods"
+    assert results and not lost, client.table(lost)
+
+
+def test_helm_uninstall_keeps_serving_and_the_crds(stage, helm, kubectl, wait_for):
+    helm("uninstall", RELEASE, "--namespace", OPERATOR_NS, "--wait", timeout=300)
+    wait_for("the operator pods gone", lambda: not operator_pods(kubectl), timeout=180)
+    crds = [c["metadata"]["name"] for c in kubectl.json("get", "crds")["items"] if "omnistage" in c["metadata"]["name"]]
+    model = client.served_model(stage.base())
+    results = client.run_many(stage.base(), [(f"no operator #{i}", client.body(model, "audio", 20 + i)) for i in range(4)], 2)
+    print(f"\n[kind] helm uninstall: CRDs kept {crds}; requests without an operator: "
+          f"{sum(r.complete for r in results)}/{len(results)} complete")
+    assert "omnistages.serving.omnistage.io" in crds, "helm keeps CRDs from crds/ on uninstall"
+    assert all(r.complete for r in results), "serving does not depend on the operator being up"
