@@ -4,11 +4,11 @@
 #   bin/      kind, crictl (Go modules), kubelet/kubeadm/kube-proxy (hack/build-k8s-bins.sh --node),
 #             the control plane's binaries (hack/build-k8s-bins.sh), pause (kubernetes' pause.c)
 #   rootfs/   two Debian bookworm trees from mmdebstrap: the node (systemd, containerd 1.6, runc, CNI
-#             plugins, kind's own files) and "slim" (iptables, conntrack, python3 + pip): the base
-#             of kube-proxy, the operator image and the CPU engine image
+#             plugins, kind's own files), "slim" (iptables, conntrack, python3 + pip: the base of
+#             kube-proxy and the operator image) and "engine" (slim + torch's and opencv's libraries)
 #   release/  the component images and kubelet/kubeadm/kubectl as the release archive
 #             `kind build node-image --type file` reads (extra images ride in kube-proxy.tar)
-# and the docker images omnistage-local/{kind-base,slim}:bookworm and omnistage-local/kind-node:<k8s>.
+# and the docker images omnistage-local/{kind-base,slim,engine}:bookworm and omnistage-local/kind-node:<k8s>.
 # Prints where the time went. Needs the containment's dockerd (containment.sh up).
 set -Eeuo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"; ROOT="$(cd "$HERE/../.." && pwd)"
@@ -83,20 +83,31 @@ node_rootfs() {
   mv "$C/rootfs/kind-base.tar.part" "$C/rootfs/kind-base.tar"
 }
 
-# "slim": kube-proxy's base, and python3 + pip for the operator and CPU engine images (Debian's
-# python3.11 stands in for python:3.11-slim-bookworm; EXTERNALLY-MANAGED removed: the images are
-# the environment). libgomp1/libnuma1 for torch and vLLM's CPU backend.
-slim_rootfs() {
-  [[ -s $C/rootfs/slim.tar ]] && return
-  nice -n 10 mmdebstrap --variant=minbase --format=tar \
-    --include=iptables,nftables,conntrack,iproute2,ca-certificates,netcat-openbsd,curl,procps,python3,python3-pip,python-is-python3,libgomp1,libnuma1 \
+# "slim": kube-proxy's base, and python3 + pip for the operator image (Debian's python3.11 stands in
+# for python:3.11-slim-bookworm; EXTERNALLY-MANAGED removed: the image is the environment).
+SLIM_PKGS=iptables,nftables,conntrack,iproute2,ca-certificates,netcat-openbsd,curl,procps,python3,python3-pip,python-is-python3
+# "engine": slim plus the shared libraries torch, vLLM's CPU backend and opencv (pulled in by
+# vllm-omni's image processors) load: the CPU engine image's base (hack/kind/images.py).
+ENGINE_PKGS=$SLIM_PKGS,libgomp1,libnuma1,libxcb1,libgl1,libglib2.0-0,libx11-6,libxext6,libsm6,libice6
+# debian_rootfs NAME PACKAGES: a minbase tree, cached under a name that carries the package list's hash
+# (a changed list builds a new one).
+debian_rootfs() {
+  local out; out="$C/rootfs/$1-$(echo "$2" | sha256sum | cut -c1-10).tar"
+  [[ -s $out ]] && return
+  nice -n 10 mmdebstrap --variant=minbase --format=tar --include="$2" \
     --customize-hook='rm -f "$1"/usr/lib/python3*/EXTERNALLY-MANAGED; rm -rf "$1"/var/lib/apt/lists/* "$1"/usr/share/doc/* "$1"/usr/share/man/*' \
-    bookworm "$C/rootfs/slim.tar.part" "$MIRROR"
-  mv "$C/rootfs/slim.tar.part" "$C/rootfs/slim.tar"
+    bookworm "$out.part" "$MIRROR"
+  mv "$out.part" "$out"
+}
+# import_rootfs NAME PACKAGES: omnistage-local/NAME:bookworm from that tree, re-imported when the hash changed.
+import_rootfs() {
+  local key; key="$(echo "$2" | sha256sum | cut -c1-10)"
+  [[ "$($D image inspect -f '{{index .Config.Labels "omnistage.rootfs"}}' "omnistage-local/$1:bookworm" 2>/dev/null)" == "$key" ]] \
+    || $D import -c "LABEL omnistage.rootfs=$key" "$C/rootfs/$1-$key.tar" "omnistage-local/$1:bookworm"
 }
 
 base_images() {
-  have_image omnistage-local/slim:bookworm || $D import "$C/rootfs/slim.tar" omnistage-local/slim:bookworm
+  import_rootfs slim "$SLIM_PKGS"; import_rootfs engine "$ENGINE_PKGS"
   if ! have_image omnistage-local/kind-base:bookworm; then
     have_image omnistage-local/kind-base-rootfs:bookworm || $D import "$C/rootfs/kind-base.tar" omnistage-local/kind-base-rootfs:bookworm
     local ctx; ctx="$(mktemp -d)"
@@ -160,21 +171,23 @@ node_image() {
 
 [[ "${1:-}" == --path ]] && { echo "$C"; exit 0; }
 $D info >/dev/null 2>&1 || { echo "no dockerd: run hack/kind/containment.sh up first" >&2; exit 1; }
-if have_image "$NODE_IMAGE" && have_image omnistage-local/slim:bookworm && [[ -x $B/kind && -x $B/helm && -x $B/kubectl ]]; then
+if have_image "$NODE_IMAGE" && have_image omnistage-local/slim:bookworm && have_image omnistage-local/engine:bookworm \
+    && [[ -s $C/rootfs/engine-$(echo "$ENGINE_PKGS" | sha256sum | cut -c1-10).tar ]] && [[ -x $B/kind && -x $B/helm && -x $B/kubectl ]]; then
   log "cached: $NODE_IMAGE, omnistage-local/slim:bookworm, $B"; echo "$C"; exit 0
 fi
 # Downloads and dpkg (the two rootfs) beside the compiles (Go tools, node binaries): no shared cache.
 # kind's module (go_tools) must be there before the node rootfs copies its files from it.
-timed slim-rootfs slim_rootfs & P1=$!
+timed slim-rootfs debian_rootfs slim "$SLIM_PKGS" & P1=$!
+timed engine-rootfs debian_rootfs engine "$ENGINE_PKGS" & P3=$!
 timed go-tools go_tools
 timed node-rootfs node_rootfs & P2=$!
 timed control-plane-bins control_plane_bins
 timed node-bins node_bins
 timed pause pause_bin
-wait $P1; wait $P2
+wait $P1; wait $P2; wait $P3
 timed base-images base_images
 timed release release
 timed node-image node_image
 log "time by step (the two rootfs ran beside the compiles): $(tr '\n' ' ' < "$L/times")"
-$D images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E 'omnistage-local/(kind-node|kind-base|slim)' >&2
+$D images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E 'omnistage-local/(kind-node|kind-base|slim|engine)' >&2
 echo "$C"

@@ -35,7 +35,8 @@ from tests.standin.realpod import CPU_ENGINE_ENV, CPU_TEST_PLUGINS, OFFLINE_ENV
 
 DOCKER = "/usr/bin/docker"
 CACHE = Path(os.environ.get("OMNISTAGE_CACHE", Path.home() / ".cache" / "omnistage"))
-SLIM = "omnistage-local/slim:bookworm"
+SLIM = "omnistage-local/slim:bookworm"        # hack/kind/build.sh
+ENGINE_BASE = "omnistage-local/engine:bookworm"  # slim + torch's and opencv's shared libraries
 OPERATOR_IMAGE = "omnistage-local/omnistage-operator:dev"
 ENGINE_IMAGE = "omnistage-local/omnistage-engine-cpu:dev"
 # Where the kind workers mount the host's engine environment (hack/kind/up.sh) and the pods too.
@@ -112,7 +113,7 @@ def engine_image() -> None:
             f'exec {ENGINE_VENV}/bin/python -m vllm.entrypoints.cli.main "$@"\n')
         shim.chmod(0o755)  # the legacy builder (no BuildKit here) keeps the mode; it has no COPY --chmod
         envs = " ".join(f"{k}={json.dumps(v)}" for k, v in env.items())
-        (Path(ctx) / "Dockerfile").write_text(f"""FROM {SLIM}
+        (Path(ctx) / "Dockerfile").write_text(f"""FROM {ENGINE_BASE}
 COPY wheels/ /tmp/wheels/
 RUN pip install -q --no-index --no-deps --target {PLUGINS_DIR} /tmp/wheels/*.whl && rm -rf /tmp/wheels
 COPY vllm /usr/local/bin/vllm

@@ -39,10 +39,13 @@ def run(namespaces: list[str], metrics_port: int, probe_port: int, bind: str = "
     try:
         kopf.run(
             clusterwide=not namespaces,
-            namespaces=namespaces or None,
+            namespaces=namespaces,  # empty with clusterwide (kopf iterates it: None crashed its namespace observer)
             # No KopfPeering: with equal priorities kopf's peering freezes every replica; the Lease
             # (leader.py) decides who acts, and kopf runs in every replica so a follower is warm.
             standalone=True,
+            # Given, so kopf never derives one from getpass.getuser(): the image's uid 65532 has no
+            # passwd entry and that lookup crashed every in-cluster start (found on kind).
+            identity=elector.identity if elector is not None else leader.default_identity(),
             liveness_endpoint=f"http://{bind}:{probe_port}/healthz" if probe_port else None,
         )
     finally:
