@@ -164,7 +164,11 @@ def main() -> None:
     log(f"{ENGINE_IMAGE} {size(ENGINE_IMAGE)} (+ the mounted venv, {du(engine_mounts()[1].split(':')[0])}): {check_engine()}")
     if a.load:
         t = time.monotonic()
-        run(a.kind, "load", "docker-image", OPERATOR_IMAGE, ENGINE_IMAGE, "--name", a.load, capture_output=True)
+        # The workers only: nothing of ours runs on the control plane (its taint), and each node is a copy.
+        workers = ",".join(n for n in run(a.kind, "get", "nodes", "--name", a.load, capture_output=True).stdout.split()
+                           if "control-plane" not in n)
+        run(a.kind, "load", "docker-image", OPERATOR_IMAGE, ENGINE_IMAGE, "--name", a.load, "--nodes", workers,
+            capture_output=True)
         log(f"loaded into kind cluster {a.load} in {time.monotonic() - t:.0f}s")
 
 

@@ -22,6 +22,7 @@ ENGINE_IMAGE = "omnistage-local/omnistage-engine-cpu:dev"     # hack/kind/images
 OPERATOR_IMAGE = "omnistage-local/omnistage-operator:dev"
 ENGINE_VENV = "/opt/omnistage-engine"                         # hack/kind/up.sh mounts it into the workers
 MODEL_DIR = "/opt/omnistage-models/tiny-omni"
+DOCKER = "/usr/bin/docker"                                   # the kind nodes are its containers
 
 
 def python_prefix() -> str:
