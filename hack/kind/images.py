@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -104,8 +105,13 @@ def engine_image() -> None:
     env = {**OFFLINE_ENV, **CPU_ENGINE_ENV, "PYTHONPATH": PLUGINS_DIR}
     plugins = ",".join(CPU_TEST_PLUGINS)
     with tempfile.TemporaryDirectory() as ctx:
-        run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", Path(ctx) / "wheels",
-            ROOT / "engine_patches", ROOT / "tests" / "cpu_engine" / "cpu_platform", capture_output=True)
+        # From copies: setuptools writes build/ and *.egg-info next to the sources it builds.
+        srcs = []
+        for src in (ROOT / "engine_patches", ROOT / "tests" / "cpu_engine" / "cpu_platform"):
+            srcs.append(Path(ctx) / "src" / src.name)
+            shutil.copytree(src, srcs[-1], ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+        run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", Path(ctx) / "wheels", *srcs,
+            capture_output=True)
         shim = Path(ctx) / "vllm"
         shim.write_text(
             "#!/bin/sh\n# The operator renders VLLM_PLUGINS for a GPU image; this CPU image adds its test-only plugins.\n"
