@@ -3,7 +3,7 @@ VENV ?= $(HOME)/.cache/omnistage/venv
 export OMNISTAGE_VENV := $(VENV)
 PY := $(VENV)/bin/python
 
-.PHONY: setup real-engine-env test test-unit test-engine test-connector test-cluster test-real demo lint crd golden k8s-bins cluster-up cluster-down e2e-kind
+.PHONY: setup real-engine-env test test-unit test-engine test-negative test-connector test-cluster test-real demo lint crd golden k8s-bins cluster-up cluster-down e2e-kind
 
 setup:
 	bash hack/setup.sh
@@ -14,16 +14,25 @@ real-engine-env:
 	bash hack/real-engine-env.sh >/dev/null
 
 # Every tier that can run here: unit, engine (CPU), cluster (local control plane started by the fixture)
-# and real engines (tests/cluster/real: the rendered pods' own vllm serve commands on the CPU).
+# and real engines (tests/cluster/real: the rendered pods' own vllm serve commands on the CPU); then
+# the engine tier's negative controls (test-negative).
 test: setup real-engine-env
 	@OMNISTAGE_VENV=$(VENV) bash hack/demo.sh down-if-running
 	$(PY) -m pytest tests --durations=25
+	$(PY) -m tests.engine.negative_controls
 
 test-unit: setup
 	$(PY) -m pytest tests/unit
 
 test-engine: setup
 	$(PY) -m pytest tests/engine
+
+# The engine tier's negative controls: each patch switched off in a pytest run of its own; its
+# regression tests must fail and nothing else (tests/engine/negative_controls.py). One patch:
+# make test-negative PATCHES=registration_report
+PATCHES ?=
+test-negative: setup
+	$(PY) -m tests.engine.negative_controls $(PATCHES)
 
 # The data path between stage pods on the CPU: vllm-omni's connector resolution, and a NIXL chain
 # 0 -> 1 -> 2 over UCX/TCP between processes on 127.x addresses (skipped without the nixl packages).

@@ -103,9 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_render)
     run = sub.add_parser("run", help="run the operator (kopf)")
     run.add_argument("-n", "--namespace", action="append", default=[],
-                     help="watch only this namespace (repeatable); default: all namespaces")
+                     help="watch only this namespace (repeatable); default: all namespaces (namespaced "
+                     "installs pass their own, --namespace=$(POD_NAMESPACE) from the downward API)")
     run.add_argument("--metrics-port", type=int, default=8080, help="Prometheus /metrics port (0: off)")
-    run.add_argument("--probe-port", type=int, default=8081, help="liveness/readiness probe port (0: off)")
+    run.add_argument("--probe-port", type=int, default=8081, help="probe port: /healthz liveness, /readyz readiness (0: off)")
     run.add_argument("--bind-address", default="0.0.0.0", help="address for /metrics and the probes")
     run.add_argument("--engine-image", help=f"engine image of OmniStages that leave spec.engine.image unset "
                      f"(default: ${api.ENGINE_IMAGE_ENV}, else {api.DEFAULT_ENGINE_IMAGE})")

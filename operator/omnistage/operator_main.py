@@ -8,8 +8,9 @@ import os
 import kopf
 
 from . import api
-from .runtime import handlers, leader
-from .runtime.metrics import serve
+from .runtime import handlers, leader, probes
+from .runtime.informer import STATE
+from .runtime.metrics import STATUS, serve
 
 
 def run(namespaces: list[str], metrics_port: int, probe_port: int, bind: str = "0.0.0.0",
@@ -24,18 +25,20 @@ def run(namespaces: list[str], metrics_port: int, probe_port: int, bind: str = "
                                      api.operator_engine_image())
     handlers.watch(namespaces)
     lease_namespace = lease_namespace or leader.default_namespace()
-    elector = None
+    elector, threads = None, ()
     if lease_namespace:
         elector = leader.Elector(lease_namespace, leader.default_identity(), lease_name)
         logging.getLogger(__name__).info("leader election: Lease %s/%s as %s; idle until it holds it",
                                          lease_namespace, lease_name, elector.identity)
-        elector.start()
+        threads = (elector.start(),)
     else:
         logging.getLogger(__name__).warning(
             "leader election off (no --leader-election-namespace, $POD_NAMESPACE or in-cluster namespace): "
             "run exactly one replica")
     leader.configure(elector)
     serve(metrics_port, bind)
+    probes.serve(probe_port, bind, probes.Checks(leading=leader.is_leading, synced=lambda: STATE.synced(0),
+                                                 omnistages=STATUS.count, threads=threads))
     try:
         kopf.run(
             clusterwide=not namespaces,
@@ -46,7 +49,7 @@ def run(namespaces: list[str], metrics_port: int, probe_port: int, bind: str = "
             # Given, so kopf never derives one from getpass.getuser(): the image's uid 65532 has no
             # passwd entry and that lookup crashed every in-cluster start (found on kind).
             identity=elector.identity if elector is not None else leader.default_identity(),
-            liveness_endpoint=f"http://{bind}:{probe_port}/healthz" if probe_port else None,
+            # No kopf liveness endpoint: probes.py serves liveness and readiness apart on probe_port.
         )
     finally:
         if elector is not None:

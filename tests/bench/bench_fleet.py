@@ -12,12 +12,12 @@ For each N (OmniStages are added, never removed, so the fleet grows from one N t
   lease_req_min   the same on Leases: the pair's leader election, on top of kwok's node-lease
                   heartbeats (their noise grows with the nodes: read it at small N)
   own_req_min     the operators' own count of the requests they sent (omnistage_operator_api_requests_total
-                  on /metrics, Lease included, kopf's watch of OmniStages not), exact; "-" for an
+                  on /metrics, Lease included: every request, kopf watches nothing), exact; "-" for an
                   operator tree without that metric
   lease_req_min   the same on Leases: the pair's leader election, on top of kwok's node-lease
                   heartbeats (their noise grows with the nodes: read it at small N)
   own_req_min     the operators' own count of the requests they sent (omnistage_operator_api_requests_total
-                  on /metrics, Lease included, kopf's watch of OmniStages not), exact; "-" for an
+                  on /metrics, Lease included: every request, kopf watches nothing), exact; "-" for an
                   operator tree without that metric
   scale_s         `replicas: 1 -> 2` on one OmniStage until its replica pod exists (others at rest)
   reconverge_s    operator killed, every OmniStage's NetworkPolicy deleted, operator started:

@@ -298,6 +298,8 @@ INVALID = [
      ["spec.template.spec.volumes", "must not use the operator's volume names"]),
     ("template-restart-policy", {"template": {"spec": {"restartPolicy": "Always"}}},
      ["spec.template.spec.restartPolicy", "is the operator's"]),
+    ("template-host-network", {"template": {"spec": {"hostNetwork": True}}},
+     ["spec.template.spec.hostNetwork", "must not be true"]),
     ("template-gpu-product-selector", {"template": {"spec": {"nodeSelector": {
         "nvidia.com/gpu.product": "NVIDIA-B200"}}}}, ["spec.template.spec.nodeSelector", "use spec.gpu.product"]),
     ("placement-and-template-tolerations", {"placement": {"tolerations": [{"key": "a", "operator": "Exists"}]},

@@ -108,6 +108,9 @@ def test_sigkill_the_leader_during_a_scale(kubectl, kubeconfig, wait_for, operat
             assert lead_count > 0 and idle_count == 0, (lead_count, idle_count)
             assert _metric(ops[first], "omnistage_operator_leader") == 1
             assert _metric(ops[follower], "omnistage_operator_leader") == 0
+            # Readiness says which (runtime/probes.py): both Ready, the leader synced, the follower standing by.
+            assert ops[first].readiness() == (200, {"state": "leading and synced", "leading": True, "omnistages": 1})
+            assert ops[follower].readiness() == (200, {"state": "standing by", "leading": False, "omnistages": 0})
 
             # Scale 2 -> 4 and kill the leader as soon as it has started: a replica pod created, not
             # all four registered yet.
@@ -141,6 +144,7 @@ def test_sigkill_the_leader_during_a_scale(kubectl, kubeconfig, wait_for, operat
             final = wait_for("the OmniStage Ready with 4 replicas under the new leader",
                              lambda: converged(kubectl, ns, NAME, 4), timeout=READY_TIMEOUT, interval=1)
             converged_after = time.monotonic() - killed_at
+            assert ops[follower].readiness()[1]["state"] == "leading and synced"
 
             # No duplicate, no orphan: exactly the head and three replicas, each index once, each
             # owned by this OmniStage (controller), nothing terminating left behind, and no other pod.

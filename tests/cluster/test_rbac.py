@@ -47,9 +47,8 @@ REVIEWED: dict[tuple[str, str, str], str] = {
     ("", "namespaces", "list"): "kopf: --namespace globs",
     ("", "namespaces", "watch"): "kopf: --namespace globs",
     (GROUP, "omnistages", "get"): "kube.get_omnistage (one the watch has not delivered yet)",
-    (GROUP, "omnistages", "list"): "kopf; informer.py",
-    (GROUP, "omnistages", "watch"): "kopf; informer.py",
-    (GROUP, "omnistages", "patch"): "kopf: progress/diff-base annotations",
+    (GROUP, "omnistages", "list"): "informer.py",
+    (GROUP, "omnistages", "watch"): "informer.py",
     (GROUP, "omnistages/status", "patch"): "kube.patch_status",
     (GROUP, "omnistages/finalizers", "update"): "children's blockOwnerDeletion",
     (GROUP, "omnistagepools", "list"): "informer.py",
@@ -97,6 +96,7 @@ REFUSED: list[tuple[str, str, str | None]] = [
     ("patch", "events", None), ("create", "events.events.k8s.io", None), ("patch", "events.events.k8s.io", None),
     ("get", f"omnistages.{GROUP}", "status"), ("update", f"omnistages.{GROUP}", "status"),
     ("create", f"omnistages.{GROUP}", None), ("update", f"omnistages.{GROUP}", None),
+    ("patch", f"omnistages.{GROUP}", None),  # kopf's progress annotations: kopf watches nothing now
     ("delete", f"omnistages.{GROUP}", None),
     ("update", "pods", None), ("create", "pods", "exec"), ("get", "pods", "log"),
     ("delete", "configmaps", None), ("delete", "services", None), ("delete", "networkpolicies.networking.k8s.io", None),
@@ -279,6 +279,75 @@ def test_namespaced_operator_reconciles_its_namespace_and_cannot_reach_another(
     finally:
         for ns in (home, other):
             kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
+
+
+def test_chart_watch_namespaces_bind_the_operator_where_it_watches(kubectl, kubeconfig, helm, wait_for,
+                                                                  service_account_kubeconfig, omnistage_crd,
+                                                                  local_cluster, tmp_path):
+    """The chart's watchNamespaces with namespaced=true (issue 21 item 2): the operator runs in its
+    release namespace, watches another, and holds its rights there and nowhere else. Its RBAC and
+    arguments come from `helm template`; the operator runs here under the chart's ServiceAccount."""
+    suffix = uuid.uuid4().hex[:5]
+    home, watched, other = (f"omnistage-w{k}-{suffix}" for k in ("home", "watched", "other"))
+    release = f"omnistage-operator-{suffix}"  # the fullname: the release name, which holds the chart name
+    rendered = [d for d in yaml.safe_load_all(helm(
+        "template", release, str(ROOT / "charts" / "omnistage-operator"), "--namespace", home,
+        "--set", "namespaced=true", "--set", f"watchNamespaces={{{watched}}}").stdout) if d]
+    identity = [d for d in rendered if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
+                                                       "RoleBinding")]
+    deployment = next(d for d in rendered if d["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert [a for a in container["args"] if a.startswith("--namespace")] == [f"--namespace={watched}"]
+    assert sorted((d["kind"], d["metadata"].get("namespace")) for d in identity if d["kind"] == "RoleBinding") == [
+        ("RoleBinding", home), ("RoleBinding", watched)]  # the leader-election one at home, the operator's there
+    for ns in (home, watched, other):
+        kubectl("create", "namespace", ns)
+    try:
+        kubectl("apply", "--server-side", "--field-manager=omnistage-tests-identity", "-f", "-",
+                input=json.dumps({"apiVersion": "v1", "kind": "List", "items": identity}))
+        as_operator = type(kubectl)(kubectl.binary, service_account_kubeconfig(release, home))
+
+        def can_i(verb: str, resource: str, ns: str | None, sub: str | None = None) -> bool:
+            where = ["-n", ns] if ns else ["--all-namespaces"]
+            proc = as_operator("auth", "can-i", verb, resource, *where,
+                               *([f"--subresource={sub}"] if sub else []), check=False)
+            return proc.stdout.strip().startswith("yes")
+
+        wait_for("the chart's RoleBinding in effect", lambda: can_i("list", f"omnistages.{GROUP}", watched), timeout=60)
+        checks = [("list", f"omnistages.{GROUP}", watched, None, True), ("create", "pods", watched, None, True),
+                  ("patch", f"omnistages.{GROUP}", watched, "status", True), ("get", "secrets", watched, None, True),
+                  ("update", f"{LEASES}/{LEASE}", home, None, True),
+                  ("list", f"omnistages.{GROUP}", home, None, False), ("create", "pods", home, None, False),
+                  ("list", f"omnistages.{GROUP}", other, None, False), ("get", "secrets", other, None, False),
+                  ("list", f"omnistages.{GROUP}", None, None, False)]
+        got = [(verb, res, ns, sub, can_i(verb, res, ns, sub)) for verb, res, ns, sub, _ in checks]
+        print("\n[rbac] chart identity, watchNamespaces=[watched]:", got)
+        assert [g[-1] for g in got] == [c[-1] for c in checks], got
+
+        standin = (StandinRuntime(kubeconfig=kubeconfig, namespaces=[watched], state_dir=tmp_path / "standin")
+                   if local_cluster else contextlib.nullcontext())
+        with standin:
+            op = OperatorProcess(as_operator.kubeconfig, tmp_path / "operator.log", namespaces=[watched],
+                                 env={"POD_NAMESPACE": home, "POD_NAME": f"{release}-0"})
+            op.start()
+            try:
+                for ns in (watched, other):
+                    kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(_sample(replicas=1)))
+                wait_for(f"the OmniStage in {watched} Ready with its head", lambda: converged(
+                    kubectl, watched, "qwen3-omni", 1), timeout=READY_TIMEOUT, interval=1)
+                assert kubectl.json("get", "lease", LEASE, "-n", home)["spec"]["holderIdentity"] == f"{release}-0"
+                assert not kubectl.json("get", "omnistage", "qwen3-omni", "-n", other).get("status")
+                denied = op.rbac_denials()
+                assert denied <= {("list", "namespaces", ""), ("watch", "namespaces", "")}, (denied, op.tail(60))
+            finally:
+                op.stop()
+    finally:
+        for ns in (home, watched, other):
+            kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
+        for d in identity:
+            if d["kind"] in ("ClusterRole", "ClusterRoleBinding"):
+                kubectl("delete", d["kind"].lower(), d["metadata"]["name"], "--ignore-not-found", "--wait=false",
+                        check=False)
 
 
 def test_blockownerdeletion_needs_omnistages_finalizers(kubectl, namespace, operator_identity,

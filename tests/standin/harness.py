@@ -142,6 +142,14 @@ class OperatorProcess:
     def metrics(self) -> str | None:
         return http_get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2)
 
+    def readiness(self) -> tuple[int, dict]:
+        """/readyz: (HTTP status, body), 503 included (http_get hides non-2xx answers)."""
+        try:
+            with _OPENER.open(f"http://127.0.0.1:{self.probe_port}/readyz", timeout=2) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
     # The API server's wording of an RBAC refusal, as it appears in the log (kopf and the kubernetes
     # client print the Status body, sometimes JSON-escaped). A namespace being deleted answers 403
     # too ("... because it is being terminated"): that is no RBAC refusal and does not match.

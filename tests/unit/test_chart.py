@@ -179,6 +179,27 @@ def _check_namespaced(objs):
         ("RoleBinding", f"{RELEASE}-leader-election")}
 
 
+def _bindings_of_the_operator_role(objs):
+    return sorted((o["kind"], o["metadata"].get("namespace")) for o in objs
+                  if o["kind"] in ("RoleBinding", "ClusterRoleBinding") and o["roleRef"]["name"] == RELEASE)
+
+
+def _check_watch_namespaces_namespaced(objs):
+    """Each watched namespace: a --namespace and the operator's rights there; the own namespace no more."""
+    args = container(objs)["args"]
+    assert [a for a in args if a.startswith("--namespace")] == ["--namespace=team-a", "--namespace=team-b"]
+    assert _bindings_of_the_operator_role(objs) == [("RoleBinding", "team-a"), ("RoleBinding", "team-b")]
+    for rb in (o for o in objs if o["kind"] == "RoleBinding" and o["roleRef"]["name"] == RELEASE):
+        assert rb["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NS}]
+
+
+def _check_watch_namespaces_cluster_wide(objs):
+    """Cluster-wide rights stay; the operator only watches fewer namespaces."""
+    args = container(objs)["args"]
+    assert [a for a in args if a.startswith("--namespace")] == ["--namespace=team-a"]
+    assert _bindings_of_the_operator_role(objs) == [("ClusterRoleBinding", None)]
+
+
 def _check_replicas(objs):
     assert one(objs, "Deployment")["spec"]["replicas"] == 1
 
@@ -294,6 +315,8 @@ CASES = [
     ({"imagePullSecrets": [{"name": "regcred"}]}, _check_pull_secrets),
     ({"engineImage": "registry.example/ml/engine:9.9.9"}, _check_engine_image),
     ({"namespaced": True}, _check_namespaced),
+    ({"namespaced": True, "watchNamespaces": ["team-a", "team-b"]}, _check_watch_namespaces_namespaced),
+    ({"watchNamespaces": ["team-a"]}, _check_watch_namespaces_cluster_wide),
     ({"replicaCount": 1}, _check_replicas),
     ({"resources": {"limits": {"memory": "1Gi", "cpu": "2"}}}, _check_resources_merge),
     ({"resources": {"limits": None}}, _check_resources_null),
@@ -375,6 +398,7 @@ def test_common_overrides_are_accepted(render, override):
     ("monitoring.label.release=kps", "label"),
     ("replicaCount=two", "replicaCount"),               # wrong types and values
     ("image.pullPolicy=Sometimes", "pullPolicy"),
+    ("watchNamespaces[0]=Team_A", "watchNamespaces"),  # not a namespace name
     ("monitoring.operatorInterval=30", "operatorInterval"),
     ("namespaced=yes", "namespaced"),
     ("nodeSelector.pool=1", "pool"),                    # label values are strings (--set-string)

@@ -192,7 +192,7 @@ def test_series_of_a_deleted_omnistage_are_removed():
                    "omnistage_condition"):
         assert _series(family, ns, "gone") == [], f"{family} still has a series of the deleted OmniStage"
         assert _series(family, ns, other), f"{family} lost the series of an OmniStage that still exists"
-    metrics.forget(ns, "gone")  # twice (the DELETED event and the last pass): harmless
+    metrics.forget(ns, "gone")  # twice (a late pass after the last): harmless
     metrics.forget(ns, other)
 
 

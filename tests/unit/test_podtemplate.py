@@ -111,7 +111,7 @@ def test_engine_container_merged_by_name_sidecar_appended():
         assert c["command"] == ["vllm"] and c["args"][0] == "serve" and c["image"]
         # Resources merge key by key: the template's cpu and memory limit, the operator's memory request and GPU.
         assert c["resources"] == {"limits": {GPU: "1", "memory": "300Gi"},
-                                  "requests": {"cpu": "16", "memory": "64Gi"}}
+                                  "requests": {"cpu": "16", "memory": "64Gi", "ephemeral-storage": "100Gi"}}
         env = env_of(pod)
         assert env["HF_HOME"] == {"name": "HF_HOME", "value": "/models/hf"}, "template beats spec.engine.env by name"
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
@@ -167,7 +167,7 @@ def test_tolerations_are_replaced_and_the_gpu_toleration_put_back():
 
 def test_default_requests_scale_with_gpus():
     c = engine(pods(gpu={"count": 4})[0])
-    assert c["resources"] == {"limits": {GPU: "4"}, "requests": {"cpu": "32", "memory": "256Gi"}}
+    assert c["resources"] == {"limits": {GPU: "4"}, "requests": {"cpu": "32", "memory": "256Gi", "ephemeral-storage": "100Gi"}}
 
 
 def test_nulls_are_absent_as_at_the_api_server():
@@ -248,6 +248,8 @@ REFUSED = [
      "spec.template.spec.volumes[0].name", "deploy config", True),
     ("restart-policy", refused({"spec": {"restartPolicy": "OnFailure"}}), "spec.template.spec.restartPolicy",
      "registers", True),
+    # Every engine pod binds the same ports: two on one node's network would collide.
+    ("host-network", refused({"spec": {"hostNetwork": True}}), "spec.template.spec.hostNetwork", "collide", True),
     ("product-selector", refused({"spec": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-B200"}}}),
      "spec.template.spec.nodeSelector[nvidia.com/gpu.product]", "spec.gpu.product", True),
     ("operator-label", refused({"metadata": {"labels": {"serving.omnistage.io/role": "head"}}}),
@@ -303,6 +305,7 @@ ACCEPTED = [
     ("label-like-ours", {"metadata": {"labels": {"example.com/role": "head", "omnistage": "x"}}}),
     ("operator-volume-name-as-mount-name", engine_with(volumeMounts=[{"name": "config", "mountPath": "/srv"}])),
     ("imagePullPolicy", engine_with(imagePullPolicy="Always")),
+    ("host-network-false", {"spec": {"hostNetwork": False}}),
 ]
 
 

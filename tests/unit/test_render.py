@@ -38,6 +38,22 @@ def test_engine_pods_request_h200_gpus_and_shm():
         assert pod["metadata"]["ownerReferences"][0]["uid"] == "ost-uid"
 
 
+def _cache_and_storage(pod):
+    cache = next(v for v in pod["spec"]["volumes"] if v["name"] == "cache")
+    return cache["emptyDir"], pod["spec"]["containers"][0]["resources"]["requests"].get("ephemeral-storage")
+
+
+def test_weights_downloaded_into_the_pod_are_bounded_and_requested():
+    """Without spec.modelVolume the download fills the cache emptyDir: the scheduler must find the
+    room (request) and the kubelet evict an outgrowing pod rather than fill the node's disk (sizeLimit)."""
+    t = target(replicas=2)
+    for pod in [render_head_pod(t), render_replica_pod(t, 1, HEAD_IP, HEAD_UID)]:
+        assert _cache_and_storage(pod) == ({"sizeLimit": "100Gi"}, "100Gi")
+    assert _cache_and_storage(render_head_pod(target(downloadVolumeSize="200Gi"))) == ({"sizeLimit": "200Gi"}, "200Gi")
+    mounted = target(modelVolume={"pvc": {"claimName": "weights"}}, downloadVolumeSize="200Gi")
+    assert _cache_and_storage(render_head_pod(mounted)) == ({}, None)
+
+
 def test_head_binds_master_on_its_pod_ip_and_replicas_dial_it():
     t = target(replicas=2)
     head_args = args_of(render_head_pod(t))

@@ -344,6 +344,13 @@ class OmniStageSpec(_Model):
         "16Gi", pattern=QUANTITY_PATTERN, description="Size of the /dev/shm memory volume of each engine pod."
     )
     model_volume: ModelVolumeSpec | None = Field(None, description="Where the model weights come from.")
+    # Sized for the sample's Qwen3-Omni-30B-A3B: ~66 GiB of bf16 weights plus vLLM's compile caches.
+    download_volume_size: str = Field(
+        "100Gi", pattern=QUANTITY_PATTERN,
+        description="Without spec.modelVolume each engine pod downloads the weights into its cache emptyDir "
+        "(/root/.cache): its sizeLimit and the engine container's ephemeral-storage request, so the scheduler "
+        "picks a node with the room and the kubelet evicts a pod that outgrows it instead of filling the node's "
+        "disk. Unused with spec.modelVolume.")
     # crd.py replaces this schema by core/v1 PodTemplateSpec's (podtemplate.schema.json).
     template: dict[str, Any] | None = Field(
         None,
@@ -352,8 +359,8 @@ class OmniStageSpec(_Model):
             "strategic merge: containers merge by name (the engine container is named engine), env and "
             "volumes by name, volumeMounts by mountPath; other lists (tolerations, envFrom...) replace. "
             "spec.placement and spec.engine.env are applied first. Refused: the engine container's command, "
-            "args, image, ports and probes, the GPU resource, restartPolicy, the operator's volumes, mount "
-            "paths, environment variables, labels and annotations."
+            "args, image, ports and probes, the GPU resource, restartPolicy, hostNetwork: true, the operator's "
+            "volumes, mount paths, environment variables, labels and annotations."
         ),
     )
 

@@ -144,6 +144,10 @@ def _owned_pod_field_items(field: str) -> Callable[[OmniStageSpec], list[str]]:
     return lambda s: [""] if pt.mapping(s.template, "spec").get(field) is not None else []
 
 
+def _host_network_items(spec: OmniStageSpec) -> list[str]:
+    return [""] if pt.mapping(spec.template, "spec").get("hostNetwork") is True else []
+
+
 def _product_selector_items(spec: OmniStageSpec) -> list[str]:
     selector = pt.mapping(spec.template, "spec", "nodeSelector")
     return [f"[{spec.gpu.product_label}]"] if spec.gpu.product_label in selector else []
@@ -331,6 +335,15 @@ SPEC_RULES = [
         "spec.template.spec.restartPolicy is the operator's: the head restarts in place (Always), a replica "
         "must not (Never: a restarted replica never registers with the head again and is replaced instead)",
         _owned_pod_field_items("restartPolicy"),
+    ),
+    Rule(
+        ".template.spec.hostNetwork",
+        _absent_or("template.spec.hostNetwork", "!self.template.spec.hostNetwork"),
+        "spec.template.spec.hostNetwork must not be true: every engine pod listens on the same ports "
+        "(spec.engine.httpPort, spec.engine.masterPort, the connectors' from spec.transport.basePort), so two "
+        "engine pods on one node would collide on the node's network, and the engine NetworkPolicy does not "
+        "apply to host-network pods",
+        _host_network_items,
     ),
     Rule(
         ".template.spec.nodeSelector",

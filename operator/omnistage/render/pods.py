@@ -163,12 +163,18 @@ def _pool_args(t: Target, pool: Pool, head_ip: str) -> list[str]:
                   "--omni-replica-address", f"$({POD_IP_ENV})", "--worker-backend", "multi_process"] + list(e.extra_args)
 
 
+def _cache_volume(t: Target) -> dict[str, Any]:
+    """Without spec.modelVolume the weights download into the cache volume: bounded then (with a
+    volume the cache holds only vLLM's compile caches, left unbounded as before)."""
+    return {} if t.spec.model_volume is not None else {"sizeLimit": t.spec.download_volume_size}
+
+
 def _volumes(t: Target, role: str) -> tuple[list[dict], list[dict]]:
     volumes = [
         {"name": V_CONFIG, "configMap": {"name": t.child_name("config")}},
         {"name": V_SHM, "hostPath": {"path": f"{SAME_NODE_SHM_ROOT}/{t.namespace}/{t.name}", "type": "DirectoryOrCreate"}}
         if same_node(t) else {"name": V_SHM, "emptyDir": {"medium": "Memory", "sizeLimit": t.spec.shm_size}},
-        {"name": V_CACHE, "emptyDir": {}},
+        {"name": V_CACHE, "emptyDir": _cache_volume(t)},
     ]
     mounts = [
         {"name": V_CONFIG, "mountPath": CONFIG_DIR, "readOnly": True},
@@ -204,7 +210,8 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None) -
         "resources": {
             "limits": {gpu.resource: str(gpu.count)},
             "requests": {"cpu": str(CPU_REQUEST_PER_GPU * gpu.count),
-                         "memory": f"{MEMORY_REQUEST_GIB_PER_GPU * gpu.count}Gi"},
+                         "memory": f"{MEMORY_REQUEST_GIB_PER_GPU * gpu.count}Gi",
+                         **({} if s.model_volume is not None else {"ephemeral-storage": s.download_volume_size})},
         },
         "volumeMounts": mounts,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),

@@ -1,10 +1,14 @@
-"""kopf registrations, kept thin: every trigger queues the same reconcile() for its OmniStage.
+"""What starts the passes: every trigger queues the same reconcile() for its OmniStage.
 
-Handlers and the resync thread only enqueue (workqueue.QUEUE): a bounded pool runs the passes, one
-OmniStage at a time per key, so a slow head delays nobody else and a handler never waits on one."""
+The watch-fed store (informer.py) and the resync thread only enqueue (workqueue.QUEUE): a bounded
+pool runs the passes, one OmniStage at a time per key, so a slow head delays nobody else and a
+trigger never waits on one. kopf runs the process (startup handlers, signals) and watches nothing:
+a new OmniStage or generation, every OmniStage listed at a start, and a deletion (whose last pass
+finds it gone and forgets it, memory.forget) all reach the queue from the store."""
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import logging
 import threading
@@ -14,11 +18,12 @@ import zlib
 import kopf
 
 from .. import api
-from . import kube, leader, memory, metrics
+from . import leader, memory, metrics, probes
 from .act import DRAINS
+from .events import EVENTS
 from .headview import probe
 from .informer import STATE
-from .metrics import RECONCILE_SECONDS, STATUS
+from .metrics import RECONCILE_SECONDS
 from .reconcile import reconcile
 from .workqueue import WorkQueue
 
@@ -33,24 +38,13 @@ def watch(namespaces: list[str]) -> None:
     WATCHED_NAMESPACES[:] = namespaces
 
 
-@kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_) -> None:
-    prefix = api.GROUP
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=prefix)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=prefix)
-    settings.watching.server_timeout = 300  # a watch resumed every 5 min, not every minute: API requests at rest
-    settings.posting.level = logging.INFO
-    # Handlers only enqueue; the reconcile passes run on QUEUE's workers.
-    settings.execution.max_workers = 8
-
-
 def _emitter(body):
     ref = {"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND,
            "metadata": {"name": body["metadata"]["name"], "namespace": body["metadata"]["namespace"],
                         "uid": body["metadata"]["uid"]}}
 
     def emit(etype: str, reason: str, message: str) -> None:
-        kube.post_event(ref, etype, reason, message)
+        EVENTS.emit(ref, etype, reason, message)  # repeats aggregated (events.py)
     return emit
 
 
@@ -109,7 +103,15 @@ def start_resync(**_) -> None:
     # Namespaced mode may not list cluster-wide (RBAC); globs need the cluster-wide watch.
     scopes: list[str | None] = list(WATCHED_NAMESPACES) if literal else [None]
     STATE.start(scopes, on_change=_on_watched)  # called from the informers' threads
-    threading.Thread(target=_resync_forever, name="omnistage-resync", daemon=True).start()
+    resync = threading.Thread(target=_resync_forever, name="omnistage-resync", daemon=True)
+    resync.start()
+    probes.watch_thread(resync)
+
+
+@kopf.on.startup()
+async def watch_loop(**_) -> None:
+    """Liveness asks kopf's event loop to run a no-op (probes.py); async, so it runs in that loop."""
+    probes.watch_loop(asyncio.get_running_loop())
 
 
 def _on_watched(namespace: str, name: str) -> None:
@@ -141,18 +143,3 @@ def _watched(namespace: str) -> bool:
     return not WATCHED_NAMESPACES or any(fnmatch.fnmatchcase(namespace, p) for p in WATCHED_NAMESPACES)
 
 
-@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
-def on_omnistage_event(namespace: str, name: str, type: str, **_) -> None:
-    """The one kopf handler that sees OmniStages. A new OmniStage or generation (spec, scale), and
-    every OmniStage listed at a start, reach the queue from the watch-fed store (informer.py): no
-    create/update/resume handler, so kopf never writes its progress annotations (one PATCH per
-    OmniStage on every start and every spec change)."""
-    if type == "DELETED":
-        # A last pass finds it gone and removes its metric series (after any pass still running).
-        metrics.forget(namespace, name)
-        _run(namespace, name)
-
-
-@kopf.on.probe(id="omnistages")
-def watched(**_) -> int:
-    return STATUS.count()

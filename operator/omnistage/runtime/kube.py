@@ -86,11 +86,13 @@ def patch_status(namespace: str, name: str, status: dict[str, Any],
 EVENT_MESSAGE_LIMIT = 1024  # what the API server keeps of a message
 
 
-def post_event(involved: dict[str, Any], etype: str, reason: str, message: str) -> None:
+def post_event(involved: dict[str, Any], etype: str, reason: str, message: str, count: int = 1,
+               first_timestamp: str | None = None) -> None:
     """One core/v1 Event on `involved` (apiVersion, kind, metadata name/namespace/uid). Posted
     through this client, not kopf's, so an Event does not depend on a kopf handler having run first
-    (the watch-fed store queues passes before kopf delivers its first event). Never raises: an Event
-    is not worth a failed pass."""
+    (the watch-fed store queues passes before kopf delivers its first event). `count` and
+    `first_timestamp`: the occurrences it stands for (events.py aggregates repeats). Never raises:
+    an Event is not worth a failed pass."""
     meta = involved["metadata"]
     now = timestamp()
     body = {
@@ -99,7 +101,8 @@ def post_event(involved: dict[str, Any], etype: str, reason: str, message: str) 
         "involvedObject": {"apiVersion": involved["apiVersion"], "kind": involved["kind"], "name": meta["name"],
                            "namespace": meta["namespace"], "uid": meta.get("uid")},
         "type": etype, "reason": reason, "message": message[:EVENT_MESSAGE_LIMIT],
-        "source": {"component": EVENT_SOURCE}, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        "source": {"component": EVENT_SOURCE}, "firstTimestamp": first_timestamp or now, "lastTimestamp": now,
+        "count": count,
     }
     try:
         core().create_namespaced_event(meta["namespace"], body, _request_timeout=10)

@@ -229,9 +229,10 @@ class Elector:
             if self._renewed_at is None and self._following():
                 delay = self.follow()
 
-    def start(self) -> None:
+    def start(self) -> threading.Thread:
         self._thread = threading.Thread(target=self.run, name="omnistage-leader", daemon=True)
         self._thread.start()
+        return self._thread
 
     def release(self) -> None:
         """On a clean shutdown: stop acting, then hand the Lease back so the other replica takes it

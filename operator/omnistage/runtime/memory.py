@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import metrics
 from .act import DRAINS
+from .events import EVENTS
 
 if TYPE_CHECKING:
     from .head_client import HeadClient
@@ -76,11 +77,12 @@ RESTING: dict[Key, Resting] = {}
 
 def forget(namespace: str, name: str) -> None:
     """Drop everything held for a deleted OmniStage: its lock, token, head answers, rest, drain
-    states and metric series."""
+    states, Event counts and metric series."""
     with _locks_guard:
         _locks.pop((namespace, name), None)
     TOKENS.forget(namespace, name)
     HEADS.pop((namespace, name), None)
     RESTING.pop((namespace, name), None)
     DRAINS.forget(namespace, name)
+    EVENTS.forget(namespace, name)
     metrics.forget(namespace, name)

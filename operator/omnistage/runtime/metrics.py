@@ -23,7 +23,7 @@ MEMBERSHIP_SECONDS = Histogram(
 API_REQUESTS = Counter(
     "omnistage_operator_api_requests_total",
     "Requests this operator replica sent the Kubernetes API server through its client (kube.py: the "
-    "watch-fed stores, writes, the leader-election Lease; not kopf's own watch of OmniStages), by verb "
+    "watch-fed stores, writes, the leader-election Lease; kopf watches nothing), by verb "
     "(get, list, watch, create, update, patch, delete) and resource.", ["verb", "resource"])
 
 

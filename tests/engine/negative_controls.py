@@ -1,0 +1,168 @@
+"""The engine tier's negative controls: each patch switched off in turn, its regression tests must fail.
+
+    python -m tests.engine.negative_controls            every control (make test-negative; make test runs it)
+    python -m tests.engine.negative_controls membership  only the named patches' controls
+
+A regression test of a patch passes with the patch on (the normal run) and must fail with it off,
+or it tests nothing. Each control runs its modules in a pytest process of its own with
+OMNISTAGE_DISABLE_PATCHES=<patch> (vLLM loads the plugin once per process, so the switch is per
+run) and checks, from the outcomes this module records as that process's plugin:
+
+* at least one of its regression tests failed (a test is one when its id says "regression" or its
+  docstring starts with "regression:"), and every test that failed is one, or is listed as a
+  documented failure of the control (`also_fail`): nothing else broke;
+* the checks that only run with the patch off (`must_pass`, e.g. the registration report's
+  `test_without_the_patch_no_member_reports`) passed, so they do not skip in every run.
+
+Regression tests that passed anyway are printed (they may guard another patch of the module).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+OUTCOMES_ENV = "OMNISTAGE_NEGATIVE_CONTROL_OUT"
+
+
+@dataclass(frozen=True)
+class Control:
+    patch: str
+    modules: tuple[str, ...]
+    also_fail: tuple[str, ...] = ()  # substrings of test ids documented to fail too with the patch off
+    must_pass: tuple[str, ...] = ()  # substrings of test ids that must pass (not skip) in this run
+    notes: str = ""
+
+
+# The guard a module may have that its patch is on in the normal run: off, it fails by definition.
+PATCH_IS_APPLIED = "test_the_patch_is_applied"
+
+# From each module's docstring, which says what its control shows; `also_fail` lists what fails too
+# without being marked, as found by running the controls (candidates for the "regression" mark).
+CONTROLS = (
+    Control("connector_ports", ("test_connector_ports.py",)),
+    Control("frontend_cache", ("test_frontend_cache.py", "test_engine_report.py")),
+    Control("registration_report", ("test_registration_report.py",),
+            must_pass=("test_without_the_patch_no_member_reports",)),
+    Control("replica_affinity", ("test_replica_affinity.py",),
+            also_fail=("test_affinity_never_piles_everything_on_one_replica[control-no-load-bound]",
+                       "test_a_steering_error_falls_back_to_upstream")),
+    Control("replica_aware_cache", ("test_replica_aware_cache.py",),
+            # The in-file controls switch off one part of the patch; with all of it off they fail
+            # too. The others test the mirror's bookkeeping, which only the patch has.
+            also_fail=("[control-mirror-kept-on-restart]", "[control-miss-not-handled]",
+                       "test_replica_joining_mid_sequence", "test_retry_on_another_replica_is_rebuilt_from_full_items",
+                       "test_forced_receiver_eviction",
+                       "test_concurrent_requests_to_one_replica_keep_mirror_and_receiver_in_step",
+                       "test_an_aborted_request_is_forgotten")),
+    Control("uuid_scope", ("test_uuid_scope.py",),
+            # Without the patch a caller's UUID is not scoped at all, so "scoped like any user UUID" fails.
+            also_fail=("test_a_user_uuid_shaped_like_an_engine_key_is_the_users",)),
+    Control("replica_metrics", ("test_replica_metrics.py",)),
+    Control("mm_cache_metrics", ("test_replica_metrics.py",)),
+)
+
+
+# ---- the plugin side (in each control's pytest process) -------------------------------------------
+
+def is_regression(item: pytest.Item) -> bool:
+    doc = (getattr(getattr(item, "function", None), "__doc__", None) or "").lstrip().lower()
+    return "regression" in item.name.lower() or doc.startswith("regression:")
+
+
+_recorded: dict[str, dict[str, object]] = {}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        _recorded[item.nodeid] = {"regression": is_regression(item), "outcome": "not run"}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    entry = _recorded.setdefault(report.nodeid, {"regression": False, "outcome": "not run"})
+    # The call's outcome; a failed or skipped setup (or a failed teardown) counts too.
+    if (report.when == "call" or report.outcome != "passed") and entry["outcome"] in ("not run", "passed"):
+        entry["outcome"] = report.outcome
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = os.environ.get(OUTCOMES_ENV)
+    if path:
+        Path(path).write_text(json.dumps(_recorded))
+
+
+# ---- the runner ---------------------------------------------------------------------------------
+
+@dataclass
+class Verdict:
+    control: Control
+    seconds: float
+    outcomes: dict[str, dict[str, object]]
+    problems: list[str] = field(default_factory=list)
+
+    def failed(self, regression: bool) -> list[str]:
+        return [n for n, o in self.outcomes.items() if o["outcome"] == "failed" and o["regression"] == regression]
+
+
+def judge(control: Control, outcomes: dict[str, dict[str, object]], seconds: float) -> Verdict:
+    v = Verdict(control, seconds, outcomes)
+    if not outcomes:
+        v.problems.append("no test ran (collection error? see the output above)")
+        return v
+    if not v.failed(regression=True):
+        v.problems.append("no regression test failed: with the patch off they all pass, so they test nothing")
+    documented = (*control.also_fail, PATCH_IS_APPLIED)
+    unexpected = [n for n in v.failed(regression=False) if not any(s in n for s in documented)]
+    if unexpected:
+        v.problems.append(f"failed, and neither a regression test nor documented to: {unexpected}")
+    for wanted in control.must_pass:
+        got = [o["outcome"] for n, o in outcomes.items() if wanted in n]
+        if got != ["passed"] * len(got) or not got:
+            v.problems.append(f"{wanted} must pass with the patch off; got {got or 'not collected'}")
+    return v
+
+
+def run(control: Control) -> Verdict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "outcomes.json"
+        env = {**os.environ, "OMNISTAGE_DISABLE_PATCHES": control.patch, OUTCOMES_ENV: str(out)}
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "tests.engine.negative_controls", "-p", "no:cacheprovider",
+                "--no-header", "-rN", *(str(HERE / m) for m in control.modules)]
+        print(f"\n[negative control] OMNISTAGE_DISABLE_PATCHES={control.patch} {' '.join(control.modules)}", flush=True)
+        start = time.monotonic()
+        subprocess.run(argv, cwd=ROOT, env=env, check=False)
+        seconds = time.monotonic() - start
+        outcomes = json.loads(out.read_text()) if out.exists() else {}
+    return judge(control, outcomes, seconds)
+
+
+def main(argv: list[str]) -> int:
+    wanted = set(argv)
+    unknown = wanted - {c.patch for c in CONTROLS}
+    if unknown:
+        print(f"no negative control for {sorted(unknown)}; known: {[c.patch for c in CONTROLS]}", file=sys.stderr)
+        return 2
+    verdicts = [run(c) for c in CONTROLS if not wanted or c.patch in wanted]
+    print("\n[negative controls] patch switched off: regression tests failed / passed anyway, other failures")
+    for v in verdicts:
+        reg = [o for o in v.outcomes.values() if o["regression"]]
+        caught = sum(o["outcome"] == "failed" for o in reg)
+        print(f"  {'ok  ' if not v.problems else 'FAIL'} {v.control.patch:<22} {caught:>3} / {len(reg) - caught:<3} "
+              f"{len(v.failed(regression=False)):>3}  ({v.seconds:.0f} s)")
+        for p in v.problems:
+            print(f"       {p}")
+    return 1 if any(v.problems for v in verdicts) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
