@@ -28,6 +28,10 @@ POD_CIDR="${OMNISTAGE_POD_CIDR:-127.77.0.0/24}"
 # `kubernetes` Endpoints and the peer proxy is off, so nothing dials it. TEST-NET-2 (RFC 5737),
 # not TEST-NET-1, because this machine's own eth0 sits in TEST-NET-1.
 ADVERTISE="${OMNISTAGE_ADVERTISE_ADDRESS:-198.51.100.10}"
+# The nodes' own addresses (127.76.0.N) and pod CIDRs (127.77.N.0/24) from hack/h200-nodes.yaml,
+# moved to 127.<X>.0.N and 127.<X+1>.N.0/24 when OMNISTAGE_NODE_NET=X is set: two local clusters on
+# one machine (two engineers) would otherwise hand the same pod IPs to their engines.
+NODE_NET="${OMNISTAGE_NODE_NET:-76}"
 COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
 
 KC="$D/admin.kubeconfig"; P="$D/pki"
@@ -195,7 +199,8 @@ KC
 fi
 
 log "creating nodes from hack/h200-nodes.yaml"
-kubectl apply -f "$ROOT/hack/h200-nodes.yaml" >&2
+sed -e "s/127\.76\./127.$NODE_NET./g" -e "s/127\.77\./127.$(( NODE_NET + 1 ))./g" "$ROOT/hack/h200-nodes.yaml" \
+  | kubectl apply -f - >&2
 wait_for "every node Ready (kwok)" 60 kubectl wait --for=condition=Ready node --all --timeout=2s
 gpus="$(kubectl get nodes -l nvidia.com/gpu.product=NVIDIA-H200 -o jsonpath='{range .items[*]}{.status.allocatable.nvidia\.com/gpu} {end}')"
 [[ "$gpus" =~ ^(8 ){2,}$ ]] || { log "expected 2+ H200 nodes with 8 allocatable nvidia.com/gpu each, got '$gpus'"; exit 1; }

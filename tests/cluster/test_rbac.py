@@ -61,6 +61,7 @@ REVIEWED: dict[tuple[str, str, str], str] = {
     ("", "pods", "create"): "kube.create (head, replicas)",
     ("", "pods", "patch"): "kube.patch_pod_annotations (leaving)",
     ("", "pods", "delete"): "kube.delete_pod",
+    ("", "pods/status", "patch"): "kube.patch_pod_condition (the joined readiness gate)",
     ("", "configmaps", "list"): "informer.py",
     ("", "configmaps", "watch"): "informer.py",
     ("", "configmaps", "create"): "kube.apply (server-side apply creating it)",

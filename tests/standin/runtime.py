@@ -29,7 +29,11 @@ cannot, because kwok knows nothing about the process:
     the kubelet's growing back-off; the restarted head has a new boot id) or its pod is marked
     Failed (Never: replicas), with restartCount / lastState / Ready written like a kubelet does.
   * readiness: a container with an httpGet readinessProbe is Ready only while the probe answers
-    2xx (kwok marks every pod Ready at once, which would make "head Ready" meaningless).
+    2xx (kwok marks every pod Ready at once, which would make "head Ready" meaningless), and a pod
+    with spec.readinessGates (replica and pool pods: the operator's joined condition) is Ready only
+    while its containers are and every gate's condition is True, as the kubelet computes it. kwok
+    also writes True into every readiness gate at start-up; the runtime takes that back when it
+    starts the process, so a replica stays NotReady until its stand-in registered and was joined.
 
 `kill(namespace, pod)` (or `python -m tests.standin.runtime kill NS/POD`) SIGKILLs a pod's
 process the way an OOM kill would; the restart policy above then applies: the head comes back with
@@ -104,6 +108,7 @@ WATCH_TIMEOUT = 60          # server-side watch timeout; the watch is simply re-
 MAX_WATCH_FAILURES = 30     # consecutive failed (re)connects before the runtime gives up loudly
 TICK = 0.2                  # supervisor period: process exits, pending starts, probes
 PROBE_PERIOD_CAP = 1.0      # probe at least this often (faster than the pods' 5 s: tests wait less)
+GATE_DEBOUNCE = 1.0         # a Ready rewritten for a gate waits this long for the watch before another
 START_RETRY = 2.0           # a pod that could not be started yet (no Secret yet) is retried this often
 BACKOFF_FIRST, BACKOFF_BASE, BACKOFF_CAP = 1.0, 10.0, 60.0  # kubelet-like crash back-off
 # Real mode: a deleted pod's engine gets its terminationGracePeriodSeconds after SIGTERM, as from a
@@ -307,6 +312,7 @@ class Proc:
     terminated: bool = False
     env: dict[str, str] | None = None    # real mode: the container's environment (realpod.pod_process)
     grace: float | None = None           # real mode: the pod's terminationGracePeriodSeconds (capped)
+    gate_patched_at: float = 0.0         # last time Ready was rewritten for a readiness gate change
 
     @property
     def key(self) -> tuple[str, str]:
@@ -616,11 +622,14 @@ class StandinRuntime:
             if now < self._next_start_try.get(key, 0):
                 continue
             self._maybe_start(key, pod)
-        # 5. readiness probes
+        # 5. readiness probes, then readiness gates (Ready = containers ready and every gate True)
         if self.probes:
             for p in procs.values():
                 if p.probe and p.alive() and not p.stopping and now >= p.next_probe:
                     self._probe(p)
+            for p in procs.values():
+                if p.alive() and not p.stopping and not p.failed and p.restart_at is None:
+                    self._sync_gates(p, now)
 
     def _runnable(self, pod: dict[str, Any]) -> bool:
         st = pod.get("status") or {}
@@ -799,6 +808,10 @@ class StandinRuntime:
         self._event("restart" if restart else "start", p, start=p.starts, log=str(p.log_path))
         if restart:
             self._patch_restarted(p, pod)
+        elif self.probes and _gates(pod):
+            # kwok wrote True into the readiness gates; the kubelet never writes them (their owner,
+            # the operator, does): take kwok's word back, the pod is Ready once the operator says so.
+            self._patch_ready(p, p.probe is None, "waiting for the readiness gates", reset_gates=True)
         elif p.probe and self.probes:
             # The kubelet reports Ready only after the first successful readiness probe; kwok already
             # said Ready, so take it back until the stand-in answers.
@@ -921,18 +934,35 @@ class StandinRuntime:
             pod = self._pods.get(p.key)
         return pod if pod and pod["metadata"]["uid"] == p.uid else None
 
-    def _patch_ready(self, p: Proc, ready: bool, why: str) -> None:
+    def _patch_ready(self, p: Proc, ready: bool, why: str, reset_gates: bool = False) -> None:
+        """`ready`: the container's readiness. The pod's Ready also needs every readiness gate True
+        (reset_gates: write them False first, undoing kwok's start-up True)."""
         pod = self._fresh_pod(p)
         if pod is None:
             return
-        s = "True" if ready else "False"
         t = _rfc3339()
-        status = {"conditions": [{"type": "Ready", "status": s, "lastTransitionTime": t},
-                                 {"type": "ContainersReady", "status": s, "lastTransitionTime": t}],
+        gates = [{"type": g, "status": "False", "reason": "NotSetYet", "lastTransitionTime": t}
+                 for g in _gates(pod)] if reset_gates else []
+        pod_ready = ready and (not _gates(pod) or (not reset_gates and _gates_true(pod)))
+        status = {"conditions": [{"type": "Ready", "status": _cs(pod_ready), "lastTransitionTime": t},
+                                 {"type": "ContainersReady", "status": _cs(ready), "lastTransitionTime": t}, *gates],
                   "containerStatuses": self._container_statuses(p, pod, ready)}
         if self._patch_status(p, status):
             p.ready = ready
-            self._event("ready" if ready else "notready", p, why=why.replace(" ", "_"))
+            p.gate_patched_at = time.monotonic()
+            self._event("ready" if pod_ready else "notready", p, why=why.replace(" ", "_"))
+
+    def _sync_gates(self, p: Proc, now: float) -> None:
+        """A gated pod's Ready follows its gates' conditions (the operator's joined condition)."""
+        pod = self._fresh_pod(p)
+        if pod is None or not _gates(pod) or now - p.gate_patched_at < GATE_DEBOUNCE:
+            return
+        containers = p.ready is True if p.probe else True
+        want = containers and _gates_true(pod)
+        have = any(c.get("type") == "Ready" and c.get("status") == "True"
+                   for c in (pod.get("status") or {}).get("conditions") or [])
+        if want != have:
+            self._patch_ready(p, containers, "readiness gates " + ("true" if want else "not all true"))
 
     def _patch_restarted(self, p: Proc, pod: dict[str, Any]) -> None:
         cs = next((c for c in (pod.get("status") or {}).get("containerStatuses") or []), {})
@@ -966,6 +996,20 @@ class StandinRuntime:
                   "containerStatuses": self._container_statuses(p, pod, False, **change)}
         if self._patch_status(p, status):
             self._event("failed", p, phase=status["phase"], exitCode=exit_code)
+
+
+def _gates(pod: dict[str, Any]) -> list[str]:
+    """The condition types of the pod's readiness gates."""
+    return [g["conditionType"] for g in (pod.get("spec") or {}).get("readinessGates") or [] if g.get("conditionType")]
+
+
+def _gates_true(pod: dict[str, Any]) -> bool:
+    true = {c.get("type") for c in (pod.get("status") or {}).get("conditions") or [] if c.get("status") == "True"}
+    return all(g in true for g in _gates(pod))
+
+
+def _cs(value: bool) -> str:
+    return "True" if value else "False"
 
 
 # The pod cannot be started yet (e.g. its Secret does not exist yet): retried. / The pod will never be

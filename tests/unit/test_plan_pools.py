@@ -26,7 +26,7 @@ from omnistage.render import target_from
 from omnistage.render.pods import render_pool_pod
 from omnistage_engine_patches import contract
 
-from .test_plan import AT, HEAD_UID, changes, cond, head, listing, member, omnistage, replica, report
+from .test_plan import AT, HEAD_UID, changes, cond, head, listing, member, omnistage, ready_status, replica, report
 
 STAGES = [{"id": 1, "name": "talker"}, {"id": 2, "name": "code2wav"}]
 
@@ -43,15 +43,14 @@ def pool_obj(name="speech", stage_ids=(1, 2), replicas=1, created="2026-11-30T00
             "spec": {"omniStage": "qwen3-omni", "stageIds": list(stage_ids), "replicas": replicas, **spec}}
 
 
-def pool_pod(t, pool, i, *, ready=True, head_uid=HEAD_UID, leaving=None, phase="Running"):
+def pool_pod(t, pool, i, *, ready=True, head_uid=HEAD_UID, leaving=None, phase="Running", containers=None,
+             joined=None):
     pod = render_pool_pod(t, parse(pool), i, "127.77.0.10", head_uid)
     pod["metadata"].update(uid=f"uid-{pool['metadata']['name']}-{i}", creationTimestamp=f"2026-11-30T0{i}:30:00Z")
     if leaving:
         pod["metadata"]["annotations"][names.A_LEAVING] = leaving
     pod["spec"]["nodeName"] = f"h200-{i}"
-    status = {"podIP": f"127.77.1.{i}", "phase": phase,
-              "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
-    pod["status"] = status
+    pod["status"] = ready_status(f"127.77.1.{i}", ready, phase, containers=containers, joined=joined)
     return pod
 
 

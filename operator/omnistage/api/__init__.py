@@ -308,6 +308,23 @@ class TransportSpec(_Model):
         description="Environment of every engine pod for the transport (UCX_TLS, UCX_NET_DEVICES, ...).")
 
 
+class RolloutSpec(_Model):
+    """How replica and pool pods are replaced when their pod template changes."""
+
+    max_surge: int = Field(
+        1, ge=0, le=256,
+        description="Replacement pods a roll may create beyond the desired count before an outdated pod leaves: each "
+        "outdated pod is drained only once enough others are joined. When no GPU is free for a surge pod "
+        "(it stays unschedulable), condition RolloutSurge says so and the roll goes one pod at a time. "
+        "0: no surge, one pod at a time (as with maxUnavailable 1).",
+    )
+    max_unavailable: int = Field(
+        0, ge=0, le=256,
+        description="How many fewer replicas than desired may serve during a roll. 0: never fewer than spec.replicas "
+        "while a surge pod fits.",
+    )
+
+
 class OmniStageSpec(_Model):
     """Desired state of an OmniStage: one head pod plus replicas-1 headless stage-0 replica pods."""
 
@@ -344,6 +361,10 @@ class OmniStageSpec(_Model):
         "16Gi", pattern=QUANTITY_PATTERN, description="Size of the /dev/shm memory volume of each engine pod."
     )
     model_volume: ModelVolumeSpec | None = Field(None, description="Where the model weights come from.")
+    rollout: RolloutSpec = Field(
+        default_factory=RolloutSpec, json_schema_extra={"default": {}},
+        description="How a template change replaces replica and pool pods (surge first, within these bounds).",
+    )
     # crd.py replaces this schema by core/v1 PodTemplateSpec's (podtemplate.schema.json).
     template: dict[str, Any] | None = Field(
         None,

@@ -29,6 +29,7 @@ from ..names import (
     A_REPLICA_INDEX,
     A_STAGE_IDS,
     A_TEMPLATE_HASH,
+    C_JOINED,
     L_OMNISTAGE,
     L_ROLE,
     ROLE_HEAD,
@@ -73,6 +74,7 @@ HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 # these (e.g. `capabilities: {add: [IPC_LOCK]}` for RDMA).
 CONTAINER_SECURITY_CONTEXT = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 POD_SECURITY_CONTEXT = {"seccompProfile": {"type": "RuntimeDefault"}}
+JOINED_GATE = {"conditionType": C_JOINED}
 
 
 def head_pod_name(t: Target) -> str:
@@ -236,6 +238,10 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None) -
         "enableServiceLinks": False,
         "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
     }
+    if role != ROLE_HEAD:
+        # Ready only once joined: a headless replica has no HTTP port a probe could ask, and what
+        # makes it serve is the head's join, which only the operator knows (names.C_JOINED).
+        spec["readinessGates"] = [dict(JOINED_GATE)]
     affinity = _with_head_node(t, role, placement.affinity)
     if affinity:
         spec["affinity"] = affinity
@@ -274,6 +280,9 @@ def _pod(t: Target, name: str, role: str, spec: dict[str, Any], extra: dict[str,
     toleration = _gpu_toleration(pool.spec.gpu if pool else t.spec.gpu)
     if toleration not in spec.get("tolerations", []):
         spec["tolerations"] = [toleration, *spec.get("tolerations", [])]
+    # readinessGates too: a template's own gates are kept, the operator's is put back.
+    if role != ROLE_HEAD and JOINED_GATE not in spec.get("readinessGates", []):
+        spec["readinessGates"] = [dict(JOINED_GATE), *spec.get("readinessGates", [])]
     overlay_meta = merged.get("metadata") or {}
     annotations = {
         A_CONFIG_HASH: config_hash(deploy_yaml(t)),

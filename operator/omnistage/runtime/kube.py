@@ -223,6 +223,22 @@ def delete_pod(namespace: str, name: str, uid: str | None = None,
     return _with_kind(out, "Pod") if isinstance(out, dict) and out.get("metadata", {}).get("uid") else None
 
 
+def patch_pod_condition(namespace: str, name: str, uid: str, ctype: str, status: bool, reason: str,
+                        message: str = "") -> dict[str, Any] | None:
+    """Set one condition of the pod's status (strategic merge: conditions merge by type, so the
+    kubelet's own stay). Only that incarnation (uid); None when it is gone."""
+    condition = {"type": ctype, "status": "True" if status else "False", "reason": reason, "message": message,
+                 "lastTransitionTime": timestamp()}
+    try:
+        pod = core().patch_namespaced_pod_status(name, namespace, {"metadata": {"uid": uid},
+                                                                   "status": {"conditions": [condition]}})
+    except ApiException as e:
+        if e.status in (404, 409, 422):
+            return None
+        raise
+    return _with_kind(api_client().sanitize_for_serialization(pod), "Pod")
+
+
 def patch_pod_annotations(namespace: str, name: str, annotations: dict[str, str | None]) -> dict[str, Any]:
     pod = core().patch_namespaced_pod(name, namespace, {"metadata": {"annotations": annotations}})
     return _with_kind(api_client().sanitize_for_serialization(pod), "Pod")

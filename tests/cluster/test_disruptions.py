@@ -1,0 +1,135 @@
+"""Capacity through disruptions (issue 19), on the local control plane with stand-in engines.
+
+A replica pod is Ready only once the head routes to it (its readiness gate, set by the operator on
+join; the stand-in runtime computes Ready from the gate as a kubelet does), a template change
+surges (a replacement joins before an old replica drains), and a replica pod deleted by someone
+else is drained within its grace. Each stand-in replica here "loads the model" for a few seconds
+before it registers (tests.standin.replica.LOAD_KNOB), so a replica that is counted too early, or
+a roll that does not wait for its replacement, shows.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from tests.cluster.test_operator import (
+    NAME,
+    READY_TIMEOUT,
+    apply,
+    engine_pods,
+    get_stage,
+    names,
+    sample,
+    wait_ready,
+)
+from tests.standin.harness import HeadEndpoint, remote_members
+from tests.standin.replica import LOAD_KNOB
+
+pytestmark = pytest.mark.usefixtures("operator_log_on_failure")
+
+JOINED = "serving.omnistage.io/joined"
+LOAD_SECONDS = 6  # each stand-in replica registers this long after its process started
+
+
+def _loading_sample(replicas: int, **changes: Any) -> dict[str, Any]:
+    return sample(replicas=replicas, **{"engine.env": [{"name": LOAD_KNOB, "value": str(LOAD_SECONDS)}]}, **changes)
+
+
+def _cond(pod: dict[str, Any], ctype: str) -> str | None:
+    return next((c.get("status") for c in (pod.get("status") or {}).get("conditions") or []
+                 if c.get("type") == ctype), None)
+
+
+def _joined_at_head(head: HeadEndpoint) -> set[str]:
+    return {m["pod"] for m in remote_members(head.listing() or {}) if m.get("pod")}
+
+
+class Floor:
+    """Samples the serving replicas (joined at the head, head included) and every replica pod's
+    Ready while a disruption runs; each sample checks that a Ready replica pod is one the head
+    routes to."""
+
+    def __init__(self, kubectl, namespace: str):
+        self.kubectl, self.namespace = kubectl, namespace
+        self.head = HeadEndpoint(kubectl, namespace, NAME)
+        self.min_serving: int | None = None
+        self.lies: list[str] = []
+
+    def sample(self) -> int:
+        pods = engine_pods(self.kubectl, self.namespace, role="replica", include_terminating=True)
+        joined = _joined_at_head(self.head)
+        for p in pods:
+            if _cond(p, "Ready") == "True" and p["metadata"]["name"] not in joined:
+                self.lies.append(f"{p['metadata']['name']} Ready but not joined at the head")
+        serving = 1 + len(joined)
+        self.min_serving = serving if self.min_serving is None else min(self.min_serving, serving)
+        return serving
+
+
+def test_a_replica_pod_is_ready_only_once_joined(kubectl, wait_for, namespace, operator, tmp_path):
+    """Fails on a replica pod that is Ready as soon as its container starts (no readiness gate)."""
+    apply(kubectl, namespace, tmp_path, _loading_sample(2))
+    floor = Floor(kubectl, namespace)
+    seen_loading = []
+
+    def serving() -> Any:
+        floor.sample()
+        obj = get_stage(kubectl, namespace) or {}
+        st = obj.get("status") or {}
+        states = [m.get("state") for m in st.get("members") or []]
+        if states and states[0] in ("Pending", "Joining"):
+            seen_loading.append((states[0], st.get("readyReplicas")))
+        return st.get("registeredReplicas") == 2 and st.get("readyReplicas") == 2
+
+    wait_for("the replica loaded, joined and Ready", serving, timeout=READY_TIMEOUT, interval=0.5)
+    assert floor.lies == [], floor.lies
+    # While it loaded, the OmniStage counted at most the head as ready.
+    assert seen_loading and all((ready or 0) <= 1 for _, ready in seen_loading), seen_loading
+    replica = engine_pods(kubectl, namespace, role="replica")[0]
+    assert _cond(replica, JOINED) == "True" and _cond(replica, "Ready") == "True"
+    wait_ready(kubectl, wait_for, namespace, 2)
+
+
+def test_pod_readiness_gate_is_the_operator_s_condition(kubectl, namespace, operator, tmp_path, wait_for):
+    apply(kubectl, namespace, tmp_path, sample(replicas=2))
+    wait_ready(kubectl, wait_for, namespace, 2)
+    replica = engine_pods(kubectl, namespace, role="replica")[0]
+    assert {"conditionType": JOINED} in replica["spec"]["readinessGates"]
+    head = engine_pods(kubectl, namespace, role="head")[0]
+    assert "readinessGates" not in head["spec"]
+    print(json.dumps(replica["status"]["conditions"], indent=1))
+    assert names([replica]) == {f"{NAME}-replica-1"}
+
+
+def test_a_template_change_surges_and_serving_never_drops(kubectl, wait_for, namespace, operator, tmp_path):
+    """A template change of the replica pods only (what an operator upgrade that renders replicas
+    differently does; played here by rewriting their template hash) rolls them replacement first,
+    each joined before an outdated replica drains: the head routes to spec.replicas replicas
+    throughout. Fails on a roll that drains an outdated replica while its replacement loads."""
+    apply(kubectl, namespace, tmp_path, _loading_sample(3))
+    wait_ready(kubectl, wait_for, namespace, 3)
+    before = {p["metadata"]["uid"] for p in engine_pods(kubectl, namespace, role="replica")}
+    head_uid = engine_pods(kubectl, namespace, role="head")[0]["metadata"]["uid"]
+    for p in engine_pods(kubectl, namespace, role="replica"):
+        kubectl("annotate", "pod", p["metadata"]["name"], "-n", namespace, "--overwrite",
+                "serving.omnistage.io/template-hash=previous-operator")
+    floor = Floor(kubectl, namespace)
+    t0 = time.monotonic()
+
+    def rolled() -> bool:
+        floor.sample()
+        now = engine_pods(kubectl, namespace, role="replica", include_terminating=True)
+        return len(now) == 2 and not ({p["metadata"]["uid"] for p in now} & before)
+
+    wait_for("every replica replaced", rolled, timeout=READY_TIMEOUT, interval=0.5)
+    print(f"roll: {time.monotonic() - t0:.0f}s, serving floor {floor.min_serving}/3")
+    assert floor.lies == [], floor.lies
+    assert floor.min_serving == 3, f"serving fell to {floor.min_serving} of 3 during the roll"
+    obj = wait_ready(kubectl, wait_for, namespace, 3)
+    assert engine_pods(kubectl, namespace, role="head")[0]["metadata"]["uid"] == head_uid
+    rollout = next(c for c in obj["status"]["conditions"] if c["type"] == "RolloutSurge")
+    assert rollout["status"] == "True" and rollout["reason"] == "NotRolling", rollout
