@@ -533,3 +533,39 @@ def test_unread_membership_leaves_the_gates_alone():
     t, o = situation(3, listing=None, listing_problem="timed out")
     actions, _, _ = plan(t, o, AT)
     assert of(actions, MarkJoined) == []
+
+
+# ---- evictions and deletions by someone else drain (issue 19) -----------------------------------
+
+def _deleted(pod, seconds_left):
+    """Deleted by someone else AT with `seconds_left` of its grace period to run."""
+    pod["metadata"]["deletionTimestamp"] = f"2026-11-30T12:{seconds_left // 60:02d}:{seconds_left % 60:02d}Z"
+    return pod
+
+
+@pytest.mark.parametrize(("left", "drain"), [(60, 30), (40, 10), (20, 0)])
+def test_a_replica_pod_deleted_by_someone_else_is_drained_within_its_grace(left, drain):
+    """Fails on a plan that makes the head forget such a replica at once (no drain)."""
+    t, o = situation(3, pods_=lambda t: [replica(t, 1), _deleted(replica(t, 2), left)])
+    actions, status, _ = plan(t, o, AT)
+    assert of(actions, Forget) == []
+    assert of(actions, StartLeave) == [StartLeave("qwen3-omni-replica-2", "uid-r2", ((0, 2),), drain)]
+    assert [e.reason for e in of(actions, Emit) if e.reason == "Disrupted"] == ["Disrupted"]
+    assert [(m["pod"], m["state"]) for m in status["members"]] == [
+        ("qwen3-omni-replica-1", "Joined"), ("qwen3-omni-replica-2", "Leaving")]
+    # Its replacement does not wait for it.
+    assert [pods.index(c.obj) for c in of(actions, CreatePod)] == [3]
+
+
+@pytest.mark.parametrize("drain", [DRAIN_RUNNING, DRAIN_DONE])
+def test_a_disrupted_replica_is_drained_once(drain):
+    t, o = situation(3, pods_=lambda t: [replica(t, 1), _deleted(replica(t, 2), 60)], drains={"uid-r2": drain})
+    actions, _, _ = plan(t, o, AT)
+    assert of(actions, StartLeave) == [] and of(actions, Forget) == []
+
+
+def test_a_replica_pod_the_operator_deleted_after_its_leave_is_not_drained_again():
+    t, o = situation(3, pods_=lambda t: [replica(t, 1), _deleted(replica(t, 2, leaving="ScaledDown"), 50)],
+                     members=lambda rs: [member(rs[0], 1), member(rs[1], 2, state=contract.LEFT)])
+    actions, _, _ = plan(t, o, AT)
+    assert of(actions, StartLeave) == [] and of(actions, Forget) == []

@@ -373,7 +373,7 @@ class OmniStageSpec(_Model):
             "strategic merge: containers merge by name (the engine container is named engine), env and "
             "volumes by name, volumeMounts by mountPath; other lists (tolerations, envFrom...) replace. "
             "spec.placement and spec.engine.env are applied first. Refused: the engine container's command, "
-            "args, image, ports and probes, the GPU resource, restartPolicy, the operator's volumes, mount "
+            "args, image, ports, probes and lifecycle hooks, the GPU resource, restartPolicy, the operator's volumes, mount "
             "paths, environment variables, labels and annotations."
         ),
     )

@@ -114,6 +114,7 @@ class EventReason(StrEnum):
     LEFT = "Left"
     DRAIN_TIMEOUT = "DrainTimeout"
     LEAVE_FAILED = "LeaveFailed"
+    DISRUPTED = "Disrupted"  # someone else deletes a joined replica or pool pod: drained within its grace
     CREATE_REFUSED = "CreateRefused"  # the API server refused a pod (admission, quota): message has its words
 
 

@@ -30,7 +30,7 @@ from ..render import (
     render_replica_pod,
 )
 from ..render.common import Pool, Target
-from ..render.pods import render_pool_pod
+from ..render.pods import SHUTDOWN_SECONDS, render_pool_pod
 from . import engine_truth, pods, pools, status
 from .actions import (
     DRAIN_DONE,
@@ -74,12 +74,12 @@ def plan(t: Target | InvalidSpec, o: Observed, at: str | None = None) -> Plan:
     generation = o.obj["metadata"].get("generation")
     if isinstance(t, InvalidSpec):
         return _invalid(t, o, generation, at)
-    p = decide(t, o)
+    p = decide(t, o, at)
     return Plan(p.actions, status.omnistage_status(p, generation, at), status.pool_statuses(p, at))
 
 
-def decide(t: Target, o: Observed) -> Pass:
-    p = Pass(t, o)
+def decide(t: Target, o: Observed, at: str | None = None) -> Pass:
+    p = Pass(t, o, at or timestamp())
     p.children()
     p.head_pod()
     p.engine_report()
@@ -109,8 +109,9 @@ class Pass:
     """One pass's working state: the observation plus what the steps decided so far. Once decide()
     returns it is the decision that status.py describes."""
 
-    def __init__(self, t: Target, o: Observed):
+    def __init__(self, t: Target, o: Observed, at: str):
         self.t, self.o, self.previous = t, o, o.obj.get("status") or {}
+        self.at = at  # now, as plan() was given it (a pod's remaining grace is measured from it)
         self.actions: list[Action] = []
         self.progressing: list[str] = []  # Progress values: what this pass did
         self.head = o.head
@@ -417,8 +418,9 @@ class Pass:
                 if contract.is_head_local(mm, head_ip) or mm.get("state") == contract.LEFT:
                     continue
                 pod = live.get(mm.get("pod")) or next((r for r in runs if pods.ip(r) == mm.get("host")), None)
-                if pod is None:
+                if pod is None and self.disrupted(mm) is None:
                     self.actions.append(Forget(mm["replicaId"], str(mm.get("pod") or mm.get("host")), stage))
+        self.drain_disrupted()
         for name, pod in live.items():
             if not pods.containers_ready(pod) or pods.annotation(pod, A_LEAVING) is not None \
                     or pods.uid(pod) in self.handled:
@@ -438,6 +440,30 @@ class Pass:
             if joins and pods.gated(pod):
                 # Ready at once when every join lands (act skips this when one is refused).
                 self.actions.append(MarkJoined(name, pods.uid(pod), True))
+
+    def disrupted(self, mm: contract.Member) -> dict[str, Any] | None:
+        """The terminating pod, not deleted by this plan, that a joined member of the head runs in:
+        someone else (an eviction, a node drain, kubectl delete) is deleting it, or an earlier pass did
+        after its drain."""
+        return next((r for r in self.o.replicas if pods.terminating(r) and mm.get("pod") == pods.name(r)), None)
+
+    def drain_disrupted(self) -> None:
+        """A replica pod someone else deletes keeps its engine running for its grace period (its
+        preStop hook is draining it already): have the head stop routing to it and drain it within
+        what remains of that grace, less the engine's own shutdown. Once per pod (the drain state)."""
+        for r in self.o.replicas:
+            if not pods.terminating(r) or pods.uid(r) in self.o.drains:
+                continue
+            leaves = tuple((stage, mm["replicaId"]) for stage in pods.stage_ids(r)
+                           if (mm := self.member_of(r, stage)) is not None and mm.get("pod") == pods.name(r)
+                           and mm.get("state") not in (contract.LEFT, contract.DRAINING))
+            if not leaves:
+                continue  # left already (the operator's own deletes come after the leave), or never joined
+            drain = max(0, min(self.drain_of(r), pods.grace_left(r, self.at) - SHUTDOWN_SECONDS))
+            kind = "pool pod" if pods.pool(r) else "replica pod"
+            self.emit("Normal", EventReason.DISRUPTED, f"{kind} {pods.name(r)} is being deleted by someone else "
+                      f"(eviction, node drain, kubectl delete): draining it for up to {drain}s")
+            self.actions.append(StartLeave(pods.name(r), pods.uid(r), leaves, drain))
 
     def mark_joined(self) -> None:
         """Keep each gated pod's joined condition equal to what the head says: True while every

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from ..names import A_HEAD_UID, A_LEAVING, A_REPLICA_INDEX, A_STAGE_IDS, A_TEMPLATE_HASH, C_JOINED, L_POOL
@@ -53,6 +54,19 @@ def restarts(pod: dict[str, Any]) -> int:
 
 def terminating(pod: dict[str, Any]) -> bool:
     return bool(pod["metadata"].get("deletionTimestamp"))
+
+
+def grace_left(pod: dict[str, Any], now: str) -> int:
+    """Seconds until a terminating pod is killed: its deletionTimestamp is when its grace period ends
+    (both RFC 3339, as the API server and conditions.timestamp write them)."""
+    end = pod["metadata"].get("deletionTimestamp")
+    if not end:
+        return 0
+    return max(0, int((_parse(end) - _parse(now)).total_seconds()))
+
+
+def _parse(ts: str) -> datetime:
+    return datetime.fromisoformat(ts.replace("Z", "+00:00"))
 
 
 def terminal(pod: dict[str, Any]) -> bool:

@@ -78,10 +78,13 @@ def omnistage_status(p: Pass, generation: int | None, at: str) -> dict[str, Any]
 
 
 def _members(p: Pass, live: list[dict[str, Any]]) -> list[statuses.MemberStatus]:
+    # A replica someone else deletes is listed while the head still routes to it or drains it.
+    going = [r for r in p.o.replicas if pods.pool(r) is None and pods.terminating(r)
+             and (mm := p.member_of(r)) is not None and mm.get("pod") == pods.name(r)]
     out = []
-    for r in sorted(live, key=pods.index):
+    for r in sorted(live + going, key=pods.index):
         mm = p.member_of(r)
-        if pods.annotation(r, A_LEAVING) or pods.uid(r) in p.handled:
+        if pods.annotation(r, A_LEAVING) or pods.uid(r) in p.handled or pods.terminating(r):
             state = MemberState.LEAVING
         elif mm is not None and mm.get("pod") == pods.name(r):
             state = MemberState.JOINED
