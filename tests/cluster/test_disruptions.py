@@ -11,6 +11,7 @@ a roll that does not wait for its replacement, shows.
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from typing import Any
 
@@ -133,3 +134,46 @@ def test_a_template_change_surges_and_serving_never_drops(kubectl, wait_for, nam
     assert engine_pods(kubectl, namespace, role="head")[0]["metadata"]["uid"] == head_uid
     rollout = next(c for c in obj["status"]["conditions"] if c["type"] == "RolloutSurge")
     assert rollout["status"] == "True" and rollout["reason"] == "NotRolling", rollout
+
+
+def test_a_node_drain_evicts_replicas_one_at_a_time_through_the_budget(kubectl, wait_for, namespace, operator,
+                                                                     tmp_path):
+    """kubectl drain of the node with the most replicas (the head's pod excluded by selector: it is in
+    no budget) evicts them through the PodDisruptionBudget NAME-replicas: one at a time, the next
+    only once a replacement joined, each drained (Event Disrupted). Fails without a budget: the
+    drain evicts every replica of the node at once."""
+    apply(kubectl, namespace, tmp_path, _loading_sample(4))
+    wait_ready(kubectl, wait_for, namespace, 4)
+    pdb = kubectl.json("get", "pdb", f"{NAME}-replicas", "-n", namespace)
+    assert pdb["spec"]["minAvailable"] == 2, pdb["spec"]
+    wait_for("the budget allows one disruption", lambda: kubectl.json(
+        "get", "pdb", f"{NAME}-replicas", "-n", namespace)["status"].get("disruptionsAllowed") == 1, timeout=60)
+    by_node: dict[str, int] = {}
+    for p in engine_pods(kubectl, namespace, role="replica"):
+        by_node[p["spec"]["nodeName"]] = by_node.get(p["spec"]["nodeName"], 0) + 1
+    node = max(by_node, key=by_node.get)
+    print(f"replicas per node: {by_node}; draining {node}")
+    floor = Floor(kubectl, namespace)
+    t0 = time.monotonic()
+    drain = subprocess.Popen(
+        [kubectl.binary, f"--kubeconfig={kubectl.kubeconfig}", "drain", node, "--ignore-daemonsets",
+         "--delete-emptydir-data", f"--pod-selector=serving.omnistage.io/role=replica,serving.omnistage.io/omnistage={NAME}",
+         "--timeout=240s"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        while drain.poll() is None:
+            floor.sample()
+            time.sleep(0.5)
+        out = drain.stdout.read()
+        print(out)
+        assert drain.returncode == 0, out
+        wait_ready(kubectl, wait_for, namespace, 4)
+    finally:
+        kubectl("uncordon", node)
+        if drain.poll() is None:
+            drain.kill()
+    print(f"drain of {node}: {time.monotonic() - t0:.0f}s, serving floor {floor.min_serving}/4")
+    assert floor.lies == [], floor.lies
+    assert floor.min_serving >= 3, f"serving fell to {floor.min_serving} of 4 during the drain"
+    assert "would violate" in out or by_node[node] == 1, "the budget never held an eviction back"
+    reasons = [e.get("reason") for e in kubectl.json("get", "events", "-n", namespace)["items"]]
+    assert "Disrupted" in reasons, "no evicted replica was drained"

@@ -77,6 +77,10 @@ REVIEWED: dict[tuple[str, str, str], str] = {
     ("networking.k8s.io", "networkpolicies", "create"): "kube.apply (server-side apply creating it)",
     ("networking.k8s.io", "networkpolicies", "patch"): "kube.apply",
     ("", "events", "create"): "kube.post_event (the operator's Events)",
+    ("policy", "poddisruptionbudgets", "list"): "informer.py",
+    ("policy", "poddisruptionbudgets", "watch"): "informer.py",
+    ("policy", "poddisruptionbudgets", "create"): "kube.apply (server-side apply creating it)",
+    ("policy", "poddisruptionbudgets", "patch"): "kube.apply",
 }
 
 # The leader-election Role (rbac.yaml, in the operator's namespace): (group, resource, verb,

@@ -139,7 +139,9 @@ def test_at_rest_nothing_changes_and_ready():
     t, o = situation(3)
     actions, status, _ = plan(t, o, AT)
     assert changes(actions) == []
-    assert len(of(actions, EnsureChild)) == 4  # ConfigMap, two Services, NetworkPolicy
+    # ConfigMap, two Services, NetworkPolicy, the replicas' PodDisruptionBudget
+    assert [c.obj["kind"] for c in of(actions, EnsureChild)] == [
+        "ConfigMap", "Service", "Service", "NetworkPolicy", "PodDisruptionBudget"]
     assert cond(status, Type.READY)["status"] == "True"
     assert [m["state"] for m in status["members"]] == ["Joined", "Joined"]
     assert status["registeredReplicas"] == 3 and status["updatedReplicas"] == 3
@@ -524,7 +526,7 @@ def test_a_joined_gate_the_head_does_not_back_is_cleared():
 
 def test_a_leaving_replica_stops_counting_as_serving_when_chosen():
     t, o = situation(2, pods_=lambda t: [replica(t, 1), replica(t, 2)])
-    actions, status, _ = plan(t, o, AT)
+    actions, _, _ = plan(t, o, AT)
     assert of(actions, MarkJoined) == [MarkJoined("qwen3-omni-replica-2", "uid-r2", False)]
     assert [a.pod for a in of(actions, StartLeave)] == ["qwen3-omni-replica-2"]
 
@@ -569,3 +571,20 @@ def test_a_replica_pod_the_operator_deleted_after_its_leave_is_not_drained_again
                      members=lambda rs: [member(rs[0], 1), member(rs[1], 2, state=contract.LEFT)])
     actions, _, _ = plan(t, o, AT)
     assert of(actions, StartLeave) == [] and of(actions, Forget) == []
+
+
+# ---- disruption budgets (issue 19) ---------------------------------------------------------------
+
+def test_a_disruption_budget_over_the_replicas_not_the_head():
+    """Fails on an OmniStage rendered without a PodDisruptionBudget."""
+    t, o = situation(4)
+    budget = next(a.obj for a in of(plan(t, o, AT).actions, EnsureChild) if a.obj["kind"] == "PodDisruptionBudget")
+    assert budget["metadata"]["name"] == "qwen3-omni-replicas"
+    # A number (no scale subresource needed): 3 replica pods, one may be evicted at a time.
+    assert budget["spec"]["minAvailable"] == 2 and "maxUnavailable" not in budget["spec"]
+    assert budget["spec"]["selector"]["matchLabels"][names.L_ROLE] == names.ROLE_REPLICA
+    assert budget["metadata"]["ownerReferences"][0]["uid"] == "ost-uid"
+    t2 = target_from(omnistage(4, disruptionBudget={"maxUnavailable": 2}))
+    budget = next(a.obj for a in of(plan(t2, situation(4)[1], AT).actions, EnsureChild)
+                  if a.obj["kind"] == "PodDisruptionBudget")
+    assert budget["spec"]["minAvailable"] == 1

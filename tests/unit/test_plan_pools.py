@@ -26,7 +26,19 @@ from omnistage.render import target_from
 from omnistage.render.pods import render_pool_pod
 from omnistage_engine_patches import contract
 
-from .test_plan import AT, HEAD_UID, changes, cond, head, listing, member, omnistage, ready_status, replica, report
+from .test_plan import (
+    AT,
+    HEAD_UID,
+    changes,
+    cond,
+    head,
+    listing,
+    member,
+    omnistage,
+    ready_status,
+    replica,
+    report,
+)
 
 STAGES = [{"id": 1, "name": "talker"}, {"id": 2, "name": "code2wav"}]
 
@@ -327,3 +339,17 @@ def test_a_stage_pod_without_connector_ports_holds_stages_ready_false():
     assert status["stages"][0]["patches"][contract.CONNECTOR_PORTS] == contract.SKIPPED
     assert "patchProblem" not in status["stages"][0]
     assert any(getattr(a, "reason", None) == "PatchNotApplied" for a in actions)
+
+
+def test_each_running_pool_gets_a_disruption_budget_over_its_pods():
+    from omnistage.control.actions import EnsureChild
+
+    obj, t = pipeline()
+    pool = pool_obj(replicas=3, disruptionBudget={"maxUnavailable": 1})
+    pp = [pool_pod(t, pool, i) for i in (1, 2, 3)]
+    o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=joined_everywhere(pp))
+    budgets = {a.obj["metadata"]["name"]: a.obj["spec"] for a in plan(t, o, AT).actions
+               if isinstance(a, EnsureChild) and a.obj["kind"] == "PodDisruptionBudget"}
+    assert budgets["speech-pool"]["minAvailable"] == 2
+    assert budgets["speech-pool"]["selector"]["matchLabels"][names.L_POOL] == "speech"
+    assert budgets["qwen3-omni-replicas"]["minAvailable"] == 0  # one replica: nothing protects it

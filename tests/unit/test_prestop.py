@@ -23,7 +23,7 @@ def head():
     calls: list[dict] = []
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's name
+        def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             calls.append({"path": self.path, "auth": self.headers.get("Authorization"), **body})
             out = json.dumps({"drained": True}).encode()

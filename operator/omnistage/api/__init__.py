@@ -325,6 +325,17 @@ class RolloutSpec(_Model):
     )
 
 
+class DisruptionBudgetSpec(_Model):
+    """The PodDisruptionBudget the operator renders over the replica pods (a pool: its pods)."""
+
+    max_unavailable: int = Field(
+        1, ge=1, le=256,
+        description="How many replica pods voluntary disruptions (the eviction API: kubectl drain, the cluster "
+        "autoscaler) may take out of serving at once. Not the head: one head cannot be protected without "
+        "blocking every drain of its node.",
+    )
+
+
 class OmniStageSpec(_Model):
     """Desired state of an OmniStage: one head pod plus replicas-1 headless stage-0 replica pods."""
 
@@ -364,6 +375,10 @@ class OmniStageSpec(_Model):
     rollout: RolloutSpec = Field(
         default_factory=RolloutSpec, json_schema_extra={"default": {}},
         description="How a template change replaces replica and pool pods (surge first, within these bounds).",
+    )
+    disruption_budget: DisruptionBudgetSpec = Field(
+        default_factory=DisruptionBudgetSpec, json_schema_extra={"default": {}},
+        description="The PodDisruptionBudget NAME-replicas over the replica pods.",
     )
     # crd.py replaces this schema by core/v1 PodTemplateSpec's (podtemplate.schema.json).
     template: dict[str, Any] | None = Field(
@@ -409,3 +424,6 @@ class OmniStagePoolSpec(_Model):
         300, ge=0, le=3600,
         description="How long a leaving pod's replicas may finish in-flight requests. A downstream replica is bound "
         "to a request for its whole answer (a full audio reply), hence longer than stage 0's default.")
+    disruption_budget: DisruptionBudgetSpec = Field(
+        default_factory=DisruptionBudgetSpec, json_schema_extra={"default": {}},
+        description="The PodDisruptionBudget POOL-pool over the pool's pods.")

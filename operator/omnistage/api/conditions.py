@@ -107,7 +107,7 @@ class EventReason(StrEnum):
     """The reasons of Events that are neither a condition's (Reason) nor a pass's Progress."""
 
     CONFIG_RENDERED = "ConfigRendered"  # the ConfigMap was created or changed
-    CHILD_SYNCED = "ChildSynced"  # a Service or the NetworkPolicy was created or changed
+    CHILD_SYNCED = "ChildSynced"  # a Service, the NetworkPolicy or a PodDisruptionBudget was created or changed
     CREATED_HEAD = "CreatedHead"
     SCALED_UP = "ScaledUp"
     JOINED = "Joined"

@@ -24,6 +24,7 @@ from ..names import A_LEAVING
 from ..render import (
     render_api_service,
     render_configmap,
+    render_disruption_budget,
     render_head_pod,
     render_master_service,
     render_network_policy,
@@ -198,8 +199,10 @@ class Pass:
     # -- steps
     def children(self) -> None:
         t = self.t
+        budgets = [render_disruption_budget(t), *(render_disruption_budget(t, f.pool) for f in self.pools if f.runs)]
         for child, compare in ((render_configmap(t), ("data",)), (render_api_service(t), ("spec",)),
-                               (render_master_service(t), ("spec",)), (render_network_policy(t), ("spec",))):
+                               (render_master_service(t), ("spec",)), (render_network_policy(t), ("spec",)),
+                               *((b, ("spec",)) for b in budgets)):
             self.actions.append(EnsureChild(child, compare))
 
     def head_pod(self) -> None:

@@ -66,7 +66,7 @@ def grace_left(pod: dict[str, Any], now: str) -> int:
 
 
 def _parse(ts: str) -> datetime:
-    return datetime.fromisoformat(ts.replace("Z", "+00:00"))
+    return datetime.fromisoformat(ts)
 
 
 def terminal(pod: dict[str, Any]) -> bool:

@@ -259,6 +259,13 @@ def _net_lister(scope: str | None):
     return c.list_namespaced_network_policy, (scope,)
 
 
+def _pdb_lister(scope: str | None):
+    c = kube.policy()
+    if scope is None:
+        return c.list_pod_disruption_budget_for_all_namespaces, ()
+    return c.list_namespaced_pod_disruption_budget, (scope,)
+
+
 OWNED = f"{L_MANAGED_BY}={MANAGED_BY}"
 
 
@@ -286,6 +293,7 @@ class ClusterState:
             "Service": Informer("Service", _core_lister("list_namespaced_service", "list_service_for_all_namespaces"),
                                 OWNED, _label(L_OMNISTAGE)),
             "NetworkPolicy": Informer("NetworkPolicy", _net_lister, OWNED, _label(L_OMNISTAGE)),
+            "PodDisruptionBudget": Informer("PodDisruptionBudget", _pdb_lister, OWNED, _label(L_OMNISTAGE)),
         }
         self.started = False
 

@@ -67,6 +67,10 @@ def networking() -> client.NetworkingV1Api:
     return client.NetworkingV1Api(api_client())
 
 
+def policy() -> client.PolicyV1Api:
+    return client.PolicyV1Api(api_client())
+
+
 def get_omnistage(namespace: str, name: str) -> dict[str, Any] | None:
     try:
         return custom().get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, name)
@@ -145,6 +149,7 @@ def _applier(kind: str):
         "ConfigMap": core().patch_namespaced_config_map,
         "Service": core().patch_namespaced_service,
         "NetworkPolicy": networking().patch_namespaced_network_policy,
+        "PodDisruptionBudget": policy().patch_namespaced_pod_disruption_budget,
     }[kind]
 
 
