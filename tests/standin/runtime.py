@@ -22,12 +22,14 @@ cost of vLLM once per pod on a small machine): the stage ids are the `--stage-id
 `--`, the master address and port come after it.
 
 Pod deleted (deletionTimestamp set, gone, or replaced under the same name with a new UID) ->
-SIGTERM to the process group, SIGKILL after a bound. It also does the two kubelet duties kwok
+SIGTERM to the process group, SIGKILL after a bound. It also does the kubelet duties kwok
 cannot, because kwok knows nothing about the process:
 
   * restartPolicy: a process that dies while its pod exists is restarted (Always/OnFailure, with
     the kubelet's growing back-off; the restarted head has a new boot id) or its pod is marked
     Failed (Never: replicas), with restartCount / lastState / Ready written like a kubelet does.
+  * preStop: a deleted pod's container preStop exec hook runs before SIGTERM (the replica and
+    pool pods' hook drains them at the head), bounded by the grace period.
   * readiness: a container with an httpGet readinessProbe is Ready only while the probe answers
     2xx (kwok marks every pod Ready at once, which would make "head Ready" meaningless), and a pod
     with spec.readinessGates (replica and pool pods: the operator's joined condition) is Ready only
@@ -108,6 +110,7 @@ WATCH_TIMEOUT = 60          # server-side watch timeout; the watch is simply re-
 MAX_WATCH_FAILURES = 30     # consecutive failed (re)connects before the runtime gives up loudly
 TICK = 0.2                  # supervisor period: process exits, pending starts, probes
 PROBE_PERIOD_CAP = 1.0      # probe at least this often (faster than the pods' 5 s: tests wait less)
+PRE_STOP_CAP = 60.0          # a stand-in's preStop hook (its replica serves nothing: the leave is quick)
 GATE_DEBOUNCE = 1.0         # a Ready rewritten for a gate waits this long for the watch before another
 START_RETRY = 2.0           # a pod that could not be started yet (no Secret yet) is retried this often
 BACKOFF_FIRST, BACKOFF_BASE, BACKOFF_CAP = 1.0, 10.0, 60.0  # kubelet-like crash back-off
@@ -313,6 +316,9 @@ class Proc:
     env: dict[str, str] | None = None    # real mode: the container's environment (realpod.pod_process)
     grace: float | None = None           # real mode: the pod's terminationGracePeriodSeconds (capped)
     gate_patched_at: float = 0.0         # last time Ready was rewritten for a readiness gate change
+    pre_stop: list[str] | None = None    # the container's preStop exec hook, as this machine runs it
+    pre_stop_env: dict[str, str] | None = None
+    pre_stop_grace: float = 0.0          # what the pod's grace period leaves the hook
 
     @property
     def key(self) -> tuple[str, str]:
@@ -671,6 +677,7 @@ class StandinRuntime:
                  probe=self._probe_spec(container, ip), env=self._pending_env.pop(once, None))
         if p.env is not None:
             p.grace = min(float(pod["spec"].get("terminationGracePeriodSeconds", 30)), self.grace_cap)
+        self._prepare_pre_stop(p, pod, container)
         with self._lock:
             self._procs[key] = p
         self._spawn(p, pod, restart=False)
@@ -842,7 +849,41 @@ class StandinRuntime:
                 self._terminate_locked(p, reason)
                 p.terminated = True
 
+    def _prepare_pre_stop(self, p: Proc, pod: dict[str, Any], container: dict[str, Any]) -> None:
+        """A kubelet runs the container's preStop exec hook before SIGTERM when the pod is deleted
+        (the engine pods' drains the replica: omnistage_engine_patches.prestop). Real mode: the hook
+        as written, in the container's environment (python3 is the image's). Stand-in mode: with
+        this runtime's Python, the pod's OMNISTAGE_* variables and its membership token."""
+        command = (((container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")
+        if not command:
+            return
+        grace = float(pod["spec"].get("terminationGracePeriodSeconds", 30))
+        if p.env is not None:
+            p.pre_stop, p.pre_stop_env, p.pre_stop_grace = list(command), p.env, min(grace, self.grace_cap)
+            return
+        try:
+            env = {**_child_env(p.ip, pod), "OMNISTAGE_MEMBERSHIP_TOKEN_FILE": str(self._token_file(pod))}
+        except (_NotYet, _Refused) as err:
+            self.log(f"no preStop hook for {p.namespace}/{p.pod}: {err}")
+            return
+        p.pre_stop = [self.python if command[0] == "python3" else command[0], *command[1:]]
+        p.pre_stop_env, p.pre_stop_grace = env, min(grace, PRE_STOP_CAP)
+
+    def _run_pre_stop(self, p: Proc) -> None:
+        self._event("prestop", p, command=" ".join(p.pre_stop))
+        with open(p.log_path, "ab") as logf:
+            try:
+                code: int | str = subprocess.run(
+                    p.pre_stop, check=False, env=p.pre_stop_env, cwd=p.pre_stop_env.get("HOME") if p.env is not None else ROOT,
+                    stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                    timeout=p.pre_stop_grace).returncode
+            except (OSError, subprocess.TimeoutExpired) as err:
+                code = type(err).__name__
+        self._event("prestopped", p, code=code)
+
     def _terminate_locked(self, p: Proc, reason: str) -> None:
+        if p.alive() and p.pre_stop and not self._stop.is_set() and reason != "pod replaced (new UID)":
+            self._run_pre_stop(p)  # the kubelet's order: the hook, then SIGTERM
         if p.alive():
             self._event("stop", p, reason=reason.replace(" ", "_"), signal="SIGTERM")
             _killpg(p.pid, signal.SIGTERM)

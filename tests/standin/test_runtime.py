@@ -233,3 +233,18 @@ def test_a_gated_pod_is_ready_only_while_its_gate_is_true():
         {"type": "Ready", "status": "True"}, {"type": "ContainersReady", "status": "True"}, {"type": GATE, "status": "False"}]
     rt._sync_gates(p, now=2e9)
     assert _conds(sent[-1]) == {"Ready": "False", "ContainersReady": "True"}
+
+
+def test_a_deleted_pod_s_pre_stop_hook_runs_before_sigterm(tmp_path):
+    import subprocess
+    import sys
+
+    rt = runtime.StandinRuntime(kubeconfig="unused", quiet=True, state_dir=tmp_path)
+    marker = tmp_path / "hook-ran"
+    p = runtime.Proc(namespace="ns", pod="x-replica", uid="u1", role="replica", ip="127.77.1.5", argv=[],
+                     log_path=tmp_path / "log", restart_policy="Never")
+    p.popen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    p.pre_stop, p.pre_stop_env, p.pre_stop_grace = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"], {}, 10
+    rt._terminate(p, "pod terminating")
+    assert marker.exists() and not p.alive()
+    assert [e["action"] for e in rt.events][:3] == ["prestop", "prestopped", "stop"]

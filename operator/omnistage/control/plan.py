@@ -189,6 +189,11 @@ class Pass:
         mm = self.member_of(pod, stage)
         return mm is not None and mm.get("pod") == pods.name(pod)
 
+    def serves(self, pod: dict[str, Any]) -> bool:
+        """Ready and joined at the head for every stage it runs: what a roll counts as serving (the
+        head's word too, not only the pod's Ready, which kwok, for one, writes True at start-up)."""
+        return pods.ready(pod) and all(self.joined(pod, stage) for stage in pods.stage_ids(pod))
+
     def stage_ids(self) -> list[int]:
         return [0, *(s.id for s in self.t.spec.stages)]
 
@@ -283,6 +288,9 @@ class Pass:
         self.handled.add(uid)
         if pods.annotation(pod, A_LEAVING) is None:
             self.actions.append(Annotate(pods.name(pod), {A_LEAVING: reason}))
+        if pods.gated(pod) and pods.joined_condition(pod):
+            # NotReady before the head stops routing to it (mark_joined leaves it alone from now on).
+            self.actions.append(MarkJoined(pods.name(pod), uid, False))
         self.progressing.append(reason)
         members = [(stage, self.member_of(pod, stage)) for stage in pods.stage_ids(pod)]
         leaves = tuple((stage, mm["replicaId"]) for stage, mm in members
@@ -364,9 +372,9 @@ class Pass:
                 continue
             one_at_a_time = r.max_surge == 0 or self.surge_blocked(pool) is not None
             floor = desired - max(r.max_unavailable, 1 if one_at_a_time else 0)
-            serving = sum(1 for x in self.staying(pool.name if pool else None) if pods.ready(x))
-            for x in sorted(outdated, key=pods.ready):
-                if pods.ready(x):
+            serving = sum(1 for x in self.staying(pool.name if pool else None) if self.serves(x))
+            for x in sorted(outdated, key=self.serves):
+                if self.serves(x):
                     if serving - 1 < floor:
                         break
                     serving -= 1
