@@ -588,3 +588,17 @@ def test_a_disruption_budget_over_the_replicas_not_the_head():
     budget = next(a.obj for a in of(plan(t2, situation(4)[1], AT).actions, EnsureChild)
                   if a.obj["kind"] == "PodDisruptionBudget")
     assert budget["spec"]["minAvailable"] == 1
+
+
+def test_a_pod_ready_by_kwok_s_word_alone_is_not_counted_or_rolled_on():
+    """kwok writes Ready and every readiness gate True when it starts a pod: the head does not list it
+    joined, so it is neither in readyReplicas nor a reason for a roll to drain an outdated replica."""
+    rs = lambda t: [replica(t, 1, template="old"), replica(t, 2, template="old"), replica(t, 3)]
+    t, o = situation(3, pods_=rs, members=lambda rs: [member(rs[0], 1), member(rs[1], 2)])
+    actions, status, _ = plan(t, o, AT)
+    assert status["readyReplicas"] == 3  # the head and the two joined replicas
+    assert of(actions, StartLeave) == []
+    # Its word taken back before the join is tried (the head refuses it until the replica registered).
+    assert [a for a in changes(actions) if getattr(a, "pod", None) == "qwen3-omni-replica-3"] == [
+        MarkJoined("qwen3-omni-replica-3", "uid-r3", False), Join("qwen3-omni-replica-3", "127.77.0.13"),
+        MarkJoined("qwen3-omni-replica-3", "uid-r3", True)]

@@ -189,9 +189,12 @@ class Pass:
         mm = self.member_of(pod, stage)
         return mm is not None and mm.get("pod") == pods.name(pod)
 
-    def serves(self, pod: dict[str, Any]) -> bool:
-        """Ready and joined at the head for every stage it runs: what a roll counts as serving (the
-        head's word too, not only the pod's Ready, which kwok, for one, writes True at start-up)."""
+    def serves(self, pod: dict[str, Any], unread: bool = False) -> bool:
+        """Ready and joined at the head for every stage it runs: the head's word too, not only the
+        pod's Ready (which kwok, for one, writes True at start-up). `unread`: the answer when the
+        membership was not read (a roll drains nothing on a guess; status trusts the pod's Ready)."""
+        if self.listing is None:
+            return unread and pods.ready(pod)
         return pods.ready(pod) and all(self.joined(pod, stage) for stage in pods.stage_ids(pod))
 
     def stage_ids(self) -> list[int]:
@@ -447,6 +450,10 @@ class Pass:
                     joins = None
                     break
                 joins.append(Join(name, pods.ip(pod), stage))
+            if joins and pods.gated(pod) and pods.joined_condition(pod):
+                # Not joined, yet its condition says so (kwok's start-up True, a stale word): the
+                # truth first, in case the join is refused.
+                self.actions.append(MarkJoined(name, pods.uid(pod), False))
             self.actions.extend(joins or [])
             if joins and pods.gated(pod):
                 # Ready at once when every join lands (act skips this when one is refused).

@@ -45,7 +45,7 @@ def omnistage_status(p: Pass, generation: int | None, at: str) -> dict[str, Any]
     live = p.live(None)  # stage-0 replicas: what spec.replicas and the scale selector count
     head_staying = p.head_staying()
     engine_pods = ([head] if head_staying else []) + live
-    ready_pods = [x for x in engine_pods if pods.ready(x)]
+    ready_pods = ([head] if head_staying and pods.ready(head) else []) + [r for r in live if p.serves(r, unread=True)]
     updated = (1 if pods.template_hash(head) == pods.template_hash(p.want_head) else 0) + sum(
         1 for r in live if pods.template_hash(r) == pods.template_hash(p.want_replica(pods.index(r)))
         and pods.head_uid(r) == pods.uid(head)) if head_staying else 0
@@ -109,7 +109,7 @@ def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dic
     problem = p.membership_problem or (p.o.problems[0] if p.o.problems else None)
     desired = t.spec.replicas
     replica_desired = t.spec.replicas - 1 if t.distributed else 0
-    replicas_ready = sum(1 for r in live if pods.ready(r))  # serving: a replica pod is Ready once joined
+    replicas_ready = sum(1 for r in live if p.serves(r, unread=True))  # a replica pod is Ready once joined
     # Synced: every replica whose engine runs is joined (their Ready follows the join).
     running = sum(1 for r in live if pods.containers_ready(r) and not pods.annotation(r, A_LEAVING)
                   and pods.uid(r) not in p.handled)
@@ -195,7 +195,7 @@ def stage_rows(p: Pass) -> list[dict[str, Any]]:
         reports = {pods.name(r): (p.member_of(r, s.id) or {}).get("patches") for r in staying}
         row = {"id": s.id, "name": s.name or None, "pool": pool,
                "desired": p.pool_of[pool].pool.spec.replicas if pool else 0,
-               "ready": sum(1 for r in staying if pods.ready(r)),
+               "ready": sum(1 for r in staying if p.serves(r, unread=True)),
                "registered": sum(1 for r in staying if p.joined(r, s.id)),
                "patches": merged_outcomes([o for o in reports.values() if o]) or None,
                "patchProblem": stage_patch_problem(reports)}
@@ -272,7 +272,9 @@ def pool_status(f: pools.Fitted, t: Target | None, staying: list[dict[str, Any]]
         members.append(statuses.PoolMemberStatus(**_set(
             pod=pods.name(r), ip=pods.ip(r), state=str(state),
             replica_ids={str(k): mm["replicaId"] for k, mm in listed.items() if mm is not None})))
-    ready_pods = sum(1 for r in staying if pods.ready(r))
+    # Ready and joined: the pod's Ready alone may be kwok's start-up word.
+    ready_pods = sum(1 for r, m in zip(sorted(staying, key=pods.index), members, strict=True)
+                     if pods.ready(r) and m.state == MemberState.JOINED)
     registered = sum(1 for m in members if m.state == MemberState.JOINED)
     if f.problem:
         cond = Cond(Type.READY, False, f.problem[0], f.problem[1])
