@@ -882,8 +882,10 @@ class StandinRuntime:
         self._event("prestopped", p, code=code)
 
     def _terminate_locked(self, p: Proc, reason: str) -> None:
-        if p.alive() and p.pre_stop and not self._stop.is_set() and reason != "pod replaced (new UID)":
-            self._run_pre_stop(p)  # the kubelet's order: the hook, then SIGTERM
+        if p.alive() and p.pre_stop and not self._stop.is_set():
+            # The kubelet's order: the hook, then SIGTERM. Also for a pod already gone or replaced
+            # under its name: kwok removes a deleted pod's object at once, without its grace.
+            self._run_pre_stop(p)
         if p.alive():
             self._event("stop", p, reason=reason.replace(" ", "_"), signal="SIGTERM")
             _killpg(p.pid, signal.SIGTERM)

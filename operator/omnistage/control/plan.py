@@ -479,6 +479,8 @@ class Pass:
                 continue  # left already (the operator's own deletes come after the leave), or never joined
             drain = max(0, min(self.drain_of(r), pods.grace_left(r, self.at) - SHUTDOWN_SECONDS))
             kind = "pool pod" if pods.pool(r) else "replica pod"
+            if pods.gated(r) and pods.joined_condition(r):
+                self.actions.append(MarkJoined(pods.name(r), pods.uid(r), False))
             self.emit("Normal", EventReason.DISRUPTED, f"{kind} {pods.name(r)} is being deleted by someone else "
                       f"(eviction, node drain, kubectl delete): draining it for up to {drain}s")
             self.actions.append(StartLeave(pods.name(r), pods.uid(r), leaves, drain))
