@@ -31,9 +31,13 @@ PORTS_PER_POD = "per-pod"
 VLLM_PLUGINS_ENV = "VLLM_PLUGINS"
 GENERAL_PLUGIN = "omnistage_engine_patches"
 ENDPOINT_PLUGIN = "omnistage_membership"
+#: A replica or pool pod's preStop hook (prestop.py): the head it leaves ("http://<head IP>:<port>")
+#: and how long its requests in flight may finish (spec.engine.drainTimeoutSeconds, a pool's own).
+HEAD_URL_ENV = "OMNISTAGE_HEAD_URL"
+DRAIN_SECONDS_ENV = "OMNISTAGE_DRAIN_SECONDS"
 #: Every name the operator owns in an engine container's environment.
 OPERATOR_OWNED_ENV = (TOKEN_FILE_ENV, TOKEN_ENV, FRONTEND_CACHE_ENV, DISABLE_PATCHES_ENV, ROUTE_JOINED_ONLY_ENV,
-                      CONNECTOR_PORTS_ENV, VLLM_PLUGINS_ENV)
+                      CONNECTOR_PORTS_ENV, VLLM_PLUGINS_ENV, HEAD_URL_ENV, DRAIN_SECONDS_ENV)
 
 # ---- patches ------------------------------------------------------------------------------------
 FRONTEND_CACHE = "frontend_cache"

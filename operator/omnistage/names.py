@@ -32,6 +32,13 @@ A_REPLICA_INDEX = f"{GROUP}/replica-index"
 A_STAGE_IDS = f"{GROUP}/stage-ids"      # a pool pod's stages ("1,2"): read even after its pool is gone
 A_LEAVING = f"{GROUP}/leaving"          # a retirement decided (value: its reason); survives a restart
 
+# ---- pod conditions -------------------------------------------------------------------------------
+# The readiness gate of replica and pool pods (spec.readinessGates): True while the head routes to
+# every replica the pod runs. The operator sets it when the head acknowledged the join and clears it
+# when the pod leaves, so such a pod is Ready (and counts in readyReplicas, Endpoints, a
+# PodDisruptionBudget) only while it serves, not from the moment its container starts.
+C_JOINED = f"{GROUP}/joined"
+
 # ---- roles and components --------------------------------------------------------------------------
 ROLE_HEAD = "head"
 ROLE_REPLICA = "replica"

@@ -204,7 +204,8 @@ def test_apply_ready_with_head_and_replicas(kubectl, wait_for, namespace, operat
     # Every child is owned (controller) by the OmniStage, so deleting it removes them.
     uid = obj["metadata"]["uid"]
     children = [("configmap", f"{NAME}-config"), ("secret", f"{NAME}-membership"), ("service", NAME),
-                ("service", f"{NAME}-master"), ("networkpolicy", f"{NAME}-head-engine")]
+                ("service", f"{NAME}-master"), ("networkpolicy", f"{NAME}-head-engine"),
+                ("poddisruptionbudget", f"{NAME}-replicas")]
     children += [("pod", p) for p in names(heads + replicas)]
     for kind, child in children:
         refs = kubectl.json("get", kind, child, "-n", namespace)["metadata"].get("ownerReferences") or []
@@ -552,7 +553,7 @@ def test_delete_omnistage_removes_every_child(kubectl, wait_for, namespace, oper
     sel = f"{L_OMNISTAGE}={NAME}"
 
     def leftovers():
-        found = kubectl("get", "pods,services,configmaps,secrets,networkpolicies", "-n", namespace, "-l", sel,
+        found = kubectl("get", "pods,services,configmaps,secrets,networkpolicies,poddisruptionbudgets", "-n", namespace, "-l", sel,
                         "-o", "name").stdout.split()
         return found
 

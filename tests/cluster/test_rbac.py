@@ -60,6 +60,7 @@ REVIEWED: dict[tuple[str, str, str], str] = {
     ("", "pods", "create"): "kube.create (head, replicas)",
     ("", "pods", "patch"): "kube.patch_pod_annotations (leaving)",
     ("", "pods", "delete"): "kube.delete_pod",
+    ("", "pods/status", "patch"): "kube.patch_pod_condition (the joined readiness gate)",
     ("", "configmaps", "list"): "informer.py",
     ("", "configmaps", "watch"): "informer.py",
     ("", "configmaps", "create"): "kube.apply (server-side apply creating it)",
@@ -75,6 +76,10 @@ REVIEWED: dict[tuple[str, str, str], str] = {
     ("networking.k8s.io", "networkpolicies", "create"): "kube.apply (server-side apply creating it)",
     ("networking.k8s.io", "networkpolicies", "patch"): "kube.apply",
     ("", "events", "create"): "kube.post_event (the operator's Events)",
+    ("policy", "poddisruptionbudgets", "list"): "informer.py",
+    ("policy", "poddisruptionbudgets", "watch"): "informer.py",
+    ("policy", "poddisruptionbudgets", "create"): "kube.apply (server-side apply creating it)",
+    ("policy", "poddisruptionbudgets", "patch"): "kube.apply",
 }
 
 # The leader-election Role (rbac.yaml, in the operator's namespace): (group, resource, verb,

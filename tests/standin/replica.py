@@ -99,6 +99,9 @@ class SimulatedReplica:
                 coord._ctx.term()
 
 
+LOAD_KNOB = "OMNISTAGE_STANDIN_LOAD_SECONDS"
+
+
 class _Stop(BaseException):
     """SIGTERM/SIGINT while a registration waits for the head's reply (up to 300 s)."""
 
@@ -158,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    # A model load: a real replica registers minutes after its container started (the pod env knob
+    # LOAD_KNOB; tests use it to see that a loading replica is neither Ready nor counted).
+    if stop.wait(float(os.environ.get(LOAD_KNOB) or 0)):
+        return 0
 
     # One replica per stage, registered and UP in turn, as the pod's per-stage processes would be.
     # A signal between two of them ends the loop; the ones already UP send DOWN below.

@@ -22,14 +22,20 @@ cost of vLLM once per pod on a small machine): the stage ids are the `--stage-id
 `--`, the master address and port come after it.
 
 Pod deleted (deletionTimestamp set, gone, or replaced under the same name with a new UID) ->
-SIGTERM to the process group, SIGKILL after a bound. It also does the two kubelet duties kwok
+SIGTERM to the process group, SIGKILL after a bound. It also does the kubelet duties kwok
 cannot, because kwok knows nothing about the process:
 
   * restartPolicy: a process that dies while its pod exists is restarted (Always/OnFailure, with
     the kubelet's growing back-off; the restarted head has a new boot id) or its pod is marked
     Failed (Never: replicas), with restartCount / lastState / Ready written like a kubelet does.
+  * preStop: a deleted pod's container preStop exec hook runs before SIGTERM (the replica and
+    pool pods' hook drains them at the head), bounded by the grace period.
   * readiness: a container with an httpGet readinessProbe is Ready only while the probe answers
-    2xx (kwok marks every pod Ready at once, which would make "head Ready" meaningless).
+    2xx (kwok marks every pod Ready at once, which would make "head Ready" meaningless), and a pod
+    with spec.readinessGates (replica and pool pods: the operator's joined condition) is Ready only
+    while its containers are and every gate's condition is True, as the kubelet computes it. kwok
+    also writes True into every readiness gate at start-up; the runtime takes that back when it
+    starts the process, so a replica stays NotReady until its stand-in registered and was joined.
 
 `kill(namespace, pod)` (or `python -m tests.standin.runtime kill NS/POD`) SIGKILLs a pod's
 process the way an OOM kill would; the restart policy above then applies: the head comes back with
@@ -104,6 +110,8 @@ WATCH_TIMEOUT = 60          # server-side watch timeout; the watch is simply re-
 MAX_WATCH_FAILURES = 30     # consecutive failed (re)connects before the runtime gives up loudly
 TICK = 0.2                  # supervisor period: process exits, pending starts, probes
 PROBE_PERIOD_CAP = 1.0      # probe at least this often (faster than the pods' 5 s: tests wait less)
+PRE_STOP_CAP = 60.0          # a stand-in's preStop hook (its replica serves nothing: the leave is quick)
+GATE_DEBOUNCE = 1.0         # a Ready rewritten for a gate waits this long for the watch before another
 START_RETRY = 2.0           # a pod that could not be started yet (no Secret yet) is retried this often
 BACKOFF_FIRST, BACKOFF_BASE, BACKOFF_CAP = 1.0, 10.0, 60.0  # kubelet-like crash back-off
 # Real mode: a deleted pod's engine gets its terminationGracePeriodSeconds after SIGTERM, as from a
@@ -307,6 +315,10 @@ class Proc:
     terminated: bool = False
     env: dict[str, str] | None = None    # real mode: the container's environment (realpod.pod_process)
     grace: float | None = None           # real mode: the pod's terminationGracePeriodSeconds (capped)
+    gate_patched_at: float = 0.0         # last time Ready was rewritten for a readiness gate change
+    pre_stop: list[str] | None = None    # the container's preStop exec hook, as this machine runs it
+    pre_stop_env: dict[str, str] | None = None
+    pre_stop_grace: float = 0.0          # what the pod's grace period leaves the hook
 
     @property
     def key(self) -> tuple[str, str]:
@@ -616,11 +628,14 @@ class StandinRuntime:
             if now < self._next_start_try.get(key, 0):
                 continue
             self._maybe_start(key, pod)
-        # 5. readiness probes
+        # 5. readiness probes, then readiness gates (Ready = containers ready and every gate True)
         if self.probes:
             for p in procs.values():
                 if p.probe and p.alive() and not p.stopping and now >= p.next_probe:
                     self._probe(p)
+            for p in procs.values():
+                if p.alive() and not p.stopping and not p.failed and p.restart_at is None:
+                    self._sync_gates(p, now)
 
     def _runnable(self, pod: dict[str, Any]) -> bool:
         st = pod.get("status") or {}
@@ -662,6 +677,7 @@ class StandinRuntime:
                  probe=self._probe_spec(container, ip), env=self._pending_env.pop(once, None))
         if p.env is not None:
             p.grace = min(float(pod["spec"].get("terminationGracePeriodSeconds", 30)), self.grace_cap)
+        self._prepare_pre_stop(p, pod, container)
         with self._lock:
             self._procs[key] = p
         self._spawn(p, pod, restart=False)
@@ -800,6 +816,10 @@ class StandinRuntime:
         self._event("restart" if restart else "start", p, start=p.starts, log=str(p.log_path))
         if restart:
             self._patch_restarted(p, pod)
+        elif self.probes and _gates(pod):
+            # kwok wrote True into the readiness gates; the kubelet never writes them (their owner,
+            # the operator, does): take kwok's word back, the pod is Ready once the operator says so.
+            self._patch_ready(p, p.probe is None, "waiting for the readiness gates", reset_gates=True)
         elif p.probe and self.probes:
             # The kubelet reports Ready only after the first successful readiness probe; kwok already
             # said Ready, so take it back until the stand-in answers.
@@ -830,7 +850,43 @@ class StandinRuntime:
                 self._terminate_locked(p, reason)
                 p.terminated = True
 
+    def _prepare_pre_stop(self, p: Proc, pod: dict[str, Any], container: dict[str, Any]) -> None:
+        """A kubelet runs the container's preStop exec hook before SIGTERM when the pod is deleted
+        (the engine pods' drains the replica: omnistage_engine_patches.prestop). Real mode: the hook
+        as written, in the container's environment (python3 is the image's). Stand-in mode: with
+        this runtime's Python, the pod's OMNISTAGE_* variables and its membership token."""
+        command = (((container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")
+        if not command:
+            return
+        grace = float(pod["spec"].get("terminationGracePeriodSeconds", 30))
+        if p.env is not None:
+            p.pre_stop, p.pre_stop_env, p.pre_stop_grace = list(command), p.env, min(grace, self.grace_cap)
+            return
+        try:
+            env = {**_child_env(p.ip, pod), "OMNISTAGE_MEMBERSHIP_TOKEN_FILE": str(self._token_file(pod))}
+        except (_NotYet, _Refused) as err:
+            self.log(f"no preStop hook for {p.namespace}/{p.pod}: {err}")
+            return
+        p.pre_stop = [self.python if command[0] == "python3" else command[0], *command[1:]]
+        p.pre_stop_env, p.pre_stop_grace = env, min(grace, PRE_STOP_CAP)
+
+    def _run_pre_stop(self, p: Proc) -> None:
+        self._event("prestop", p, command=" ".join(p.pre_stop))
+        with open(p.log_path, "ab") as logf:
+            try:
+                code: int | str = subprocess.run(
+                    p.pre_stop, check=False, env=p.pre_stop_env, cwd=p.pre_stop_env.get("HOME") if p.env is not None else ROOT,
+                    stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                    timeout=p.pre_stop_grace).returncode
+            except (OSError, subprocess.TimeoutExpired) as err:
+                code = type(err).__name__
+        self._event("prestopped", p, code=code)
+
     def _terminate_locked(self, p: Proc, reason: str) -> None:
+        if p.alive() and p.pre_stop and not self._stop.is_set():
+            # The kubelet's order: the hook, then SIGTERM. Also for a pod already gone or replaced
+            # under its name: kwok removes a deleted pod's object at once, without its grace.
+            self._run_pre_stop(p)
         if p.alive():
             self._event("stop", p, reason=reason.replace(" ", "_"), signal="SIGTERM")
             _killpg(p.pid, signal.SIGTERM)
@@ -922,18 +978,35 @@ class StandinRuntime:
             pod = self._pods.get(p.key)
         return pod if pod and pod["metadata"]["uid"] == p.uid else None
 
-    def _patch_ready(self, p: Proc, ready: bool, why: str) -> None:
+    def _patch_ready(self, p: Proc, ready: bool, why: str, reset_gates: bool = False) -> None:
+        """`ready`: the container's readiness. The pod's Ready also needs every readiness gate True
+        (reset_gates: write them False first, undoing kwok's start-up True)."""
         pod = self._fresh_pod(p)
         if pod is None:
             return
-        s = "True" if ready else "False"
         t = _rfc3339()
-        status = {"conditions": [{"type": "Ready", "status": s, "lastTransitionTime": t},
-                                 {"type": "ContainersReady", "status": s, "lastTransitionTime": t}],
+        gates = [{"type": g, "status": "False", "reason": "NotSetYet", "lastTransitionTime": t}
+                 for g in _gates(pod)] if reset_gates else []
+        pod_ready = ready and (not _gates(pod) or (not reset_gates and _gates_true(pod)))
+        status = {"conditions": [{"type": "Ready", "status": _cs(pod_ready), "lastTransitionTime": t},
+                                 {"type": "ContainersReady", "status": _cs(ready), "lastTransitionTime": t}, *gates],
                   "containerStatuses": self._container_statuses(p, pod, ready)}
         if self._patch_status(p, status):
             p.ready = ready
-            self._event("ready" if ready else "notready", p, why=why.replace(" ", "_"))
+            p.gate_patched_at = time.monotonic()
+            self._event("ready" if pod_ready else "notready", p, why=why.replace(" ", "_"))
+
+    def _sync_gates(self, p: Proc, now: float) -> None:
+        """A gated pod's Ready follows its gates' conditions (the operator's joined condition)."""
+        pod = self._fresh_pod(p)
+        if pod is None or not _gates(pod) or now - p.gate_patched_at < GATE_DEBOUNCE:
+            return
+        containers = p.ready is True if p.probe else True
+        want = containers and _gates_true(pod)
+        have = any(c.get("type") == "Ready" and c.get("status") == "True"
+                   for c in (pod.get("status") or {}).get("conditions") or [])
+        if want != have:
+            self._patch_ready(p, containers, "readiness gates " + ("true" if want else "not all true"))
 
     def _patch_restarted(self, p: Proc, pod: dict[str, Any]) -> None:
         cs = next((c for c in (pod.get("status") or {}).get("containerStatuses") or []), {})
@@ -967,6 +1040,20 @@ class StandinRuntime:
                   "containerStatuses": self._container_statuses(p, pod, False, **change)}
         if self._patch_status(p, status):
             self._event("failed", p, phase=status["phase"], exitCode=exit_code)
+
+
+def _gates(pod: dict[str, Any]) -> list[str]:
+    """The condition types of the pod's readiness gates."""
+    return [g["conditionType"] for g in (pod.get("spec") or {}).get("readinessGates") or [] if g.get("conditionType")]
+
+
+def _gates_true(pod: dict[str, Any]) -> bool:
+    true = {c.get("type") for c in (pod.get("status") or {}).get("conditions") or [] if c.get("status") == "True"}
+    return all(g in true for g in _gates(pod))
+
+
+def _cs(value: bool) -> str:
+    return "True" if value else "False"
 
 
 # The pod cannot be started yet (e.g. its Secret does not exist yet): retried. / The pod will never be

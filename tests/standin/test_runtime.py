@@ -195,3 +195,56 @@ def test_pool_pod_refusals():
     with pytest.raises(runtime._Refused, match="no valid --stage-id"):
         runtime.pool_argv("py", "m", ["--", "vllm", "--stage-id", "1", "--omni-master-address", "127.0.0.1",
                                       "--omni-master-port", "1"], "127.77.1.5")
+
+
+GATE = "serving.omnistage.io/joined"
+
+
+def _gated_runtime(conditions: list[dict]) -> tuple[runtime.StandinRuntime, runtime.Proc, list[dict]]:
+    rt = runtime.StandinRuntime(kubeconfig="unused", quiet=True)
+    pod = _pod("replica", [])
+    pod["spec"]["readinessGates"] = [{"conditionType": GATE}]
+    pod["status"]["conditions"] = conditions
+    rt._pods[("ns", "x-replica")] = pod
+    p = runtime.Proc(namespace="ns", pod="x-replica", uid="u1", role="replica", ip="127.77.1.5", argv=[],
+                     log_path=None, restart_policy="Never")
+    sent: list[dict] = []
+    rt._patch_status = lambda proc, status: sent.append(status) or True
+    return rt, p, sent
+
+
+def _conds(status: dict) -> dict[str, str]:
+    return {c["type"]: c["status"] for c in status["conditions"]}
+
+
+def test_a_gated_pod_starts_not_ready_and_kwoks_gate_is_taken_back():
+    # kwok's pod-ready stage: Ready, ContainersReady and every gate True at once.
+    rt, p, sent = _gated_runtime([{"type": t, "status": "True"} for t in ("Ready", "ContainersReady", GATE)])
+    rt._patch_ready(p, True, "started", reset_gates=True)
+    assert _conds(sent[-1]) == {"Ready": "False", "ContainersReady": "True", GATE: "False"}
+
+
+def test_a_gated_pod_is_ready_only_while_its_gate_is_true():
+    rt, p, sent = _gated_runtime([{"type": "Ready", "status": "False"}, {"type": "ContainersReady", "status": "True"},
+                                  {"type": GATE, "status": "True"}])
+    rt._sync_gates(p, now=1e9)
+    assert _conds(sent[-1]) == {"Ready": "True", "ContainersReady": "True"}
+    rt._pods[("ns", "x-replica")]["status"]["conditions"] = [
+        {"type": "Ready", "status": "True"}, {"type": "ContainersReady", "status": "True"}, {"type": GATE, "status": "False"}]
+    rt._sync_gates(p, now=2e9)
+    assert _conds(sent[-1]) == {"Ready": "False", "ContainersReady": "True"}
+
+
+def test_a_deleted_pod_s_pre_stop_hook_runs_before_sigterm(tmp_path):
+    import subprocess
+    import sys
+
+    rt = runtime.StandinRuntime(kubeconfig="unused", quiet=True, state_dir=tmp_path)
+    marker = tmp_path / "hook-ran"
+    p = runtime.Proc(namespace="ns", pod="x-replica", uid="u1", role="replica", ip="127.77.1.5", argv=[],
+                     log_path=tmp_path / "log", restart_policy="Never")
+    p.popen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    p.pre_stop, p.pre_stop_env, p.pre_stop_grace = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"], {}, 10
+    rt._terminate(p, "pod terminating")
+    assert marker.exists() and not p.alive()
+    assert [e["action"] for e in rt.events][:3] == ["prestop", "prestopped", "stop"]

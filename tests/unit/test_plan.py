@@ -24,6 +24,7 @@ from omnistage.control.actions import (
     EnsureChild,
     Forget,
     Join,
+    MarkJoined,
     Observed,
     StartLeave,
 )
@@ -46,8 +47,16 @@ def omnistage(replicas=3, **spec):
     return obj
 
 
-def ready_status(ip, ready=True, phase="Running"):
-    return {"podIP": ip, "phase": phase, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+def ready_status(ip, ready=True, phase="Running", *, containers=None, joined=None):
+    """`ready`: the pod's Ready; `containers`: ContainersReady (default: as Ready); `joined`: the
+    replica's joined condition, its readiness gate (default: as Ready; None-valued for the head)."""
+    def cs(v):
+        return "True" if v else "False"
+    conditions = [{"type": "Ready", "status": cs(ready)},
+                  {"type": "ContainersReady", "status": cs(ready if containers is None else containers)}]
+    if joined is not False or not ready:
+        conditions.append({"type": names.C_JOINED, "status": cs(ready if joined is None else joined)})
+    return {"podIP": ip, "phase": phase, "conditions": conditions}
 
 
 def head(t, *, ready=True, template="same", phase="Running"):
@@ -60,7 +69,9 @@ def head(t, *, ready=True, template="same", phase="Running"):
     return pod
 
 
-def replica(t, i, *, ready=True, head_uid=HEAD_UID, leaving=None, phase="Running", template="same"):
+def replica(t, i, *, ready=True, head_uid=HEAD_UID, leaving=None, phase="Running", template="same",
+            containers=None, joined=None):
+    """A replica pod; by default Ready, its container running and its joined gate True (serving)."""
     pod = render_replica_pod(t, i, HEAD_IP, head_uid)
     pod["metadata"].update(uid=f"uid-r{i}", creationTimestamp=f"2026-11-30T0{i}:00:00Z")
     if leaving:
@@ -68,12 +79,22 @@ def replica(t, i, *, ready=True, head_uid=HEAD_UID, leaving=None, phase="Running
     if template != "same":
         pod["metadata"]["annotations"][names.A_TEMPLATE_HASH] = "old"
     pod["spec"]["nodeName"] = f"h200-{i}"
-    pod["status"] = ready_status(f"127.77.0.{10 + i}", ready, phase)
+    pod["status"] = ready_status(f"127.77.0.{10 + i}", ready, phase, containers=containers, joined=joined)
     return pod
 
 
 def member(pod, replica_id, state=contract.ATTACHED):
     return {"replicaId": replica_id, "pod": pods.name(pod), "host": pods.ip(pod), "state": state}
+
+
+def registered(pod, replica_id):
+    """Registered with the head and held unroutable: not joined yet (the listing names no pod)."""
+    return {"replicaId": replica_id, "pod": None, "host": pods.ip(pod), "state": contract.ATTACHED, "held": True}
+
+
+def loading(t, i):
+    """A replica pod whose engine runs but has not been joined: NotReady (its gate), container ready."""
+    return replica(t, i, ready=False, containers=True, joined=False)
 
 
 def listing(*members, boot=BOOT):
@@ -118,7 +139,9 @@ def test_at_rest_nothing_changes_and_ready():
     t, o = situation(3)
     actions, status, _ = plan(t, o, AT)
     assert changes(actions) == []
-    assert len(of(actions, EnsureChild)) == 4  # ConfigMap, two Services, NetworkPolicy
+    # ConfigMap, two Services, NetworkPolicy, the replicas' PodDisruptionBudget
+    assert [c.obj["kind"] for c in of(actions, EnsureChild)] == [
+        "ConfigMap", "Service", "Service", "NetworkPolicy", "PodDisruptionBudget"]
     assert cond(status, Type.READY)["status"] == "True"
     assert [m["state"] for m in status["members"]] == ["Joined", "Joined"]
     assert status["registeredReplicas"] == 3 and status["updatedReplicas"] == 3
@@ -168,7 +191,9 @@ def test_victims_are_chosen_by_choose_victims_unscheduled_first():
 @pytest.mark.parametrize(("drain", "expect"), [
     (DRAIN_RUNNING, "wait"), (DRAIN_DONE, "delete"), (DRAIN_FAILED, "delete"), (None, "leave again")])
 def test_a_draining_replica_is_finished_on_a_later_pass(drain, expect):
-    t, o = situation(2, pods_=lambda t: [replica(t, 1), replica(t, 2, leaving="ScaledDown")],
+    # Its joined gate was cleared when it was chosen: NotReady, its engine still running.
+    t, o = situation(2, pods_=lambda t: [replica(t, 1), replica(t, 2, leaving="ScaledDown", ready=False, containers=True,
+                                                              joined=False)],
                      drains={"uid-r2": drain} if drain else {})
     actions, status, _ = plan(t, o, AT)
     leaving = [a for a in changes(actions) if getattr(a, "name", getattr(a, "pod", None)) == "qwen3-omni-replica-2"]
@@ -258,7 +283,9 @@ def test_unreachable_head_no_membership_calls_scale_down_deletes_without_a_drain
 
 
 def test_joins_are_held_while_cache_consistent_is_false():
-    t, o = situation(3, members=lambda rs: [], report=lambda t: report(t, "MultiModalProcessorSenderCache"))
+    t, o = situation(3, pods_=lambda t: [loading(t, 1), loading(t, 2)],
+                     members=lambda rs: [registered(r, i) for i, r in enumerate(rs, 1)],
+                     report=lambda t: report(t, "MultiModalProcessorSenderCache"))
     actions, status, _ = plan(t, o, AT)
     assert of(actions, Join) == []
     assert cond(status, Type.CACHE_CONSISTENT)["reason"] == Reason.CACHE_MISMATCH
@@ -283,26 +310,89 @@ def test_a_member_whose_pod_is_gone_is_forgotten():
     assert of(actions, Forget) == [Forget(9, "qwen3-omni-replica-9")]
 
 
-def test_template_change_rolls_one_replica_at_a_time():
+def test_template_change_surges_first_and_drains_nothing_until_the_replacement_joined():
+    """Fails on a roll that drains an outdated replica before its replacement exists."""
     rs = lambda t: [replica(t, 1, template="old"), replica(t, 2, template="old"), replica(t, 3, template="old")]
     t, o = situation(4, pods_=rs)
+    actions, status, _ = plan(t, o, AT)
+    assert of(actions, StartLeave) == [] and of(actions, DeletePod) == []
+    assert [pods.index(c.obj) for c in of(actions, CreatePod)] == [4]  # the surge pod (maxSurge 1)
+    assert cond(status, Type.ROLLOUT_SURGE)["reason"] == Reason.SURGING
+    # Its replacement runs and registered but is not joined (not Ready): still no drain.
+    surged = lambda t: [*rs(t), loading(t, 4)]
+    t, o = situation(4, pods_=surged, members=lambda rs: [*(member(r, i) for i, r in enumerate(rs[:3], 1)),
+                                                          registered(rs[3], 4)])
+    actions, _, _ = plan(t, o, AT)
+    assert of(actions, StartLeave) == [] and of(actions, CreatePod) == []
+    # Joined: one outdated replica drains (and a second surge pod follows it).
+    t, o = situation(4, pods_=lambda t: [*rs(t), replica(t, 4)])
     actions, _, _ = plan(t, o, AT)
     assert [(a.pod, a.drain_seconds) for a in of(actions, StartLeave)] == [
         ("qwen3-omni-replica-1", t.spec.engine.drain_timeout_seconds)]
-    # While that one drains, no second one starts.
-    draining = lambda t: [replica(t, 1, template="old", leaving="RollingReplica"), *rs(t)[1:]]
-    t, o = situation(4, pods_=draining, drains={"uid-r1": DRAIN_RUNNING})
-    actions, _, _ = plan(t, o, AT)
-    assert of(actions, StartLeave) == [] and of(actions, DeletePod) == []
-    # Its replacement (a new index) is created while it drains; the next roll waits for it to be Ready.
-    assert [pods.index(c.obj) for c in of(actions, CreatePod)] == [4]
+    assert [pods.index(c.obj) for c in of(actions, CreatePod)] == [5]
 
 
-def test_a_roll_waits_for_every_other_replica_to_be_ready():
-    t, o = situation(3, pods_=lambda t: [replica(t, 1, template="old"), replica(t, 2, ready=False)],
-                     members=lambda rs: [member(rs[0], 1)])
+def test_serving_never_drops_below_spec_replicas_during_a_surge_roll():
+    """While one outdated replica drains, the next waits for the next replacement to join."""
+    rs = lambda t: [replica(t, 1, template="old", leaving="RollingReplica", ready=False, containers=True, joined=False),
+                    replica(t, 2, template="old"), replica(t, 3, template="old"), replica(t, 4), loading(t, 5)]
+    t, o = situation(4, pods_=rs, drains={"uid-r1": DRAIN_RUNNING})
+    actions, _, _ = plan(t, o, AT)
+    assert of(actions, StartLeave) == [] and of(actions, DeletePod) == [] and of(actions, CreatePod) == []
+
+
+def test_outdated_replicas_that_serve_nothing_are_replaced_at_no_cost():
+    rs = lambda t: [replica(t, 1, template="old"), loading(t, 2)]
+    rs_old = lambda t: [rs(t)[0], replica(t, 2, template="old", ready=False, containers=True, joined=False)]
+    t, o = situation(3, pods_=rs_old, members=lambda rs: [member(rs[0], 1)])
+    actions, _, _ = plan(t, o, AT)
+    assert [(a.name, a.reason) for a in of(actions, DeletePod)] == [("qwen3-omni-replica-2", "RollingReplica")]
+
+
+def test_no_gpu_for_a_surge_falls_back_to_one_at_a_time_and_says_so():
+    def rs(t):
+        stuck = replica(t, 4, ready=False, containers=False, joined=False)
+        stuck["spec"].pop("nodeName")
+        stuck["status"] = {"phase": "Pending", "conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+             "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}
+        return [replica(t, 1, template="old"), replica(t, 2, template="old"), replica(t, 3, template="old"), stuck]
+    t, o = situation(4, pods_=rs, members=lambda rs: [member(r, i) for i, r in enumerate(rs[:3], 1)])
+    actions, status, _ = plan(t, o, AT)
+    # One outdated replica drains to free its GPU for the replacement; no second one.
+    assert [a.pod for a in of(actions, StartLeave)] == ["qwen3-omni-replica-1"]
+    rollout = cond(status, Type.ROLLOUT_SURGE)
+    assert rollout["status"] == "False" and rollout["reason"] == Reason.NO_CAPACITY_FOR_SURGE
+    assert "Insufficient nvidia.com/gpu" in rollout["message"]
+    # The next one waits until that replacement joined.
+    waiting = lambda t: [replica(t, 2, template="old"), replica(t, 3, template="old"), loading(t, 4)]
+    t, o = situation(4, pods_=waiting, members=lambda rs: [member(r, i) for i, r in enumerate(rs[:2], 2)])
     actions, _, _ = plan(t, o, AT)
     assert of(actions, StartLeave) == [] and of(actions, DeletePod) == []
+
+
+@pytest.mark.parametrize(("rollout", "drained", "created"), [
+    ({"maxSurge": 0}, ["qwen3-omni-replica-1"], 1),  # no surge: one at a time, its replacement beside the drain
+    ({"maxSurge": 0, "maxUnavailable": 2}, ["qwen3-omni-replica-1", "qwen3-omni-replica-2"], 2),
+    ({"maxSurge": 1, "maxUnavailable": 1}, ["qwen3-omni-replica-1"], 2),
+    ({"maxSurge": 2}, [], 2),
+])
+def test_spec_rollout_bounds_what_drains_at_once(rollout, drained, created):
+    obj = omnistage(4, rollout=rollout)
+    t = target_from(obj)
+    rs = [replica(t, i, template="old") for i in (1, 2, 3)]
+    o = Observed(obj=obj, head=head(t), replicas=tuple(rs), head_reachable=True, report=report(t),
+                 listing=listing(*(member(r, i) for i, r in enumerate(rs, 1))))
+    actions, _, _ = plan(t, o, AT)
+    assert [a.pod for a in of(actions, StartLeave)] == drained
+    assert len(of(actions, CreatePod)) == created
+
+
+def test_rollout_defaults_surge_one_and_keep_every_replica_serving():
+    t = target_from(omnistage(3))
+    assert (t.spec.rollout.max_surge, t.spec.rollout.max_unavailable) == (1, 0)
+    _, status, _ = plan(*situation(3), AT)
+    assert cond(status, Type.ROLLOUT_SURGE)["reason"] == Reason.NOT_ROLLING
 
 
 # ---- properties ----------------------------------------------------------------------------------
@@ -389,3 +479,126 @@ def test_merge_patch_sends_null_for_what_the_new_status_leaves_out():
     new = {"head": {"uid": "c"}, "replicas": 3}
     assert merge_patch(old, new) == {"head": {"uid": "c", "bootId": None, "ip": None}, "engine": None, "replicas": 3}
     assert apply_merge_patch(old, merge_patch(old, new)) == new
+
+
+# ---- serving means joined (issue 19): the readiness gate ----------------------------------------
+
+def test_replica_and_pool_pods_wait_for_the_joined_gate_the_head_does_not():
+    t = target_from(omnistage(2))
+    assert replica(t, 1)["spec"]["readinessGates"] == [{"conditionType": names.C_JOINED}]
+    assert "readinessGates" not in head(t)["spec"]
+
+
+def test_a_template_keeps_its_own_readiness_gates_and_the_operator_s():
+    obj = omnistage(2, template={"spec": {"readinessGates": [{"conditionType": "example.com/mine"}]}})
+    gates = render_replica_pod(target_from(obj), 1, HEAD_IP, HEAD_UID)["spec"]["readinessGates"]
+    assert {g["conditionType"] for g in gates} == {names.C_JOINED, "example.com/mine"}
+
+
+def test_a_loading_replica_is_pending_and_counts_nowhere():
+    t, o = situation(3, pods_=lambda t: [replica(t, 1), loading(t, 2)], members=lambda rs: [member(rs[0], 1)])
+    actions, status, _ = plan(t, o, AT)
+    # Its container runs, so a join is tried (the head refuses until it registered); it is not marked.
+    assert of(actions, Join) == [Join("qwen3-omni-replica-2", "127.77.0.12")]
+    assert [m["state"] for m in status["members"]] == ["Joined", "Pending"]
+    assert status["readyReplicas"] == 2 and status["registeredReplicas"] == 2
+    assert cond(status, Type.REPLICAS_AVAILABLE)["message"] == "1/2 replica pods serving"
+
+
+def test_a_registered_replica_is_joined_and_marked_serving_in_one_pass():
+    t, o = situation(3, pods_=lambda t: [replica(t, 1), loading(t, 2)],
+                     members=lambda rs: [member(rs[0], 1), registered(rs[1], 2)])
+    actions, status, _ = plan(t, o, AT)
+    assert changes(actions) == [Join("qwen3-omni-replica-2", "127.77.0.12"),
+                                MarkJoined("qwen3-omni-replica-2", "uid-r2", True)]
+    assert [m["state"] for m in status["members"]] == ["Joined", "Joining"]
+
+
+def test_a_joined_gate_the_head_does_not_back_is_cleared():
+    """kwok writes True into every readiness gate when it starts a pod; a replica the head lost is
+    no longer serving either."""
+    t, o = situation(3, pods_=lambda t: [replica(t, 1), replica(t, 2)], members=lambda rs: [member(rs[0], 1)],
+                     report=lambda t: report(t, "MultiModalProcessorSenderCache"))
+    actions, _, _ = plan(t, o, AT)
+    assert of(actions, MarkJoined) == [MarkJoined("qwen3-omni-replica-2", "uid-r2", False)]
+    assert of(actions, Join) == []  # CacheConsistent is False
+
+
+def test_a_leaving_replica_stops_counting_as_serving_when_chosen():
+    t, o = situation(2, pods_=lambda t: [replica(t, 1), replica(t, 2)])
+    actions, _, _ = plan(t, o, AT)
+    assert of(actions, MarkJoined) == [MarkJoined("qwen3-omni-replica-2", "uid-r2", False)]
+    assert [a.pod for a in of(actions, StartLeave)] == ["qwen3-omni-replica-2"]
+
+
+def test_unread_membership_leaves_the_gates_alone():
+    t, o = situation(3, listing=None, listing_problem="timed out")
+    actions, _, _ = plan(t, o, AT)
+    assert of(actions, MarkJoined) == []
+
+
+# ---- evictions and deletions by someone else drain (issue 19) -----------------------------------
+
+def _deleted(pod, seconds_left):
+    """Deleted by someone else AT with `seconds_left` of its grace period to run."""
+    pod["metadata"]["deletionTimestamp"] = f"2026-11-30T12:{seconds_left // 60:02d}:{seconds_left % 60:02d}Z"
+    return pod
+
+
+@pytest.mark.parametrize(("left", "drain"), [(60, 30), (40, 10), (20, 0)])
+def test_a_replica_pod_deleted_by_someone_else_is_drained_within_its_grace(left, drain):
+    """Fails on a plan that makes the head forget such a replica at once (no drain)."""
+    t, o = situation(3, pods_=lambda t: [replica(t, 1), _deleted(replica(t, 2), left)])
+    actions, status, _ = plan(t, o, AT)
+    assert of(actions, Forget) == []
+    assert of(actions, StartLeave) == [StartLeave("qwen3-omni-replica-2", "uid-r2", ((0, 2),), drain)]
+    assert [e.reason for e in of(actions, Emit) if e.reason == "Disrupted"] == ["Disrupted"]
+    assert [(m["pod"], m["state"]) for m in status["members"]] == [
+        ("qwen3-omni-replica-1", "Joined"), ("qwen3-omni-replica-2", "Leaving")]
+    # Its replacement does not wait for it.
+    assert [pods.index(c.obj) for c in of(actions, CreatePod)] == [3]
+
+
+@pytest.mark.parametrize("drain", [DRAIN_RUNNING, DRAIN_DONE])
+def test_a_disrupted_replica_is_drained_once(drain):
+    t, o = situation(3, pods_=lambda t: [replica(t, 1), _deleted(replica(t, 2), 60)], drains={"uid-r2": drain})
+    actions, _, _ = plan(t, o, AT)
+    assert of(actions, StartLeave) == [] and of(actions, Forget) == []
+
+
+def test_a_replica_pod_the_operator_deleted_after_its_leave_is_not_drained_again():
+    t, o = situation(3, pods_=lambda t: [replica(t, 1), _deleted(replica(t, 2, leaving="ScaledDown"), 50)],
+                     members=lambda rs: [member(rs[0], 1), member(rs[1], 2, state=contract.LEFT)])
+    actions, _, _ = plan(t, o, AT)
+    assert of(actions, StartLeave) == [] and of(actions, Forget) == []
+
+
+# ---- disruption budgets (issue 19) ---------------------------------------------------------------
+
+def test_a_disruption_budget_over_the_replicas_not_the_head():
+    """Fails on an OmniStage rendered without a PodDisruptionBudget."""
+    t, o = situation(4)
+    budget = next(a.obj for a in of(plan(t, o, AT).actions, EnsureChild) if a.obj["kind"] == "PodDisruptionBudget")
+    assert budget["metadata"]["name"] == "qwen3-omni-replicas"
+    # A number (no scale subresource needed): 3 replica pods, one may be evicted at a time.
+    assert budget["spec"]["minAvailable"] == 2 and "maxUnavailable" not in budget["spec"]
+    assert budget["spec"]["selector"]["matchLabels"][names.L_ROLE] == names.ROLE_REPLICA
+    assert budget["metadata"]["ownerReferences"][0]["uid"] == "ost-uid"
+    t2 = target_from(omnistage(4, disruptionBudget={"maxUnavailable": 2}))
+    budget = next(a.obj for a in of(plan(t2, situation(4)[1], AT).actions, EnsureChild)
+                  if a.obj["kind"] == "PodDisruptionBudget")
+    assert budget["spec"]["minAvailable"] == 1
+
+
+def test_a_pod_ready_by_kwok_s_word_alone_is_not_counted_or_rolled_on():
+    """kwok writes Ready and every readiness gate True when it starts a pod: the head does not list it
+    joined, so it is neither in readyReplicas nor a reason for a roll to drain an outdated replica."""
+    rs = lambda t: [replica(t, 1, template="old"), replica(t, 2, template="old"), replica(t, 3)]
+    t, o = situation(3, pods_=rs, members=lambda rs: [member(rs[0], 1), member(rs[1], 2)])
+    actions, status, _ = plan(t, o, AT)
+    assert status["readyReplicas"] == 3  # the head and the two joined replicas
+    assert of(actions, StartLeave) == []
+    # Its word taken back before the join is tried (the head refuses it until the replica registered).
+    assert [a for a in changes(actions) if getattr(a, "pod", None) == "qwen3-omni-replica-3"] == [
+        MarkJoined("qwen3-omni-replica-3", "uid-r3", False), Join("qwen3-omni-replica-3", "127.77.0.13"),
+        MarkJoined("qwen3-omni-replica-3", "uid-r3", True)]

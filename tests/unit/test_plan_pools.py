@@ -26,7 +26,19 @@ from omnistage.render import target_from
 from omnistage.render.pods import render_pool_pod
 from omnistage_engine_patches import contract
 
-from .test_plan import AT, HEAD_UID, changes, cond, head, listing, member, omnistage, replica, report
+from .test_plan import (
+    AT,
+    HEAD_UID,
+    changes,
+    cond,
+    head,
+    listing,
+    member,
+    omnistage,
+    ready_status,
+    replica,
+    report,
+)
 
 STAGES = [{"id": 1, "name": "talker"}, {"id": 2, "name": "code2wav"}]
 
@@ -43,15 +55,14 @@ def pool_obj(name="speech", stage_ids=(1, 2), replicas=1, created="2026-11-30T00
             "spec": {"omniStage": "qwen3-omni", "stageIds": list(stage_ids), "replicas": replicas, **spec}}
 
 
-def pool_pod(t, pool, i, *, ready=True, head_uid=HEAD_UID, leaving=None, phase="Running"):
+def pool_pod(t, pool, i, *, ready=True, head_uid=HEAD_UID, leaving=None, phase="Running", containers=None,
+             joined=None):
     pod = render_pool_pod(t, parse(pool), i, "127.77.0.10", head_uid)
     pod["metadata"].update(uid=f"uid-{pool['metadata']['name']}-{i}", creationTimestamp=f"2026-11-30T0{i}:30:00Z")
     if leaving:
         pod["metadata"]["annotations"][names.A_LEAVING] = leaving
     pod["spec"]["nodeName"] = f"h200-{i}"
-    status = {"podIP": f"127.77.1.{i}", "phase": phase,
-              "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
-    pod["status"] = status
+    pod["status"] = ready_status(f"127.77.1.{i}", ready, phase, containers=containers, joined=joined)
     return pod
 
 
@@ -328,3 +339,17 @@ def test_a_stage_pod_without_connector_ports_holds_stages_ready_false():
     assert status["stages"][0]["patches"][contract.CONNECTOR_PORTS] == contract.SKIPPED
     assert "patchProblem" not in status["stages"][0]
     assert any(getattr(a, "reason", None) == "PatchNotApplied" for a in actions)
+
+
+def test_each_running_pool_gets_a_disruption_budget_over_its_pods():
+    from omnistage.control.actions import EnsureChild
+
+    obj, t = pipeline()
+    pool = pool_obj(replicas=3, disruptionBudget={"maxUnavailable": 1})
+    pp = [pool_pod(t, pool, i) for i in (1, 2, 3)]
+    o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=joined_everywhere(pp))
+    budgets = {a.obj["metadata"]["name"]: a.obj["spec"] for a in plan(t, o, AT).actions
+               if isinstance(a, EnsureChild) and a.obj["kind"] == "PodDisruptionBudget"}
+    assert budgets["speech-pool"]["minAvailable"] == 2
+    assert budgets["speech-pool"]["selector"]["matchLabels"][names.L_POOL] == "speech"
+    assert budgets["qwen3-omni-replicas"]["minAvailable"] == 0  # one replica: nothing protects it

@@ -308,6 +308,34 @@ class TransportSpec(_Model):
         description="Environment of every engine pod for the transport (UCX_TLS, UCX_NET_DEVICES, ...).")
 
 
+class RolloutSpec(_Model):
+    """How replica and pool pods are replaced when their pod template changes."""
+
+    max_surge: int = Field(
+        1, ge=0, le=256,
+        description="Replacement pods a roll may create beyond the desired count before an outdated pod leaves: each "
+        "outdated pod is drained only once enough others are joined. When no GPU is free for a surge pod "
+        "(it stays unschedulable), condition RolloutSurge says so and the roll goes one pod at a time. "
+        "0: no surge, one pod at a time (as with maxUnavailable 1).",
+    )
+    max_unavailable: int = Field(
+        0, ge=0, le=256,
+        description="How many fewer replicas than desired may serve during a roll. 0: never fewer than spec.replicas "
+        "while a surge pod fits.",
+    )
+
+
+class DisruptionBudgetSpec(_Model):
+    """The PodDisruptionBudget the operator renders over the replica pods (a pool: its pods)."""
+
+    max_unavailable: int = Field(
+        1, ge=1, le=256,
+        description="How many replica pods voluntary disruptions (the eviction API: kubectl drain, the cluster "
+        "autoscaler) may take out of serving at once. Not the head: one head cannot be protected without "
+        "blocking every drain of its node.",
+    )
+
+
 class OmniStageSpec(_Model):
     """Desired state of an OmniStage: one head pod plus replicas-1 headless stage-0 replica pods."""
 
@@ -351,6 +379,14 @@ class OmniStageSpec(_Model):
         "(/root/.cache): its sizeLimit and the engine container's ephemeral-storage request, so the scheduler "
         "picks a node with the room and the kubelet evicts a pod that outgrows it instead of filling the node's "
         "disk. Unused with spec.modelVolume.")
+    rollout: RolloutSpec = Field(
+        default_factory=RolloutSpec, json_schema_extra={"default": {}},
+        description="How a template change replaces replica and pool pods (surge first, within these bounds).",
+    )
+    disruption_budget: DisruptionBudgetSpec = Field(
+        default_factory=DisruptionBudgetSpec, json_schema_extra={"default": {}},
+        description="The PodDisruptionBudget NAME-replicas over the replica pods.",
+    )
     # crd.py replaces this schema by core/v1 PodTemplateSpec's (podtemplate.schema.json).
     template: dict[str, Any] | None = Field(
         None,
@@ -359,8 +395,8 @@ class OmniStageSpec(_Model):
             "strategic merge: containers merge by name (the engine container is named engine), env and "
             "volumes by name, volumeMounts by mountPath; other lists (tolerations, envFrom...) replace. "
             "spec.placement and spec.engine.env are applied first. Refused: the engine container's command, "
-            "args, image, ports and probes, the GPU resource, restartPolicy, hostNetwork: true, the operator's "
-            "volumes, mount paths, environment variables, labels and annotations."
+            "args, image, ports, probes and lifecycle hooks, the GPU resource, restartPolicy, hostNetwork: true, "
+            "the operator's volumes, mount paths, environment variables, labels and annotations."
         ),
     )
 
@@ -395,3 +431,6 @@ class OmniStagePoolSpec(_Model):
         300, ge=0, le=3600,
         description="How long a leaving pod's replicas may finish in-flight requests. A downstream replica is bound "
         "to a request for its whole answer (a full audio reply), hence longer than stage 0's default.")
+    disruption_budget: DisruptionBudgetSpec = Field(
+        default_factory=DisruptionBudgetSpec, json_schema_extra={"default": {}},
+        description="The PodDisruptionBudget POOL-pool over the pool's pods.")

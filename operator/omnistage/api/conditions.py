@@ -19,6 +19,9 @@ class Type(StrEnum):
     CONFIG_RENDERED = "ConfigRendered"
     PROGRESSING = "Progressing"
     REPLICA_FAILURE = "ReplicaFailure"
+    # A roll (template change) creates its replacement pods before outdated ones leave (spec.rollout):
+    # False when no GPU is free for a surge pod and the roll goes one pod at a time.
+    ROLLOUT_SURGE = "RolloutSurge"
     # With spec.stages: every stage >= 1 runs in exactly one valid OmniStagePool; every stage has its
     # pool's replicas joined on the head.
     STAGES_COVERED = "StagesCovered"
@@ -55,6 +58,10 @@ class Reason(StrEnum):
     UNSCHEDULABLE = "Unschedulable"
     ENGINE_EXITED = "EngineExited"
     NO_FAILURE = "NoFailure"
+    # RolloutSurge
+    NOT_ROLLING = "NotRolling"
+    SURGING = "Surging"
+    NO_CAPACITY_FOR_SURGE = "NoCapacityForSurge"
     # Progressing, when the pass itself did nothing (else: the Progress values it did)
     CONVERGING = "Converging"
     STABLE = "Stable"
@@ -100,14 +107,22 @@ class EventReason(StrEnum):
     """The reasons of Events that are neither a condition's (Reason) nor a pass's Progress."""
 
     CONFIG_RENDERED = "ConfigRendered"  # the ConfigMap was created or changed
-    CHILD_SYNCED = "ChildSynced"  # a Service or the NetworkPolicy was created or changed
+    CHILD_SYNCED = "ChildSynced"  # a Service, the NetworkPolicy or a PodDisruptionBudget was created or changed
     CREATED_HEAD = "CreatedHead"
     SCALED_UP = "ScaledUp"
     JOINED = "Joined"
     LEFT = "Left"
     DRAIN_TIMEOUT = "DrainTimeout"
     LEAVE_FAILED = "LeaveFailed"
+    DISRUPTED = "Disrupted"  # someone else deletes a joined replica or pool pod: drained within its grace
     CREATE_REFUSED = "CreateRefused"  # the API server refused a pod (admission, quota): message has its words
+
+
+class PodReason(StrEnum):
+    """Reasons of the joined condition the operator sets on replica and pool pods (names.C_JOINED)."""
+
+    JOINED = "Joined"  # the head routes to every replica the pod runs
+    NOT_JOINED = "NotJoined"  # not yet, or no longer (leaving, or the head lost it)
 
 
 @dataclass(frozen=True)

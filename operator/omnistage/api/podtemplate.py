@@ -48,8 +48,10 @@ ADDRESS_ENV = (POD_IP_ENV, VLLM_HOST_IP_ENV)
 
 # Fields of the engine container the operator renders from the spec: the command line (membership,
 # ports, the stage config), the image (spec.engine.image; status.engineImage reports it), the ports
-# the Services and the NetworkPolicy name, and the probes that gate the head's readiness and joins.
-ENGINE_OWNED_FIELDS = ("command", "args", "image", "ports", "startupProbe", "readinessProbe", "livenessProbe")
+# the Services and the NetworkPolicy name, the probes that gate the head's readiness and joins, and
+# the lifecycle hooks.
+ENGINE_OWNED_FIELDS = ("command", "args", "image", "ports", "startupProbe", "readinessProbe", "livenessProbe",
+                       "lifecycle")  # a replica's preStop hook drains it (omnistage_engine_patches.prestop)
 # Pod fields the operator renders: replicas must not restart in place (a restarted replica never
 # registers with the head again), the head must.
 POD_OWNED_FIELDS = ("restartPolicy",)

@@ -76,7 +76,17 @@ class Join:
     stage: int = 0
 
 
-Action = Emit | EnsureChild | CreatePod | DeletePod | Annotate | StartLeave | Forget | Join
+@dataclass(frozen=True)
+class MarkJoined:
+    """Set the pod's joined condition (names.C_JOINED, its readiness gate): True once the head routes
+    to every replica the pod runs, False when it leaves or the head lost it. A True placed after
+    this pass's joins of the pod is skipped when one of them failed."""
+    pod: str
+    uid: str
+    joined: bool
+
+
+Action = Emit | EnsureChild | CreatePod | DeletePod | Annotate | StartLeave | Forget | Join | MarkJoined
 
 
 # ---- observation ---------------------------------------------------------------------------------

@@ -24,13 +24,14 @@ from ..names import A_LEAVING
 from ..render import (
     render_api_service,
     render_configmap,
+    render_disruption_budget,
     render_head_pod,
     render_master_service,
     render_network_policy,
     render_replica_pod,
 )
 from ..render.common import Pool, Target
-from ..render.pods import render_pool_pod
+from ..render.pods import SHUTDOWN_SECONDS, render_pool_pod
 from . import engine_truth, pods, pools, status
 from .actions import (
     DRAIN_DONE,
@@ -44,6 +45,7 @@ from .actions import (
     EnsureChild,
     Forget,
     Join,
+    MarkJoined,
     Observed,
     StartLeave,
 )
@@ -73,19 +75,21 @@ def plan(t: Target | InvalidSpec, o: Observed, at: str | None = None) -> Plan:
     generation = o.obj["metadata"].get("generation")
     if isinstance(t, InvalidSpec):
         return _invalid(t, o, generation, at)
-    p = decide(t, o)
+    p = decide(t, o, at)
     return Plan(p.actions, status.omnistage_status(p, generation, at), status.pool_statuses(p, at))
 
 
-def decide(t: Target, o: Observed) -> Pass:
-    p = Pass(t, o)
+def decide(t: Target, o: Observed, at: str | None = None) -> Pass:
+    p = Pass(t, o, at or timestamp())
     p.children()
     p.head_pod()
     p.engine_report()
     p.membership_read()
     p.retire_stale()
+    p.roll()
     p.scale()
     p.sync_membership()
+    p.mark_joined()
     p.announce_stages()
     return p
 
@@ -106,8 +110,9 @@ class Pass:
     """One pass's working state: the observation plus what the steps decided so far. Once decide()
     returns it is the decision that status.py describes."""
 
-    def __init__(self, t: Target, o: Observed):
+    def __init__(self, t: Target, o: Observed, at: str):
         self.t, self.o, self.previous = t, o, o.obj.get("status") or {}
+        self.at = at  # now, as plan() was given it (a pod's remaining grace is measured from it)
         self.actions: list[Action] = []
         self.progressing: list[str] = []  # Progress values: what this pass did
         self.head = o.head
@@ -184,6 +189,14 @@ class Pass:
         mm = self.member_of(pod, stage)
         return mm is not None and mm.get("pod") == pods.name(pod)
 
+    def serves(self, pod: dict[str, Any], unread: bool = False) -> bool:
+        """Ready and joined at the head for every stage it runs: the head's word too, not only the
+        pod's Ready (which kwok, for one, writes True at start-up). `unread`: the answer when the
+        membership was not read (a roll drains nothing on a guess; status trusts the pod's Ready)."""
+        if self.listing is None:
+            return unread and pods.ready(pod)
+        return pods.ready(pod) and all(self.joined(pod, stage) for stage in pods.stage_ids(pod))
+
     def stage_ids(self) -> list[int]:
         return [0, *(s.id for s in self.t.spec.stages)]
 
@@ -194,8 +207,10 @@ class Pass:
     # -- steps
     def children(self) -> None:
         t = self.t
+        budgets = [render_disruption_budget(t), *(render_disruption_budget(t, f.pool) for f in self.pools if f.runs)]
         for child, compare in ((render_configmap(t), ("data",)), (render_api_service(t), ("spec",)),
-                               (render_master_service(t), ("spec",)), (render_network_policy(t), ("spec",))):
+                               (render_master_service(t), ("spec",)), (render_network_policy(t), ("spec",)),
+                               *((b, ("spec",)) for b in budgets)):
             self.actions.append(EnsureChild(child, compare))
 
     def head_pod(self) -> None:
@@ -276,6 +291,9 @@ class Pass:
         self.handled.add(uid)
         if pods.annotation(pod, A_LEAVING) is None:
             self.actions.append(Annotate(pods.name(pod), {A_LEAVING: reason}))
+        if pods.gated(pod) and pods.joined_condition(pod):
+            # NotReady before the head stops routing to it (mark_joined leaves it alone from now on).
+            self.actions.append(MarkJoined(pods.name(pod), uid, False))
         self.progressing.append(reason)
         members = [(stage, self.member_of(pod, stage)) for stage in pods.stage_ids(pod)]
         leaves = tuple((stage, mm["replicaId"]) for stage, mm in members
@@ -290,8 +308,8 @@ class Pass:
         self.delete(pod, reason, f"deleted {kind} {pods.name(pod)}: {why}")
 
     def retire_stale(self) -> None:
-        """Replicas of another head incarnation or a finished process go at once; replicas whose
-        template changed roll one at a time while every other replica is Ready."""
+        """Replicas of another head incarnation or a finished process go at once (replicas whose
+        template changed are roll()'s)."""
         if not self.head_live():
             return
         head_uid = pods.uid(self.head)
@@ -309,15 +327,61 @@ class Pass:
                 self._retire(r, 0, Progress.ROLLED_REPLICA, "it belongs to a previous head")
             elif pods.terminal(r):
                 self._retire(r, 0, Progress.REPLACED_REPLICA, f"its engine exited ({r['status'].get('phase')})")
-            elif self.listing is not None and self.member_of(r) is not None and not pods.ready(r):
+            elif self.listing is not None and self.member_of(r) is not None and not pods.containers_ready(r):
+                # Its container, not its Ready (that waits for the join): a replica the head
+                # lists whose engine stopped answering.
                 self._retire(r, 0, Progress.REPLACED_REPLICA, "it turned NotReady")
-        live = self.live()
-        if any(pods.uid(r) in self.handled for r in live):
-            return  # one replica at a time: a roll waits for every drain in progress
-        outdated = [r for r in live if self.want(r) is not None
-                    and pods.template_hash(r) != pods.template_hash(self.want(r))]
-        if outdated and all(pods.ready(r) for r in live if r not in outdated):
-            self._retire(outdated[0], self.drain_of(outdated[0]), Progress.ROLLING_REPLICA, "its pod template changed")
+
+    # -- rollouts: surge first, then drain (spec.rollout)
+    def groups(self) -> list[tuple[Pool | None, int]]:
+        """Each set of pods a count applies to: stage-0 replicas, then every pool that runs."""
+        t = self.t
+        return [(None, t.spec.replicas - 1 if t.distributed else 0),
+                *((f.pool, f.pool.spec.replicas) for f in self.pools if f.runs)]
+
+    def outdated(self, pool: Pool | None) -> list[dict[str, Any]]:
+        """Staying pods of the group whose template changed (none without a live head: its replicas
+        are bound to it and go with it, whatever their template)."""
+        if not self.head_live():
+            return []
+        return [r for r in self.staying(pool.name if pool else None) if self.want(r) is not None
+                and pods.template_hash(r) != pods.template_hash(self.want(r))]
+
+    def surge(self, pool: Pool | None) -> int:
+        """Pods a roll of the group may run beyond its desired count (its replacements, made first)."""
+        return min(self.t.spec.rollout.max_surge, len(self.outdated(pool)))
+
+    def surge_blocked(self, pool: Pool | None) -> str | None:
+        """The scheduler's word on a replacement pod of a rolling group that found no node (no GPU
+        free for a surge), else None."""
+        if not self.outdated(pool):
+            return None
+        stuck = [f"{pods.name(r)}: {pods.unschedulable(r)}" for r in self.staying(pool.name if pool else None)
+                 if pods.unschedulable(r) and r not in self.outdated(pool)]
+        return "; ".join(stuck) or None
+
+    def roll(self) -> None:
+        """Replace outdated pods within spec.rollout. Their replacements are created first (scale()
+        allows surge() extra pods) and an outdated pod is drained only while at least desired -
+        maxUnavailable others serve (Ready: joined). Outdated pods that serve nothing go first, at no
+        cost. No GPU free for a surge pod: one pod at a time (its GPU goes to the replacement, and
+        the next waits until that one joined)."""
+        if not self.head_live():
+            return
+        r = self.t.spec.rollout
+        for pool, desired in self.groups():
+            outdated = self.outdated(pool)
+            if not outdated:
+                continue
+            one_at_a_time = r.max_surge == 0 or self.surge_blocked(pool) is not None
+            floor = desired - max(r.max_unavailable, 1 if one_at_a_time else 0)
+            serving = sum(1 for x in self.staying(pool.name if pool else None) if self.serves(x))
+            for x in sorted(outdated, key=self.serves):
+                if self.serves(x):
+                    if serving - 1 < floor:
+                        break
+                    serving -= 1
+                self._retire(x, self.drain_of(x), Progress.ROLLING_REPLICA, "its pod template changed")
 
     def _why(self, reason: str, pod: dict[str, Any]) -> str:
         fitted = self.pool_of.get(pods.pool(pod) or "")
@@ -340,15 +404,16 @@ class Pass:
     def _scale(self, pool: Pool | None, desired: int, why: str) -> None:
         name = pool.name if pool else None
         staying = self.staying(name)
-        if len(staying) > desired:
-            for victim in pods.choose_victims(staying, len(staying) - desired):
+        surge = self.surge(pool)  # a roll's replacements, beyond desired until the outdated pods left
+        if len(staying) > desired + surge:
+            for victim in pods.choose_victims(staying, len(staying) - desired - surge):
                 self._retire(victim, self.drain_of(victim), Progress.SCALED_DOWN, self._why(Progress.SCALED_DOWN, victim))
             return
         # Pool pods too are created once the head has an IP, not once it is Ready: the head turns Ready
         # only after one replica of each remote stage registered.
-        if len(staying) < desired and self.head_live():
+        if len(staying) < desired + surge and self.head_live():
             every = [r for r in self.o.replicas if pods.pool(r) == name]
-            for i in pods.free_indices(every, desired - len(staying)):
+            for i in pods.free_indices(every, desired + surge - len(staying)):
                 want = self.want_pool_pod(pool, i) if pool else self.want_replica(i)
                 kind = "pool pod" if pool else "replica pod"
                 self.actions.append(CreatePod(want, EventReason.SCALED_UP, f"created {kind} {{pod}} ({why})"))
@@ -367,12 +432,14 @@ class Pass:
                 if contract.is_head_local(mm, head_ip) or mm.get("state") == contract.LEFT:
                     continue
                 pod = live.get(mm.get("pod")) or next((r for r in runs if pods.ip(r) == mm.get("host")), None)
-                if pod is None:
+                if pod is None and self.disrupted(mm) is None:
                     self.actions.append(Forget(mm["replicaId"], str(mm.get("pod") or mm.get("host")), stage))
+        self.drain_disrupted()
         for name, pod in live.items():
-            if not pods.ready(pod) or pods.annotation(pod, A_LEAVING) is not None \
+            if not pods.containers_ready(pod) or pods.annotation(pod, A_LEAVING) is not None \
                     or pods.uid(pod) in self.handled:
                 continue
+            joins = []
             for stage in pods.stage_ids(pod):
                 if self.joined(pod, stage):
                     continue
@@ -380,8 +447,59 @@ class Pass:
                     # The head holds an unjoined replica unroutable (contract.ROUTE_JOINED_ONLY_ENV); the
                     # multimodal cache guarantee is stage 0's (later stages take no frontend media).
                     self.membership_problem = f"{name} is not joined: {Type.CACHE_CONSISTENT} is False ({self.verdict.reason})"
-                    continue
-                self.actions.append(Join(name, pods.ip(pod), stage))
+                    joins = None
+                    break
+                joins.append(Join(name, pods.ip(pod), stage))
+            if joins and pods.gated(pod) and pods.joined_condition(pod):
+                # Not joined, yet its condition says so (kwok's start-up True, a stale word): the
+                # truth first, in case the join is refused.
+                self.actions.append(MarkJoined(name, pods.uid(pod), False))
+            self.actions.extend(joins or [])
+            if joins and pods.gated(pod):
+                # Ready at once when every join lands (act skips this when one is refused).
+                self.actions.append(MarkJoined(name, pods.uid(pod), True))
+
+    def disrupted(self, mm: contract.Member) -> dict[str, Any] | None:
+        """The terminating pod, not deleted by this plan, that a joined member of the head runs in:
+        someone else (an eviction, a node drain, kubectl delete) is deleting it, or an earlier pass did
+        after its drain."""
+        return next((r for r in self.o.replicas if pods.terminating(r) and mm.get("pod") == pods.name(r)), None)
+
+    def drain_disrupted(self) -> None:
+        """A replica pod someone else deletes keeps its engine running for its grace period (its
+        preStop hook is draining it already): have the head stop routing to it and drain it within
+        what remains of that grace, less the engine's own shutdown. Once per pod (the drain state)."""
+        for r in self.o.replicas:
+            if not pods.terminating(r) or pods.uid(r) in self.o.drains:
+                continue
+            leaves = tuple((stage, mm["replicaId"]) for stage in pods.stage_ids(r)
+                           if (mm := self.member_of(r, stage)) is not None and mm.get("pod") == pods.name(r)
+                           and mm.get("state") not in (contract.LEFT, contract.DRAINING))
+            if not leaves:
+                continue  # left already (the operator's own deletes come after the leave), or never joined
+            drain = max(0, min(self.drain_of(r), pods.grace_left(r, self.at) - SHUTDOWN_SECONDS))
+            kind = "pool pod" if pods.pool(r) else "replica pod"
+            if pods.gated(r) and pods.joined_condition(r):
+                self.actions.append(MarkJoined(pods.name(r), pods.uid(r), False))
+            self.emit("Normal", EventReason.DISRUPTED, f"{kind} {pods.name(r)} is being deleted by someone else "
+                      f"(eviction, node drain, kubectl delete): draining it for up to {drain}s")
+            self.actions.append(StartLeave(pods.name(r), pods.uid(r), leaves, drain))
+
+    def mark_joined(self) -> None:
+        """Keep each gated pod's joined condition equal to what the head says: True while every
+        replica it runs is joined, False while it leaves or the head does not route to it (kwok,
+        for one, writes True into every readiness gate at start-up). Unread membership changes
+        nothing but a leaving pod."""
+        planned = {a.pod for a in self.actions if isinstance(a, MarkJoined)}
+        for r in self.live():
+            if not pods.gated(r) or pods.name(r) in planned:
+                continue
+            leaving = pods.annotation(r, A_LEAVING) is not None or pods.uid(r) in self.handled
+            if self.listing is None and not leaving:
+                continue
+            want = not leaving and all(self.joined(r, stage) for stage in pods.stage_ids(r))
+            if want != pods.joined_condition(r):
+                self.actions.append(MarkJoined(pods.name(r), pods.uid(r), want))
 
     def announce_stages(self) -> None:
         """A Warning when StagesCovered or StagesReady turns bad, or says something new while bad."""

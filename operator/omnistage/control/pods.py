@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
-from ..names import A_HEAD_UID, A_LEAVING, A_REPLICA_INDEX, A_STAGE_IDS, A_TEMPLATE_HASH, L_POOL
+from ..names import A_HEAD_UID, A_LEAVING, A_REPLICA_INDEX, A_STAGE_IDS, A_TEMPLATE_HASH, C_JOINED, L_POOL
 
 
 def name(pod: dict[str, Any]) -> str:
@@ -55,6 +56,19 @@ def terminating(pod: dict[str, Any]) -> bool:
     return bool(pod["metadata"].get("deletionTimestamp"))
 
 
+def grace_left(pod: dict[str, Any], now: str) -> int:
+    """Seconds until a terminating pod is killed: its deletionTimestamp is when its grace period ends
+    (both RFC 3339, as the API server and conditions.timestamp write them)."""
+    end = pod["metadata"].get("deletionTimestamp")
+    if not end:
+        return 0
+    return max(0, int((_parse(end) - _parse(now)).total_seconds()))
+
+
+def _parse(ts: str) -> datetime:
+    return datetime.fromisoformat(ts)
+
+
 def terminal(pod: dict[str, Any]) -> bool:
     return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
 
@@ -67,8 +81,31 @@ def _condition(pod: dict[str, Any], ctype: str) -> dict[str, Any] | None:
 
 
 def ready(pod: dict[str, Any]) -> bool:
-    c = _condition(pod, "Ready")
+    """Ready as the kubelet says it: for a replica or pool pod (readiness gate C_JOINED) that means
+    serving, joined on the head; for the head, its /health probe."""
+    return _true(pod, "Ready")
+
+
+def containers_ready(pod: dict[str, Any]) -> bool:
+    """The engine container runs (and passes its probe, if it has one): what a join waits for. A
+    replica pod's Ready waits for the join itself (its readiness gate)."""
+    return _true(pod, "ContainersReady")
+
+
+def _true(pod: dict[str, Any], ctype: str) -> bool:
+    c = _condition(pod, ctype)
     return bool(c and c.get("status") == "True") and not terminating(pod) and not terminal(pod)
+
+
+def gated(pod: dict[str, Any]) -> bool:
+    """The pod declares the joined readiness gate (replica and pool pods rendered since it exists)."""
+    return any(g.get("conditionType") == C_JOINED for g in (pod.get("spec") or {}).get("readinessGates") or [])
+
+
+def joined_condition(pod: dict[str, Any]) -> bool:
+    """What the pod's joined condition says now (the operator's last word on it)."""
+    c = _condition(pod, C_JOINED)
+    return bool(c and c.get("status") == "True")
 
 
 def unschedulable(pod: dict[str, Any]) -> str | None:

@@ -45,7 +45,7 @@ def omnistage_status(p: Pass, generation: int | None, at: str) -> dict[str, Any]
     live = p.live(None)  # stage-0 replicas: what spec.replicas and the scale selector count
     head_staying = p.head_staying()
     engine_pods = ([head] if head_staying else []) + live
-    ready_pods = [x for x in engine_pods if pods.ready(x)]
+    ready_pods = ([head] if head_staying and pods.ready(head) else []) + [r for r in live if p.serves(r, unread=True)]
     updated = (1 if pods.template_hash(head) == pods.template_hash(p.want_head) else 0) + sum(
         1 for r in live if pods.template_hash(r) == pods.template_hash(p.want_replica(pods.index(r)))
         and pods.head_uid(r) == pods.uid(head)) if head_staying else 0
@@ -78,17 +78,20 @@ def omnistage_status(p: Pass, generation: int | None, at: str) -> dict[str, Any]
 
 
 def _members(p: Pass, live: list[dict[str, Any]]) -> list[statuses.MemberStatus]:
+    # A replica someone else deletes is listed while the head still routes to it or drains it.
+    going = [r for r in p.o.replicas if pods.pool(r) is None and pods.terminating(r)
+             and (mm := p.member_of(r)) is not None and mm.get("pod") == pods.name(r)]
     out = []
-    for r in sorted(live, key=pods.index):
+    for r in sorted(live + going, key=pods.index):
         mm = p.member_of(r)
-        if pods.annotation(r, A_LEAVING) or pods.uid(r) in p.handled:
+        if pods.annotation(r, A_LEAVING) or pods.uid(r) in p.handled or pods.terminating(r):
             state = MemberState.LEAVING
         elif mm is not None and mm.get("pod") == pods.name(r):
             state = MemberState.JOINED
-        elif pods.ready(r):
-            state = MemberState.JOINING
+        elif mm is not None and pods.containers_ready(r):
+            state = MemberState.JOINING  # registered with the head (held unroutable), not joined yet
         else:
-            state = MemberState.PENDING
+            state = MemberState.PENDING  # scheduling, pulling, loading the model: not registered yet
         held = state == MemberState.JOINING and not p.verdict.consistent
         out.append(statuses.MemberStatus(pod=pods.name(r), ip=pods.ip(r), replica_id=mm.get("replicaId") if mm else None,
                                     state=str(state), **_set(
@@ -106,9 +109,12 @@ def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dic
     problem = p.membership_problem or (p.o.problems[0] if p.o.problems else None)
     desired = t.spec.replicas
     replica_desired = t.spec.replicas - 1 if t.distributed else 0
-    replicas_ready = sum(1 for r in live if pods.ready(r))
+    replicas_ready = sum(1 for r in live if p.serves(r, unread=True))  # a replica pod is Ready once joined
+    # Synced: every replica whose engine runs is joined (their Ready follows the join).
+    running = sum(1 for r in live if pods.containers_ready(r) and not pods.annotation(r, A_LEAVING)
+                  and pods.uid(r) not in p.handled)
     read = p.listing is not None or not t.distributed
-    synced = read and problem is None and joined == replicas_ready and head_registered and len(others) == joined
+    synced = read and problem is None and joined == running and head_registered and len(others) == joined
     every_pod = engine_pods + [r for r in p.live() if pods.pool(r) is not None]
     unschedulable = [f"{pods.name(x)}: {pods.unschedulable(x)}" for x in every_pod if pods.unschedulable(x)]
     exited = [f"{pods.name(x)}: engine exited ({x['status'].get('phase')})" for x in every_pod if pods.terminal(x)]
@@ -123,13 +129,14 @@ def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dic
              f"head pod {pods.name(head)}" if head else "no head pod"),
         Cond(Type.REPLICAS_AVAILABLE, replicas_available,
              Reason.ALL_AVAILABLE if replicas_ready == replica_desired else Reason.UNAVAILABLE,
-             f"{replicas_ready}/{replica_desired} replica pods ready"),
+             f"{replicas_ready}/{replica_desired} replica pods serving"),
         Cond(Type.MEMBERSHIP_SYNCED, synced, Reason.SYNCED if synced else Reason.NOT_SYNCED,
              problem or (f"{registered}/{desired} replicas registered" if read else "membership not read yet")),
         Cond(Type.CACHE_CONSISTENT, verdict.consistent, verdict.reason, verdict.message),
         Cond(Type.REPLICA_FAILURE, bool(unschedulable or exited), Reason.UNSCHEDULABLE if unschedulable
              else (Reason.ENGINE_EXITED if exited else Reason.NO_FAILURE), "; ".join(unschedulable + exited)),
     ]
+    conds.append(rollout_condition(p))
     stages_ready = all(row["registered"] == row["desired"] == row["ready"] and row["desired"] > 0
                        and not row.get("patchProblem") for row in stages)
     if t.spec.stages:
@@ -142,6 +149,24 @@ def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dic
                       + "".join(f"; stage {row['id']}: {row['ready']}/{row['desired']} pods ready" for row in stages)))
     conds.append(ready(head_ready, replicas_available, synced, True, verdict.consistent, stages_ready))
     return conds
+
+
+def rollout_condition(p: Pass) -> Cond:
+    """RolloutSurge: whether a roll in progress can create its replacements first."""
+    outdated = [pods.name(r) for r in p.live() if p.want(r) is not None
+                and pods.template_hash(r) != pods.template_hash(p.want(r))] if p.head_live() else []
+    if not outdated:
+        return Cond(Type.ROLLOUT_SURGE, True, Reason.NOT_ROLLING, "every replica and pool pod runs the current template")
+    r = p.t.spec.rollout
+    bounds = f"maxSurge {r.max_surge}, maxUnavailable {r.max_unavailable}"
+    blocked = "; ".join(filter(None, (p.surge_blocked(pool) for pool, _ in p.groups())))
+    if blocked:
+        return Cond(Type.ROLLOUT_SURGE, False, Reason.NO_CAPACITY_FOR_SURGE,
+                    f"{len(outdated)} pods to roll; no GPU is free for a surge pod ({blocked}): rolling one pod at a "
+                    f"time, each drained before its replacement can start and the next only once that one "
+                    f"joined ({bounds})")
+    return Cond(Type.ROLLOUT_SURGE, True, Reason.SURGING,
+                f"{len(outdated)} pods to roll: replacements join before outdated pods are drained ({bounds})")
 
 
 def _head(p: Pass) -> statuses.HeadStatus | None:
@@ -170,7 +195,7 @@ def stage_rows(p: Pass) -> list[dict[str, Any]]:
         reports = {pods.name(r): (p.member_of(r, s.id) or {}).get("patches") for r in staying}
         row = {"id": s.id, "name": s.name or None, "pool": pool,
                "desired": p.pool_of[pool].pool.spec.replicas if pool else 0,
-               "ready": sum(1 for r in staying if pods.ready(r)),
+               "ready": sum(1 for r in staying if p.serves(r, unread=True)),
                "registered": sum(1 for r in staying if p.joined(r, s.id)),
                "patches": merged_outcomes([o for o in reports.values() if o]) or None,
                "patchProblem": stage_patch_problem(reports)}
@@ -241,11 +266,15 @@ def pool_status(f: pools.Fitted, t: Target | None, staying: list[dict[str, Any]]
     for r in sorted(staying, key=pods.index):
         listed = {k: member_of(r, k) for k in pods.stage_ids(r)}
         done = all(mm is not None and mm.get("pod") == pods.name(r) for mm in listed.values())
-        state = MemberState.JOINED if done else (MemberState.JOINING if pods.ready(r) else MemberState.PENDING)
+        registered = any(mm is not None for mm in listed.values())
+        state = MemberState.JOINED if done else (
+            MemberState.JOINING if registered and pods.containers_ready(r) else MemberState.PENDING)
         members.append(statuses.PoolMemberStatus(**_set(
             pod=pods.name(r), ip=pods.ip(r), state=str(state),
             replica_ids={str(k): mm["replicaId"] for k, mm in listed.items() if mm is not None})))
-    ready_pods = sum(1 for r in staying if pods.ready(r))
+    # Ready and joined: the pod's Ready alone may be kwok's start-up word.
+    ready_pods = sum(1 for r, m in zip(sorted(staying, key=pods.index), members, strict=True)
+                     if pods.ready(r) and m.state == MemberState.JOINED)
     registered = sum(1 for m in members if m.state == MemberState.JOINED)
     if f.problem:
         cond = Cond(Type.READY, False, f.problem[0], f.problem[1])

@@ -8,7 +8,13 @@ from typing import Any
 
 from .common import Pool, Target
 from .config import render_configmap
-from .network import render_api_service, render_master_service, render_network_policy, render_secret
+from .network import (
+    render_api_service,
+    render_disruption_budget,
+    render_master_service,
+    render_network_policy,
+    render_secret,
+)
 from .pods import render_head_pod, render_pool_pod, render_replica_pod
 
 
@@ -19,13 +25,14 @@ class ChildSet:
     api_service: dict[str, Any]
     master_service: dict[str, Any]
     network_policy: dict[str, Any]
+    disruption_budgets: list[dict[str, Any]]  # the replicas', then each pool's
     head: dict[str, Any]
     replicas: list[dict[str, Any]] = field(default_factory=list)
     pool_pods: list[dict[str, Any]] = field(default_factory=list)
 
     def all(self) -> list[dict[str, Any]]:
         return [self.configmap, self.secret, self.api_service, self.master_service, self.network_policy,
-                self.head, *self.replicas, *self.pool_pods]
+                *self.disruption_budgets, self.head, *self.replicas, *self.pool_pods]
 
 
 def render_children(t: Target, token: str, head_ip: str, head_uid: str, pools: Sequence[Pool] = ()) -> ChildSet:
@@ -42,6 +49,7 @@ def render_children(t: Target, token: str, head_ip: str, head_uid: str, pools: S
         api_service=render_api_service(t),
         master_service=render_master_service(t),
         network_policy=render_network_policy(t),
+        disruption_budgets=[render_disruption_budget(t), *(render_disruption_budget(t, pool) for pool in pools)],
         head=render_head_pod(t),
         replicas=replicas,
         pool_pods=pool_pods,

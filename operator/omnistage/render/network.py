@@ -5,8 +5,8 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from ..names import ENGINE_COMPONENTS, L_COMPONENT, L_OMNISTAGE, ROLE_HEAD
-from .common import Target, metadata, selector_labels
+from ..names import ENGINE_COMPONENTS, L_COMPONENT, L_OMNISTAGE, ROLE_HEAD, ROLE_POOL, ROLE_REPLICA
+from .common import Pool, Target, metadata, selector_labels
 from .pods import TOKEN_KEY
 
 
@@ -67,4 +67,27 @@ def render_secret(t: Target, token: str) -> dict[str, Any]:
         "apiVersion": "v1", "kind": "Secret", "metadata": metadata(t, t.child_name("membership")),
         "type": "Opaque",
         "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def render_disruption_budget(t: Target, pool: Pool | None = None) -> dict[str, Any]:
+    """The PodDisruptionBudget over the replica pods (or one pool's pods): the eviction API (kubectl
+    drain, the cluster autoscaler) takes at most spec.disruptionBudget.maxUnavailable of them out of
+    serving at once; a replica pod is Ready (healthy to the budget) only while joined.
+
+    minAvailable as a number, not maxUnavailable: with maxUnavailable the disruption controller takes
+    the expected count from the pods' controller's scale subresource, and that is the OmniStage's,
+    which counts the head too (and is not a pool's count at all); a number needs no scale. The head
+    is left out: a budget over one pod blocks every drain of its node (its drain is an outage until a
+    new head and its replicas are up, whatever a budget says)."""
+    desired = pool.spec.replicas if pool else (t.spec.replicas - 1 if t.distributed else 0)
+    budget = pool.spec.disruption_budget if pool else t.spec.disruption_budget
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": metadata(t, f"{pool.name}-pool" if pool else t.child_name("replicas")),
+        "spec": {
+            "minAvailable": max(0, desired - budget.max_unavailable),
+            "selector": {"matchLabels": selector_labels(t, ROLE_POOL if pool else ROLE_REPLICA,
+                                                        pool.name if pool else None)},
+        },
     }

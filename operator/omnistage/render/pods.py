@@ -29,6 +29,7 @@ from ..names import (
     A_REPLICA_INDEX,
     A_STAGE_IDS,
     A_TEMPLATE_HASH,
+    C_JOINED,
     L_OMNISTAGE,
     L_ROLE,
     ROLE_HEAD,
@@ -61,6 +62,10 @@ VLLM_PLUGINS = f"vllm_omni_register_models,{contract.GENERAL_PLUGIN},{contract.E
 # A pool pod runs one headless `vllm serve --stage-id K` per stage under this supervisor (in the
 # engine plugin's package), which exits when any of them exits: the pod then fails and is replaced.
 STAGE_SUPERVISOR = ["python3", "-m", "omnistage_engine_patches.stages"]
+PRESTOP = ["python3", "-m", "omnistage_engine_patches.prestop"]
+# What an engine pod's grace period leaves after the drain for vLLM's own shutdown; a pod deleted by
+# someone else is drained for what remains of its grace minus this (plan.Pass.sync_membership).
+SHUTDOWN_SECONDS = 30
 # UCX over TCP unless the transport's env says otherwise: sm and self for the stages sharing a pod.
 UCX_TLS_TCP = "tcp,sm,self"
 # sameNode: the host directory every engine pod of an OmniStage mounts as /dev/shm, so the
@@ -73,6 +78,7 @@ HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 # these (e.g. `capabilities: {add: [IPC_LOCK]}` for RDMA).
 CONTAINER_SECURITY_CONTEXT = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 POD_SECURITY_CONTEXT = {"seccompProfile": {"type": "RuntimeDefault"}}
+JOINED_GATE = {"conditionType": C_JOINED}
 
 
 def head_pod_name(t: Target) -> str:
@@ -181,9 +187,10 @@ def _volumes(t: Target, role: str) -> tuple[list[dict], list[dict]]:
         {"name": V_SHM, "mountPath": SHM_DIR},
         {"name": V_CACHE, "mountPath": CACHE_DIR},
     ]
-    if role == ROLE_HEAD:
-        volumes.append({"name": V_TOKEN, "secret": {"secretName": t.child_name("membership")}})
-        mounts.append({"name": V_TOKEN, "mountPath": TOKEN_DIR, "readOnly": True})
+    # Every engine pod: the head serves the membership endpoint with it, a replica or pool pod's
+    # preStop hook leaves the head with it.
+    volumes.append({"name": V_TOKEN, "secret": {"secretName": t.child_name("membership")}})
+    mounts.append({"name": V_TOKEN, "mountPath": TOKEN_DIR, "readOnly": True})
     mv = t.spec.model_volume
     if mv is not None:
         if mv.pvc is not None:
@@ -195,7 +202,18 @@ def _volumes(t: Target, role: str) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
-def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None) -> dict[str, Any]:
+def _leave_on_stop(t: Target, head_ip: str, drain: int, stage_ids: list[int]) -> tuple[list[dict[str, Any]], dict]:
+    """A replica or pool pod's preStop hook (omnistage_engine_patches.prestop) and what it reads:
+    whoever deletes the pod (an eviction, a node drain, kubectl delete), the kubelet first has the
+    head stop routing to it and drain it, up to the drain timeout, even with the operator down."""
+    env = [{"name": contract.HEAD_URL_ENV, "value": f"http://{head_ip}:{t.spec.engine.http_port}"},
+           {"name": contract.DRAIN_SECONDS_ENV, "value": str(drain)},
+           {"name": contract.TOKEN_FILE_ENV, "value": f"{TOKEN_DIR}/{TOKEN_KEY}"}]
+    hook = {"preStop": {"exec": {"command": [*PRESTOP, *(a for k in stage_ids for a in ("--stage-id", str(k)))]}}}
+    return env, hook
+
+
+def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, head_ip: str = "") -> dict[str, Any]:
     s = t.spec
     gpu: GpuSpec = pool.spec.gpu if pool else s.gpu
     placement: PlacementSpec = pool.spec.placement if pool else s.placement
@@ -218,6 +236,9 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None) -
     }
     if s.engine.image_pull_policy:
         container["imagePullPolicy"] = s.engine.image_pull_policy
+    if role != ROLE_HEAD:
+        env, container["lifecycle"] = _leave_on_stop(t, head_ip, drain, list(pool.spec.stage_ids) if pool else [0])
+        container["env"] = container["env"] + env
     if role == ROLE_HEAD:
         port = s.engine.http_port
         container["ports"] = [
@@ -238,11 +259,15 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None) -
         "volumes": volumes,
         "nodeSelector": {gpu.product_label: gpu.product, **placement.node_selector},
         "tolerations": tolerations,
-        # Room for vLLM's own drain after the operator's leave has already drained the replica.
-        "terminationGracePeriodSeconds": drain + 30,
+        # The drain (the operator's leave, or the preStop hook's), then room for vLLM's own shutdown.
+        "terminationGracePeriodSeconds": drain + SHUTDOWN_SECONDS,
         "enableServiceLinks": False,
         "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
     }
+    if role != ROLE_HEAD:
+        # Ready only once joined: a headless replica has no HTTP port a probe could ask, and what
+        # makes it serve is the head's join, which only the operator knows (names.C_JOINED).
+        spec["readinessGates"] = [dict(JOINED_GATE)]
     affinity = _with_head_node(t, role, placement.affinity)
     if affinity:
         spec["affinity"] = affinity
@@ -281,6 +306,9 @@ def _pod(t: Target, name: str, role: str, spec: dict[str, Any], extra: dict[str,
     toleration = _gpu_toleration(pool.spec.gpu if pool else t.spec.gpu)
     if toleration not in spec.get("tolerations", []):
         spec["tolerations"] = [toleration, *spec.get("tolerations", [])]
+    # readinessGates too: a template's own gates are kept, the operator's is put back.
+    if role != ROLE_HEAD and JOINED_GATE not in spec.get("readinessGates", []):
+        spec["readinessGates"] = [dict(JOINED_GATE), *spec.get("readinessGates", [])]
     overlay_meta = merged.get("metadata") or {}
     annotations = {
         A_CONFIG_HASH: config_hash(deploy_yaml(t)),
@@ -304,7 +332,7 @@ def render_replica_pod(t: Target, index: int, head_ip: str, head_uid: str) -> di
     is bound to one head incarnation (its IP in the args, its UID in an annotation)."""
     if not t.distributed:
         raise ValueError("a static single-replica OmniStage has no replica pods")
-    spec = _pod_spec(t, ROLE_REPLICA, _replica_args(t, head_ip))
+    spec = _pod_spec(t, ROLE_REPLICA, _replica_args(t, head_ip), head_ip=head_ip)
     return _pod(t, replica_pod_name(t, index), ROLE_REPLICA, spec,
                 {A_HEAD_UID: head_uid, A_REPLICA_INDEX: str(index)})
 
@@ -314,6 +342,6 @@ def render_pool_pod(t: Target, pool: Pool, index: int, head_ip: str, head_uid: s
     """One pod of an OmniStagePool: a headless replica of each of its stages, bound to one head
     incarnation like a stage-0 replica. Owned by the OmniStage (it goes with its head); the pool
     only says how many there are."""
-    spec = _pod_spec(t, ROLE_POOL, _pool_args(t, pool, head_ip), pool)
+    spec = _pod_spec(t, ROLE_POOL, _pool_args(t, pool, head_ip), pool, head_ip)
     extra = {A_HEAD_UID: head_uid, A_REPLICA_INDEX: str(index), A_STAGE_IDS: ",".join(map(str, pool.spec.stage_ids))}
     return _pod(t, pool.pod_name(index), ROLE_POOL, spec, extra, pool)

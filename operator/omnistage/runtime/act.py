@@ -19,9 +19,10 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from .. import api
-from ..api.conditions import EventReason
+from ..api.conditions import EventReason, PodReason
 from ..control import actions
 from ..control.actions import DRAIN_DONE, DRAIN_FAILED, DRAIN_RUNNING, Action
+from ..names import C_JOINED
 from . import head_client, kube
 from .head_client import HeadClient, HeadRefused, HeadUnreachable
 from .informer import STATE
@@ -102,6 +103,7 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
         drains: Drains = DRAINS) -> list[str]:
     """Execute in order; return what could not be done that status should say (membership problems)."""
     problems: list[str] = []
+    refused: set[str] = set()  # pods whose join failed in this run: not marked joined
     for a in planned:
         if isinstance(a, actions.Emit):
             emit(a.type, a.reason, a.message)
@@ -150,12 +152,22 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
                 kind = f"pool pod {a.pod} joined stage {a.stage}" if a.stage else f"replica pod {a.pod} joined the engine"
                 emit("Normal", EventReason.JOINED, f"{kind} as replica {ack.get('replicaId')}")
             except HeadRefused as err:
+                refused.add(a.pod)
                 # Not registered, not attached, or the newest registration from this IP is a detached
                 # predecessor (kwok reuses pod IPs): wait. A replica whose engine really died fails
                 # its pod, and the failed pod is replaced by a later pass.
                 problems.append(f"{a.pod} has not joined yet: {err.explain()}")
             except HeadUnreachable as err:
+                refused.add(a.pod)
                 problems.append(f"join for {a.pod} failed: {err}")
+        elif isinstance(a, actions.MarkJoined):
+            if a.joined and a.pod in refused:
+                continue
+            pod = kube.patch_pod_condition(namespace, a.pod, a.uid, C_JOINED, a.joined,
+                                           PodReason.JOINED if a.joined else PodReason.NOT_JOINED,
+                                           "the head routes to it" if a.joined else "the head does not route to it")
+            if pod is not None:
+                STATE.wrote(pod)
         else:  # pragma: no cover - a new action type without an executor is a programming error
             raise TypeError(f"no executor for {a!r}")
     return problems

@@ -67,6 +67,10 @@ def networking() -> client.NetworkingV1Api:
     return client.NetworkingV1Api(api_client())
 
 
+def policy() -> client.PolicyV1Api:
+    return client.PolicyV1Api(api_client())
+
+
 def get_omnistage(namespace: str, name: str) -> dict[str, Any] | None:
     try:
         return custom().get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, name)
@@ -148,6 +152,7 @@ def _applier(kind: str):
         "ConfigMap": core().patch_namespaced_config_map,
         "Service": core().patch_namespaced_service,
         "NetworkPolicy": networking().patch_namespaced_network_policy,
+        "PodDisruptionBudget": policy().patch_namespaced_pod_disruption_budget,
     }[kind]
 
 
@@ -224,6 +229,22 @@ def delete_pod(namespace: str, name: str, uid: str | None = None,
         raise
     out = api_client().sanitize_for_serialization(gone)
     return _with_kind(out, "Pod") if isinstance(out, dict) and out.get("metadata", {}).get("uid") else None
+
+
+def patch_pod_condition(namespace: str, name: str, uid: str, ctype: str, status: bool, reason: str,
+                        message: str = "") -> dict[str, Any] | None:
+    """Set one condition of the pod's status (strategic merge: conditions merge by type, so the
+    kubelet's own stay). Only that incarnation (uid); None when it is gone."""
+    condition = {"type": ctype, "status": "True" if status else "False", "reason": reason, "message": message,
+                 "lastTransitionTime": timestamp()}
+    try:
+        pod = core().patch_namespaced_pod_status(name, namespace, {"metadata": {"uid": uid},
+                                                                   "status": {"conditions": [condition]}})
+    except ApiException as e:
+        if e.status in (404, 409, 422):
+            return None
+        raise
+    return _with_kind(api_client().sanitize_for_serialization(pod), "Pod")
 
 
 def patch_pod_annotations(namespace: str, name: str, annotations: dict[str, str | None]) -> dict[str, Any]:

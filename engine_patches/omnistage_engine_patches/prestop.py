@@ -1,0 +1,82 @@
+"""The preStop hook of a replica or pool pod: leave the head, drained, before the kubelet stops the engine.
+
+  python3 -m omnistage_engine_patches.prestop --stage-id 0 [--stage-id K ...]
+
+A replica pod is deleted by the operator only after the head let it go; anyone else (an eviction, a
+node drain, `kubectl delete pod`) would stop its engine with SIGTERM at once and cut off the
+requests it runs. The kubelet runs this hook first, inside the pod's terminationGracePeriodSeconds,
+even when the operator is down: it asks the head (contract.HEAD_URL_ENV, bearer token from
+contract.TOKEN_FILE_ENV) to stop routing to this pod's replica of each stage and to wait up to
+contract.DRAIN_SECONDS_ENV for its requests in flight (one leave per stage, side by side; the
+head's leave is idempotent, so the operator asking too changes nothing). Then the hook returns and
+the kubelet sends SIGTERM. It always exits 0: a hook that fails only loses the drain, the pod goes
+anyway. Standard library only (it runs in the engine image before anything else is imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import contract
+
+# Room for the head's answer after the drain itself (it detaches the replica, removes its series).
+ANSWER_SECONDS = 10.0
+
+
+def leave(base: str, token: str, pod: str, stage: int, drain_seconds: float) -> str:
+    """POST one leave (contract.LeaveRequest, by pod name); what happened, in one line."""
+    body: contract.LeaveRequest = {"stage": stage, "pod": pod, "drainTimeoutSeconds": drain_seconds}
+    request = urllib.request.Request(base.rstrip("/") + contract.LEAVE_PATH, data=json.dumps(body).encode(),
+                                     method="POST", headers={"Authorization": f"Bearer {token}",
+                                                             "Content-Type": "application/json"})
+    # No proxies: the head's pod IP is dialled directly.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(request, timeout=drain_seconds + ANSWER_SECONDS) as resp:
+            ack = json.loads(resp.read() or b"{}")
+        return f"stage {stage}: left (drained={ack.get('drained', True)})"
+    except urllib.error.HTTPError as err:
+        return f"stage {stage}: the head refused the leave (HTTP {err.code}: {err.read()[:200]!r})"
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        return f"stage {stage}: no answer from the head ({err})"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m omnistage_engine_patches.prestop", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage-id", type=int, action="append", dest="stages", metavar="K",
+                    help="a stage this pod runs a replica of; repeatable (default: 0)")
+    args = ap.parse_args(argv)
+    base, pod = os.environ.get(contract.HEAD_URL_ENV), os.environ.get("POD_NAME")
+    token_file = os.environ.get(contract.TOKEN_FILE_ENV)
+    try:
+        drain = float(os.environ.get(contract.DRAIN_SECONDS_ENV) or 30)
+        token = Path(token_file).read_text().strip() if token_file else os.environ.get(contract.TOKEN_ENV, "")
+    except (OSError, ValueError) as err:
+        print(f"prestop: cannot leave: {err}", file=sys.stderr)
+        return 0
+    if not (base and pod and token):
+        print(f"prestop: cannot leave: {contract.HEAD_URL_ENV}, POD_NAME and a token are needed", file=sys.stderr)
+        return 0
+    results: list[str] = []
+    threads = [threading.Thread(target=lambda k=k: results.append(leave(base, token, pod, k, drain)))
+               for k in args.stages or [0]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for line in results:
+        print(f"prestop: {pod} {line}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Capacity through disruptions on real engines (issue 19): a bounded stream of requests through the
+head while (a) the replica pods' template changes and (c) `kubectl delete pod` takes a replica.
+
+One 2-replica OmniStage (the head and one replica) of the tiny model, brought up once; the tests
+run in file order and share it. For each disruption a stream of short requests runs at concurrency
+2 through the head, and the table says: requests sent, lost (no answer at all: refused, reset, timed
+out), errored (an answer that is not a finished one: HTTP >= 400 or finish_reason error), the
+fewest replicas the head routed to during the run (joined at the head, the head's own included)
+and how long the disruption took. Asserted: 0 lost, 0 errored, and the serving floor.
+
+(a) is the roll of the replica pods alone (what an operator upgrade that renders them differently
+does; played by rewriting their template-hash annotation): surge first, the replacement joined
+before the old replica drains, so the floor is 2. A change that reaches the head (engine image,
+spec.template) replaces the head and every replica: an outage until blue/green exists (not here).
+(c) drains the deleted replica within its grace (its preStop hook when the runtime runs hooks; the
+operator's leave in any case), so the floor is 1 (the head) and nothing is cut off.
+(b), `kubectl drain` honouring the PodDisruptionBudget, needs a real kubelet (kind): on kwok the
+local cluster tier (tests/cluster/test_disruptions.py) covers its eviction path with stand-ins.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tests.cluster.real.realstage import HEAD_READY_TIMEOUT, JOIN_TIMEOUT, RealOmniStage, tiny_omnistage
+from tests.cpu_engine import client
+from tests.standin.harness import remote_members
+
+NAME = "disrupt"
+pytestmark = pytest.mark.timeout(HEAD_READY_TIMEOUT + JOIN_TIMEOUT + 600)
+STREAM_CONCURRENCY = 2
+SETTLE_SECONDS = 10  # the stream keeps running this long after the disruption is over
+FIGURES: list[dict[str, Any]] = []
+
+
+@pytest.fixture(scope="module")
+def stage(kubectl, operator, standin, real_namespace, wait_for) -> Any:
+    s = RealOmniStage(kubectl, standin, real_namespace, NAME, wait_for)
+    s.apply(tiny_omnistage(NAME, replicas=2))
+    s.wait_serving(2, "the head and its replica joined (real engine start-up)", timeout=HEAD_READY_TIMEOUT + JOIN_TIMEOUT)
+    yield s
+    print("\n[real] disruptions under a request stream")
+    print(f"  {'disruption':<40} {'sent':>5} {'lost':>5} {'errored':>8} {'min serving':>12} {'took':>8}")
+    for f in FIGURES:
+        print(f"  {f['what']:<40} {f['sent']:>5} {f['lost']:>5} {f['errored']:>8} {f['floor']:>12} {f['took']:>7.0f}s")
+
+
+def _run(stage: RealOmniStage, what: str, disrupt, settled) -> dict[str, Any]:
+    """Stream while `disrupt()` runs and until `settled()`; the figures, printed and kept."""
+    results: list[client.Result] = []
+    model = client.served_model(stage.base())
+    floor = {"min": None}
+    stop, enough = threading.Event(), threading.Event()
+
+    def payloads():
+        i = 0
+        while not enough.is_set():  # run_many takes the next one as each answer comes
+            i += 1
+            yield f"{what[:12]} #{i}", client.body(model, "audio", 60 + i % 4, max_tokens=32)
+
+    def send() -> None:
+        results.extend(client.run_many(stage.base(), payloads(), STREAM_CONCURRENCY))
+
+    def sample() -> None:
+        while not stop.is_set():
+            listing = stage.head.listing()
+            if listing is not None:
+                serving = 1 + len([m for m in remote_members(listing) if m.get("pod")])
+                floor["min"] = serving if floor["min"] is None else min(floor["min"], serving)
+            stop.wait(0.5)
+
+    sender, sampler = threading.Thread(target=send), threading.Thread(target=sample)
+    sender.start()
+    sampler.start()
+    time.sleep(5)  # requests in flight before the disruption
+    t0 = time.monotonic()
+    disrupt()
+    stage.wait_for(f"{what}: settled", settled, timeout=JOIN_TIMEOUT, interval=2)
+    took = time.monotonic() - t0
+    time.sleep(SETTLE_SECONDS)
+    enough.set()
+    sender.join(300)
+    stop.set()
+    sampler.join(30)
+    lost = [r for r in results if r.status is None]
+    errored = [r for r in results if r.status is not None and not r.complete]
+    figures = {"what": what, "sent": len(results), "lost": len(lost), "errored": len(errored),
+               "floor": floor["min"], "took": took}
+    FIGURES.append(figures)
+    print(f"\n[real] {what}: {figures}")
+    for r in lost + errored:
+        print(f"  {r.line()}")
+    return figures
+
+
+def test_a_replica_template_change_loses_nothing_and_keeps_two_serving(stage):
+    before = set(stage.replica_pods())
+
+    def disrupt() -> None:
+        for pod in before:
+            stage.kubectl("annotate", "pod", pod, "-n", stage.namespace, "--overwrite",
+                          "serving.omnistage.io/template-hash=previous-operator")
+
+    def settled() -> bool:
+        now = set(stage.replica_pods())
+        st = stage.get().get("status", {})
+        return bool(now) and not (now & before) and st.get("registeredReplicas") == 2 and st.get("readyReplicas") == 2
+
+    f = _run(stage, "(a) replica template change", disrupt, settled)
+    assert f["lost"] == 0 and f["errored"] == 0, f
+    assert f["floor"] == 2, f"serving fell to {f['floor']} of 2: the roll did not surge"
+
+
+def test_kubectl_delete_pod_of_a_replica_loses_nothing(stage):
+    [victim] = stage.replica_pods()
+
+    def disrupt() -> None:
+        stage.kubectl("delete", "pod", victim, "-n", stage.namespace, "--wait=false")
+
+    def settled() -> bool:
+        now = stage.replica_pods()
+        st = stage.get().get("status", {})
+        return bool(now) and victim not in now and st.get("registeredReplicas") == 2 \
+            and stage.kubectl("get", "pod", victim, "-n", stage.namespace, check=False).returncode != 0
+
+    f = _run(stage, "(c) kubectl delete pod of a replica", disrupt, settled)
+    assert f["lost"] == 0 and f["errored"] == 0, f
+    assert f["floor"] >= 1, f

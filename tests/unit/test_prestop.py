@@ -1,0 +1,97 @@
+"""The replica pod's preStop hook (omnistage_engine_patches.prestop) and how it is rendered: whoever
+deletes a replica or pool pod, the kubelet first has the head drain it (issue 19)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from omnistage.control.pools import parse
+from omnistage.render import render_head_pod, render_replica_pod, target_from
+from omnistage.render.pods import SHUTDOWN_SECONDS, render_pool_pod
+from omnistage_engine_patches import contract, prestop
+
+from .test_plan import HEAD_IP, HEAD_UID, omnistage
+from .test_plan_pools import pipeline, pool_obj
+
+
+@pytest.fixture
+def head():
+    """A head on 127.0.0.1 that records each leave it is asked for."""
+    calls: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            calls.append({"path": self.path, "auth": self.headers.get("Authorization"), **body})
+            out = json.dumps({"drained": True}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}", calls
+    server.shutdown()
+
+
+def test_the_hook_leaves_every_stage_of_the_pod_drained(head, tmp_path, monkeypatch):
+    base, calls = head
+    (tmp_path / "token").write_text("s3cret\n")
+    monkeypatch.setenv(contract.HEAD_URL_ENV, base)
+    monkeypatch.setenv(contract.TOKEN_FILE_ENV, str(tmp_path / "token"))
+    monkeypatch.setenv(contract.DRAIN_SECONDS_ENV, "45")
+    monkeypatch.setenv("POD_NAME", "speech-1")
+    assert prestop.main(["--stage-id", "1", "--stage-id", "2"]) == 0
+    assert sorted((c["stage"], c["pod"], c["drainTimeoutSeconds"], c["path"], c["auth"]) for c in calls) == [
+        (1, "speech-1", 45.0, contract.LEAVE_PATH, "Bearer s3cret"),
+        (2, "speech-1", 45.0, contract.LEAVE_PATH, "Bearer s3cret")]
+
+
+def test_the_hook_never_fails_the_pod_s_termination(monkeypatch, capsys):
+    monkeypatch.setenv(contract.HEAD_URL_ENV, "http://127.0.0.1:9")  # nothing listens
+    monkeypatch.setenv(contract.TOKEN_ENV, "t")
+    monkeypatch.setenv(contract.DRAIN_SECONDS_ENV, "1")
+    monkeypatch.setenv("POD_NAME", "x-replica-1")
+    monkeypatch.delenv(contract.TOKEN_FILE_ENV, raising=False)
+    assert prestop.main([]) == 0
+    assert "no answer from the head" in capsys.readouterr().out
+
+
+def _engine(pod):
+    return pod["spec"]["containers"][0]
+
+
+def test_replica_and_pool_pods_leave_on_stop_the_head_does_not():
+    """Fails on replica pods without a preStop hook (evicted replicas were cut off mid-request)."""
+    t = target_from(omnistage(2))
+    replica = render_replica_pod(t, 1, HEAD_IP, HEAD_UID)
+    assert _engine(replica)["lifecycle"]["preStop"]["exec"]["command"] == [
+        "python3", "-m", "omnistage_engine_patches.prestop", "--stage-id", "0"]
+    env = {e["name"]: e.get("value") for e in _engine(replica)["env"]}
+    assert env[contract.HEAD_URL_ENV] == f"http://{HEAD_IP}:{t.spec.engine.http_port}"
+    assert env[contract.DRAIN_SECONDS_ENV] == str(t.spec.engine.drain_timeout_seconds)
+    assert contract.TOKEN_FILE_ENV in env
+    assert any(v.get("secret", {}).get("secretName") == "qwen3-omni-membership" for v in replica["spec"]["volumes"])
+    assert replica["spec"]["terminationGracePeriodSeconds"] == t.spec.engine.drain_timeout_seconds + SHUTDOWN_SECONDS
+    assert "lifecycle" not in _engine(render_head_pod(t))
+
+    _, pt = pipeline()
+    pool = parse(pool_obj(stage_ids=(1, 2)))
+    hook = _engine(render_pool_pod(pt, pool, 1, HEAD_IP, HEAD_UID))["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook[-4:] == ["--stage-id", "1", "--stage-id", "2"]
+
+
+def test_a_template_cannot_replace_the_hook():
+    from omnistage.api.validation import InvalidSpec
+
+    obj = omnistage(2, template={"spec": {"containers": [{"name": "engine", "lifecycle": {"preStop": {
+        "exec": {"command": ["true"]}}}}]}})
+    with pytest.raises(InvalidSpec, match="lifecycle"):
+        target_from(obj)
