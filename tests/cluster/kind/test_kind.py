@@ -111,8 +111,13 @@ def test_rendered_pods_run_as_rendered_under_a_kubelet(stage):
     print("[kind] kubelet vs the cluster tier's stand-in runtime:")
     for n, at in started.items():
         print(f"  {n:<22} container started {at}, pod Ready {ready_at[n]}")
-    print("  stand-in runtime: marks a pod Ready when its probe answers (head) or at once (no probe: replicas),"
-          " same as the kubelet here; it restarts a head in place like restartPolicy Always")
+    # The replica's readiness gate: the kubelet holds the pod NotReady until the operator sets the joined
+    # condition (the cluster tier's runtime computes Ready the same way; it restarts a head in place
+    # like restartPolicy Always).
+    gates = [g["conditionType"] for g in replica["spec"].get("readinessGates") or []]
+    joined = {c["type"]: c["status"] for c in replica["status"]["conditions"]}
+    print(f"  {replica_name} readiness gates {gates}: {[(g, joined.get(g)) for g in gates]}")
+    assert gates and all(joined.get(g) == "True" for g in gates), "a joined replica's gate is True"
 
 
 def test_scale_up_and_down_under_load_with_the_leader_deleted(stage, kubectl, wait_for):
