@@ -181,8 +181,12 @@ def test_head_container_killed_kubelet_restarts_it_and_replicas_roll(stage, kube
 
 
 def test_helm_upgrade_while_serving(stage, helm, kubectl, wait_for):
-    engine_uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in stage.kubectl.json(
-        "get", "pods", "-n", stage.namespace, "-l", f"serving.omnistage.io/omnistage={NAME}")["items"]}
+    def engine_pods() -> dict[str, str]:
+        return {p["metadata"]["name"]: p["metadata"]["uid"] for p in stage.kubectl.json(
+            "get", "pods", "-n", stage.namespace, "-l", f"serving.omnistage.io/omnistage={NAME}")["items"]}
+    # A replica the scale-down removed may still be Terminating (its preStop drain): wait it out first.
+    wait_for("no engine pod terminating", lambda: len(engine_pods()) == 1 + len(stage.replica_pods()), timeout=300)
+    engine_uids = engine_pods()
     with stream(stage, requests=200, concurrency=2, seconds=600) as results:
         t0 = time.monotonic()
         helm("upgrade", RELEASE, str(CHART), "--namespace", OPERATOR_NS, *helm_values(),
@@ -190,8 +194,7 @@ def test_helm_upgrade_while_serving(stage, helm, kubectl, wait_for):
         FIGURES["helm upgrade --wait (operator pods rolled)"] = time.monotonic() - t0
         wait_for("a leader after the upgrade", lambda: leader(kubectl), timeout=180)
         time.sleep(20)  # a reconcile pass of the new leader while requests flow
-    after = {p["metadata"]["name"]: p["metadata"]["uid"] for p in stage.kubectl.json(
-        "get", "pods", "-n", stage.namespace, "-l", f"serving.omnistage.io/omnistage={NAME}")["items"]}
+    after = engine_pods()
     lost = [r for r in results if not r.complete]
     print(f"\n[kind] helm upgrade while serving: {len(results)} requests, {len(lost)} incomplete; engine pods "
           f"{'unchanged' if after == engine_uids else 'CHANGED'}")
