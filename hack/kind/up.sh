@@ -7,7 +7,7 @@
 # every other node's /24 via that node's address on the kind network (one L2 bridge on the host;
 # forwarding is switched on inside the node containers only, never on the host).
 # The engine environment (the CPU venv, its interpreter, the tiny model) is mounted read-only into
-# the workers from the host's cache (see tests/cluster/kind/README section in docs/testing.md).
+# the workers from the host's cache (docs/design.md section 6, the kind tier; hack/kind/images.py).
 # Writes the kubeconfig to $STATE/kubeconfig; prints it on the last line.
 set -Eeuo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.kind.kindstage import ENGINE_IMAGE, OPERATOR_IMAGE
+from tests.cluster.live_output import pytest_runtest_call, pytest_runtest_setup, pytest_runtest_teardown  # noqa: F401
 
 KIND_CLUSTER = os.environ.get("OMNISTAGE_KIND_CLUSTER")
 if not KIND_CLUSTER:
@@ -36,29 +37,7 @@ RELEASE, OPERATOR_NS = "omnistage-operator", "omnistage-system"
 HEAD_READY_TIMEOUT = 25 * 60
 
 
-def _capture_off(item: pytest.Item) -> Iterator[None]:
-    capman = item.config.pluginmanager.getplugin("capturemanager")
-    if capman is None:
-        yield
-        return
-    with capman.global_and_fixture_disabled():
-        yield
-
-
-# As in the real-engine tier: minutes per step, and the printed figures are the report.
-@pytest.hookimpl(hookwrapper=True, trylast=True)
-def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
-    yield from _capture_off(item)
-
-
-@pytest.hookimpl(hookwrapper=True, trylast=True)
-def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    yield from _capture_off(item)
-
-
-@pytest.hookimpl(hookwrapper=True, trylast=True)
-def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
-    yield from _capture_off(item)
+# Live output: the tier's printed progress and figures are its report (tests/cluster/live_output.py).
 
 
 @pytest.fixture(scope="module")

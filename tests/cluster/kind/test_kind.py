@@ -72,7 +72,6 @@ def test_operator_installed_by_helm_runs_in_cluster(kubectl, operator, wait_for)
 def test_omnistage_serves_through_the_head(stage):
     head = stage.pod(f"{NAME}-head")
     [replica] = stage.replica_pods()
-    nodes = {head["spec"]["nodeName"], stage.pod(replica)["spec"]["nodeName"]}
     print(f"\n[kind] head on {head['spec']['nodeName']}, {replica} on {stage.pod(replica)['spec']['nodeName']}")
     model = client.served_model(stage.base())
     rows = [send_attributed(stage, client.body(model, "audio", 1000), f"same new audio #{i + 1}") for i in range(3)]
@@ -82,7 +81,6 @@ def test_omnistage_serves_through_the_head(stage):
     assert len({who for _, who in rows}) == 2, "round-robin reached both replicas"
     st = stage.get()["status"]
     assert st.get("effectiveCacheMode") == "processor-only", st.get("effectiveCacheMode")
-    assert len(nodes) >= 1
 
 
 def test_rendered_pods_run_as_rendered_under_a_kubelet(stage):

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.cluster.live_output import pytest_runtest_call, pytest_runtest_setup, pytest_runtest_teardown  # noqa: F401
 from tests.cluster.real.realstage import (
     CPU_VENV,
     TINY_MODEL,
@@ -46,31 +47,7 @@ def operator_namespaces() -> list[str]:
     return [REAL_PREFIX + "*"]
 
 
-def _capture_off(item: pytest.Item) -> Iterator[None]:
-    capman = item.config.pluginmanager.getplugin("capturemanager")
-    if capman is None:
-        yield
-        return
-    with capman.global_and_fixture_disabled():
-        yield
-
-
-# This tier's progress and figures (the engines' start-up waits, per-request tables, timings) reach the
-# terminal as they happen, in `make test` and CI too, not only on failure: it runs for minutes and its
-# output is the report. Innermost wrappers of each phase: pytest turns capture back on around each one.
-@pytest.hookimpl(hookwrapper=True, trylast=True)
-def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
-    yield from _capture_off(item)
-
-
-@pytest.hookimpl(hookwrapper=True, trylast=True)
-def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    yield from _capture_off(item)
-
-
-@pytest.hookimpl(hookwrapper=True, trylast=True)
-def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
-    yield from _capture_off(item)
+# Live output: the tier's printed progress and figures are its report (tests/cluster/live_output.py).
 
 
 @pytest.fixture(autouse=True)
