@@ -3,8 +3,8 @@ real containers under real kubelets, serving real requests (fixtures and what is
 
 One cluster, one operator release, one OmniStage for the module, in this order: install, serve,
 what only a kubelet shows, scale up and down under load with the leader operator pod deleted during
-the scale-up, a replica pod deleted, the head container killed, `helm upgrade` while serving,
-`helm uninstall`. The two marked kind_full (minutes of engine restarts each) run in `make e2e-kind`,
+the scale-up, a replica pod deleted, a node drained through the budget, the head container killed,
+`helm upgrade` while serving, `helm uninstall`. The three marked kind_full (minutes of engine restarts each) run in `make e2e-kind`,
 not in CI (.ci/run says why).
 Every step prints its figures; requests go through the head with a bounded stream and every one
 must get a complete answer where the operator could have finished it.
@@ -12,14 +12,18 @@ must get a complete answer where the operator could have finished it.
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 
 import pytest
+from omnistage_engine_patches import contract
 
 from tests.cluster.kind.conftest import CHART, HEAD_READY_TIMEOUT, OPERATOR_NS, RELEASE, helm_values
 from tests.cluster.kind.kindstage import DOCKER, KindOmniStage, kind_omnistage, sh, stream
 from tests.cluster.real.realstage import send_attributed
 from tests.cpu_engine import client
+from tests.standin.harness import MEMBERSHIP_PATH, http_get, remote_members
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(HEAD_READY_TIMEOUT + 600)]
 NAME = "tiny"
@@ -154,6 +158,80 @@ def test_replica_pod_deleted_is_replaced_and_rejoins(stage):
     model = client.served_model(stage.base())
     results = client.run_many(stage.base(), [(f"after #{i}", client.body(model, "audio", 5 + i)) for i in range(4)], 2)
     assert all(r.complete for r in results), client.table(results)
+
+
+@pytest.mark.kind_full
+@pytest.mark.timeout(3 * HEAD_READY_TIMEOUT)
+def test_node_drain_evicts_through_the_budget_and_loses_nothing(stage, kubectl):
+    """`kubectl drain` of a worker holding both replicas (3 serving: the head and two replicas), through
+    the eviction API and NAME-replicas (minAvailable 1): the first eviction is allowed, the second is
+    refused until the first one's replacement has joined on the other worker (a replica pod is Ready,
+    healthy to the budget, only while joined); each evicted replica drains in its preStop. A bounded
+    stream runs through the head; asserted: every request complete, the budget refused at least once,
+    and the head routed to at least 2 (itself and a replica) throughout.
+
+    The drain selects the replica pods only: a single head cannot be protected by a budget, and its
+    node's drain is the outage docs/scaling.md describes. The head may share the drained node."""
+    [first] = stage.replica_pods()
+    node = stage.pod(first)["spec"]["nodeName"]
+    [other] = [n["metadata"]["name"] for n in kubectl.json("get", "nodes")["items"]
+               if "node-role.kubernetes.io/control-plane" not in n["metadata"]["labels"]
+               and n["metadata"]["name"] != node]
+    replicas = f"serving.omnistage.io/omnistage={NAME},serving.omnistage.io/role=replica"
+    # Both replicas on one node: the other worker cordoned while the second one is scheduled.
+    kubectl("cordon", other)
+    try:
+        t0 = stage.scale(3)
+        stage.wait_serving(3, f"a second replica joined on {node}", timeout=HEAD_READY_TIMEOUT)
+        FIGURES["drain setup: 2->3 with both replicas on one node"] = time.monotonic() - t0
+    finally:
+        kubectl("uncordon", other)
+    before = stage.replica_pods()
+    assert {stage.pod(p)["spec"]["nodeName"] for p in before} == {node}, before
+    token = stage.head.token()
+    floor: list[int] = []
+    with stream(stage, requests=1500, concurrency=2, seconds=HEAD_READY_TIMEOUT) as results:
+        stop = threading.Event()
+
+        def sample() -> None:  # the head's own listing: what it routes to, not what the operator says
+            while not stop.is_set():
+                body = http_get(stage.base() + MEMBERSHIP_PATH, token=token, timeout=5)
+                if body:
+                    floor.append(1 + len([m for m in remote_members(json.loads(body)) if m.get("pod")
+                                          and m.get("state") == contract.ATTACHED and not m.get("draining")]))
+                stop.wait(1)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        t1 = time.monotonic()
+        try:
+            drain = kubectl("drain", node, f"--pod-selector={replicas}", "--ignore-daemonsets",
+                            "--delete-emptydir-data", f"--timeout={HEAD_READY_TIMEOUT}s",
+                            timeout=HEAD_READY_TIMEOUT + 60)
+        finally:
+            kubectl("uncordon", node)
+            FIGURES["kubectl drain (2 replicas, budget minAvailable 1)"] = time.monotonic() - t1
+        stage.wait_serving(3, f"two replicas joined on {other} after the drain", timeout=HEAD_READY_TIMEOUT)
+        FIGURES["kubectl drain -> 2 replicas joined again"] = time.monotonic() - t1
+        stop.set()
+        sampler.join(10)
+    refusals = (drain.stdout + drain.stderr).count("disruption budget")
+    after = stage.replica_pods()
+    lost = [r for r in results if r.status is None]
+    errored = [r for r in results if r.status is not None and not r.complete]
+    print(f"\n[kind] kubectl drain {node}: replicas {before} -> {after} on "
+          f"{sorted({stage.pod(p)['spec']['nodeName'] for p in after})}; evictions refused by the budget "
+          f"{refusals}x; {len(results)} requests, {len(lost)} lost, {len(errored)} errored; "
+          f"head routed to >= {min(floor) if floor else None} ({len(floor)} samples)")
+    assert results and not lost and not errored, client.table(lost + errored)
+    assert refusals >= 1, f"the budget never refused an eviction:\n{drain.stdout}{drain.stderr}"
+    assert floor and min(floor) >= 2, f"serving fell to {min(floor) if floor else None}"
+    assert not set(after) & set(before)
+    t2 = stage.scale(2)
+    stage.wait_for("scale 3 -> 2 after the drain: a replica pod gone",
+                   lambda: len(stage.replica_pods()) == 1 and stage.get()["status"].get("replicas") == 2,
+                   timeout=300, interval=1)
+    FIGURES["kubectl scale 3->2 (after the drain) -> pod gone"] = time.monotonic() - t2
 
 
 @pytest.mark.kind_full
