@@ -74,6 +74,15 @@ docs: setup
 golden: setup
 	OMNISTAGE_UPDATE_GOLDEN=1 $(PY) -m pytest tests/unit/test_render_golden.py tests/unit/test_render_stages.py -q -k golden
 
+# kube-score v1.20.0 (built into ~/.cache/omnistage on first use) on the kustomize builds and the
+# samples' rendered children (hack/kube-score.sh): counts per input, the findings left by check, and
+# exit 1 on a finding hack/kube-score-judged.txt does not judge acceptable. A developer target, not
+# in CI. KUBE_SCORE_TREE=DIR scores another checkout (an older commit's worktree) against that list.
+KUBE_SCORE_TREE ?=
+.PHONY: kube-score
+kube-score: setup k8s-bins
+	bash hack/kube-score.sh $(KUBE_SCORE_TREE)
+
 # Local control plane for the cluster tests (hack/cluster-up.sh): etcd, kube-apiserver,
 # kube-controller-manager, kube-scheduler and kwok, built from their Go modules into
 # ~/.cache/omnistage (the first build takes minutes, later ones are skipped).

@@ -12,11 +12,9 @@ helm tests skip, saying so. No cluster is needed: `helm template` runs offline.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from .conftest import ROOT, hack_script
+
 CHART = ROOT / "charts" / "omnistage-operator"
 NS = "omnistage-system"
 RELEASE = "omnistage-operator"
@@ -35,11 +34,7 @@ RBAC_KINDS = {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
 
 
 def generator():
-    spec = importlib.util.spec_from_file_location("gen_helm_chart", ROOT / "hack" / "gen-helm-chart.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return hack_script("gen-helm-chart.py")
 
 
 @pytest.fixture(scope="module")

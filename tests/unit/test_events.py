@@ -1,5 +1,6 @@
 """Events aggregated like client-go's correlator, without patching (runtime/events.py): a refusal
-repeated every pass makes a handful of Events carrying its count, not one per pass."""
+repeated every pass makes a handful of Events carrying its count, not one per pass; one that says
+something different every time is combined after MAX_SIMILAR different messages."""
 
 from __future__ import annotations
 
@@ -73,6 +74,58 @@ def test_a_repeat_after_a_quiet_spell_is_news(correlator, posted, clock):
     assert [p["count"] for p in posted] == [1, 1, 1]
 
 
+def refusal(i: int) -> tuple[str, str, str]:
+    return "Warning", "CreateRefused", f'pods "qwen3-omni-replica-{i}" is forbidden: exceeded quota: gpus'
+
+
+def test_thirty_different_refusals_in_ten_minutes_are_combined(correlator, posted, clock):
+    """One refused pod after another, each message its own: the first MAX_SIMILAR - 1 get Events of
+    their own, the rest one combined series with the newest message and a running count."""
+    for i in range(1, 31):  # one every 20 s: 30 in 10 minutes, never QUIET_SECONDS apart
+        correlator.emit(OBJ, *refusal(i))
+        clock.now += 20
+    alone = events.MAX_SIMILAR - 1
+    assert [p["message"] for p in posted[:alone]] == [refusal(i)[2] for i in range(1, alone + 1)]
+    assert [p["count"] for p in posted[:alone]] == [1] * alone
+    combined = posted[alone:]
+    assert [p["count"] for p in combined] == [1, 2, 4, 8, 16]  # 21 combined occurrences
+    assert [p["message"] for p in combined] == [
+        events.COMBINED_PREFIX + refusal(alone + c)[2] for c in (1, 2, 4, 8, 16)], "the newest message each time"
+    assert {p["first"] for p in combined} == {f"wall-{1000 + 20 * alone:.0f}"}, "dated from the first combined one"
+    assert len(posted) == alone + 5
+
+
+def test_a_combined_group_keeps_combining_even_its_earlier_messages(correlator, posted):
+    for i in range(1, events.MAX_SIMILAR + 1):
+        correlator.emit(OBJ, *refusal(i))
+    correlator.emit(OBJ, *refusal(1))  # said before, on its own; now the combined series' second
+    assert [(p["count"], p["message"].startswith(events.COMBINED_PREFIX)) for p in posted[-2:]] == [
+        (1, True), (2, True)]
+
+
+def test_different_reasons_types_and_objects_are_not_combined(correlator, posted):
+    other = {**OBJ, "metadata": {**OBJ["metadata"], "uid": "u-2"}}  # re-created under the same name
+    for i in range(events.MAX_SIMILAR - 1):
+        correlator.emit(OBJ, "Warning", "CreateRefused", f"refusal {i}")
+        correlator.emit(OBJ, "Warning", "LeaveFailed", f"leave {i}")
+        correlator.emit(OBJ, "Normal", "CreateRefused", f"normal {i}")
+        correlator.emit(other, "Warning", "CreateRefused", f"refusal {i}")
+    assert len(posted) == 4 * (events.MAX_SIMILAR - 1)
+    assert not any(p["message"].startswith(events.COMBINED_PREFIX) for p in posted)
+
+
+def test_a_quiet_spell_starts_the_group_over(correlator, posted, clock):
+    for i in range(events.MAX_SIMILAR - 1):
+        correlator.emit(OBJ, *refusal(i))
+    clock.now += events.QUIET_SECONDS
+    for i in range(100, 100 + events.MAX_SIMILAR - 1):  # with the first nine these would be combined
+        correlator.emit(OBJ, *refusal(i))
+    assert len(posted) == 2 * (events.MAX_SIMILAR - 1)
+    assert not any(p["message"].startswith(events.COMBINED_PREFIX) for p in posted)
+    correlator.emit(OBJ, *refusal(200))  # the tenth different message since the quiet spell
+    assert posted[-1]["message"] == events.COMBINED_PREFIX + refusal(200)[2]
+
+
 def test_forget_and_the_bound(correlator, posted, monkeypatch):
     correlator.emit(OBJ, *REFUSED)
     correlator.forget("serving", "qwen3-omni")
@@ -80,8 +133,17 @@ def test_forget_and_the_bound(correlator, posted, monkeypatch):
     assert [p["count"] for p in posted] == [1, 1], "a forgotten OmniStage starts over"
     monkeypatch.setattr(events, "MAX_KEYS", 3)
     for i in range(5):
-        correlator.emit(OBJ, "Warning", "CreateRefused", f"refusal {i}")
+        correlator.emit(OBJ, "Warning", f"Reason{i}", f"refusal {i}")
     assert len(correlator._series) == 3
+    assert len(correlator._groups) == 3
+
+
+def test_forget_drops_the_similar_messages_too(correlator, posted):
+    for i in range(events.MAX_SIMILAR - 1):
+        correlator.emit(OBJ, *refusal(i))
+    correlator.forget("serving", "qwen3-omni")
+    correlator.emit(OBJ, *refusal(100))
+    assert posted[-1]["message"] == refusal(100)[2], "a forgotten OmniStage's group starts over"
 
 
 def test_the_operators_emitter_aggregates_a_refusal_repeated_every_pass(monkeypatch):

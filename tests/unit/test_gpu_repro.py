@@ -9,7 +9,6 @@ Nothing is dialled outside 127.0.0.0/8.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -21,20 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT
+from .conftest import ROOT, hack_script
 
 SCRIPT = ROOT / "hack" / "gpu-repro.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_repro", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_repro"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-repro = _load()
+repro = hack_script(SCRIPT.name)
 
 FAKE_KUBECTL = textwrap.dedent('''\
     """Stand-in kubectl: get/scale an OmniStage kept in $FAKE_KUBECTL_STATE; port-forward serves a head."""

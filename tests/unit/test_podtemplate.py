@@ -1,7 +1,6 @@
 """spec.template: the strategic merge, what it may not touch, its generated schema, and the engine image default."""
 
 import copy
-import importlib.util
 import json
 import re
 import tomllib
@@ -15,7 +14,7 @@ from omnistage.api.validation import SPEC_RULES, InvalidSpec, validate_omnistage
 from omnistage.names import A_TEMPLATE_HASH
 from omnistage.render import render_head_pod, render_replica_pod, target_from
 
-from .conftest import ROOT, SAMPLE
+from .conftest import ROOT, SAMPLE, hack_script
 from .test_cli import omnistage
 
 HEAD_IP, HEAD_UID = "127.77.0.10", "uid-1"
@@ -326,10 +325,7 @@ def test_operator_only_template_rules_are_the_ones_over_the_cel_budget():
 # ---- the schema: generated from the Kubernetes OpenAPI document, embedded in the CRD ----------------
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("gen_podtemplate_schema", ROOT / "hack/gen-podtemplate-schema.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return hack_script("gen-podtemplate-schema.py")
 
 
 def test_schema_is_from_the_kubernetes_version_the_project_builds():
