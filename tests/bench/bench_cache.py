@@ -64,7 +64,7 @@ Real (nothing mocked):
 * the cache classes (`MultiModalProcessorSenderCache`, `MultiModalProcessorOnlyCache`,
   `MultiModalReceiverCache`) and their size accounting;
 * the processors and item sizes: a 1000x1000 JPEG (1.0 megapixel) through the real
-  `Qwen2VLImageProcessor` of a tiny weightless Qwen2-VL checkpoint (conftest's
+  `Qwen2VLImageProcessor` of a tiny weightless Qwen2-VL checkpoint (tests/support/tiny_models.py's
   `build_tiny_multimodal_model`, its `max_pixels` raised to the released Qwen2-VL checkpoints'
   12845056 so the image is processed at full size: 72x72 patches of 14 px), and a 30 s 16 kHz
   WAV through the real `WhisperFeatureExtractor` (128 mel bins, Qwen2-Audio's settings) of a tiny
@@ -72,8 +72,8 @@ Real (nothing mocked):
   `Qwen2AudioForConditionalGeneration` processing). No weights, no downloads (offline hub).
 
 Stood in:
-* the stage runtime and the replicas' head-side clients (conftest's `StandInStageRuntime` /
-  `StandInStageClient`: nothing launches an EngineCore); a replica is its decoder plus its
+* the stage runtime and the replicas' head-side clients (conftest's `InertStageRuntime` /
+  `InertStageClient`: nothing launches an EngineCore); a replica is its decoder plus its
   receiver cache, in this process; no ZMQ socket is opened and no network is used at all;
 * the coordinator hub (`get_replicas_for_stage`) and the replicas' load: least-queue-length
   needs each replica's `queue_length`, which a vllm-omni replica reports as its scheduler's
@@ -135,6 +135,7 @@ sys.path.insert(0, str(ROOT))  # runnable as a script: `python tests/bench/bench
 # The engine tier's process environment (loopback only, offline hub, the plugin allow-list) is
 # set when its conftest is imported, before anything imports vLLM: import it first.
 from tests.engine import conftest as engine_tier
+from tests.support import tiny_models
 
 MODES = ("lru", "lru-unpatched", "processor-only", "replica-aware", "disabled")
 REPLICAS = (1, 2, 4)
@@ -161,8 +162,9 @@ def log(msg: str) -> None:
 
 # ---- tiny local checkpoints --------------------------------------------------------------------
 def build_image_model(out: Path) -> Path:
-    """conftest's tiny Qwen2-VL checkpoint with the released checkpoints' pixel limits."""
-    engine_tier.build_tiny_multimodal_model(out)
+    """The tiny Qwen2-VL checkpoint (tests/support/tiny_models.py) with the released checkpoints'
+    pixel limits."""
+    tiny_models.build_tiny_multimodal_model(out)
     # transformers 5 keeps the image processor in processor_config.json, older versions in
     # preprocessor_config.json: raise max_pixels (size.longest_edge) wherever it is.
     for name in ("processor_config.json", "preprocessor_config.json"):
@@ -190,13 +192,13 @@ AUDIO_CHAT_TEMPLATE = (
 
 
 def build_audio_model(out: Path) -> Path:
-    """A Qwen2-Audio-architecture checkpoint without weights: conftest's tokenizer plus the audio
+    """A Qwen2-Audio-architecture checkpoint without weights: the tiny tokenizer plus the audio
     tokens, Qwen2-Audio's feature extractor settings (Whisper, 128 mel bins, 30 s at 16 kHz)."""
     from transformers import Qwen2AudioProcessor, WhisperFeatureExtractor
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer, _ = engine_tier._write_tokenizer(out)
-    tokenizer.add_special_tokens({"additional_special_tokens": engine_tier.SPECIAL_TOKENS[1:] + AUDIO_TOKENS})
+    tokenizer, _ = tiny_models.tiny_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": tiny_models.SPECIAL_TOKENS[1:] + AUDIO_TOKENS})
     tokenizer.chat_template = AUDIO_CHAT_TEMPLATE
     processor = Qwen2AudioProcessor(
         feature_extractor=WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, chunk_length=30),
@@ -205,7 +207,7 @@ def build_audio_model(out: Path) -> Path:
     )
     processor.save_pretrained(str(out))
     vocab = tokenizer.get_vocab()
-    text = {**engine_tier._text_config(vocab), "model_type": "qwen2", "vocab_size": len(tokenizer)}
+    text = {**tiny_models.text_config(len(vocab)), "model_type": "qwen2", "vocab_size": len(tokenizer)}
     config = {
         "architectures": ["Qwen2AudioForConditionalGeneration"],
         "model_type": "qwen2_audio",
@@ -670,7 +672,7 @@ async def run_cell(cell: Cell, fe: FrontendRun, truth: dict[int, Any], seed: int
     from vllm_omni.engine import OmniEngineCoreRequest
     from vllm_omni.engine.stage_pool import StagePool
 
-    clients = [engine_tier.StandInStageClient(i) for i in range(cell.replicas)]
+    clients = [engine_tier.InertStageClient(i) for i in range(cell.replicas)]
     pool = StagePool(0, clients, stage_vllm_config=fe.vllm_config)
     hub = None
     if cell.policy != "static":  # a distributed head: hub + the balancer --omni-lb-policy names

@@ -21,7 +21,6 @@ hack/cluster-up.sh if it is not running). Network rule: only loopback is dialled
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -48,6 +47,7 @@ from tests.standin.harness import (
     stage0,
 )
 from tests.standin.runtime import StandinRuntime
+from tests.support.kubectl import Kubectl, cached_binary
 
 NAME = "qwen3-omni"
 SAMPLE = ROOT / "manifests" / "samples" / "omnistage.yaml"
@@ -57,21 +57,6 @@ READY_TIMEOUT = 300.0
 
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-class Kubectl:
-    def __init__(self, binary: str, kubeconfig: str):
-        self.binary, self.kubeconfig = binary, kubeconfig
-
-    def __call__(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([self.binary, f"--kubeconfig={self.kubeconfig}", *args], check=False, capture_output=True,
-                              text=True, timeout=timeout)
-        if check and proc.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(args)}: {proc.stderr.strip()}")
-        return proc
-
-    def json(self, *args: str) -> Any:
-        return json.loads(self(*args, "-o", "json").stdout)
 
 
 def wait(description: str, predicate, timeout: float = READY_TIMEOUT, interval: float = 0.05) -> Any:
@@ -143,13 +128,10 @@ def ready(kubectl: Kubectl, namespace: str, n: int) -> dict[str, Any] | None:
 
 
 def kubectl_binary() -> str:
-    if os.environ.get("OMNISTAGE_KUBECTL"):
-        return os.environ["OMNISTAGE_KUBECTL"]
-    out = subprocess.run(["bash", str(ROOT / "hack" / "build-k8s-bins.sh"), "--check"], check=False, capture_output=True,
-                         text=True, timeout=60)
-    if out.returncode != 0:
+    found = cached_binary("kubectl", "OMNISTAGE_KUBECTL")
+    if found is None:
         sys.exit("no cached Kubernetes binaries: run `make k8s-bins` (or set OMNISTAGE_KUBECTL)")
-    return str(Path(out.stdout.strip().splitlines()[-1]) / "kubectl")
+    return found
 
 
 def main() -> int:

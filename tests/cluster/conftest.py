@@ -39,6 +39,7 @@ import pytest
 
 from tests.standin.harness import OperatorProcess
 from tests.standin.runtime import StandinRuntime
+from tests.support.kubectl import Kubectl, cached_binary, k8s_bin_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -96,49 +97,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         pytest.exit("hack/build-k8s-bins.sh failed; see its output above", returncode=1)
 
 
-def _bin_dir() -> Path | None:
-    proc = subprocess.run(["bash", str(HACK / "build-k8s-bins.sh"), "--check"],
-                          capture_output=True, text=True, timeout=60, check=False)
-    return Path(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
-
-
 def _kubectl_binary() -> str:
-    if os.environ.get("OMNISTAGE_KUBECTL"):
-        return os.environ["OMNISTAGE_KUBECTL"]
-    bin_dir = _bin_dir()
-    if bin_dir is not None:
-        return str(bin_dir / "kubectl")
+    found = cached_binary("kubectl", "OMNISTAGE_KUBECTL")
+    if found is not None:
+        return found
     if USE_EXISTING and shutil.which("kubectl"):
         return shutil.which("kubectl")  # kind users have one; no need to build Kubernetes for it
     pytest.fail("no kubectl: run `make k8s-bins`, or set OMNISTAGE_KUBECTL")
-
-
-class KubectlError(subprocess.CalledProcessError):
-    def __str__(self) -> str:
-        return f"{' '.join(self.cmd)} exited {self.returncode}:\n{self.stderr}{self.stdout}"
-
-
-class Kubectl:
-    """The real kubectl, pointed at the session's cluster.
-
-    kubectl("get", "pods", "-n", ns) returns the CompletedProcess (text); it raises KubectlError,
-    whose message carries stderr, unless check=False. kubectl.json(...) adds -o json and parses.
-    """
-
-    def __init__(self, binary: str, kubeconfig: Path):
-        self.binary = binary
-        self.kubeconfig = kubeconfig
-
-    def __call__(self, *args: str, check: bool = True, input: str | None = None,
-                 timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        cmd = [self.binary, f"--kubeconfig={self.kubeconfig}", *args]
-        proc = subprocess.run(cmd, capture_output=True, text=True, input=input, timeout=timeout, check=False)
-        if check and proc.returncode != 0:
-            raise KubectlError(proc.returncode, cmd, proc.stdout, proc.stderr)
-        return proc
-
-    def json(self, *args: str, **kw: Any) -> Any:
-        return json.loads(self(*args, "-o", "json", **kw).stdout)
 
 
 def _wait_for(description: str, predicate: Callable[[], Any], timeout: float = 60,
@@ -313,11 +278,9 @@ def namespace(request: pytest.FixtureRequest, kubectl: Kubectl) -> Iterator[str]
 # ----- install manifests, Helm, the operator's own identity ----------------------------------------
 
 def _helm_binary() -> str:
-    if os.environ.get("OMNISTAGE_HELM"):
-        return os.environ["OMNISTAGE_HELM"]
-    bin_dir = _bin_dir()
-    if bin_dir is not None:
-        return str(bin_dir / "helm")
+    found = cached_binary("helm", "OMNISTAGE_HELM")
+    if found is not None:
+        return found
     if USE_EXISTING and shutil.which("helm"):
         return shutil.which("helm")
     pytest.fail("no helm: run `make k8s-bins` (builds it from its Go module), or set OMNISTAGE_HELM")
@@ -328,19 +291,10 @@ class Helm(Kubectl):
     directories so neither a user's repositories nor plugins take part."""
 
     def __init__(self, binary: str, kubeconfig: Path, home: Path):
-        super().__init__(binary, kubeconfig)
-        self.env = {**{k: v for k, v in os.environ.items() if "proxy" not in k.lower()},
-                    "HELM_CACHE_HOME": str(home / "cache"), "HELM_CONFIG_HOME": str(home / "config"),
-                    "HELM_DATA_HOME": str(home / "data")}
-
-    def __call__(self, *args: str, check: bool = True, input: str | None = None,
-                 timeout: float = 180) -> subprocess.CompletedProcess[str]:
-        cmd = [self.binary, f"--kubeconfig={self.kubeconfig}", *args]
-        proc = subprocess.run(cmd, capture_output=True, text=True, input=input, timeout=timeout, check=False,
-                              env=self.env, cwd=ROOT)
-        if check and proc.returncode != 0:
-            raise KubectlError(proc.returncode, cmd, proc.stdout, proc.stderr)
-        return proc
+        env = {**{k: v for k, v in os.environ.items() if "proxy" not in k.lower()},
+               "HELM_CACHE_HOME": str(home / "cache"), "HELM_CONFIG_HOME": str(home / "config"),
+               "HELM_DATA_HOME": str(home / "data")}
+        super().__init__(binary, kubeconfig, timeout=180, env=env, cwd=ROOT)
 
 
 @pytest.fixture(scope="session")
@@ -366,7 +320,7 @@ def third_party_crds() -> Path:
     the Prometheus Operator's PodMonitor/ServiceMonitor (real schemas, not stand-ins)."""
     if os.environ.get("OMNISTAGE_THIRD_PARTY_CRDS"):
         return Path(os.environ["OMNISTAGE_THIRD_PARTY_CRDS"])
-    bin_dir = _bin_dir()
+    bin_dir = k8s_bin_dir()
     if bin_dir is None:
         pytest.fail("no third-party CRDs: run `make k8s-bins`, or set OMNISTAGE_THIRD_PARTY_CRDS")
     return bin_dir / "third-party-crds"

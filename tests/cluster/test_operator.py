@@ -13,7 +13,6 @@ figures). Network rule: only loopback is dialled (API server on 127.0.0.1, pod I
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from tests.standin.harness import (
 from tests.standin.harness import (
     engine_pods as _engine_pods,
 )
+from tests.support.specs import with_spec_changes
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "manifests" / "samples" / "omnistage.yaml"
@@ -60,14 +60,7 @@ pytestmark = pytest.mark.usefixtures("operator_log_on_failure")
 def sample(**changes: Any) -> dict[str, Any]:
     """The committed sample with spec changes (dotted keys: {"gpu.product": "NVIDIA-B200"})."""
     doc = next(d for d in yaml.safe_load_all(SAMPLE.read_text()) if d and d.get("kind") == "OmniStage")
-    doc = copy.deepcopy(doc)
-    for dotted, value in changes.items():
-        node = doc["spec"]
-        *path, last = dotted.split(".")
-        for key in path:
-            node = node.setdefault(key, {})
-        node[last] = value
-    return doc
+    return with_spec_changes(doc, changes)
 
 
 def apply(kubectl, namespace: str, tmp_path: Path, doc: dict[str, Any] | None = None, check: bool = True):

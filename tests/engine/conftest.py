@@ -11,9 +11,9 @@ Shared fixtures for every engine-tier test module (keep them generic):
 * `tiny_model_dirs` / `make_vllm_config`: real `ModelConfig` / `VllmConfig` objects for a tiny
   multimodal model (Qwen2-VL architecture) and a tiny text-only model (Qwen2). Nothing is mocked:
   the test writes a real Hugging Face checkpoint directory *without weights* (config.json, a
-  word-level tokenizer, the real Qwen2-VL image processor config, a chat template), so vLLM's own
-  config, tokenizer, processor and renderer code load it exactly as they would a downloaded
-  model. No test here loads weights or runs a forward pass;
+  byte-level BPE tokenizer, the real Qwen2-VL image processor config, a chat template; built by
+  tests/support/tiny_models.py), so vLLM's own config, tokenizer, processor and renderer code load
+  it exactly as they would a downloaded model. No test here loads weights or runs a forward pass;
 * small helpers for distinct images and data URLs (the chat path fetches `data:` URLs locally).
 
 Every test in this directory gets the `engine` marker; the tier is skipped (with the reason)
@@ -27,7 +27,6 @@ import contextlib
 import hashlib
 import io
 import itertools
-import json
 import os
 import threading
 import uuid
@@ -36,6 +35,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
+from tests.support.tiny_models import build_tiny_multimodal_model, build_tiny_text_model
 
 # ---- process environment (before any vLLM import) -------------------------------------------
 # Loopback only: vLLM's get_ip() would otherwise probe a route with a UDP socket to a public
@@ -145,142 +146,7 @@ def patch_applied(name: str) -> bool:
     return bool(outcome and outcome.applied)
 
 
-# ---- tiny real models (no weights) -----------------------------------------------------------
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
-WORDS = [
-    "hello",
-    "world",
-    "describe",
-    "the",
-    "image",
-    "what",
-    "is",
-    "in",
-    "this",
-    "picture",
-    "user",
-    "assistant",
-    "system",
-    "a",
-    "b",
-    "c",
-]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }} "
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
-    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
-)
-# A prompt with one image placeholder, for raw (non-chat) prompts.
-IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|> describe the image"
-
-
-def _write_tokenizer(out: Path) -> Any:
-    """A small byte-level BPE tokenizer (the Qwen2 tokenizer family's scheme), trained here.
-
-    transformers maps qwen2 / qwen2_vl checkpoints to `Qwen2Tokenizer`, which re-applies its own
-    byte-level pre-tokenizer; a byte-level BPE vocabulary (all 256 byte symbols) round-trips
-    through it, a word-level one would not.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator([" ".join(WORDS)] * 4, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:],
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer, backend.get_vocab()
-
-
-def _text_config(vocab: dict[str, int]) -> dict[str, Any]:
-    return {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_hidden_layers": 1,
-        "num_key_value_heads": 2,
-        "vocab_size": len(vocab),
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-        "torch_dtype": "float32",
-        "tie_word_embeddings": True,
-    }
-
-
-def build_tiny_multimodal_model(out: Path) -> Path:
-    """A Qwen2-VL-architecture checkpoint directory without weights (tiny image processor)."""
-    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
-
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer, vocab = _write_tokenizer(out)
-    # 56x56 images become 4x4 patches of 14 px: small tensors, fast processing on the CPU.
-    image_processor = Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
-    processor = Qwen2VLProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        video_processor=Qwen2VLVideoProcessor(),
-        chat_template=CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(str(out))
-    config = {
-        "architectures": ["Qwen2VLForConditionalGeneration"],
-        "model_type": "qwen2_vl",
-        **_text_config(vocab),
-        "image_token_id": vocab["<|image_pad|>"],
-        "video_token_id": vocab["<|video_pad|>"],
-        "vision_start_token_id": vocab["<|vision_start|>"],
-        "vision_end_token_id": vocab["<|vision_end|>"],
-        "vision_config": {
-            "depth": 1,
-            "embed_dim": 32,
-            "hidden_size": 64,
-            "num_heads": 2,
-            "in_chans": 3,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "mlp_ratio": 2,
-        },
-        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-    }
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    return out
-
-
-def build_tiny_text_model(out: Path) -> Path:
-    """A Qwen2 (text-only) checkpoint directory without weights."""
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer, vocab = _write_tokenizer(out)
-    tokenizer.save_pretrained(str(out))
-    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **_text_config(vocab)}
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    return out
-
-
+# ---- tiny real models (no weights): tests/support/tiny_models.py ----------------------------
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     if VLLM_OMNI_IMPORT_ERROR:
@@ -330,11 +196,17 @@ def image_data_url(i: int) -> str:
 
 
 # ---- a stage-0 engine through vllm-omni's real stage initialisation ---------------------------
-class StandInStageClient:
+class InertStageClient:
     """Stands in for a stage replica's head-side EngineCore client (`StageEngineCoreClient`).
 
     A real client needs a running EngineCore process (GPU, weights); these tests never send
-    anything to it. It carries the attributes vllm-omni's engine reads while initialising.
+    anything to it. It carries the attributes vllm-omni's engine reads while initialising, and
+    nothing else: no health, no output stream, no methods. Its `__init__` also seeds the real
+    client class a `WireReplica` builds (make_wire_client), which must keep its own behaviour.
+
+    Not tests/standin/engine.py's `StandinStageClient`: that one is a live replica attached to a
+    running stand-in head through the master (the addresses it allocated, health checks, a stats
+    stream, shutdown). Two classes because they play two roles; "inert" says this one's.
     """
 
     def __init__(self, replica_id: int, stage_type: str = "llm") -> None:
@@ -370,12 +242,13 @@ def stand_in_request_state(max_tokens: int = 4) -> Any:
     return SimpleNamespace(sampling_params_list=[SamplingParams(max_tokens=max_tokens)])
 
 
-class StandInStageRuntime:
-    """Stands in for vllm-omni's `StageRuntime` / `DistStageRuntime`.
+class InertStageRuntime:
+    """Stands in for vllm-omni's `StageRuntime` / `DistStageRuntime`, launching nothing (unlike
+    tests/standin/engine.py's `StandinDistStageRuntime`, which runs the real master server).
 
     The real ones launch EngineCore processes (static) or an OmniMasterServer that waits for
     headless replicas to register (distributed); neither can run without GPUs. This one hands
-    `OmniEngineBase._initialize_stages` a real `StagePool` per stage holding stand-in clients,
+    `OmniEngineBase._initialize_stages` a real `StagePool` per stage holding InertStageClients,
     and records the arguments the engine passed, so the rest of `_initialize_stages` (building
     the shared stage-0 input processor and renderer, reading stage metadata) runs unmodified.
     """
@@ -404,7 +277,7 @@ def stage0_engine_builder(monkeypatch: pytest.MonkeyPatch):
 
     The engine object is made with `object.__new__` plus the attributes `OmniEngineBase.__init__`
     would set (its `__init__` resolves deploy configs and starts the orchestrator thread, which
-    launches engines); `create_stage_runtime` is replaced by `StandInStageRuntime` (see there).
+    launches engines); `create_stage_runtime` is replaced by `InertStageRuntime` (see there).
     Everything `_initialize_stages` builds after that is real: the input processor, the Omni
     renderer, its multimodal processor and the cache vLLM (or our patch) gives it.
     """
@@ -414,12 +287,12 @@ def stage0_engine_builder(monkeypatch: pytest.MonkeyPatch):
     from vllm_omni.engine.stage_pool import StagePool
 
     def build(vllm_config: Any, *, replicas: int, distributed: bool = False, stage_type: str = "llm") -> Any:
-        runtimes: list[StandInStageRuntime] = []
+        runtimes: list[InertStageRuntime] = []
 
-        def create_stage_runtime(**kwargs: Any) -> StandInStageRuntime:
-            clients = [StandInStageClient(i, stage_type) for i in range(replicas)]
+        def create_stage_runtime(**kwargs: Any) -> InertStageRuntime:
+            clients = [InertStageClient(i, stage_type) for i in range(replicas)]
             pool = StagePool(0, clients, stage_vllm_config=vllm_config)
-            runtimes.append(StandInStageRuntime([pool], kwargs))
+            runtimes.append(InertStageRuntime([pool], kwargs))
             return runtimes[-1]
 
         monkeypatch.setattr(omni_engine_base, "create_stage_runtime", create_stage_runtime)
@@ -592,7 +465,7 @@ def make_wire_client(replica: WireReplica) -> Any:
             pass  # the task reading a real EngineCore's output socket
 
     client = object.__new__(WireStageClient)
-    StandInStageClient.__init__(client, replica.replica_id)
+    InertStageClient.__init__(client, replica.replica_id)
     client.stage_id = 0
     client.vllm_config = replica.vllm_config
     client.encoder = MsgpackEncoder()

@@ -50,7 +50,7 @@ from vllm.multimodal.cache import (
 from vllm.multimodal.registry import MultiModalRegistry
 from vllm.renderers.params import ChatParams
 
-from .conftest import Replica, StandInStageClient, image_data_url, pixel_digest, stage0_engine_builder
+from .conftest import InertStageClient, Replica, image_data_url, pixel_digest, stage0_engine_builder
 
 PATCH = frontend_cache.NAME
 
@@ -84,7 +84,7 @@ class Deployment:
     def join(self) -> int:
         """A replica registers after startup (what MembershipController.handle_register does)."""
         rid = self.pool.num_replicas
-        client = StandInStageClient(rid)
+        client = InertStageClient(rid)
         self.pool.add_client(client.client_addresses["input_address"], client, replica_id=rid)
         self.replicas[rid] = Replica(self.vllm_config, rid)
         return rid

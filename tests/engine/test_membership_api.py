@@ -60,9 +60,9 @@ from tests.standin.engine import (
     free_port,
     standin_head,
     wait_for,
-    write_tiny_model,
 )
 from tests.standin.replica import SimulatedReplica
+from tests.support.tiny_models import build_config_only_model
 
 pytestmark = pytest.mark.engine
 
@@ -121,7 +121,7 @@ def replica_lines(metrics_text: str, replica_id: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def text_config(tmp_path_factory):
-    return build_vllm_config(write_tiny_model(tmp_path_factory.mktemp("standin-model")), "tiny")
+    return build_vllm_config(build_config_only_model(tmp_path_factory.mktemp("standin-model")), "tiny")
 
 
 @pytest.fixture

@@ -52,7 +52,6 @@ from tests.standin.engine import (
     build_http_app,
     free_port,
     wait_for,
-    write_tiny_model,
 )
 from tests.standin.multistage import (
     CONNECTOR_BASE_PORT,
@@ -61,6 +60,7 @@ from tests.standin.multistage import (
     qwen3_omni_like,
     stage_vllm_config,
 )
+from tests.support.tiny_models import build_config_only_model
 
 pytestmark = pytest.mark.engine
 
@@ -69,7 +69,7 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("multistage-model"))
+    return build_config_only_model(tmp_path_factory.mktemp("multistage-model"))
 
 
 @pytest.fixture

@@ -41,7 +41,7 @@ from omnistage_engine_patches.patches import registration_report
 from vllm_omni.engine import stage_engine_startup
 
 from tests.engine.conftest import loopback_ip, patch_applied
-from tests.standin.engine import StandinEngineClient, wait_for, write_tiny_model
+from tests.standin.engine import StandinEngineClient, wait_for
 from tests.standin.multistage import (
     MultiStageOptions,
     PipelineHead,
@@ -49,6 +49,7 @@ from tests.standin.multistage import (
     qwen3_omni_like,
     stage_vllm_config,
 )
+from tests.support.tiny_models import build_config_only_model
 
 pytestmark = pytest.mark.engine
 
@@ -57,7 +58,7 @@ pytestmark = pytest.mark.engine
 def head(tmp_path_factory):
     """A three-stage head whose initial stage-1 and stage-2 slots were filled by headless
     replicas, plus one dynamic replica of stage 0 and of stage 1, each attached and UP."""
-    model_dir = write_tiny_model(tmp_path_factory.mktemp("registration-report-model"))
+    model_dir = build_config_only_model(tmp_path_factory.mktemp("registration-report-model"))
     specs = qwen3_omni_like()
     options = MultiStageOptions(specs, [stage_vllm_config(model_dir, s, len(specs), async_chunk=False) for s in specs])
     pipeline = PipelineHead(options, loopback_ip()).start()

@@ -40,7 +40,7 @@ from omnistage_engine_patches.patches import replica_affinity, replica_aware_cac
 from vllm_omni.distributed.omni_coordinator.load_balancer import RoundRobinBalancer
 from vllm_omni.engine.stage_pool import StagePool
 
-from .conftest import StandInOutputProcessor, StandInStageClient, stand_in_request_state
+from .conftest import InertStageClient, StandInOutputProcessor, stand_in_request_state
 from .test_replica_aware_cache import SEQUENCE_28, AwareDeployment, assert_clean, aware_deployment
 
 PATCH = replica_affinity.NAME
@@ -277,7 +277,7 @@ def test_other_modes_other_stages_and_bound_requests_are_left_alone(affinity, mo
         holder = await d.turn([7])
         other = 1 - holder
         _, again = await d.render([7])
-        stage1 = StagePool(1, [StandInStageClient(0), StandInStageClient(1)])
+        stage1 = StagePool(1, [InertStageClient(0), InertStageClient(1)])
         assert replica_affinity.steer(stage1, "s1", again) is None
         assert stage1.get_bound_replica_id("s1") is None
         d.pool._request_bindings["pre"] = other  # preselected before rendering

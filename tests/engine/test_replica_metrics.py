@@ -35,8 +35,9 @@ from omnistage_engine_patches.membership_ops import LiveHead
 from omnistage_engine_patches.patches import mm_cache_metrics, replica_metrics
 from prometheus_client import REGISTRY
 
-from tests.standin.engine import build_vllm_config, standin_head, wait_for, write_tiny_model
+from tests.standin.engine import build_vllm_config, standin_head, wait_for
 from tests.standin.replica import SimulatedReplica
+from tests.support.tiny_models import build_config_only_model
 
 from .conftest import image_data_url, loopback_ip, patch_applied
 
@@ -47,7 +48,7 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def text_config(tmp_path_factory):
-    return build_vllm_config(write_tiny_model(tmp_path_factory.mktemp("standin-model")), "tiny")
+    return build_vllm_config(build_config_only_model(tmp_path_factory.mktemp("standin-model")), "tiny")
 
 
 def replica_samples(replica: str, stage: str = "0") -> dict[tuple[str, tuple], float]:

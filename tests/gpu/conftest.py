@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +22,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from tests.support.kubectl import Kubectl
 
 from .checks import GpuOmniStage, converged, operator_leader, wait_for
 from .support import (
@@ -73,34 +74,12 @@ def settings() -> Settings:
         pytest.fail(str(err))
 
 
-class Kubectl:
-    """The user's kubectl against the GPU cluster; same interface as tests/cluster's (the harness's
-    HeadEndpoint and port_forward use `binary`, `kubeconfig`, calling and `.json`)."""
-
-    def __init__(self, binary: str, kubeconfig: str):
-        self.binary, self.kubeconfig = binary, kubeconfig
-
-    def __call__(self, *args: str, check: bool = True, input: str | None = None,
-                 timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        cmd = [self.binary, f"--kubeconfig={self.kubeconfig}", *args]
-        proc = subprocess.run(cmd, capture_output=True, text=True, input=input, timeout=timeout, check=False)
-        if check and proc.returncode != 0:
-            raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr}{proc.stdout}")
-        return proc
-
-    def json(self, *args: str, **kw: Any) -> Any:
-        return json.loads(self(*args, "-o", "json", **kw).stdout)
-
-    def exists(self, *ref: str) -> bool:
-        return self("get", *ref, "--ignore-not-found", "-o", "name", check=False).stdout.strip() != ""
-
-
 @pytest.fixture(scope="session")
 def kubectl(settings: Settings) -> Kubectl:
     binary = shutil.which(settings.kubectl) or settings.kubectl
     if not Path(binary).exists():
         pytest.fail(f"kubectl {settings.kubectl!r} not found: put it on PATH or set OMNISTAGE_KUBECTL")
-    k = Kubectl(binary, settings.kubeconfig)
+    k = Kubectl(binary, settings.kubeconfig, timeout=120)  # a remote API server, under GPU load
     nodes = k.json("get", "nodes", "-l", f"{settings.product_label}={settings.product}")["items"]
     gpus = allocatable_gpus(nodes, settings.resource)
     print(f"[gpu] {len(nodes)} node(s) labelled {settings.product_label}={settings.product}, "

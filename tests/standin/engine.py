@@ -9,10 +9,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -41,36 +39,6 @@ from . import require_loopback
 logger = logging.getLogger("tests.standin.engine")
 
 
-
-def write_tiny_model(directory: Path | None = None) -> Path:
-    """A text-only Qwen2 config directory without weights or tokenizer (the head never runs it).
-
-    vLLM's ``ModelConfig`` reads only ``config.json`` when ``skip_tokenizer_init`` is set, which
-    is all the stat logger needs (served model name, max model length).
-    """
-    directory = Path(directory or tempfile.mkdtemp(prefix="omnistage-standin-model-"))
-    directory.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_hidden_layers": 1,
-        "num_key_value_heads": 2,
-        "vocab_size": 256,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-        "torch_dtype": "float32",
-        "tie_word_embeddings": True,
-    }
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
-
 def build_vllm_config(model_dir: Path, served_model_name: str = "standin") -> Any:
     """A real ``VllmConfig`` for stage 0 on the CPU (no accelerator, no weights, no tokenizer)."""
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
@@ -93,6 +61,10 @@ class StandinStageClient:
     pool read, serves no requests, and, like a real EngineCore with stats on, emits a
     ``SchedulerStats`` batch every ``stats_interval`` seconds (real ``EngineCoreOutputs``), so
     the orchestrator's real stats path runs for every attached replica.
+
+    The engine tier's ``InertStageClient`` (tests/engine/conftest.py) is the other stand-in for
+    the same upstream class: attributes only, for engines whose stage pools are built and never
+    run. This one is live.
     """
 
     def __init__(

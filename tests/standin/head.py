@@ -141,19 +141,20 @@ def main(argv: list[str] | None = None) -> int:
     vllm.plugins.load_general_plugins()  # our patches, through vLLM's own loader
     from omnistage_engine_patches import _patching
 
+    from tests.support.tiny_models import build_config_only_model
+
     from .engine import (
         StandinEngine,
         StandinEngineClient,
         build_http_app,
         build_vllm_config,
-        write_tiny_model,
     )
 
     for outcome in _patching.outcomes().values():
         logger.info("patch %s: %s", outcome.name, outcome.reason)
     engine = pipeline = None
     try:
-        model_dir = write_tiny_model(args.model_dir)
+        model_dir = build_config_only_model(args.model_dir)
         engine_kwargs = {"bind_ip": args.bind_ip, "master_port": args.master_port, "log_stats": not args.no_log_stats,
                          "heartbeat_timeout": args.heartbeat_timeout, "lb_policy": args.lb_policy,
                          "stats_interval": args.stats_interval or None, "attach_delay": args.attach_delay}

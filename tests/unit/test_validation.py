@@ -6,18 +6,13 @@ import pytest
 import yaml
 from omnistage.api.validation import InvalidSpec, validate_omnistage
 
+from tests.support.specs import with_spec_changes
+
 from .conftest import ROOT, SAMPLE
 
 
 def with_spec(**changes):
-    obj = copy.deepcopy(SAMPLE)
-    for dotted, value in changes.items():
-        node = obj["spec"]
-        *path, last = dotted.split("__")
-        for p in path:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return obj
+    return with_spec_changes(SAMPLE, changes, sep="__")
 
 
 def test_sample_is_valid():

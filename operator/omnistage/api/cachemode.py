@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import CacheMode, EffectiveCacheMode, Membership, ModelKind
+from .specs import CacheMode, EffectiveCacheMode, Membership, ModelKind
 
 SENDER_CACHE_WITH_DYNAMIC_MEMBERSHIP = (
     "spec.cache.mode lru and shm need membership: static and replicas: 1: a replica that joins or is "

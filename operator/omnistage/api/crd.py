@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel
+
 from .. import api
 from ..yamlio import dump_all
 from . import conditions, podtemplate, statuses
@@ -53,7 +55,7 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _schema_of(model: type[api.BaseModel]) -> dict[str, Any]:
+def _schema_of(model: type[BaseModel]) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True, mode="serialization")
     defs = raw.pop("$defs", {})
     return structural(raw, defs)
@@ -161,7 +163,7 @@ def _definition(kind: str, plural: str, singular: str, short_names: list[str], r
     }
 
 
-def _root(description: str, spec_schema: dict[str, Any], status_model: type[api.BaseModel]) -> dict[str, Any]:
+def _root(description: str, spec_schema: dict[str, Any], status_model: type[BaseModel]) -> dict[str, Any]:
     status_schema = _schema_of(status_model)
     for schema in (spec_schema, status_schema):
         _sort_enum_defaults(schema)

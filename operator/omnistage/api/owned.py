@@ -9,8 +9,25 @@ from typing import Any
 
 from omnistage_engine_patches import contract
 
-from . import OPERATOR_OWNED_FLAGS, OmniStageSpec
 from . import podtemplate as pt
+from .specs import OmniStageSpec
+
+# Flags the operator owns on the engine command line (vllm 0.30.0 / vllm-omni 0.30.0 spellings,
+# short aliases included); spec.engine.extraArgs may set none of them in any form vLLM's parser
+# accepts (the predicates below).
+OPERATOR_OWNED_FLAGS = [
+    # Membership and topology: a user value would break registration or routing.
+    "--omni", "--omni-master-address", "-oma", "--omni-master-port", "-omp", "--stage-id", "--headless",
+    "--omni-replica-address", "-ora", "--omni-dp-size-local", "--port",
+    # More than one API process makes vLLM pick its own frontend cache (processor_only).
+    "--api-server-count", "-asc",
+    # The stage-0 multimodal cache: the operator renders it from spec.cache (the CLI beats the config).
+    "--mm-processor-cache-type", "--mm-processor-cache-gb",
+    # The rendered per-stage config and anything that swaps or overrides it.
+    "--deploy-config", "--stage-overrides",
+    # A YAML file of arguments the operator never sees (it could carry any flag above).
+    "--config",
+]
 
 # Keys of the rendered stage 0 that carry the cache or the replica count. vllm-omni reads them at
 # the top of a stage and inside its nested blocks (runtime:, engine_args:, engine_extras:), so a

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from ..known_pipelines import PIPELINES as KNOWN_PIPELINES
 from ..known_pipelines import SHIPPED_DEPLOY
-from . import CONNECTOR_PORT_SPAN, OmniStageSpec, TransportMode, TransportProtocol
 from .owned import (
     OPERATOR_OWNED_STAGE_KEYS,
     OWNED_ENV_NAMES,
@@ -14,6 +13,7 @@ from .owned import (
     owned_stage_key,
     walk,
 )
+from .specs import CONNECTOR_PORT_SPAN, OmniStageSpec, TransportMode, TransportProtocol
 
 
 def multi_stage_problems(spec: OmniStageSpec) -> list[tuple[str, str]]:

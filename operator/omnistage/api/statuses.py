@@ -7,9 +7,10 @@ from enum import StrEnum
 
 from pydantic import ConfigDict, Field
 
-from . import EffectiveCacheMode, _Model, either
+from . import either
 from .conditions import STAGE_TYPES
 from .conditions import TYPES as CONDITION_TYPES
+from .specs import EffectiveCacheMode, _Model
 
 
 class MemberState(StrEnum):

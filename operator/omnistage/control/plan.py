@@ -7,7 +7,8 @@ observation always yields the same actions.
 
 The steps run in dependency order (children, head, head restart, stale replicas, template roll,
 scale, membership) on one Pass, which records what each decided, so that a pod deleted early in
-the pass is not counted, joined or deleted again by a later step.
+the pass is not counted, joined or deleted again by a later step. Which pods go and which are made
+(stale replicas, the roll, the scale) is rollout.py's; the rest of the steps are the Pass's own.
 """
 
 from __future__ import annotations
@@ -32,13 +33,10 @@ from ..render import (
 )
 from ..render.common import Pool, Target
 from ..render.pods import SHUTDOWN_SECONDS, render_pool_pod
-from . import engine_truth, pods, pools, status
+from . import engine_truth, pods, pools, rollout, status
 from .actions import (
-    DRAIN_DONE,
-    DRAIN_FAILED,
     HEAD_NOT_READY,
     Action,
-    Annotate,
     CreatePod,
     DeletePod,
     Emit,
@@ -50,14 +48,6 @@ from .actions import (
     StartLeave,
 )
 
-# Why a replica leaves, by the reason its `leaving` annotation records (the delete's Event says it).
-_WHY = {
-    Progress.SCALED_DOWN: "spec.replicas is {replicas}",
-    Progress.ROLLING_REPLICA: "its pod template changed",
-    Progress.ROLLED_REPLICA: "it belongs to a previous head",
-    Progress.REPLACED_REPLICA: "its engine exited or it turned NotReady",
-    Progress.POOL_DELETED: "its OmniStagePool {pool} is gone",
-}
 # A pool pod's drain when its pool is gone (the pool's own setting went with it).
 DEFAULT_POOL_DRAIN = OmniStagePoolSpec.model_fields["drain_timeout_seconds"].default
 
@@ -85,9 +75,9 @@ def decide(t: Target, o: Observed, at: str | None = None) -> Pass:
     p.head_pod()
     p.engine_report()
     p.membership_read()
-    p.retire_stale()
-    p.roll()
-    p.scale()
+    rollout.retire_stale(p)
+    rollout.roll(p)
+    rollout.scale(p)
     p.sync_membership()
     p.mark_joined()
     p.announce_stages()
@@ -281,143 +271,9 @@ class Pass:
             self.delete(r)
         self.progressing.append(Progress.HEAD_RESTARTED)
 
-    def _retire(self, pod: dict[str, Any], drain_seconds: int, reason: str, why: str) -> None:
-        """Tell the engine first, then delete: the engine stops routing to the replica and drains it,
-        so no request is cut off by the pod's deletion. The drain is started here and finished on a
-        later pass (the `leaving` annotation records the decision across passes and restarts)."""
-        uid = pods.uid(pod)
-        if uid in self.handled or uid in self.gone:
-            return
-        self.handled.add(uid)
-        if pods.annotation(pod, A_LEAVING) is None:
-            self.actions.append(Annotate(pods.name(pod), {A_LEAVING: reason}))
-        if pods.gated(pod) and pods.joined_condition(pod):
-            # NotReady before the head stops routing to it (mark_joined leaves it alone from now on).
-            self.actions.append(MarkJoined(pods.name(pod), uid, False))
-        self.progressing.append(reason)
-        members = [(stage, self.member_of(pod, stage)) for stage in pods.stage_ids(pod)]
-        leaves = tuple((stage, mm["replicaId"]) for stage, mm in members
-                       if mm is not None and mm.get("state") != contract.LEFT)
-        drain = self.o.drains.get(uid)
-        if leaves and self.head_talks() and drain not in (DRAIN_DONE, DRAIN_FAILED):
-            if drain is None:  # not started, or started by an operator that has since restarted
-                self.actions.append(StartLeave(pods.name(pod), uid, leaves, drain_seconds))
-            return  # DRAIN_RUNNING: the pod stays until the head let every stage's replica go
-        # Left, never joined, or the head cannot be told (its heartbeat timeout detaches it).
-        kind = "pool pod" if pods.pool(pod) else "replica pod"
-        self.delete(pod, reason, f"deleted {kind} {pods.name(pod)}: {why}")
-
-    def retire_stale(self) -> None:
-        """Replicas of another head incarnation or a finished process go at once (replicas whose
-        template changed are roll()'s)."""
-        if not self.head_live():
-            return
-        head_uid = pods.uid(self.head)
-        for r in self.live():
-            drain = self.drain_of(r)
-            if pods.annotation(r, A_LEAVING) is not None:
-                # A retirement decided earlier (this operator or one before a restart) is finished,
-                # whatever happened to the spec since.
-                reason = pods.annotation(r, A_LEAVING) or Progress.SCALED_DOWN
-                self._retire(r, drain if reason in (Progress.SCALED_DOWN, Progress.ROLLING_REPLICA, Progress.POOL_DELETED) else 0,
-                             reason, self._why(reason, r))
-            elif pods.pool(r) is not None and pods.pool(r) not in self.pool_of:
-                self._retire(r, drain, Progress.POOL_DELETED, self._why(Progress.POOL_DELETED, r))
-            elif pods.head_uid(r) != head_uid:
-                self._retire(r, 0, Progress.ROLLED_REPLICA, "it belongs to a previous head")
-            elif pods.terminal(r):
-                self._retire(r, 0, Progress.REPLACED_REPLICA, f"its engine exited ({r['status'].get('phase')})")
-            elif self.listing is not None and self.member_of(r) is not None and not pods.containers_ready(r):
-                # Its container, not its Ready (that waits for the join): a replica the head
-                # lists whose engine stopped answering.
-                self._retire(r, 0, Progress.REPLACED_REPLICA, "it turned NotReady")
-
-    # -- rollouts: surge first, then drain (spec.rollout)
-    def groups(self) -> list[tuple[Pool | None, int]]:
-        """Each set of pods a count applies to: stage-0 replicas, then every pool that runs."""
-        t = self.t
-        return [(None, t.spec.replicas - 1 if t.distributed else 0),
-                *((f.pool, f.pool.spec.replicas) for f in self.pools if f.runs)]
-
-    def outdated(self, pool: Pool | None) -> list[dict[str, Any]]:
-        """Staying pods of the group whose template changed (none without a live head: its replicas
-        are bound to it and go with it, whatever their template)."""
-        if not self.head_live():
-            return []
-        return [r for r in self.staying(pool.name if pool else None) if self.want(r) is not None
-                and pods.template_hash(r) != pods.template_hash(self.want(r))]
-
-    def surge(self, pool: Pool | None) -> int:
-        """Pods a roll of the group may run beyond its desired count (its replacements, made first)."""
-        return min(self.t.spec.rollout.max_surge, len(self.outdated(pool)))
-
-    def surge_blocked(self, pool: Pool | None) -> str | None:
-        """The scheduler's word on a replacement pod of a rolling group that found no node (no GPU
-        free for a surge), else None."""
-        if not self.outdated(pool):
-            return None
-        stuck = [f"{pods.name(r)}: {pods.unschedulable(r)}" for r in self.staying(pool.name if pool else None)
-                 if pods.unschedulable(r) and r not in self.outdated(pool)]
-        return "; ".join(stuck) or None
-
-    def roll(self) -> None:
-        """Replace outdated pods within spec.rollout. Their replacements are created first (scale()
-        allows surge() extra pods) and an outdated pod is drained only while at least desired -
-        maxUnavailable others serve (Ready: joined). Outdated pods that serve nothing go first, at no
-        cost. No GPU free for a surge pod: one pod at a time (its GPU goes to the replacement, and
-        the next waits until that one joined)."""
-        if not self.head_live():
-            return
-        r = self.t.spec.rollout
-        for pool, desired in self.groups():
-            outdated = self.outdated(pool)
-            if not outdated:
-                continue
-            one_at_a_time = r.max_surge == 0 or self.surge_blocked(pool) is not None
-            floor = desired - max(r.max_unavailable, 1 if one_at_a_time else 0)
-            serving = sum(1 for x in self.staying(pool.name if pool else None) if self.serves(x))
-            for x in sorted(outdated, key=self.serves):
-                if self.serves(x):
-                    if serving - 1 < floor:
-                        break
-                    serving -= 1
-                self._retire(x, self.drain_of(x), Progress.ROLLING_REPLICA, "its pod template changed")
-
-    def _why(self, reason: str, pod: dict[str, Any]) -> str:
-        fitted = self.pool_of.get(pods.pool(pod) or "")
-        replicas = fitted.pool.spec.replicas if fitted and fitted.pool else self.t.spec.replicas
-        why = _WHY.get(reason, "it was leaving").format(replicas=replicas, pool=pods.pool(pod))
-        return f"its pool's {why}" if fitted and reason == Progress.SCALED_DOWN else why
-
     def staying(self, pool: str | None) -> list[dict[str, Any]]:
         """Live pods of a pool (None: stage-0 replicas) not on their way out: what its replicas is compared with."""
         return [r for r in self.live(pool) if pods.uid(r) not in self.handled]
-
-    def scale(self) -> None:
-        t = self.t
-        self._scale(None, t.spec.replicas - 1 if t.distributed else 0, f"spec.replicas {t.spec.replicas}")
-        for fitted in self.pools:
-            if fitted.runs:  # a pool that cannot run keeps the pods it has (loses nothing) and gets no more
-                self._scale(fitted.pool, fitted.pool.spec.replicas,
-                            f"OmniStagePool {fitted.name} spec.replicas {fitted.pool.spec.replicas}")
-
-    def _scale(self, pool: Pool | None, desired: int, why: str) -> None:
-        name = pool.name if pool else None
-        staying = self.staying(name)
-        surge = self.surge(pool)  # a roll's replacements, beyond desired until the outdated pods left
-        if len(staying) > desired + surge:
-            for victim in pods.choose_victims(staying, len(staying) - desired - surge):
-                self._retire(victim, self.drain_of(victim), Progress.SCALED_DOWN, self._why(Progress.SCALED_DOWN, victim))
-            return
-        # Pool pods too are created once the head has an IP, not once it is Ready: the head turns Ready
-        # only after one replica of each remote stage registered.
-        if len(staying) < desired + surge and self.head_live():
-            every = [r for r in self.o.replicas if pods.pool(r) == name]
-            for i in pods.free_indices(every, desired + surge - len(staying)):
-                want = self.want_pool_pod(pool, i) if pool else self.want_replica(i)
-                kind = "pool pod" if pool else "replica pod"
-                self.actions.append(CreatePod(want, EventReason.SCALED_UP, f"created {kind} {{pod}} ({why})"))
-                self.progressing.append(Progress.SCALING_UP)
 
     def sync_membership(self) -> None:
         """Join every Ready replica the head has not acknowledged; make the head forget every replica

@@ -20,7 +20,7 @@ from ..api.statuses import MemberState
 from ..names import A_CONFIG_HASH, A_LEAVING
 from ..render import selector
 from ..render.common import Target, pool_selector
-from . import engine_truth, pods, pools
+from . import engine_truth, pods, pools, rollout
 
 if TYPE_CHECKING:
     from .plan import Pass
@@ -159,7 +159,7 @@ def rollout_condition(p: Pass) -> Cond:
         return Cond(Type.ROLLOUT_SURGE, True, Reason.NOT_ROLLING, "every replica and pool pod runs the current template")
     r = p.t.spec.rollout
     bounds = f"maxSurge {r.max_surge}, maxUnavailable {r.max_unavailable}"
-    blocked = "; ".join(filter(None, (p.surge_blocked(pool) for pool, _ in p.groups())))
+    blocked = "; ".join(filter(None, (rollout.surge_blocked(p, pool) for pool, _ in rollout.groups(p))))
     if blocked:
         return Cond(Type.ROLLOUT_SURGE, False, Reason.NO_CAPACITY_FOR_SURGE,
                     f"{len(outdated)} pods to roll; no GPU is free for a surge pod ({blocked}): rolling one pod at a "

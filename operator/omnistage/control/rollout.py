@@ -1,0 +1,178 @@
+"""Which engine pods go and which are made, as steps of a pass (plan.decide runs them in this
+order): retire_stale (pods of another head incarnation, a finished process, a deleted pool, or a
+retirement decided earlier), roll (outdated templates, within spec.rollout) and scale (to each
+group's desired count, plus a roll's surge).
+
+Every pod that goes goes through retire(): the head is told first and the pod deleted once its
+replicas have left, so no request is cut off by the deletion. Pure, like the rest of the plan: the
+steps only append to the Pass's actions.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from omnistage_engine_patches import contract
+
+from ..api.conditions import EventReason, Progress
+from ..names import A_LEAVING
+from ..render.common import Pool
+from . import pods
+from .actions import DRAIN_DONE, DRAIN_FAILED, Annotate, CreatePod, MarkJoined, StartLeave
+
+if TYPE_CHECKING:
+    from .plan import Pass
+
+# Why a replica leaves, by the reason its `leaving` annotation records (the delete's Event says it).
+_WHY = {
+    Progress.SCALED_DOWN: "spec.replicas is {replicas}",
+    Progress.ROLLING_REPLICA: "its pod template changed",
+    Progress.ROLLED_REPLICA: "it belongs to a previous head",
+    Progress.REPLACED_REPLICA: "its engine exited or it turned NotReady",
+    Progress.POOL_DELETED: "its OmniStagePool {pool} is gone",
+}
+
+
+def retire(p: Pass, pod: dict[str, Any], drain_seconds: int, reason: str, why: str) -> None:
+    """Tell the engine first, then delete: the engine stops routing to the replica and drains it,
+    so no request is cut off by the pod's deletion. The drain is started here and finished on a
+    later pass (the `leaving` annotation records the decision across passes and restarts)."""
+    uid = pods.uid(pod)
+    if uid in p.handled or uid in p.gone:
+        return
+    p.handled.add(uid)
+    if pods.annotation(pod, A_LEAVING) is None:
+        p.actions.append(Annotate(pods.name(pod), {A_LEAVING: reason}))
+    if pods.gated(pod) and pods.joined_condition(pod):
+        # NotReady before the head stops routing to it (mark_joined leaves it alone from now on).
+        p.actions.append(MarkJoined(pods.name(pod), uid, False))
+    p.progressing.append(reason)
+    members = [(stage, p.member_of(pod, stage)) for stage in pods.stage_ids(pod)]
+    leaves = tuple((stage, mm["replicaId"]) for stage, mm in members
+                   if mm is not None and mm.get("state") != contract.LEFT)
+    drain = p.o.drains.get(uid)
+    if leaves and p.head_talks() and drain not in (DRAIN_DONE, DRAIN_FAILED):
+        if drain is None:  # not started, or started by an operator that has since restarted
+            p.actions.append(StartLeave(pods.name(pod), uid, leaves, drain_seconds))
+        return  # DRAIN_RUNNING: the pod stays until the head let every stage's replica go
+    # Left, never joined, or the head cannot be told (its heartbeat timeout detaches it).
+    kind = "pool pod" if pods.pool(pod) else "replica pod"
+    p.delete(pod, reason, f"deleted {kind} {pods.name(pod)}: {why}")
+
+
+def retire_stale(p: Pass) -> None:
+    """Replicas of another head incarnation or a finished process go at once (replicas whose
+    template changed are roll()'s)."""
+    if not p.head_live():
+        return
+    head_uid = pods.uid(p.head)
+    for r in p.live():
+        drain = p.drain_of(r)
+        if pods.annotation(r, A_LEAVING) is not None:
+            # A retirement decided earlier (this operator or one before a restart) is finished,
+            # whatever happened to the spec since.
+            reason = pods.annotation(r, A_LEAVING) or Progress.SCALED_DOWN
+            retire(p, r, drain if reason in (Progress.SCALED_DOWN, Progress.ROLLING_REPLICA, Progress.POOL_DELETED) else 0,
+                   reason, _why(p, reason, r))
+        elif pods.pool(r) is not None and pods.pool(r) not in p.pool_of:
+            retire(p, r, drain, Progress.POOL_DELETED, _why(p, Progress.POOL_DELETED, r))
+        elif pods.head_uid(r) != head_uid:
+            retire(p, r, 0, Progress.ROLLED_REPLICA, "it belongs to a previous head")
+        elif pods.terminal(r):
+            retire(p, r, 0, Progress.REPLACED_REPLICA, f"its engine exited ({r['status'].get('phase')})")
+        elif p.listing is not None and p.member_of(r) is not None and not pods.containers_ready(r):
+            # Its container, not its Ready (that waits for the join): a replica the head
+            # lists whose engine stopped answering.
+            retire(p, r, 0, Progress.REPLACED_REPLICA, "it turned NotReady")
+
+
+# -- rollouts: surge first, then drain (spec.rollout)
+def groups(p: Pass) -> list[tuple[Pool | None, int]]:
+    """Each set of pods a count applies to: stage-0 replicas, then every pool that runs."""
+    t = p.t
+    return [(None, t.spec.replicas - 1 if t.distributed else 0),
+            *((f.pool, f.pool.spec.replicas) for f in p.pools if f.runs)]
+
+
+def outdated(p: Pass, pool: Pool | None) -> list[dict[str, Any]]:
+    """Staying pods of the group whose template changed (none without a live head: its replicas
+    are bound to it and go with it, whatever their template)."""
+    if not p.head_live():
+        return []
+    return [r for r in p.staying(pool.name if pool else None) if p.want(r) is not None
+            and pods.template_hash(r) != pods.template_hash(p.want(r))]
+
+
+def surge(p: Pass, pool: Pool | None) -> int:
+    """Pods a roll of the group may run beyond its desired count (its replacements, made first)."""
+    return min(p.t.spec.rollout.max_surge, len(outdated(p, pool)))
+
+
+def surge_blocked(p: Pass, pool: Pool | None) -> str | None:
+    """The scheduler's word on a replacement pod of a rolling group that found no node (no GPU
+    free for a surge), else None."""
+    old = outdated(p, pool)
+    if not old:
+        return None
+    stuck = [f"{pods.name(r)}: {pods.unschedulable(r)}" for r in p.staying(pool.name if pool else None)
+             if pods.unschedulable(r) and r not in old]
+    return "; ".join(stuck) or None
+
+
+def roll(p: Pass) -> None:
+    """Replace outdated pods within spec.rollout. Their replacements are created first (scale()
+    allows surge() extra pods) and an outdated pod is drained only while at least desired -
+    maxUnavailable others serve (Ready: joined). Outdated pods that serve nothing go first, at no
+    cost. No GPU free for a surge pod: one pod at a time (its GPU goes to the replacement, and
+    the next waits until that one joined)."""
+    if not p.head_live():
+        return
+    r = p.t.spec.rollout
+    for pool, desired in groups(p):
+        old = outdated(p, pool)
+        if not old:
+            continue
+        one_at_a_time = r.max_surge == 0 or surge_blocked(p, pool) is not None
+        floor = desired - max(r.max_unavailable, 1 if one_at_a_time else 0)
+        serving = sum(1 for x in p.staying(pool.name if pool else None) if p.serves(x))
+        for x in sorted(old, key=p.serves):
+            if p.serves(x):
+                if serving - 1 < floor:
+                    break
+                serving -= 1
+            retire(p, x, p.drain_of(x), Progress.ROLLING_REPLICA, "its pod template changed")
+
+
+def scale(p: Pass) -> None:
+    t = p.t
+    _scale(p, None, t.spec.replicas - 1 if t.distributed else 0, f"spec.replicas {t.spec.replicas}")
+    for fitted in p.pools:
+        if fitted.runs:  # a pool that cannot run keeps the pods it has (loses nothing) and gets no more
+            _scale(p, fitted.pool, fitted.pool.spec.replicas,
+                   f"OmniStagePool {fitted.name} spec.replicas {fitted.pool.spec.replicas}")
+
+
+def _scale(p: Pass, pool: Pool | None, desired: int, why: str) -> None:
+    name = pool.name if pool else None
+    staying = p.staying(name)
+    extra = surge(p, pool)  # a roll's replacements, beyond desired until the outdated pods left
+    if len(staying) > desired + extra:
+        for victim in pods.choose_victims(staying, len(staying) - desired - extra):
+            retire(p, victim, p.drain_of(victim), Progress.SCALED_DOWN, _why(p, Progress.SCALED_DOWN, victim))
+        return
+    # Pool pods too are created once the head has an IP, not once it is Ready: the head turns Ready
+    # only after one replica of each remote stage registered.
+    if len(staying) < desired + extra and p.head_live():
+        every = [r for r in p.o.replicas if pods.pool(r) == name]
+        for i in pods.free_indices(every, desired + extra - len(staying)):
+            want = p.want_pool_pod(pool, i) if pool else p.want_replica(i)
+            kind = "pool pod" if pool else "replica pod"
+            p.actions.append(CreatePod(want, EventReason.SCALED_UP, f"created {kind} {{pod}} ({why})"))
+            p.progressing.append(Progress.SCALING_UP)
+
+
+def _why(p: Pass, reason: str, pod: dict[str, Any]) -> str:
+    fitted = p.pool_of.get(pods.pool(pod) or "")
+    replicas = fitted.pool.spec.replicas if fitted and fitted.pool else p.t.spec.replicas
+    why = _WHY.get(reason, "it was leaving").format(replicas=replicas, pool=pods.pool(pod))
+    return f"its pool's {why}" if fitted and reason == Progress.SCALED_DOWN else why
