@@ -123,7 +123,7 @@ def referenced(enum) -> set[str]:
 
 
 # The calls that set a reason, and which argument is the reason.
-REASON_ARGUMENT = {"Cond": 2, "emit": 1, "Emit": 1, "CreatePod": 1, "DeletePod": 2, "retire": -2}
+REASON_ARGUMENT = {"Cond": 2, "emit": 1, "PostEvent": 1, "CreatePod": 1, "DeletePod": 2, "retire": -2}
 
 
 def _literals(node: ast.AST):

@@ -20,12 +20,12 @@ from omnistage.control.actions import (
     Annotate,
     CreatePod,
     DeletePod,
-    Emit,
     EnsureChild,
-    Forget,
     Join,
+    LeaveDeparted,
     MarkJoined,
     Observed,
+    PostEvent,
     StartLeave,
 )
 from omnistage.control.plan import plan
@@ -115,7 +115,7 @@ def situation(replicas=3, pods_=None, members=None, **kw):
     t = target_from(obj)
     rs = pods_(t) if pods_ else [replica(t, i) for i in range(1, replicas)]
     ms = members(rs) if members else [member(r, i) for i, r in enumerate(rs, 1)]
-    o = {"obj": obj, "head": head(t), "replicas": tuple(rs), "head_reachable": True, "report": report(t),
+    o = {"obj": obj, "head": head(t), "replicas": tuple(rs), "head_addressable": True, "report": report(t),
          "listing": listing(*ms)}
     o.update(kw)
     return t, Observed(**{k: v(t) if callable(v) and k in ("head", "report") else v for k, v in o.items()})
@@ -126,7 +126,7 @@ def of(actions, kind):
 
 
 def changes(actions):
-    return [a for a in actions if not isinstance(a, Emit | EnsureChild)]
+    return [a for a in actions if not isinstance(a, PostEvent | EnsureChild)]
 
 
 def cond(status, ctype):
@@ -148,7 +148,7 @@ def test_at_rest_nothing_changes_and_ready():
 
 
 def test_no_head_creates_the_head_and_no_replica():
-    t, o = situation(3, pods_=lambda t: [], members=lambda rs: [], head=None, head_reachable=False, report=None,
+    t, o = situation(3, pods_=lambda t: [], members=lambda rs: [], head=None, head_addressable=False, report=None,
                      listing=None)
     actions, status, _ = plan(t, o, AT)
     creates = of(actions, CreatePod)
@@ -221,7 +221,7 @@ def test_head_engine_restarted_rolls_every_replica_and_joins_nobody():
     t, o = situation(3, listing=listing(boot="boot-2"))
     actions, status, _ = plan(t, o, AT)
     assert {a.name for a in of(actions, DeletePod)} == {"qwen3-omni-replica-1", "qwen3-omni-replica-2"}
-    assert any(e.reason == "HeadRestarted" for e in of(actions, Emit))
+    assert any(e.reason == "HeadRestarted" for e in of(actions, PostEvent))
     assert of(actions, Join) == []
     # Their successors get new names: the old ones are still terminating under theirs.
     assert [pods.index(c.obj) for c in of(actions, CreatePod)] == [3, 4]
@@ -262,7 +262,7 @@ def test_invalid_spec_deletes_nothing():
     _, o = situation(3)
     actions, status, _ = plan(InvalidSpec([("spec.cache.mode", "lru needs a static single replica")]), o, AT)
     assert changes(actions) == []
-    assert [e.reason for e in of(actions, Emit)] == ["InvalidSpec"]
+    assert [e.reason for e in of(actions, PostEvent)] == ["InvalidSpec"]
     assert cond(status, Type.CONFIG_RENDERED)["status"] == "False" and cond(status, Type.READY)["reason"] == "InvalidSpec"
     # Said once: the same invalid spec on the next pass emits nothing.
     again, _, _ = plan(InvalidSpec([("spec.cache.mode", "lru needs a static single replica")]),
@@ -274,7 +274,7 @@ def test_unreachable_head_no_membership_calls_scale_down_deletes_without_a_drain
     t, o = situation(2, pods_=lambda t: [replica(t, 1), replica(t, 2)], report=None, listing=None,
                      report_problem="head unreachable: timed out", listing_problem="timed out")
     actions, status, _ = plan(t, o, AT)
-    assert of(actions, Join) == [] and of(actions, Forget) == [] and of(actions, StartLeave) == []
+    assert of(actions, Join) == [] and of(actions, LeaveDeparted) == [] and of(actions, StartLeave) == []
     # Nobody to tell: its heartbeat timeout detaches the replica; the scale-down does not wait.
     assert [a.name for a in of(actions, DeletePod)] == ["qwen3-omni-replica-2"]
     assert cond(status, Type.CACHE_CONSISTENT)["reason"] == Reason.ENGINE_UNREPORTED
@@ -289,7 +289,7 @@ def test_joins_are_held_while_cache_consistent_is_false():
     actions, status, _ = plan(t, o, AT)
     assert of(actions, Join) == []
     assert cond(status, Type.CACHE_CONSISTENT)["reason"] == Reason.CACHE_MISMATCH
-    assert [e.reason for e in of(actions, Emit)] == [Reason.CACHE_MISMATCH]
+    assert [e.reason for e in of(actions, PostEvent)] == [Reason.CACHE_MISMATCH]
     assert all(m["state"] == "Joining" and m["reason"] == f"{Type.CACHE_CONSISTENT}: {Reason.CACHE_MISMATCH}"
                for m in status["members"])
     assert "is not joined" in cond(status, Type.MEMBERSHIP_SYNCED)["message"]
@@ -307,7 +307,7 @@ def test_a_member_whose_pod_is_gone_is_forgotten():
                                             {"replicaId": 9, "pod": "qwen3-omni-replica-9", "host": "127.77.0.99",
                                              "state": contract.ATTACHED}])
     actions, _, _ = plan(t, o, AT)
-    assert of(actions, Forget) == [Forget(9, "qwen3-omni-replica-9")]
+    assert of(actions, LeaveDeparted) == [LeaveDeparted(9, "qwen3-omni-replica-9")]
 
 
 def test_template_change_surges_first_and_drains_nothing_until_the_replacement_joined():
@@ -381,7 +381,7 @@ def test_spec_rollout_bounds_what_drains_at_once(rollout, drained, created):
     obj = omnistage(4, rollout=rollout)
     t = target_from(obj)
     rs = [replica(t, i, template="old") for i in (1, 2, 3)]
-    o = Observed(obj=obj, head=head(t), replicas=tuple(rs), head_reachable=True, report=report(t),
+    o = Observed(obj=obj, head=head(t), replicas=tuple(rs), head_addressable=True, report=report(t),
                  listing=listing(*(member(r, i) for i, r in enumerate(rs, 1))))
     actions, _, _ = plan(t, o, AT)
     assert [a.pod for a in of(actions, StartLeave)] == drained
@@ -455,18 +455,18 @@ def test_a_replaced_head_never_reads_as_an_engine_restart():
         stored = apply_merge_patch(stored, merge_patch(stored, status))
         return actions
 
-    base = {"head_reachable": True, "replicas": o.replicas}
+    base = {"head_addressable": True, "replicas": o.replicas}
     passes({**base, "head": o.head, "report": o.report, "listing": o.listing})  # at rest, boot-1
-    passes({**base, "head": None, "head_reachable": False})  # the old pod is gone: head re-created
+    passes({**base, "head": None, "head_addressable": False})  # the old pod is gone: head re-created
     new_head = head(t, ready=False)
     new_head["metadata"]["uid"] = "head-uid-2"
-    passes({**base, "head": new_head, "head_reachable": False})  # not Ready yet: replicas rolled
+    passes({**base, "head": new_head, "head_addressable": False})  # not Ready yet: replicas rolled
     new_head = head(t)
     new_head["metadata"]["uid"] = "head-uid-2"
     fresh = [replica(t, i, head_uid="head-uid-2") for i in (3, 4)]
-    actions = passes({"head": new_head, "replicas": tuple(fresh), "head_reachable": True,
+    actions = passes({"head": new_head, "replicas": tuple(fresh), "head_addressable": True,
                       "report": {**report(t), "bootId": "boot-2"}, "listing": listing(boot="boot-2")})
-    assert not any(e.reason == "HeadRestarted" for e in of(actions, Emit))
+    assert not any(e.reason == "HeadRestarted" for e in of(actions, PostEvent))
     assert of(actions, DeletePod) == []
     assert stored["head"] == {"pod": "qwen3-omni-head", "uid": "head-uid-2", "ip": HEAD_IP, "bootId": "boot-2",
                               "restarts": 0}
@@ -550,9 +550,9 @@ def test_a_replica_pod_deleted_by_someone_else_is_drained_within_its_grace(left,
     """Fails on a plan that makes the head forget such a replica at once (no drain)."""
     t, o = situation(3, pods_=lambda t: [replica(t, 1), _deleted(replica(t, 2), left)])
     actions, status, _ = plan(t, o, AT)
-    assert of(actions, Forget) == []
+    assert of(actions, LeaveDeparted) == []
     assert of(actions, StartLeave) == [StartLeave("qwen3-omni-replica-2", "uid-r2", ((0, 2),), drain)]
-    assert [e.reason for e in of(actions, Emit) if e.reason == "Disrupted"] == ["Disrupted"]
+    assert [e.reason for e in of(actions, PostEvent) if e.reason == "Disrupted"] == ["Disrupted"]
     assert [(m["pod"], m["state"]) for m in status["members"]] == [
         ("qwen3-omni-replica-1", "Joined"), ("qwen3-omni-replica-2", "Leaving")]
     # Its replacement does not wait for it.
@@ -563,14 +563,14 @@ def test_a_replica_pod_deleted_by_someone_else_is_drained_within_its_grace(left,
 def test_a_disrupted_replica_is_drained_once(drain):
     t, o = situation(3, pods_=lambda t: [replica(t, 1), _deleted(replica(t, 2), 60)], drains={"uid-r2": drain})
     actions, _, _ = plan(t, o, AT)
-    assert of(actions, StartLeave) == [] and of(actions, Forget) == []
+    assert of(actions, StartLeave) == [] and of(actions, LeaveDeparted) == []
 
 
 def test_a_replica_pod_the_operator_deleted_after_its_leave_is_not_drained_again():
     t, o = situation(3, pods_=lambda t: [replica(t, 1), _deleted(replica(t, 2, leaving="ScaledDown"), 50)],
                      members=lambda rs: [member(rs[0], 1), member(rs[1], 2, state=contract.LEFT)])
     actions, _, _ = plan(t, o, AT)
-    assert of(actions, StartLeave) == [] and of(actions, Forget) == []
+    assert of(actions, StartLeave) == [] and of(actions, LeaveDeparted) == []
 
 
 # ---- disruption budgets (issue 19) ---------------------------------------------------------------

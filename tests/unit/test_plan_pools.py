@@ -14,8 +14,8 @@ from omnistage.control import pods
 from omnistage.control.actions import (
     CreatePod,
     DeletePod,
-    Forget,
     Join,
+    LeaveDeparted,
     Observed,
     StartLeave,
 )
@@ -74,7 +74,7 @@ def stage_listing(stage0, by_stage):
 
 def observe(obj, t, *, replicas=(), pool_pods=(), pools=(), stage0=None, by_stage=None, **kw):
     replicas = list(replicas)
-    o = {"obj": obj, "head": head(t), "replicas": tuple(replicas + list(pool_pods)), "head_reachable": True,
+    o = {"obj": obj, "head": head(t), "replicas": tuple(replicas + list(pool_pods)), "head_addressable": True,
          "report": report(t), "pools": tuple(pools),
          "listing": stage_listing(stage0 if stage0 is not None else [member(r, i) for i, r in enumerate(replicas, 1)],
                                   by_stage or {})}
@@ -116,7 +116,7 @@ def test_at_rest_with_a_speech_pool_is_ready_and_says_where_each_stage_runs():
 def test_pool_pods_are_created_once_the_head_has_an_ip_not_once_it_is_ready():
     obj, t = pipeline()
     pool = pool_obj(replicas=2)
-    o = observe(obj, t, pools=[pool], head=head(t, ready=False), head_reachable=True, report=None, listing=None)
+    o = observe(obj, t, pools=[pool], head=head(t, ready=False), head_addressable=True, report=None, listing=None)
     actions, status, _ = plan(t, o, AT)
     created = [a.obj["metadata"]["name"] for a in of(actions, CreatePod)]
     assert created == ["qwen3-omni-replica-1", "speech-1", "speech-2"]
@@ -133,7 +133,7 @@ def test_no_pool_pod_without_a_head_ip():
     obj, t = pipeline()
     no_ip = head(t, ready=False)
     no_ip["status"].pop("podIP")
-    o = observe(obj, t, pools=[pool_obj()], head=no_ip, head_reachable=False, report=None, listing=None)
+    o = observe(obj, t, pools=[pool_obj()], head=no_ip, head_addressable=False, report=None, listing=None)
     actions, _, _ = plan(t, o, AT)
     assert of(actions, CreatePod) == []
 
@@ -192,7 +192,7 @@ def test_a_pool_pod_gone_from_the_cluster_is_forgotten_for_each_stage():
         by_stage[k].append({"replicaId": 4, "pod": "speech-9", "host": "127.77.1.9", "state": contract.ATTACHED})
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=by_stage)
     actions, _, _ = plan(t, o, AT)
-    assert of(actions, Forget) == [Forget(4, "speech-9", 1), Forget(4, "speech-9", 2)]
+    assert of(actions, LeaveDeparted) == [LeaveDeparted(4, "speech-9", 1), LeaveDeparted(4, "speech-9", 2)]
 
 
 def test_a_new_head_rolls_pool_pods_too():

@@ -16,7 +16,7 @@ DRAIN_FAILED = "failed"  # the head could not be told; its heartbeat timeout det
 # ---- actions: what act.py executes, in order ---------------------------------------------------
 
 @dataclass(frozen=True)
-class Emit:
+class PostEvent:
     type: str  # "Normal" | "Warning"
     reason: str
     message: str
@@ -62,7 +62,7 @@ class StartLeave:
 
 
 @dataclass(frozen=True)
-class Forget:
+class LeaveDeparted:
     """The head still lists a replica whose pod is gone: leave at once (no drain, nothing to route to)."""
     replica_id: int
     who: str
@@ -86,19 +86,19 @@ class MarkJoined:
     joined: bool
 
 
-Action = Emit | EnsureChild | CreatePod | DeletePod | Annotate | StartLeave | Forget | Join | MarkJoined
+Action = PostEvent | EnsureChild | CreatePod | DeletePod | Annotate | StartLeave | LeaveDeparted | Join | MarkJoined
 
 
 # ---- observation ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Observed:
-    """Everything one pass read. `head_reachable` means a head client could be built (head pod has
+    """Everything one pass read. `head_addressable` means a head client could be built (head pod has
     an IP and is not terminating); report/listing are None when not asked or no answer, with why."""
     obj: dict[str, Any]
     head: dict[str, Any] | None = None
     replicas: tuple[dict[str, Any], ...] = ()
-    head_reachable: bool = False
+    head_addressable: bool = False
     report: dict[str, Any] | None = None
     report_problem: str | None = None
     listing: dict[str, Any] | None = None

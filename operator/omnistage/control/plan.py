@@ -39,12 +39,12 @@ from .actions import (
     Action,
     CreatePod,
     DeletePod,
-    Emit,
     EnsureChild,
-    Forget,
     Join,
+    LeaveDeparted,
     MarkJoined,
     Observed,
+    PostEvent,
     StartLeave,
 )
 
@@ -90,7 +90,7 @@ def _invalid(err: InvalidSpec, o: Observed, generation: int | None, at: str) -> 
     message = str(err)
     actions: list[Action] = []
     if condition(previous, Type.CONFIG_RENDERED).get("message") != message:
-        actions.append(Emit("Warning", Reason.INVALID_SPEC, message))
+        actions.append(PostEvent("Warning", Reason.INVALID_SPEC, message))
     conds = [Cond(Type.CONFIG_RENDERED, False, Reason.INVALID_SPEC, message),
              Cond(Type.READY, False, Reason.INVALID_SPEC, message)]
     return Plan(actions, {**previous, "conditions": merge(previous.get("conditions", []), conds, generation, at)}, {})
@@ -122,7 +122,7 @@ class Pass:
 
     # -- helpers
     def emit(self, etype: str, reason: str, message: str) -> None:
-        self.actions.append(Emit(etype, reason, message))
+        self.actions.append(PostEvent(etype, reason, message))
 
     def want_replica(self, index: int) -> dict[str, Any]:
         if index not in self._want_replica:
@@ -159,7 +159,7 @@ class Pass:
 
     def head_talks(self) -> bool:
         """A head client exists and the head pod is Ready: the only head the plan reads answers from."""
-        return self.o.head_reachable and self.head_live() and pods.ready(self.head)
+        return self.o.head_addressable and self.head_live() and pods.ready(self.head)
 
     def live(self, pool: str | None = "*") -> list[dict[str, Any]]:
         """Replica and pool pods not going away; of one pool (None: stage-0 replicas) unless "*"."""
@@ -289,7 +289,7 @@ class Pass:
                     continue
                 pod = live.get(mm.get("pod")) or next((r for r in runs if pods.ip(r) == mm.get("host")), None)
                 if pod is None and self.disrupted(mm) is None:
-                    self.actions.append(Forget(mm["replicaId"], str(mm.get("pod") or mm.get("host")), stage))
+                    self.actions.append(LeaveDeparted(mm["replicaId"], str(mm.get("pod") or mm.get("host")), stage))
         self.drain_disrupted()
         for name, pod in live.items():
             if not pods.containers_ready(pod) or pods.annotation(pod, A_LEAVING) is not None \

@@ -105,7 +105,7 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
     problems: list[str] = []
     refused: set[str] = set()  # pods whose join failed in this run: not marked joined
     for a in planned:
-        if isinstance(a, actions.Emit):
+        if isinstance(a, actions.PostEvent):
             emit(a.type, a.reason, a.message)
         elif isinstance(a, actions.EnsureChild):
             meta = a.obj["metadata"]
@@ -139,7 +139,7 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
         elif isinstance(a, actions.StartLeave):
             if client is not None:
                 drains.start(namespace, owner, client, a, emit)
-        elif isinstance(a, actions.Forget):
+        elif isinstance(a, actions.LeaveDeparted):
             who = f"replica {a.replica_id}" + (f" of stage {a.stage}" if a.stage else "")
             try:
                 head_client.leave(client, a.replica_id, 0, a.stage)

@@ -18,8 +18,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ..api.validation import InvalidSpec
 from ..control import pods, pools
-from ..control.actions import Action, EnsureChild, Observed
-from ..control.actions import Emit as EmitAction
+from ..control.actions import Action, EnsureChild, Observed, PostEvent
 from ..control.plan import plan
 from ..control.status import pool_status
 from ..names import L_ROLE, ROLE_POOL, ROLE_REPLICA
@@ -142,7 +141,7 @@ def observe(obj: dict[str, Any], t: Target, token: str,
         report, listing, report_problem, listing_problem = ask_head(client, view, t.distributed)
         if view.token_refused:  # 401: the Secret was replaced; read it again next pass
             memory.TOKENS.forget(t.namespace, t.name)
-    return Observed(obj=obj, head=head, replicas=replicas, head_reachable=client is not None, report=report,
+    return Observed(obj=obj, head=head, replicas=replicas, head_addressable=client is not None, report=report,
                     report_problem=report_problem, listing=listing, listing_problem=listing_problem,
                     drains=act_step.DRAINS.states(t.namespace, t.name), problems=problems,
                     pools=tuple(STATE.pools.owned(t.namespace, t.name))), client
@@ -158,9 +157,9 @@ def _fingerprint(o: Observed, t: Target) -> tuple[Any, ...]:
     view = memory.HEADS.get((t.namespace, t.name))
     return (_rv(o.obj), _rv(o.head), tuple(sorted(_rv(r) or "" for r in o.replicas)),
             tuple(sorted(_rv(p) or "" for p in o.pools)), children,
-            o.head_reachable, tuple(sorted(o.drains.items())), o.problems,
+            o.head_addressable, tuple(sorted(o.drains.items())), o.problems,
             said(view, o.report, o.listing, o.report_problem, o.listing_problem))
 
 
 def _changes(actions: list[Action]) -> bool:
-    return any(not isinstance(a, EmitAction | EnsureChild) for a in actions)
+    return any(not isinstance(a, PostEvent | EnsureChild) for a in actions)
