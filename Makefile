@@ -3,7 +3,7 @@ VENV ?= $(HOME)/.cache/omnistage/venv
 export OMNISTAGE_VENV := $(VENV)
 PY := $(VENV)/bin/python
 
-.PHONY: setup real-engine-env test test-unit test-engine test-negative test-connector test-cluster test-real demo lint crd golden k8s-bins cluster-up cluster-down e2e-kind
+.PHONY: setup real-engine-env test test-full test-unit test-engine test-negative test-connector test-cluster test-real demo lint crd golden k8s-bins cluster-up cluster-down e2e-kind
 
 setup:
 	bash hack/setup.sh
@@ -15,11 +15,17 @@ real-engine-env:
 
 # Every tier that can run here: unit, engine (CPU), cluster (local control plane started by the fixture)
 # and real engines (tests/cluster/real: the rendered pods' own vllm serve commands on the CPU); then
-# the engine tier's negative controls (test-negative).
+# the engine tier's negative controls (test-negative). Without the runs marked `full` (disruptions
+# under a request stream, minutes of engine restarts each): `make test-full` adds them.
 test: setup real-engine-env
 	@OMNISTAGE_VENV=$(VENV) bash hack/demo.sh down-if-running
-	$(PY) -m pytest tests --durations=25
+	$(PY) -m pytest tests -m "not full" --durations=25
 	$(PY) -m tests.engine.negative_controls
+
+# make test, then the full runs of the real-engine tier, then the whole kind tier (make e2e-kind).
+test-full: test
+	$(PY) -m pytest tests -m full --durations=10
+	$(MAKE) e2e-kind
 
 test-unit: setup
 	$(PY) -m pytest tests/unit

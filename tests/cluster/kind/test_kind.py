@@ -4,8 +4,8 @@ real containers under real kubelets, serving real requests (fixtures and what is
 One cluster, one operator release, one OmniStage for the module, in this order: install, serve,
 what only a kubelet shows, scale up and down under load with the leader operator pod deleted during
 the scale-up, a replica pod deleted, a node drained through the budget, the head container killed,
-`helm upgrade` while serving, `helm uninstall`. The three marked kind_full (minutes of engine restarts each) run in `make e2e-kind`,
-not in CI (.ci/run says why).
+`helm upgrade` while serving, `helm uninstall`. The three marked full (minutes of engine restarts
+each) run in `make e2e-kind`, not in CI (.ci/run says why).
 Every step prints its figures; requests go through the head with a bounded stream and every one
 must get a complete answer where the operator could have finished it.
 """
@@ -145,7 +145,7 @@ def test_scale_up_and_down_under_load_with_the_leader_deleted(stage, kubectl, wa
     assert results and not lost, client.table(lost)
 
 
-@pytest.mark.kind_full
+@pytest.mark.full
 def test_replica_pod_deleted_is_replaced_and_rejoins(stage):
     [victim] = stage.replica_pods()
     t0 = time.monotonic()
@@ -160,7 +160,7 @@ def test_replica_pod_deleted_is_replaced_and_rejoins(stage):
     assert all(r.complete for r in results), client.table(results)
 
 
-@pytest.mark.kind_full
+@pytest.mark.full
 @pytest.mark.timeout(3 * HEAD_READY_TIMEOUT)
 def test_node_drain_evicts_through_the_budget_and_loses_nothing(stage, kubectl):
     """`kubectl drain` of a worker holding both replicas (3 serving: the head and two replicas), through
@@ -234,7 +234,7 @@ def test_node_drain_evicts_through_the_budget_and_loses_nothing(stage, kubectl):
     FIGURES["kubectl scale 3->2 (after the drain) -> pod gone"] = time.monotonic() - t2
 
 
-@pytest.mark.kind_full
+@pytest.mark.full
 def test_head_container_killed_kubelet_restarts_it_and_replicas_roll(stage, kubectl):
     before = stage.pod(f"{NAME}-head")["status"]["containerStatuses"][0]["restartCount"]
     [old_replica] = stage.replica_pods()
