@@ -188,6 +188,7 @@ def test_node_drain_evicts_through_the_budget_and_loses_nothing(stage, kubectl):
         kubectl("uncordon", other)
     before = stage.replica_pods()
     assert {stage.pod(p)["spec"]["nodeName"] for p in before} == {node}, before
+    uids = {stage.pod(p)["metadata"]["uid"] for p in before}  # names come back after a scale-down
     token = stage.head.token()
     floor: list[int] = []
     with stream(stage, requests=1500, concurrency=2, seconds=HEAD_READY_TIMEOUT) as results:
@@ -226,7 +227,7 @@ def test_node_drain_evicts_through_the_budget_and_loses_nothing(stage, kubectl):
     assert results and not lost and not errored, client.table(lost + errored)
     assert refusals >= 1, f"the budget never refused an eviction:\n{drain.stdout}{drain.stderr}"
     assert floor and min(floor) >= 2, f"serving fell to {min(floor) if floor else None}"
-    assert not set(after) & set(before)
+    assert not {stage.pod(p)["metadata"]["uid"] for p in after} & uids, "every drained replica was replaced"
     t2 = stage.scale(2)
     stage.wait_for("scale 3 -> 2 after the drain: a replica pod gone",
                    lambda: len(stage.replica_pods()) == 1 and stage.get()["status"].get("replicas") == 2,
