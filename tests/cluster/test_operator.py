@@ -642,9 +642,11 @@ def test_pod_template_reaches_engine_pods_and_a_change_rolls_them(kubectl, wait_
         assert pod["metadata"]["labels"]["team"] == "multimodal"
         assert pod["metadata"]["labels"][L_COMPONENT] == "engine", "the operator's labels stay"
         container = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
-        # (the API server copies the GPU limit into requests, as for any extended resource)
+        # (the API server copies the GPU limit into requests, as for any extended resource; without
+        # spec.modelVolume the operator requests the weights' download volume as ephemeral storage)
         assert container["resources"]["limits"] == {GPU: "1"}
-        assert container["resources"]["requests"] == {"cpu": "2", "memory": "6Gi", GPU: "1"}
+        assert container["resources"]["requests"] == {"cpu": "2", "memory": "6Gi", GPU: "1",
+                                                      "ephemeral-storage": "100Gi"}
         env = {e["name"]: e for e in container["env"]}
         assert env["HF_TOKEN"] == token_env and "POD_IP" in env
         assert container["command"] == ["vllm"]
