@@ -537,6 +537,25 @@ def test_unread_membership_leaves_the_gates_alone():
     assert of(actions, MarkJoined) == []
 
 
+def test_a_new_pod_under_a_joined_name_is_not_joined_until_it_joins():
+    """Names come back (a scale-down, an eviction): the head still lists the earlier replica-2, joined
+    from its old address, while the new replica-2 loads at another. The new pod is not serving: it
+    is joined, and its gate stays False until the join lands (CI caught a Ready gate the head did
+    not back, in a node drain on the cluster tier)."""
+    def pods_(t):
+        new = replica(t, 2, ready=False, containers=True, joined=False)
+        new["status"]["podIP"] = "127.77.0.99"
+        return [replica(t, 1), new]
+    t, o = situation(3, pods_=pods_, members=lambda rs: [
+        member(rs[0], 1), {"replicaId": 2, "pod": "qwen3-omni-replica-2", "host": "127.77.0.12",
+                           "state": contract.DRAINING}, registered(rs[1], 5)])
+    actions, status, _ = plan(t, o, AT)
+    assert changes(actions) == [Join("qwen3-omni-replica-2", "127.77.0.99"),
+                                MarkJoined("qwen3-omni-replica-2", "uid-r2", True)]
+    assert [m["state"] for m in status["members"]] == ["Joined", "Joining"]
+    assert status["readyReplicas"] == 2
+
+
 # ---- evictions and deletions by someone else drain (issue 19) -----------------------------------
 
 def _deleted(pod, seconds_left):

@@ -170,10 +170,18 @@ class Pass:
         return contract.members(self.listing, stage) if self.listing is not None else []
 
     def member_of(self, pod: dict[str, Any], stage: int = 0) -> dict[str, Any] | None:
+        """The member this pod runs: joined under its name from its address, else registered from
+        its address. A member joined under its name from another address is an earlier pod of that
+        name (names come back after a scale-down or an eviction), not this one."""
+        name, ip = pods.name(pod), pods.ip(pod)
+        by_host = None
         for mm in self.members(stage):
-            if mm.get("pod") == pods.name(pod) or (pods.ip(pod) and mm.get("host") == pods.ip(pod)):
+            same_host = bool(ip) and mm.get("host") == ip
+            if mm.get("pod") == name and (same_host or not ip or not mm.get("host")):
                 return mm
-        return None
+            if same_host and by_host is None:
+                by_host = mm
+        return by_host
 
     def joined(self, pod: dict[str, Any], stage: int) -> bool:
         mm = self.member_of(pod, stage)
