@@ -197,7 +197,10 @@ have_kwok || build_kwok
 have_helm || build_helm
 have_crds || copy_crds
 
-"$OUT/kube-apiserver" --version >&2; "$OUT/etcd" --version | head -1 >&2; "$OUT/kwok" --version >&2 || true
+# etcd prints four lines: captured first, as in cached() above (`| head -1` killed it with SIGPIPE
+# under pipefail, and a cold build with it).
+v="$("$OUT/etcd" --version)"; "$OUT/kube-apiserver" --version >&2; echo "${v%%$'\n'*}" >&2
+"$OUT/kwok" --version >&2 || true
 "$OUT/helm" version --short >&2 || true
 log "built in $(( $(date +%s) - start ))s into $OUT"
 cached || { echo "built binaries do not report the pinned versions (see above)" >&2; exit 1; }

@@ -88,7 +88,7 @@ import yaml
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
-from tests.standin import realpod
+from tests.standin import realpod, zygote
 from tests.standin.realpod import EngineImage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -271,8 +271,16 @@ def _container_env(pod: dict[str, Any]) -> dict[str, str]:
             if e.get("name", "").startswith(PASSED_ENV_PREFIX) and "valueFrom" not in e}
 
 
-def _child_env(ip: str, pod: dict[str, Any]) -> dict[str, str]:
+def _base_env() -> dict[str, str]:
+    """The runtime's environment as its stand-ins get it: no proxy variables, this tree importable."""
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env.update({"PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
+    return env
+
+
+def _child_env(ip: str, pod: dict[str, Any]) -> dict[str, str]:
+    env = _base_env()
     env.update(_container_env(pod))  # the pod's contract variables win over the runtime's own
     env.update({
         "PYTHONUNBUFFERED": "1",
@@ -281,7 +289,7 @@ def _child_env(ip: str, pod: dict[str, Any]) -> dict[str, str]:
         "POD_IP": ip,
         "POD_NAME": pod["metadata"]["name"],
         "POD_NAMESPACE": pod["metadata"]["namespace"],
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        "PYTHONPATH": _base_env()["PYTHONPATH"],
     })
     return env
 
@@ -298,7 +306,7 @@ class Proc:
     argv: list[str]
     log_path: Path
     restart_policy: str
-    popen: subprocess.Popen | None = None
+    popen: subprocess.Popen | zygote.ZygoteChild | None = None
     started_at: float = 0.0
     starts: int = 0            # 1 + restarts; each start is a new head boot id
     restart_at: float | None = None
@@ -363,6 +371,8 @@ class StandinRuntime:
         self.error: BaseException | None = None
         self.events: list[dict[str, Any]] = []   # every start/stop/exit, for tests and benchmarks
         self._pending_env: dict[tuple[str, str, str], dict[str, str]] = {}  # real mode, until the Proc exists
+        self._zygote: zygote.Zygote | None = None  # stand-in mode: the fork server (tests/standin/zygote.py)
+        self._zygote_said = False
 
     # ----- logging -----------------------------------------------------------------------------
 
@@ -387,6 +397,9 @@ class StandinRuntime:
         for sub in ("logs", "pids", "tokens"):
             (self.state_dir / sub).mkdir(exist_ok=True)
         self._reap_stale()
+        if self.image is None and zygote.enabled():
+            # Imports torch and vLLM once for every stand-in this runtime starts (zygote.py says why).
+            self._zygote = zygote.Zygote(self.python, _base_env(), str(ROOT), self.state_dir / "logs" / "zygote.log")
         scopes = self._scopes()
         for ns in scopes:
             t = threading.Thread(target=self._watch_loop, args=(ns,), name=f"watch-{ns or 'all'}", daemon=True)
@@ -429,6 +442,8 @@ class StandinRuntime:
             # A watch thread sits in a long poll until the next event; it is a daemon and only
             # reads, so do not wait for it long.
             t.join(5 if t.name == "supervisor" else 0.5)
+        if self._zygote is not None:
+            self._zygote.close()
         self.log("stopped")
 
     def __enter__(self) -> Self:
@@ -804,9 +819,11 @@ class StandinRuntime:
             # Own session: SIGTERM/SIGKILL reach every process the stand-in forks, and a Ctrl-C in the
             # runtime's terminal does not hit the engines before the runtime stops them in order.
             real = p.env is not None
-            p.popen = subprocess.Popen(p.argv, cwd=p.env["HOME"] if real else ROOT,
-                                       env=p.env if real else _child_env(p.ip, pod), stdin=subprocess.DEVNULL,
-                                       stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+            p.popen = None if real else self._fork(p, pod)
+            if p.popen is None:
+                p.popen = subprocess.Popen(p.argv, cwd=p.env["HOME"] if real else ROOT,
+                                           env=p.env if real else _child_env(p.ip, pod), stdin=subprocess.DEVNULL,
+                                           stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         if p.env is not None:
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, p.popen.pid, REAL_NICE)  # before it spawns its engine core
@@ -824,6 +841,22 @@ class StandinRuntime:
             # The kubelet reports Ready only after the first successful readiness probe; kwok already
             # said Ready, so take it back until the stand-in answers.
             self._patch_ready(p, False, "waiting for the first readiness probe")
+
+    def _fork(self, p: Proc, pod: dict[str, Any]) -> zygote.ZygoteChild | None:
+        """The stand-in forked from the fork server, or None (not ready yet, gone, or not a
+        `python -m` command): the caller starts a plain process, which behaves the same, slower."""
+        z = self._zygote
+        if z is None or p.argv[:2] != [self.python, "-m"]:
+            return None
+        if z.ready and not self._zygote_said:
+            self._zygote_said = True
+            self.log(f"fork server ready after {z.startup_seconds}s: stand-ins start from its imports")
+        try:
+            return z.spawn(p.argv[2], p.argv[3:], _child_env(p.ip, pod), str(ROOT), p.log_path)
+        except (OSError, RuntimeError) as err:
+            self.log(f"fork server failed ({err}): plain processes from now on")
+            self._zygote = None
+            return None
 
     def _on_exit(self, p: Proc, pod: dict[str, Any] | None, code: int | None) -> None:
         p.last_exit = _exit_code(code)

@@ -1,0 +1,76 @@
+"""The stand-ins' fork server (tests/standin/zygote.py) behaves as `python -m` would: the child's
+argv, environment, working directory, log, session and exit code are its own. Real processes, no
+cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.standin import zygote
+
+PROBE = textwrap.dedent("""
+    import json, os, sys, time
+    print(json.dumps({"argv": sys.argv[1:], "env": os.environ.get("PROBE_VALUE"), "base": os.environ.get("ONLY_IN_BASE"),
+                      "cwd": os.getcwd(), "sid": os.getsid(0) == os.getpid(), "vllm_loaded": "vllm" in sys.modules}),
+          flush=True)
+    if sys.argv[1] == "sleep":
+        time.sleep(60)
+    sys.exit(int(sys.argv[1]) if sys.argv[1].isdigit() else 0)
+""")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("zygote")
+    (d / "zygote_probe.py").write_text(PROBE)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(d), root]), "ONLY_IN_BASE": "base",
+           "PYTHONUNBUFFERED": "1"}
+    z = zygote.Zygote(sys.executable, env, root, d / "zygote.log")
+    deadline = time.monotonic() + 300
+    while not z.ready:
+        assert z.alive(), (d / "zygote.log").read_text()[-2000:]
+        assert time.monotonic() < deadline, "the fork server was not ready in 300s"
+        time.sleep(0.2)
+    yield z, d
+    z.close()
+    assert not z.alive()
+
+
+def _record(log):
+    import json
+    return json.loads(log.read_text().strip().splitlines()[-1])
+
+
+def test_a_child_runs_the_module_with_its_own_argv_env_cwd_log_and_exit_code(server, tmp_path):
+    z, d = server
+    log = tmp_path / "child.log"
+    child = z.spawn("zygote_probe", ["7", "x"], {"PROBE_VALUE": "mine", "PYTHONPATH": str(d)}, str(tmp_path), log)
+    assert child.wait(60) == 7
+    rec = _record(log)
+    assert rec["argv"] == ["7", "x"] and rec["env"] == "mine" and rec["cwd"] == str(tmp_path)
+    assert rec["base"] is None, "the child's environment is the one it was given, not the server's"
+    assert rec["sid"], "a session of its own, as start_new_session gives"
+    assert rec["vllm_loaded"], "vLLM came imported from the server (the point of it)"
+
+
+def test_a_signal_to_the_child_s_group_is_its_exit_code(server, tmp_path):
+    z, d = server
+    log = tmp_path / "child.log"
+    child = z.spawn("zygote_probe", ["sleep"], {"PYTHONPATH": str(d)}, str(tmp_path), log)
+    deadline = time.monotonic() + 60
+    while not log.exists() or not log.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert child.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(0.5)
+    os.killpg(child.pid, signal.SIGTERM)
+    assert child.wait(30) == -signal.SIGTERM
