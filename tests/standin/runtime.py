@@ -373,6 +373,7 @@ class StandinRuntime:
         self._pending_env: dict[tuple[str, str, str], dict[str, str]] = {}  # real mode, until the Proc exists
         self._zygote: zygote.Zygote | None = None  # stand-in mode: the fork server (tests/standin/zygote.py)
         self._zygote_said = False
+        self._held_not_ready: set[str] = set()  # pod uids taken back from kwok's Ready before their start
 
     # ----- logging -----------------------------------------------------------------------------
 
@@ -636,10 +637,13 @@ class StandinRuntime:
             if key in procs and procs[key].uid == pod["metadata"]["uid"]:
                 continue
             if key in procs:  # old incarnation still stopping; start the new one once it is gone
+                self._not_started_yet(pod, "the previous pod of this name is still stopping")
                 continue
             ip = (pod.get("status") or {}).get("podIP")
             if ip and any(p.ip == ip and p.alive() for p in procs.values()):
-                continue  # pod IPs are reused: wait until the previous holder released the address
+                # pod IPs are reused: wait until the previous holder released the address
+                self._not_started_yet(pod, "the previous holder of its IP is still stopping")
+                continue
             if now < self._next_start_try.get(key, 0):
                 continue
             self._maybe_start(key, pod)
@@ -651,6 +655,30 @@ class StandinRuntime:
             for p in procs.values():
                 if p.alive() and not p.stopping and not p.failed and p.restart_at is None:
                     self._sync_gates(p, now)
+
+    def _not_started_yet(self, pod: dict[str, Any], why: str) -> None:
+        """A pod waiting for its container is not Ready, as the kubelet reports it; kwok said Ready
+        (readiness gates included) the moment it bound it. Left alone, a PodDisruptionBudget counts it
+        healthy and lets a node drain evict a second replica while the first one's replacement waits
+        for the old process to stop. Once per pod incarnation."""
+        uid = pod["metadata"]["uid"]
+        if uid in self._held_not_ready or not self._runnable(pod):
+            return
+        self._held_not_ready.add(uid)
+        t = _rfc3339()
+        gates = [{"type": g, "status": "False", "reason": "NotSetYet", "lastTransitionTime": t} for g in _gates(pod)]
+        status = {"conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": t},
+                                 {"type": "ContainersReady", "status": "False", "lastTransitionTime": t}, *gates]}
+        ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+        try:
+            self._api.patch_namespaced_pod_status(name, ns, {"metadata": {"uid": uid}, "status": status},
+                                                  _request_timeout=10)
+        except ApiException as err:
+            if err.status not in (404, 409, 422):
+                self.log(f"status patch of {ns}/{name} failed: HTTP {err.status}")
+            return
+        self.log(f"notready {pod['metadata'].get('labels', {}).get(L_ROLE, '?'):<7} {ns}/{name} uid={uid[:8]} "
+                 f"why=container_not_started:_{why.replace(' ', '_')}")
 
     def _runnable(self, pod: dict[str, Any]) -> bool:
         st = pod.get("status") or {}
