@@ -280,16 +280,16 @@ def _base_env() -> dict[str, str]:
 
 
 def _child_env(ip: str, pod: dict[str, Any]) -> dict[str, str]:
-    env = _base_env()
-    env.update(_container_env(pod))  # the pod's contract variables win over the runtime's own
+    base = _base_env()
+    env = {**base, **_container_env(pod)}  # the pod's contract variables win over the runtime's own
     env.update({
-        "PYTHONUNBUFFERED": "1",
+        "PYTHONUNBUFFERED": base["PYTHONUNBUFFERED"],  # ... but not over these
+        "PYTHONPATH": base["PYTHONPATH"],
         # vLLM / vllm-omni otherwise find their address with a UDP route probe to a public IP.
         "VLLM_HOST_IP": ip,
         "POD_IP": ip,
         "POD_NAME": pod["metadata"]["name"],
         "POD_NAMESPACE": pod["metadata"]["namespace"],
-        "PYTHONPATH": _base_env()["PYTHONPATH"],
     })
     return env
 
@@ -661,21 +661,13 @@ class StandinRuntime:
         (readiness gates included) the moment it bound it. Left alone, a PodDisruptionBudget counts it
         healthy and lets a node drain evict a second replica while the first one's replacement waits
         for the old process to stop. Once per pod incarnation."""
-        uid = pod["metadata"]["uid"]
+        meta = pod["metadata"]
+        uid = meta["uid"]
         if uid in self._held_not_ready or not self._runnable(pod):
             return
         self._held_not_ready.add(uid)
-        t = _rfc3339()
-        gates = [{"type": g, "status": "False", "reason": "NotSetYet", "lastTransitionTime": t} for g in _gates(pod)]
-        status = {"conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": t},
-                                 {"type": "ContainersReady", "status": "False", "lastTransitionTime": t}, *gates]}
-        ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
-        try:
-            self._api.patch_namespaced_pod_status(name, ns, {"metadata": {"uid": uid}, "status": status},
-                                                  _request_timeout=10)
-        except ApiException as err:
-            if err.status not in (404, 409, 422):
-                self.log(f"status patch of {ns}/{name} failed: HTTP {err.status}")
+        ns, name = meta["namespace"], meta["name"]
+        if not self._patch_pod_status(ns, name, uid, {"conditions": _readiness(pod, False, False, reset_gates=True)}):
             return
         self.log(f"notready {pod['metadata'].get('labels', {}).get(L_ROLE, '?'):<7} {ns}/{name} uid={uid[:8]} "
                  f"why=container_not_started:_{why.replace(' ', '_')}")
@@ -1015,13 +1007,17 @@ class StandinRuntime:
                 self._patch_ready(p, False, f"readiness probe failed {p.probe_failures} times ({probe['url']})")
 
     def _patch_status(self, p: Proc, status: dict[str, Any]) -> bool:
+        return self._patch_pod_status(p.namespace, p.pod, p.uid, status)
+
+    def _patch_pod_status(self, namespace: str, name: str, uid: str, status: dict[str, Any]) -> bool:
+        """Patch that incarnation's status (uid precondition); False when it is gone or replaced."""
         try:
-            self._api.patch_namespaced_pod_status(p.pod, p.namespace, {"metadata": {"uid": p.uid}, "status": status},
+            self._api.patch_namespaced_pod_status(name, namespace, {"metadata": {"uid": uid}, "status": status},
                                                   _request_timeout=10)
             return True
         except ApiException as err:
             if err.status not in (404, 409, 422):
-                self.log(f"status patch of {p.namespace}/{p.pod} failed: HTTP {err.status}")
+                self.log(f"status patch of {namespace}/{name} failed: HTTP {err.status}")
             return False
 
     def _container_statuses(self, p: Proc, pod: dict[str, Any], ready: bool, **change: Any) -> list[dict]:
@@ -1045,12 +1041,8 @@ class StandinRuntime:
         pod = self._fresh_pod(p)
         if pod is None:
             return
-        t = _rfc3339()
-        gates = [{"type": g, "status": "False", "reason": "NotSetYet", "lastTransitionTime": t}
-                 for g in _gates(pod)] if reset_gates else []
         pod_ready = ready and (not _gates(pod) or (not reset_gates and _gates_true(pod)))
-        status = {"conditions": [{"type": "Ready", "status": _cs(pod_ready), "lastTransitionTime": t},
-                                 {"type": "ContainersReady", "status": _cs(ready), "lastTransitionTime": t}, *gates],
+        status = {"conditions": _readiness(pod, pod_ready, ready, reset_gates),
                   "containerStatuses": self._container_statuses(p, pod, ready)}
         if self._patch_status(p, status):
             p.ready = ready
@@ -1143,6 +1135,17 @@ def _port_free(ip: str, port: int) -> bool:
 
 def _is_glob(pattern: str) -> bool:
     return any(c in pattern for c in "*?[")
+
+
+def _readiness(pod: dict[str, Any], pod_ready: bool, containers_ready: bool,
+               reset_gates: bool = False) -> list[dict[str, Any]]:
+    """Ready and ContainersReady as the kubelet writes them; reset_gates: every readiness gate False
+    too (undoing kwok's start-up True: the gates' owner, the operator, sets them)."""
+    t = _rfc3339()
+    gates = [{"type": g, "status": "False", "reason": "NotSetYet", "lastTransitionTime": t}
+             for g in _gates(pod)] if reset_gates else []
+    return [{"type": "Ready", "status": _cs(pod_ready), "lastTransitionTime": t},
+            {"type": "ContainersReady", "status": _cs(containers_ready), "lastTransitionTime": t}, *gates]
 
 
 def _exit_code(returncode: int | None) -> int:

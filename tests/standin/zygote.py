@@ -97,7 +97,7 @@ def serve() -> int:
                         os.close(fd)
                     return _child(req, added)
                 _send(proto_out, {"id": req["id"], "pid": pid})
-        _reap(proto_out)
+        _reap(proto_out)  # also after requests: a SIGCHLD whose wake-up byte was dropped (pipe full)
 
 
 def _reap(proto_out: int) -> None:
