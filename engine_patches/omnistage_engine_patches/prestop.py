@@ -1,6 +1,8 @@
-"""The preStop hook of a replica or pool pod: leave the head, drained, before the kubelet stops the engine.
+"""The preStop hook of an engine pod: a replica or pool pod leaves the head, drained, and a head waits
+for its requests in flight, before the kubelet stops the engine.
 
   python3 -m omnistage_engine_patches.prestop --stage-id 0 [--stage-id K ...]
+  python3 -m omnistage_engine_patches.prestop --head
 
 A replica pod is deleted by the operator only after the head let it go; anyone else (an eviction, a
 node drain, `kubectl delete pod`) would stop its engine with SIGTERM at once and cut off the
@@ -9,7 +11,13 @@ even when the operator is down: it asks the head (contract.HEAD_URL_ENV, bearer 
 contract.TOKEN_FILE_ENV) to stop routing to this pod's replica of each stage and to wait up to
 contract.DRAIN_SECONDS_ENV for its requests in flight (one leave per stage, side by side; the
 head's leave is idempotent, so the operator asking too changes nothing). Then the hook returns and
-the kubelet sends SIGTERM. It always exits 0: a hook that fails only loses the drain, the pod goes
+the kubelet sends SIGTERM.
+
+A head pod that is deleted is out of its Services' endpoints already; with `--head` the hook polls
+the head's own membership listing until no replica it routes to (its own included) has a request in
+flight, up to the drain timeout, so that the requests it accepted are answered before SIGTERM stops
+vLLM (a head change hands the Service to a new head first, then deletes the old one). A head that
+does not answer the listing (not distributed, not started) is not waited for. It always exits 0: a hook that fails only loses the drain, the pod goes
 anyway. Standard library only (it runs in the engine image before anything else is imported).
 """
 
@@ -20,6 +28,7 @@ import json
 import os
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -49,11 +58,48 @@ def leave(base: str, token: str, pod: str, stage: int, drain_seconds: float) -> 
         return f"stage {stage}: no answer from the head ({err})"
 
 
+# How often, and how many times in a row, a head's listing must show nothing in flight: the Service's
+# endpoints reach every node's proxy a moment after the pod turned terminating, and a request sent
+# in that moment must be counted too.
+POLL_SECONDS = 0.5
+IDLE_POLLS = 3
+
+
+def in_flight(base: str, token: str) -> int | None:
+    """Requests in flight over every replica the head lists (None: no listing)."""
+    request = urllib.request.Request(base.rstrip("/") + contract.MEMBERSHIP_PATH,
+                                     headers={"Authorization": f"Bearer {token}"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(request, timeout=5) as resp:
+            listing = json.loads(resp.read() or b"{}")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return sum(int(m.get("inFlight") or 0) for members in (listing.get("stages") or {}).values() for m in members)
+
+
+def wait_idle(base: str, token: str, drain_seconds: float, clock=time.monotonic, sleep=time.sleep) -> str:
+    """A head's hook: wait until nothing is in flight IDLE_POLLS times in a row; what happened, in one line."""
+    deadline, idle, most = clock() + drain_seconds, 0, 0
+    while True:
+        n = in_flight(base, token)
+        if n is None:
+            return "no membership listing: not waiting"
+        most = max(most, n)
+        idle = idle + 1 if n == 0 else 0
+        if idle >= IDLE_POLLS:
+            return f"idle ({most} requests were in flight when it stopped)" if most else "idle"
+        if clock() >= deadline:
+            return f"{n} requests still in flight after the {drain_seconds:.0f}s drain timeout"
+        sleep(POLL_SECONDS)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m omnistage_engine_patches.prestop", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage-id", type=int, action="append", dest="stages", metavar="K",
                     help="a stage this pod runs a replica of; repeatable (default: 0)")
+    ap.add_argument("--head", action="store_true", help="a head pod: wait for its requests in flight")
     args = ap.parse_args(argv)
     base, pod = os.environ.get(contract.HEAD_URL_ENV), os.environ.get("POD_NAME")
     token_file = os.environ.get(contract.TOKEN_FILE_ENV)
@@ -65,6 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not (base and pod and token):
         print(f"prestop: cannot leave: {contract.HEAD_URL_ENV}, POD_NAME and a token are needed", file=sys.stderr)
+        return 0
+    if args.head:
+        print(f"prestop: head {pod} {wait_idle(base, token, drain)}", flush=True)
         return 0
     results: list[str] = []
     threads = [threading.Thread(target=lambda k=k: results.append(leave(base, token, pod, k, drain)))

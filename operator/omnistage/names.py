@@ -20,7 +20,7 @@ L_MANAGED_BY = "app.kubernetes.io/managed-by"
 OPERATOR_LABELS = (L_NAME, L_INSTANCE, L_MANAGED_BY)
 L_OMNISTAGE = f"{GROUP}/omnistage"
 L_COMPONENT = f"{GROUP}/component"   # COMPONENT_ENGINE or COMPONENT_POOL
-L_ROLE = f"{GROUP}/role"             # ROLE_HEAD, ROLE_REPLICA or ROLE_POOL
+L_ROLE = f"{GROUP}/role"             # one of HEAD_ROLES, ROLE_REPLICA or ROLE_POOL
 L_POOL = f"{GROUP}/pool"             # the OmniStagePool of a pool pod
 
 # ---- annotations -----------------------------------------------------------------------------------
@@ -40,7 +40,13 @@ A_LEAVING = f"{GROUP}/leaving"          # a retirement decided (value: its reaso
 C_JOINED = f"{GROUP}/joined"
 
 # ---- roles and components --------------------------------------------------------------------------
-ROLE_HEAD = "head"
+ROLE_HEAD = "head"  # the head the Services select: the one serving
+# A head change without an outage (control/headswap.py) runs a second head beside the first. The role
+# label is what moves the Services: a successor is ROLE_NEXT_HEAD until it serves, then ROLE_HEAD,
+# while the head it replaces turns ROLE_OLD_HEAD (out of the Services) and drains.
+ROLE_NEXT_HEAD = "next-head"
+ROLE_OLD_HEAD = "old-head"
+HEAD_ROLES = (ROLE_HEAD, ROLE_NEXT_HEAD, ROLE_OLD_HEAD)
 ROLE_REPLICA = "replica"
 ROLE_POOL = "pool"
 # Stage-0 pods (head and replicas: what the OmniStage's scale selector counts) and the pods of the

@@ -27,7 +27,7 @@ from tests.cluster.test_operator import (
     sample,
     wait_ready,
 )
-from tests.standin.harness import HeadEndpoint, remote_members
+from tests.standin.harness import HeadEndpoint, remote_members, service_addresses
 from tests.standin.replica import LOAD_KNOB
 
 pytestmark = pytest.mark.usefixtures("operator_log_on_failure")
@@ -194,3 +194,61 @@ def test_a_node_drain_evicts_replicas_one_at_a_time_through_the_budget(kubectl, 
     assert "would violate" in out or by_node[node] == 1, "the budget never held an eviction back"
     reasons = [e.get("reason") for e in kubectl.json("get", "events", "-n", namespace)["items"]]
     assert "Disrupted" in reasons, "no evicted replica was drained"
+
+
+def _service_endpoints(kubectl, namespace: str) -> list[str]:
+    return service_addresses(kubectl, namespace, NAME)
+
+
+def test_a_head_change_moves_the_service_to_a_successor_without_an_outage(kubectl, wait_for, namespace, operator,
+                                                                          standin, tmp_path):
+    """A change that reaches the head (an env var of spec.engine) starts a successor head beside the
+    serving one (NAME-head-<hash>); the Service NAME keeps a Ready endpoint throughout, moves to the
+    successor once it serves, and the old head and its replicas drain and go; the new head's
+    replicas follow. Fails on a head replaced in place (the code before issue 19 item 5): the
+    Service has no Ready endpoint from the old head's deletion until the new head is Ready."""
+    env = [{"name": LOAD_KNOB, "value": str(LOAD_SECONDS)}]
+    apply(kubectl, namespace, tmp_path, sample(replicas=3, **{"engine.env": env}))
+    wait_ready(kubectl, wait_for, namespace, 3)
+    [old_head] = engine_pods(kubectl, namespace, role="head")
+    old = {p["metadata"]["uid"] for p in engine_pods(kubectl, namespace)}
+    endpoints_before = _service_endpoints(kubectl, namespace)
+    assert endpoints_before == [old_head["status"]["podIP"]], endpoints_before
+    head = HeadEndpoint(kubectl, namespace, NAME)
+    fewest = {"endpoints": len(endpoints_before), "serving": 3}
+    seen: dict[str, float] = {}
+    t0 = time.monotonic()
+    apply(kubectl, namespace, tmp_path, sample(replicas=3, **{"engine.env": [*env, {"name": "GENERATION", "value": "2"}]}))
+
+    def done() -> bool:
+        eps = _service_endpoints(kubectl, namespace)
+        fewest["endpoints"] = min(fewest["endpoints"], len(eps))
+        joined = _joined_at_head(head)
+        if joined is not None:
+            fewest["serving"] = min(fewest["serving"], 1 + len(joined))
+        now = engine_pods(kubectl, namespace, include_terminating=True)
+        for p in now:
+            role = p["metadata"]["labels"].get("serving.omnistage.io/role")
+            if p["metadata"]["uid"] not in old and role in ("next-head", "head"):
+                seen.setdefault(f"successor {role}", time.monotonic() - t0)
+        if old_head["status"]["podIP"] not in eps and eps:
+            seen.setdefault("Service moved", time.monotonic() - t0)
+        return not ({p["metadata"]["uid"] for p in now} & old) and len(now) == 3
+
+    wait_for("the old head and its replicas gone, three new engine pods", done, timeout=READY_TIMEOUT, interval=0.5)
+    obj = wait_ready(kubectl, wait_for, namespace, 3)
+    took = time.monotonic() - t0
+    print(f"head change: {took:.0f}s, {seen}, fewest Ready endpoints of Service {NAME} {fewest['endpoints']}, "
+          f"fewest serving behind it {fewest['serving']}/3")
+    assert fewest["endpoints"] >= 1, "the Service had no Ready endpoint during the head change: an outage"
+    assert fewest["serving"] >= 1, fewest
+    [new_head] = engine_pods(kubectl, namespace, role="head")
+    assert new_head["metadata"]["name"].startswith(f"{NAME}-head-"), new_head["metadata"]["name"]
+    assert obj["status"]["head"]["pod"] == new_head["metadata"]["name"]
+    assert _service_endpoints(kubectl, namespace) == [new_head["status"]["podIP"]]
+    assert {p["metadata"]["annotations"]["serving.omnistage.io/head-uid"]
+            for p in engine_pods(kubectl, namespace, role="replica")} == {new_head["metadata"]["uid"]}
+    reasons = [e.get("reason") for e in kubectl.json("get", "events", "-n", namespace)["items"]]
+    assert {"SurgingHead", "MovedService", "RetiredHead"} <= set(reasons), reasons
+    rollout = next(c for c in obj["status"]["conditions"] if c["type"] == "RolloutSurge")
+    assert rollout["reason"] == "NotRolling", rollout

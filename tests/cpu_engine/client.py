@@ -23,7 +23,7 @@ import time
 import urllib.error
 import urllib.request
 import wave
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -135,10 +135,12 @@ def chat(base: str, payload: dict, label: str, timeout: float = REQUEST_TIMEOUT)
         return Result(label, None, None, time.monotonic() - t0, f"{type(err).__name__}: {err}", started)
 
 
-def run_many(base: str, payloads: Iterable[tuple[str, dict]], concurrency: int,
+def run_many(base: str | Callable[[], str], payloads: Iterable[tuple[str, dict]], concurrency: int,
              deadline: float | None = None, on_result=None) -> list[Result]:
     """Send the payloads with `concurrency` workers, each taking the next one when its last answer
-    came (so a lazy, unbounded iterable is fine); stop taking at `deadline` (time.monotonic())."""
+    came (so a lazy, unbounded iterable is fine); stop taking at `deadline` (time.monotonic()).
+    `base` may be a function: asked again for every request (a Service's endpoints, as a proxy
+    picks one per new connection)."""
     lock, results, items = threading.Lock(), [], iter(payloads)
 
     def worker() -> None:
@@ -147,7 +149,7 @@ def run_many(base: str, payloads: Iterable[tuple[str, dict]], concurrency: int,
                 item = next(items, None)
             if item is None:
                 return
-            r = chat(base, item[1], item[0])
+            r = chat(base() if callable(base) else base, item[1], item[0])
             with lock:
                 results.append(r)
             if on_result:

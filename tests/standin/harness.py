@@ -194,10 +194,19 @@ class HeadEndpoint:
         secret = self.kubectl.json("get", "secret", f"{self.name}-membership", "-n", self.namespace)
         return base64.b64decode(secret["data"]["token"]).decode()
 
+    def pod(self) -> dict[str, Any] | None:
+        """The head the Services select (role label `head`: a head change moves it to a successor
+        named NAME-head-<hash>), one not terminating first."""
+        proc = self.kubectl("get", "pods", "-n", self.namespace, "-o", "json", "-l",
+                            f"{L_OMNISTAGE}={self.name},{L_ROLE}=head", check=False)
+        if proc.returncode != 0:
+            return None
+        heads = sorted(json.loads(proc.stdout)["items"], key=lambda p: bool(p["metadata"].get("deletionTimestamp")))
+        return heads[0] if heads else None
+
     def ip(self) -> str | None:
-        proc = self.kubectl("get", "pod", f"{self.name}-head", "-n", self.namespace,
-                            "-o", "jsonpath={.status.podIP}", check=False)
-        return (proc.stdout.strip() or None) if proc.returncode == 0 else None
+        pod = self.pod()
+        return ((pod.get("status") or {}).get("podIP") or None) if pod else None
 
     @contextlib.contextmanager
     def _base(self) -> Iterator[str | None]:
@@ -207,7 +216,8 @@ class HeadEndpoint:
         elif is_loopback(ip):
             yield f"http://{ip}:{self.http_port}"
         else:
-            with port_forward(self.kubectl, self.namespace, f"pod/{self.name}-head", self.http_port) as port:
+            with port_forward(self.kubectl, self.namespace, f"pod/{(self.pod() or {}).get('metadata', {}).get('name')}",
+                              self.http_port) as port:
                 yield f"http://127.0.0.1:{port}" if port else None
 
     def report(self) -> dict[str, Any] | None:
@@ -324,6 +334,19 @@ def pod_ready(pod: dict[str, Any]) -> bool:
     st = pod.get("status") or {}
     return st.get("phase") == "Running" and any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
+
+
+def service_addresses(kubectl: Callable[..., Any], namespace: str, service: str) -> list[str]:
+    """The addresses a Service routes new connections to: its selector's pods that are Ready and not
+    terminating (the EndpointSlice controller's rule, applied here because the local cluster's pod
+    IPs are loopback addresses, which an EndpointSlice refuses)."""
+    selector = kubectl.json("get", "service", service, "-n", namespace)["spec"].get("selector") or {}
+    proc = kubectl("get", "pods", "-n", namespace, "-o", "json", "-l",
+                   ",".join(f"{k}={v}" for k, v in sorted(selector.items())), check=False)
+    if proc.returncode != 0 or not selector:
+        return []
+    return [p["status"]["podIP"] for p in json.loads(proc.stdout)["items"]
+            if not p["metadata"].get("deletionTimestamp") and pod_ready(p) and (p.get("status") or {}).get("podIP")]
 
 
 def converged(kubectl: Callable[..., Any], namespace: str, name: str, replicas: int) -> dict[str, Any] | None:

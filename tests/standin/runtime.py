@@ -95,6 +95,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 L_COMPONENT = "serving.omnistage.io/component"
 L_ROLE = "serving.omnistage.io/role"
+HEAD_ROLES = ("head", "next-head", "old-head")  # omnistage.names.HEAD_ROLES
 L_OMNISTAGE = "serving.omnistage.io/omnistage"
 # Stage-0 pods (head, replicas) and the pods of stages >= 1 (pools).
 COMPONENTS = ("engine", "pool")
@@ -683,7 +684,8 @@ class StandinRuntime:
         ns, name = key
         uid = pod["metadata"]["uid"]
         labels = pod["metadata"].get("labels") or {}
-        role = labels.get(L_ROLE, "")
+        # A head change's second head (next-head, old-head) is a head: the label picks the Services, not the process.
+        role = "head" if labels.get(L_ROLE, "") in HEAD_ROLES else labels.get(L_ROLE, "")
         ip = pod["status"]["podIP"]
         once = (ns, name, uid)
         if not is_loopback(ip):

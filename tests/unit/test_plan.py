@@ -228,14 +228,6 @@ def test_head_engine_restarted_rolls_every_replica_and_joins_nobody():
     assert status["head"]["bootId"] == BOOT  # the report's boot id (fixture); the listing's in the next pass
 
 
-def test_head_template_changed_rolls_the_head_first():
-    t, o = situation(3, head=lambda t: head(t, template="old"))
-    actions, status, _ = plan(t, o, AT)
-    assert [a.name for a in of(actions, DeletePod)] == ["qwen3-omni-head"]
-    assert of(actions, StartLeave) == [] and of(actions, Join) == [] and of(actions, CreatePod) == []
-    assert "RollingHead" in cond(status, Type.PROGRESSING)["reason"]
-
-
 @pytest.mark.parametrize(("make", "reason"), [
     (lambda t: replica(t, 2, head_uid="previous-head"), "RolledReplica"),
     (lambda t: replica(t, 2, phase="Failed"), "ReplacedReplica"),

@@ -68,7 +68,7 @@ def _engine(pod):
     return pod["spec"]["containers"][0]
 
 
-def test_replica_and_pool_pods_leave_on_stop_the_head_does_not():
+def test_replica_and_pool_pods_leave_on_stop_and_the_head_waits_for_its_requests():
     """Fails on replica pods without a preStop hook (evicted replicas were cut off mid-request)."""
     t = target_from(omnistage(2))
     replica = render_replica_pod(t, 1, HEAD_IP, HEAD_UID)
@@ -80,7 +80,11 @@ def test_replica_and_pool_pods_leave_on_stop_the_head_does_not():
     assert contract.TOKEN_FILE_ENV in env
     assert any(v.get("secret", {}).get("secretName") == "qwen3-omni-membership" for v in replica["spec"]["volumes"])
     assert replica["spec"]["terminationGracePeriodSeconds"] == t.spec.engine.drain_timeout_seconds + SHUTDOWN_SECONDS
-    assert "lifecycle" not in _engine(render_head_pod(t))
+    # The head's own hook waits for its requests in flight (a head change deletes the old head).
+    head_pod = _engine(render_head_pod(t))
+    assert head_pod["lifecycle"]["preStop"]["exec"]["command"][-1] == "--head"
+    env = {e["name"]: e.get("value") for e in head_pod["env"]}
+    assert env[contract.HEAD_URL_ENV] == f"http://$(POD_IP):{t.spec.engine.http_port}"
 
     _, pt = pipeline()
     pool = parse(pool_obj(stage_ids=(1, 2)))
@@ -95,3 +99,23 @@ def test_a_template_cannot_replace_the_hook():
         "exec": {"command": ["true"]}}}}]}})
     with pytest.raises(InvalidSpec, match="lifecycle"):
         target_from(obj)
+
+
+def test_a_head_s_hook_waits_until_nothing_is_in_flight_several_polls_in_a_row(monkeypatch):
+    """Fails on a hook that returns at the first idle poll (a request sent just before the Service's
+    endpoints reached every proxy would be cut off) or that does not wait at all."""
+    seen = iter([3, 1, 0, 2, 0, 0, 0, 5])
+    monkeypatch.setattr(prestop, "in_flight", lambda base, token: next(seen))
+    polls = []
+    assert prestop.wait_idle("http://127.0.0.1:9", "t", 60, sleep=polls.append) == \
+        "idle (3 requests were in flight when it stopped)"
+    assert len(polls) == 6  # 3, 1, 0, 2, 0, 0 slept after; the third 0 in a row returns
+
+
+def test_a_head_s_hook_gives_up_at_the_drain_timeout_and_without_a_listing(monkeypatch):
+    now = iter(range(0, 1000, 10))
+    monkeypatch.setattr(prestop, "in_flight", lambda base, token: 4)
+    assert "4 requests still in flight after the 30s" in prestop.wait_idle(
+        "http://127.0.0.1:9", "t", 30, clock=lambda: next(now), sleep=lambda s: None)
+    monkeypatch.setattr(prestop, "in_flight", lambda base, token: None)
+    assert prestop.wait_idle("http://127.0.0.1:9", "t", 30, sleep=lambda s: None) == "no membership listing: not waiting"

@@ -62,6 +62,7 @@ class Reason(StrEnum):
     NOT_ROLLING = "NotRolling"
     SURGING = "Surging"
     NO_CAPACITY_FOR_SURGE = "NoCapacityForSurge"
+    HEAD_IN_PLACE = "HeadReplacedInPlace"  # a head change that cannot surge (maxSurge 0, spec.stages): an outage
     # Progressing, when the pass itself did nothing (else: the Progress values it did)
     CONVERGING = "Converging"
     STABLE = "Stable"
@@ -101,6 +102,10 @@ class Progress(StrEnum):
     ROLLED_REPLICA = "RolledReplica"  # it belonged to a previous head
     REPLACED_REPLICA = "ReplacedReplica"  # its engine exited or it turned NotReady
     POOL_DELETED = "PoolDeleted"  # a pool pod whose OmniStagePool is gone leaves (drained) and is deleted
+    # A head change without an outage (control/headswap.py):
+    SURGING_HEAD = "SurgingHead"  # a successor head starts beside the serving one
+    MOVED_SERVICE = "MovedService"  # the Services select the successor now; the old head drains
+    RETIRED_HEAD = "RetiredHead"  # the old head's replicas left; it is deleted
 
 
 class EventReason(StrEnum):

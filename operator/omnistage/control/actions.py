@@ -51,6 +51,14 @@ class Annotate:
 
 
 @dataclass(frozen=True)
+class SetRole:
+    """Patch a head pod's role label: what moves the Services from one head to its successor."""
+    name: str
+    uid: str
+    role: str
+
+
+@dataclass(frozen=True)
 class StartLeave:
     """Tell the head to stop routing to the pod's replicas and drain them; runs off the reconcile
     worker. `leaves` holds one (stage, replica id) per stage the pod runs (a pool pod may run two).
@@ -86,7 +94,15 @@ class MarkJoined:
     joined: bool
 
 
-Action = PostEvent | EnsureChild | CreatePod | DeletePod | Annotate | StartLeave | LeaveDeparted | Join | MarkJoined
+@dataclass(frozen=True)
+class OnOtherHead:
+    """A head change's other set (Observed.other) decided these: its own head answers their
+    membership calls (joins at the successor, leaves at the old head)."""
+    actions: tuple[Action, ...]
+
+
+Action = (PostEvent | EnsureChild | CreatePod | DeletePod | Annotate | SetRole | StartLeave | LeaveDeparted | Join
+          | MarkJoined | OnOtherHead)
 
 
 # ---- observation ---------------------------------------------------------------------------------
@@ -106,6 +122,9 @@ class Observed:
     drains: Mapping[str, str] = field(default_factory=dict)  # pod uid -> DRAIN_* (act's drain executor)
     problems: tuple[str, ...] = ()  # what the previous act step could not do (joins refused, ...)
     pools: tuple[dict[str, Any], ...] = ()  # the OmniStagePools whose spec.omniStage names it
+    # A head change in progress (control/headswap.py): the second head with its own replicas and
+    # what it said, read like the first. `head` above is the one the Services select (ROLE_HEAD).
+    other: Observed | None = None
 
 
 HEAD_NOT_READY = "head pod is not ready"  # why a pass read nothing from the head

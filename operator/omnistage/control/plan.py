@@ -33,7 +33,7 @@ from ..render import (
 )
 from ..render.common import Pool, Target
 from ..render.pods import SHUTDOWN_SECONDS, render_pool_pod
-from . import engine_truth, pods, pools, rollout, status
+from . import engine_truth, headswap, pods, pools, rollout, status
 from .actions import (
     HEAD_NOT_READY,
     Action,
@@ -72,6 +72,7 @@ def plan(t: Target | InvalidSpec, o: Observed, at: str | None = None) -> Plan:
 def decide(t: Target, o: Observed, at: str | None = None) -> Pass:
     p = Pass(t, o, at or timestamp())
     p.children()
+    headswap.begin(p)
     p.head_pod()
     p.engine_report()
     p.membership_read()
@@ -81,6 +82,7 @@ def decide(t: Target, o: Observed, at: str | None = None) -> Pass:
     p.sync_membership()
     p.mark_joined()
     p.announce_stages()
+    headswap.run(p)
     return p
 
 
@@ -100,7 +102,7 @@ class Pass:
     """One pass's working state: the observation plus what the steps decided so far. Once decide()
     returns it is the decision that status.py describes."""
 
-    def __init__(self, t: Target, o: Observed, at: str):
+    def __init__(self, t: Target, o: Observed, at: str, want_head: dict[str, Any] | None = None):
         self.t, self.o, self.previous = t, o, o.obj.get("status") or {}
         self.at = at  # now, as plan() was given it (a pod's remaining grace is measured from it)
         self.actions: list[Action] = []
@@ -114,7 +116,14 @@ class Pass:
         self.membership_problem: str | None = None
         self.head_restarted = False  # this pass saw the head's container restart
         self.verdict: engine_truth.Verdict | None = None
-        self.want_head = render_head_pod(t)  # rendered once per pass
+        self.want_head = want_head or render_head_pod(t)  # rendered once per pass
+        # Set by headswap.begin while a head change runs (or is said before it runs in place):
+        self.keep_head = False  # an outdated head is not deleted by head_pod()
+        self.create_head = True  # a missing head is created by head_pod()
+        self.replica_target: int | None = None  # stage-0 replicas this set gets (None: spec.replicas - 1)
+        self.neighbours: tuple[dict[str, Any], ...] = ()  # the other set's replicas (their names are taken)
+        self.swap: headswap.Swap | None = None
+        self.in_place: tuple[str, str] | None = None  # (reason, why) a head change cannot surge
         self._want_replica: dict[int, dict[str, Any]] = {}
         self._want_pool_pod: dict[tuple[str, int], dict[str, Any]] = {}
         self.pools = pools.fit(t, t.name, o.pools)
@@ -195,6 +204,16 @@ class Pass:
             return unread and pods.ready(pod)
         return pods.ready(pod) and all(self.joined(pod, stage) for stage in pods.stage_ids(pod))
 
+    def replica_desired(self) -> int:
+        """Stage-0 replicas this set is scaled to."""
+        if self.replica_target is not None:
+            return self.replica_target
+        return self.t.spec.replicas - 1 if self.t.distributed else 0
+
+    def holds_outdated_head(self) -> bool:
+        """A head change runs (or waits to run in place): the head stays, its replicas are not rolled."""
+        return self.keep_head and headswap.outdated(self)
+
     def stage_ids(self) -> list[int]:
         return [0, *(s.id for s in self.t.spec.stages)]
 
@@ -214,7 +233,7 @@ class Pass:
     def head_pod(self) -> None:
         head, want = self.head, self.want_head
         if head is not None and not pods.terminating(head):
-            outdated = pods.template_hash(head) != pods.template_hash(want)
+            outdated = pods.template_hash(head) != pods.template_hash(want) and not self.keep_head
             if outdated or pods.terminal(head):
                 # Replicas are bound to one head incarnation (they never re-register), so the head
                 # rolls first and its replicas follow; rolling them first would restart them twice.
@@ -227,7 +246,7 @@ class Pass:
                 self.head_going = True
                 self.listing, self.report = None, None
                 return
-        if head is None:
+        if head is None and self.create_head:
             self.actions.append(CreatePod(want, EventReason.CREATED_HEAD, "created head pod {pod}"))
             self.progressing.append(Progress.CREATING_HEAD)
 

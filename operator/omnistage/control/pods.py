@@ -5,7 +5,19 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from ..names import A_HEAD_UID, A_LEAVING, A_REPLICA_INDEX, A_STAGE_IDS, A_TEMPLATE_HASH, C_JOINED, L_POOL
+from ..names import (
+    A_HEAD_UID,
+    A_LEAVING,
+    A_REPLICA_INDEX,
+    A_STAGE_IDS,
+    A_TEMPLATE_HASH,
+    C_JOINED,
+    L_POOL,
+    L_ROLE,
+    ROLE_HEAD,
+    ROLE_NEXT_HEAD,
+    ROLE_OLD_HEAD,
+)
 
 
 def name(pod: dict[str, Any]) -> str:
@@ -19,6 +31,10 @@ def uid(pod: dict[str, Any]) -> str:
 def pool(pod: dict[str, Any]) -> str | None:
     """The OmniStagePool of a pool pod (None: a stage-0 pod)."""
     return pod["metadata"].get("labels", {}).get(L_POOL)
+
+
+def role(pod: dict[str, Any]) -> str | None:
+    return pod["metadata"].get("labels", {}).get(L_ROLE)
 
 
 def stage_ids(pod: dict[str, Any]) -> tuple[int, ...]:
@@ -154,3 +170,14 @@ def free_indices(replicas: list[dict[str, Any]], count: int) -> list[int]:
             out.append(i)
         i += 1
     return out
+
+
+def heads(candidates: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(the head the Services select, the other head of a head change). Of several, one not
+    terminating first, then the newest: when the move of the Services was cut off between its two
+    label patches (two ROLE_HEAD pods), the newer is the successor and the older is the other."""
+    def pick(of: list[dict[str, Any]]) -> dict[str, Any] | None:
+        return min(of, key=lambda h: (terminating(h), _neg(created(h)))) if of else None
+    active = pick([h for h in candidates if role(h) == ROLE_HEAD])
+    rest = [h for h in candidates if h is not active and role(h) in (ROLE_HEAD, ROLE_NEXT_HEAD, ROLE_OLD_HEAD)]
+    return active, pick(rest)

@@ -89,15 +89,14 @@ def retire_stale(p: Pass) -> None:
 # -- rollouts: surge first, then drain (spec.rollout)
 def groups(p: Pass) -> list[tuple[Pool | None, int]]:
     """Each set of pods a count applies to: stage-0 replicas, then every pool that runs."""
-    t = p.t
-    return [(None, t.spec.replicas - 1 if t.distributed else 0),
-            *((f.pool, f.pool.spec.replicas) for f in p.pools if f.runs)]
+    return [(None, p.replica_desired()), *((f.pool, f.pool.spec.replicas) for f in p.pools if f.runs)]
 
 
 def outdated(p: Pass, pool: Pool | None) -> list[dict[str, Any]]:
     """Staying pods of the group whose template changed (none without a live head: its replicas
-    are bound to it and go with it, whatever their template)."""
-    if not p.head_live():
+    are bound to it and go with it, whatever their template; nor while a head change replaces them
+    with their head)."""
+    if not p.head_live() or p.holds_outdated_head():
         return []
     return [r for r in p.staying(pool.name if pool else None) if p.want(r) is not None
             and pods.template_hash(r) != pods.template_hash(p.want(r))]
@@ -105,6 +104,8 @@ def outdated(p: Pass, pool: Pool | None) -> list[dict[str, Any]]:
 
 def surge(p: Pass, pool: Pool | None) -> int:
     """Pods a roll of the group may run beyond its desired count (its replacements, made first)."""
+    if pool is None and p.replica_target == 0:
+        return 0  # a head change's old set is emptied, not rolled
     return min(p.t.spec.rollout.max_surge, len(outdated(p, pool)))
 
 
@@ -145,7 +146,7 @@ def roll(p: Pass) -> None:
 
 def scale(p: Pass) -> None:
     t = p.t
-    _scale(p, None, t.spec.replicas - 1 if t.distributed else 0, f"spec.replicas {t.spec.replicas}")
+    _scale(p, None, p.replica_desired(), f"spec.replicas {t.spec.replicas}")
     for fitted in p.pools:
         if fitted.runs:  # a pool that cannot run keeps the pods it has (loses nothing) and gets no more
             _scale(p, fitted.pool, fitted.pool.spec.replicas,
@@ -163,7 +164,7 @@ def _scale(p: Pass, pool: Pool | None, desired: int, why: str) -> None:
     # Pool pods too are created once the head has an IP, not once it is Ready: the head turns Ready
     # only after one replica of each remote stage registered.
     if len(staying) < desired + extra and p.head_live():
-        every = [r for r in p.o.replicas if pods.pool(r) == name]
+        every = [r for r in p.o.replicas + p.neighbours if pods.pool(r) == name]
         for i in pods.free_indices(every, desired + extra - len(staying)):
             want = p.want_pool_pod(pool, i) if pool else p.want_replica(i)
             kind = "pool pod" if pool else "replica pod"

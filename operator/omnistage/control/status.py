@@ -20,7 +20,7 @@ from ..api.statuses import MemberState
 from ..names import A_CONFIG_HASH, A_LEAVING
 from ..render import selector
 from ..render.common import Target, pool_selector
-from . import engine_truth, pods, pools, rollout
+from . import engine_truth, headswap, pods, pools, rollout
 
 if TYPE_CHECKING:
     from .plan import Pass
@@ -152,7 +152,11 @@ def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dic
 
 
 def rollout_condition(p: Pass) -> Cond:
-    """RolloutSurge: whether a roll in progress can create its replacements first."""
+    """RolloutSurge: whether a roll in progress can create its replacements first (a head change's
+    own words while one runs)."""
+    head_change = headswap.describe(p)
+    if head_change is not None:
+        return head_change
     outdated = [pods.name(r) for r in p.live() if p.want(r) is not None
                 and pods.template_hash(r) != pods.template_hash(p.want(r))] if p.head_live() else []
     if not outdated:

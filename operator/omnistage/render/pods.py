@@ -81,8 +81,9 @@ POD_SECURITY_CONTEXT = {"seccompProfile": {"type": "RuntimeDefault"}}
 JOINED_GATE = {"conditionType": C_JOINED}
 
 
-def head_pod_name(t: Target) -> str:
-    return t.child_name("head")
+def head_pod_name(t: Target, template_hash: str | None = None) -> str:
+    """NAME-head; a successor started beside a staying head takes its template hash as a suffix."""
+    return t.child_name("head" if template_hash is None else f"head-{template_hash[:6]}")
 
 
 def replica_pod_name(t: Target, index: int) -> str:
@@ -239,6 +240,13 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, h
     if role != ROLE_HEAD:
         env, container["lifecycle"] = _leave_on_stop(t, head_ip, drain, list(pool.spec.stage_ids) if pool else [0])
         container["env"] = container["env"] + env
+    else:
+        # Its own requests answered before SIGTERM (it is out of the Services once deleted): what
+        # makes deleting the old head of a head change lose nothing (control/headswap.py).
+        container["env"] = container["env"] + [
+            {"name": contract.HEAD_URL_ENV, "value": f"http://$({POD_IP_ENV}):{s.engine.http_port}"},
+            {"name": contract.DRAIN_SECONDS_ENV, "value": str(drain)}]
+        container["lifecycle"] = {"preStop": {"exec": {"command": [*PRESTOP, "--head"]}}}
     if role == ROLE_HEAD:
         port = s.engine.http_port
         container["ports"] = [
@@ -323,8 +331,11 @@ def _pod(t: Target, name: str, role: str, spec: dict[str, Any], extra: dict[str,
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 
-def render_head_pod(t: Target) -> dict[str, Any]:
-    return _pod(t, head_pod_name(t), ROLE_HEAD, _pod_spec(t, ROLE_HEAD, _head_args(t)), {})
+def render_head_pod(t: Target, name: str | None = None, role: str = ROLE_HEAD) -> dict[str, Any]:
+    """`name` and `role`: a successor's (control/headswap.py); neither is part of the template hash."""
+    pod = _pod(t, name or head_pod_name(t), ROLE_HEAD, _pod_spec(t, ROLE_HEAD, _head_args(t)), {})
+    pod["metadata"]["labels"][L_ROLE] = role
+    return pod
 
 
 def render_replica_pod(t: Target, index: int, head_ip: str, head_uid: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from .. import api
 from ..api.conditions import EventReason, PodReason
 from ..control import actions
 from ..control.actions import DRAIN_DONE, DRAIN_FAILED, DRAIN_RUNNING, Action
-from ..names import C_JOINED
+from ..names import C_JOINED, L_ROLE
 from . import head_client, kube
 from .head_client import HeadClient, HeadRefused, HeadUnreachable
 from .informer import STATE
@@ -100,8 +100,9 @@ DRAINS = Drains()
 
 
 def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: EmitFn, owner: str,
-        drains: Drains = DRAINS) -> list[str]:
-    """Execute in order; return what could not be done that status should say (membership problems)."""
+        drains: Drains = DRAINS, other: HeadClient | None = None) -> list[str]:
+    """Execute in order; return what could not be done that status should say (membership problems).
+    `other`: the client of a head change's other head, for the actions it decided (OnOtherHead)."""
     problems: list[str] = []
     refused: set[str] = set()  # pods whose join failed in this run: not marked joined
     for a in planned:
@@ -136,6 +137,10 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
                 emit("Normal", a.reason, a.message)
         elif isinstance(a, actions.Annotate):
             STATE.wrote(kube.patch_pod_annotations(namespace, a.name, a.annotations))
+        elif isinstance(a, actions.OnOtherHead):
+            problems += act(namespace, list(a.actions), other, emit, owner, drains)
+        elif isinstance(a, actions.SetRole):
+            STATE.wrote(kube.patch_pod_labels(namespace, a.name, a.uid, {L_ROLE: a.role}))
         elif isinstance(a, actions.StartLeave):
             if client is not None:
                 drains.start(namespace, owner, client, a, emit)

@@ -247,6 +247,12 @@ def patch_pod_condition(namespace: str, name: str, uid: str, ctype: str, status:
     return _with_kind(api_client().sanitize_for_serialization(pod), "Pod")
 
 
+def patch_pod_labels(namespace: str, name: str, uid: str, labels: dict[str, str | None]) -> dict[str, Any]:
+    """Labels of this incarnation of the pod only (a uid precondition: a same-name successor is not touched)."""
+    pod = core().patch_namespaced_pod(name, namespace, {"metadata": {"labels": labels, "uid": uid}})
+    return _with_kind(api_client().sanitize_for_serialization(pod), "Pod")
+
+
 def patch_pod_annotations(namespace: str, name: str, annotations: dict[str, str | None]) -> dict[str, Any]:
     pod = core().patch_namespaced_pod(name, namespace, {"metadata": {"annotations": annotations}})
     return _with_kind(api_client().sanitize_for_serialization(pod), "Pod")

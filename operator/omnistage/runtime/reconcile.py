@@ -12,6 +12,7 @@ import base64
 import logging
 import secrets
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -21,10 +22,10 @@ from ..control import pods, pools
 from ..control.actions import Action, EnsureChild, Observed, PostEvent
 from ..control.plan import plan
 from ..control.status import pool_status
-from ..names import L_ROLE, ROLE_POOL, ROLE_REPLICA
+from ..names import HEAD_ROLES, ROLE_POOL, ROLE_REPLICA
 from ..render import render_secret, target_from
 from ..render.common import Target
-from ..render.pods import TOKEN_KEY, head_pod_name
+from ..render.pods import TOKEN_KEY
 from . import act as act_step
 from . import kube, memory
 from .act import EmitFn as Emit
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Emit", "observe", "reconcile"]
 
+SECOND_HEAD = "second-head"  # memory.HEADS key suffix of a head change's other head
 SYNC_TIMEOUT = 60.0  # s a pass waits for the watches' first listing (operator start, new leader)
 
 
@@ -87,13 +89,13 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
         act_step.act(obj["metadata"]["namespace"], decided.actions, None, emit, obj["metadata"]["name"])
         return decided.status
     token = ensure_token(t)
-    observed, client = observe(obj, t, token)
+    observed, (client, other_client) = observe(obj, t, token)
     key, fingerprint = (t.namespace, t.name), _fingerprint(observed, t)
     rest = memory.RESTING.get(key)
     if rest is not None and rest.fingerprint == fingerprint:
         return obj.get("status") or {}  # nothing read changed since a pass that found it at rest
     decided = plan(t, observed)
-    problems = act_step.act(t.namespace, decided.actions, client, emit, t.name)
+    problems = act_step.act(t.namespace, decided.actions, client, emit, t.name, other=other_client)
     changed = _changes(decided.actions) or bool(problems)
     if not changed and not decided.pools and decided.status == obj.get("status"):
         memory.RESTING[key] = memory.Resting(fingerprint, client, t.distributed)
@@ -125,26 +127,42 @@ def ensure_token(t: Target) -> str:
     return token
 
 
-def observe(obj: dict[str, Any], t: Target, token: str,
-            problems: tuple[str, ...] = ()) -> tuple[Observed, HeadClient | None]:
-    """The pods from the watches, and what a Ready head runs and who its members are (tight timeouts)."""
-    head = STATE.pods.get(t.namespace, head_pod_name(t))
+def observe(obj: dict[str, Any], t: Target, token: str, problems: tuple[str, ...] = ()
+            ) -> tuple[Observed, tuple[HeadClient | None, HeadClient | None]]:
+    """The pods from the watches, and what a Ready head runs and who its members are (tight timeouts).
+    During a head change, the second head and its replicas too (Observed.other), with its client."""
+    owned = STATE.pods.owned(t.namespace, t.name)
+    head, second = pods.heads([p for p in owned if pods.role(p) in HEAD_ROLES])
+    engines = tuple(p for p in owned if pods.role(p) in (ROLE_REPLICA, ROLE_POOL))
+    theirs = tuple(r for r in engines if second is not None and pods.head_uid(r) == pods.uid(second))
+    drains = act_step.DRAINS.states(t.namespace, t.name)
+    other = other_client = None
+    if second is not None:
+        other, other_client = _observe_set(obj, t, token, second, theirs, (t.namespace, f"{t.name}/{SECOND_HEAD}"),
+                                           drains)
+    observed, client = _observe_set(obj, t, token, head, tuple(r for r in engines if r not in theirs),
+                                    (t.namespace, t.name), drains)
+    return replace(observed, problems=problems, pools=tuple(STATE.pools.owned(t.namespace, t.name)),
+                   other=other), (client, other_client)
+
+
+def _observe_set(obj: dict[str, Any], t: Target, token: str, head: dict[str, Any] | None,
+                 replicas: tuple[dict[str, Any], ...], key: memory.Key, drains: dict[str, str]
+                 ) -> tuple[Observed, HeadClient | None]:
+    """One head and its replicas: the head's client, its report and listing."""
     client = None
     if head is not None and pods.ip(head) and not pods.terminating(head):
         client = HeadClient(pods.ip(head), t.spec.engine.http_port, token)
-    replicas = tuple(p for p in STATE.pods.owned(t.namespace, t.name)
-                     if (p["metadata"].get("labels") or {}).get(L_ROLE) in (ROLE_REPLICA, ROLE_POOL))
     report = listing = None
     report_problem = listing_problem = None
     if client is not None and pods.ready(head):
-        view = view_for((t.namespace, t.name), pods.uid(head), _rv(head))
+        view = view_for(key, pods.uid(head), _rv(head))
         report, listing, report_problem, listing_problem = ask_head(client, view, t.distributed)
         if view.token_refused:  # 401: the Secret was replaced; read it again next pass
             memory.TOKENS.forget(t.namespace, t.name)
     return Observed(obj=obj, head=head, replicas=replicas, head_addressable=client is not None, report=report,
                     report_problem=report_problem, listing=listing, listing_problem=listing_problem,
-                    drains=act_step.DRAINS.states(t.namespace, t.name), problems=problems,
-                    pools=tuple(STATE.pools.owned(t.namespace, t.name))), client
+                    drains=drains), client
 
 
 def _rv(obj: dict[str, Any] | None) -> str | None:
@@ -158,7 +176,10 @@ def _fingerprint(o: Observed, t: Target) -> tuple[Any, ...]:
     return (_rv(o.obj), _rv(o.head), tuple(sorted(_rv(r) or "" for r in o.replicas)),
             tuple(sorted(_rv(p) or "" for p in o.pools)), children,
             o.head_addressable, tuple(sorted(o.drains.items())), o.problems,
-            said(view, o.report, o.listing, o.report_problem, o.listing_problem))
+            said(view, o.report, o.listing, o.report_problem, o.listing_problem),
+            # A head change never rests: its passes wait for pods, not for the resync's probe.
+            o.other is not None and (_rv(o.other.head), tuple(sorted(_rv(r) or "" for r in o.other.replicas)),
+                                     o.other.report, o.other.listing))
 
 
 def _changes(actions: list[Action]) -> bool:

