@@ -14,10 +14,10 @@ head's leave is idempotent, so the operator asking too changes nothing). Then th
 the kubelet sends SIGTERM.
 
 A head pod that is deleted is out of its Services' endpoints already; with `--head` the hook polls
-the head's own membership listing until no replica it routes to (its own included) has a request in
-flight, up to the drain timeout, so that the requests it accepted are answered before SIGTERM stops
+the head's own membership listing (a static head: vLLM's num_requests_running) until no replica it
+routes to (its own included) has a request in flight, up to the drain timeout, so that the requests it accepted are answered before SIGTERM stops
 vLLM (a head change hands the Service to a new head first, then deletes the old one). A head that
-does not answer the listing (not distributed, not started) is not waited for. It always exits 0: a hook that fails only loses the drain, the pod goes
+answers neither (not started) is not waited for. It always exits 0: a hook that fails only loses the drain, the pod goes
 anyway. Standard library only (it runs in the engine image before anything else is imported).
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -65,17 +66,36 @@ POLL_SECONDS = 0.5
 IDLE_POLLS = 3
 
 
+# vLLM's gauge of the requests its engines run, for a head without a membership listing (static).
+RUNNING = re.compile(r"^vllm:num_requests_running(?:\{[^}]*\})?\s+([0-9.e+]+)$", re.MULTILINE)
+
+
 def in_flight(base: str, token: str) -> int | None:
-    """Requests in flight over every replica the head lists (None: no listing)."""
-    request = urllib.request.Request(base.rstrip("/") + contract.MEMBERSHIP_PATH,
-                                     headers={"Authorization": f"Bearer {token}"})
+    """Requests in flight over every replica the head lists; a static head's from vLLM's
+    num_requests_running gauge (None: neither answers)."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(request, timeout=5) as resp:
-            listing = json.loads(resp.read() or b"{}")
-    except (urllib.error.URLError, OSError, ValueError):
+
+    def get(path: str, auth: bool) -> bytes | None:
+        request = urllib.request.Request(base.rstrip("/") + path,
+                                         headers={"Authorization": f"Bearer {token}"} if auth else {})
+        try:
+            with opener.open(request, timeout=5) as resp:
+                return resp.read()
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    body = get(contract.MEMBERSHIP_PATH, True)
+    if body is not None:
+        try:
+            stages = (json.loads(body or b"{}").get("stages") or {}).values()
+            return sum(int(m.get("inFlight") or 0) for members in stages for m in members)
+        except (ValueError, AttributeError):
+            return None
+    metrics = get("/metrics", False)
+    if metrics is None:
         return None
-    return sum(int(m.get("inFlight") or 0) for members in (listing.get("stages") or {}).values() for m in members)
+    values = RUNNING.findall(metrics.decode(errors="replace"))
+    return round(sum(float(v) for v in values)) if values else None
 
 
 def wait_idle(base: str, token: str, drain_seconds: float, clock=time.monotonic, sleep=time.sleep) -> str:
@@ -84,7 +104,7 @@ def wait_idle(base: str, token: str, drain_seconds: float, clock=time.monotonic,
     while True:
         n = in_flight(base, token)
         if n is None:
-            return "no membership listing: not waiting"
+            return "no membership listing and no num_requests_running: not waiting"
         most = max(most, n)
         idle = idle + 1 if n == 0 else 0
         if idle >= IDLE_POLLS:

@@ -118,4 +118,33 @@ def test_a_head_s_hook_gives_up_at_the_drain_timeout_and_without_a_listing(monke
     assert "4 requests still in flight after the 30s" in prestop.wait_idle(
         "http://127.0.0.1:9", "t", 30, clock=lambda: next(now), sleep=lambda s: None)
     monkeypatch.setattr(prestop, "in_flight", lambda base, token: None)
-    assert prestop.wait_idle("http://127.0.0.1:9", "t", 30, sleep=lambda s: None) == "no membership listing: not waiting"
+    assert prestop.wait_idle("http://127.0.0.1:9", "t", 30, sleep=lambda s: None) == "no membership listing and no num_requests_running: not waiting"
+
+
+def test_a_static_head_s_requests_in_flight_come_from_vllm_s_gauge():
+    """A static single-replica head has no membership listing (409 NotDistributed): the hook reads
+    vLLM's num_requests_running instead, summed over its series."""
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == contract.MEMBERSHIP_PATH:
+                self.send_response(409)
+                self.end_headers()
+                return
+            out = (b'# TYPE vllm:num_requests_running gauge\n'
+                   b'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+                   b'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
+                   b'vllm:num_requests_waiting{engine="0",model_name="m"} 7.0\n')
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert prestop.in_flight(f"http://127.0.0.1:{server.server_port}", "t") == 3
+    finally:
+        server.shutdown()

@@ -97,7 +97,9 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
     decided = plan(t, observed)
     problems = act_step.act(t.namespace, decided.actions, client, emit, t.name, other=other_client)
     changed = _changes(decided.actions) or bool(problems)
-    if not changed and not decided.pools and decided.status == obj.get("status"):
+    # A head change never rests: the resync probes only the head the Services select, and the other
+    # head's news (a replica registered there) must reach a pass too.
+    if not changed and not decided.pools and decided.status == obj.get("status") and observed.other is None:
         memory.RESTING[key] = memory.Resting(fingerprint, client, t.distributed)
     else:
         memory.RESTING.pop(key, None)
@@ -176,10 +178,7 @@ def _fingerprint(o: Observed, t: Target) -> tuple[Any, ...]:
     return (_rv(o.obj), _rv(o.head), tuple(sorted(_rv(r) or "" for r in o.replicas)),
             tuple(sorted(_rv(p) or "" for p in o.pools)), children,
             o.head_addressable, tuple(sorted(o.drains.items())), o.problems,
-            said(view, o.report, o.listing, o.report_problem, o.listing_problem),
-            # A head change never rests: its passes wait for pods, not for the resync's probe.
-            o.other is not None and (_rv(o.other.head), tuple(sorted(_rv(r) or "" for r in o.other.replicas)),
-                                     o.other.report, o.other.listing))
+            said(view, o.report, o.listing, o.report_problem, o.listing_problem))
 
 
 def _changes(actions: list[Action]) -> bool:

@@ -5,7 +5,6 @@ runs the tiny model on the kind workers' CPU engine image (hack/kind/images.py).
 from __future__ import annotations
 
 import contextlib
-import json
 import subprocess
 import threading
 import time
@@ -54,40 +53,60 @@ def kind_omnistage(name: str, replicas: int) -> dict[str, Any]:
 
 @dataclass
 class KindOmniStage(RealOmniStage):
-    """RealOmniStage with the kubelet as the runtime: the head through a port-forward that is reopened
-    when its pod is replaced, engine logs from `kubectl logs`."""
+    """RealOmniStage with the kubelet as the runtime: requests go to the head the Service NAME selects
+    (a Ready pod of its selector, as a proxy picks one per new connection) through a port-forward per
+    head pod, engine logs from `kubectl logs`."""
 
-    _forward: tuple[str, PortForward] | None = field(default=None, repr=False)
+    # Head pod uid -> its forward. A forward to a head that stopped being selected stays open while it
+    # lives, so the requests in flight through it (a head change's old head) are not cut off by the test.
+    _forwards: dict[str, PortForward] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def head_name(self) -> str:
+        """The head the Services select (NAME-head, or NAME-head-<hash> after a head change)."""
+        pod = self.head.pod()
+        assert pod is not None, f"no head pod of {self.name}"
+        return pod["metadata"]["name"]
 
     def get(self) -> dict[str, Any]:
         # A head container that exits before it ever was Ready rejected what was rendered: fail now.
-        pod = self.kubectl("get", "pod", f"{self.name}-head", "-n", self.namespace, "-o", "json", check=False)
-        if pod.returncode == 0:
-            for cs in json.loads(pod.stdout).get("status", {}).get("containerStatuses") or []:
-                term = (cs.get("lastState") or {}).get("terminated") or {}
-                if term.get("exitCode") and not cs.get("ready") and cs.get("restartCount", 0) >= 2:
-                    raise AssertionError(f"{self.name}-head keeps exiting ({term.get('exitCode')}, "
-                                         f"{term.get('reason')}):\n{self.logs(f'{self.name}-head', previous=True)}")
+        head = self.head.pod()
+        for cs in (head or {}).get("status", {}).get("containerStatuses") or []:
+            term = (cs.get("lastState") or {}).get("terminated") or {}
+            if term.get("exitCode") and not cs.get("ready") and cs.get("restartCount", 0) >= 2:
+                name = head["metadata"]["name"]
+                raise AssertionError(f"{name} keeps exiting ({term.get('exitCode')}, "
+                                     f"{term.get('reason')}):\n{self.logs(name, previous=True)}")
         return self.kubectl.json("get", "omnistage", self.name, "-n", self.namespace)
 
     def base(self) -> str:
-        """http://127.0.0.1:PORT forwarded to the current head pod (a new pod uid or a dead forward: a new one)."""
-        uid = self.kubectl("get", "pod", f"{self.name}-head", "-n", self.namespace,
-                           "-o", "jsonpath={.metadata.uid}").stdout.strip()
+        """http://127.0.0.1:PORT forwarded to a head pod the Service selects (Ready, not terminating;
+        the current head pod when none is Ready): a new forward for a new pod or a dead forward."""
+        selected = [p for p in self.kubectl.json("get", "pods", "-n", self.namespace, "-l",
+                                                 f"serving.omnistage.io/omnistage={self.name},"
+                                                 "serving.omnistage.io/role=head")["items"]
+                    if not p["metadata"].get("deletionTimestamp")]
+        selected.sort(key=lambda p: not any(c["type"] == "Ready" and c["status"] == "True"
+                                            for c in p.get("status", {}).get("conditions") or []))
+        assert selected, f"no head pod of {self.name}"
+        uid, name = selected[0]["metadata"]["uid"], selected[0]["metadata"]["name"]
         with self._lock:
-            if self._forward and (self._forward[0] != uid or not self._forward[1].alive()):
-                self.close_forward()
-            if not self._forward:
-                forward = PortForward(self.kubectl, self.namespace, f"pod/{self.name}-head", 8000)
-                assert forward.port, f"kubectl port-forward to {self.name}-head did not start"
-                self._forward = (uid, forward)
-            return f"http://127.0.0.1:{self._forward[1].port}"
+            for old in [u for u, f in self._forwards.items() if not f.alive()]:
+                self._forwards.pop(old).close()
+            if uid not in self._forwards:
+                forward = PortForward(self.kubectl, self.namespace, f"pod/{name}", 8000)
+                assert forward.port, f"kubectl port-forward to {name} did not start"
+                self._forwards[uid] = forward
+            return f"http://127.0.0.1:{self._forwards[uid].port}"
+
+    def service_base(self) -> str:
+        return self.base()
 
     def close_forward(self) -> None:
-        if self._forward:
-            self._forward[1].close()
-            self._forward = None
+        with self._lock:
+            for f in self._forwards.values():
+                f.close()
+            self._forwards.clear()
 
     def logs(self, pod: str, previous: bool = False) -> str:
         args = ["logs", pod, "-n", self.namespace, "-c", "engine", "--tail=60"] + (["--previous"] if previous else [])
@@ -123,7 +142,8 @@ def stream(stage: KindOmniStage, requests: int, concurrency: int = 2, seconds: f
             yield p
 
     t = threading.Thread(target=lambda: results.extend(
-        client.run_many(stage.base(), paced(), concurrency, deadline=time.monotonic() + seconds)), daemon=True)
+        # stage.base, asked per request: the head the Service selects now (a head change moves it).
+        client.run_many(stage.base, paced(), concurrency, deadline=time.monotonic() + seconds)), daemon=True)
     t.start()
     try:
         yield results

@@ -23,7 +23,7 @@ from tests.cluster.kind.conftest import CHART, HEAD_READY_TIMEOUT, OPERATOR_NS, 
 from tests.cluster.kind.kindstage import DOCKER, KindOmniStage, kind_omnistage, sh, stream
 from tests.cluster.real.realstage import send_attributed
 from tests.cpu_engine import client
-from tests.standin.harness import MEMBERSHIP_PATH, http_get, remote_members
+from tests.standin.harness import MEMBERSHIP_PATH, http_get, remote_members, service_addresses
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(HEAD_READY_TIMEOUT + 600)]
 NAME = "tiny"
@@ -74,7 +74,7 @@ def test_operator_installed_by_helm_runs_in_cluster(kubectl, operator, wait_for)
 
 
 def test_omnistage_serves_through_the_head(stage):
-    head = stage.pod(f"{NAME}-head")
+    head = stage.pod(stage.head_name())
     [replica] = stage.replica_pods()
     print(f"\n[kind] head on {head['spec']['nodeName']}, {replica} on {stage.pod(replica)['spec']['nodeName']}")
     model = client.served_model(stage.base())
@@ -90,16 +90,16 @@ def test_omnistage_serves_through_the_head(stage):
 def test_rendered_pods_run_as_rendered_under_a_kubelet(stage):
     """What only a real kubelet shows: probes, /dev/shm, the security context, the grace period, and
     how the stand-in runtime of the cluster tier differs (printed, asserted where the kubelet decides)."""
-    head = stage.pod(f"{NAME}-head")
+    head = stage.pod(stage.head_name())
     [replica_name] = stage.replica_pods()
     replica = stage.pod(replica_name)
     hc = head["spec"]["containers"][0]
     assert hc.get("startupProbe") and hc.get("readinessProbe"), "the head's probes are rendered"
     statuses = {p["metadata"]["name"]: p["status"]["containerStatuses"][0] for p in (head, replica)}
     assert all(cs["ready"] and cs["started"] for cs in statuses.values()), statuses
-    shm = stage.exec(f"{NAME}-head", "sh", "-c", "df -k /dev/shm | tail -1")
-    caps = stage.exec(f"{NAME}-head", "sh", "-c", "grep -E '^(CapEff|NoNewPrivs)' /proc/1/status")
-    routes = stage.exec(f"{NAME}-head", "ip", "route")
+    shm = stage.exec(stage.head_name(), "sh", "-c", "df -k /dev/shm | tail -1")
+    caps = stage.exec(stage.head_name(), "sh", "-c", "grep -E '^(CapEff|NoNewPrivs)' /proc/1/status")
+    routes = stage.exec(stage.head_name(), "ip", "route")
     print(f"\n[kind] head /dev/shm: {shm.strip()}\n[kind] head {caps.strip()}\n[kind] head routes: {routes.strip()}")
     assert "default" not in routes, "network rule: pods route only 198.19.0.0/16, no default route"
     assert "tmpfs" in shm or "shm" in shm, shm
@@ -237,16 +237,17 @@ def test_node_drain_evicts_through_the_budget_and_loses_nothing(stage, kubectl):
 
 @pytest.mark.full
 def test_head_container_killed_kubelet_restarts_it_and_replicas_roll(stage, kubectl):
-    before = stage.pod(f"{NAME}-head")["status"]["containerStatuses"][0]["restartCount"]
+    head = stage.head_name()
+    before = stage.pod(head)["status"]["containerStatuses"][0]["restartCount"]
     [old_replica] = stage.replica_pods()
-    node = stage.pod(f"{NAME}-head")["spec"]["nodeName"]
+    node = stage.pod(head)["spec"]["nodeName"]
     t0 = time.monotonic()
     # SIGKILL to the container's main process from its node (what the OOM killer does; from inside the
     # container PID 1 ignores it). crictl gives the process id the node sees.
-    cid = stage.pod(f"{NAME}-head")["status"]["containerStatuses"][0]["containerID"].split("://", 1)[1]
+    cid = stage.pod(head)["status"]["containerStatuses"][0]["containerID"].split("://", 1)[1]
     sh(DOCKER, "exec", node, "sh", "-c",
        f"kill -9 $(crictl inspect --output go-template --template '{{{{.info.pid}}}}' {cid})")
-    stage.wait_for("the kubelet restarted the head container", lambda: stage.pod(f"{NAME}-head")["status"]
+    stage.wait_for("the kubelet restarted the head container", lambda: stage.pod(head)["status"]
                    ["containerStatuses"][0]["restartCount"] > before, timeout=300, interval=2)
     stage.wait_serving(2, "the head serving again with a joined replica", timeout=HEAD_READY_TIMEOUT)
     FIGURES["head container killed -> serving with 2 again"] = time.monotonic() - t0
@@ -255,6 +256,47 @@ def test_head_container_killed_kubelet_restarts_it_and_replicas_roll(stage, kube
     results = client.run_many(stage.base(), [(f"after head restart #{i}", client.body(model, "audio", 9 + i))
                                              for i in range(4)], 2)
     assert all(r.complete for r in results), client.table(results)
+
+
+@pytest.mark.full
+@pytest.mark.timeout(3 * HEAD_READY_TIMEOUT)
+def test_a_head_change_hands_over_to_a_new_head_and_loses_nothing(stage, kubectl, wait_for):
+    """A change that reaches the head (an annotation in spec.template.metadata: the head and every
+    replica are rendered anew) runs blue/green under real kubelets: the new head starts beside the
+    old one, the Services move once it serves, the old set drains and goes. A bounded stream runs
+    through the Service (the head it selects, per request); asserted: every request complete, and a
+    head selected by the Service throughout. Fails on a head replaced in place: requests sent from
+    the old head's deletion until the new one is Ready find no endpoint."""
+    old = {p["metadata"]["uid"] for p in kubectl.json("get", "pods", "-n", stage.namespace, "-l",
+                                                       f"serving.omnistage.io/omnistage={NAME}")["items"]}
+    old_head = stage.head_name()
+    manifest = stage.get()
+    template = manifest["spec"]["template"]
+    template.setdefault("metadata", {}).setdefault("annotations", {})["omnistage-e2e/generation"] = "2"
+    no_endpoint: list[float] = []
+    with stream(stage, requests=600, concurrency=2, seconds=3 * HEAD_READY_TIMEOUT) as results:
+        t0 = time.monotonic()
+        kubectl("patch", "omnistage", NAME, "-n", stage.namespace, "--type=merge", "-p",
+                json.dumps({"spec": {"template": template}}))
+
+        def handed_over() -> bool:
+            if not service_addresses(kubectl, stage.namespace, NAME):
+                no_endpoint.append(time.monotonic() - t0)
+            pods = kubectl.json("get", "pods", "-n", stage.namespace, "-l", f"serving.omnistage.io/omnistage={NAME}")
+            st = stage.get().get("status", {})
+            return not ({p["metadata"]["uid"] for p in pods["items"]} & old) and len(pods["items"]) == 2 \
+                and st.get("readyReplicas") == 2 and st.get("registeredReplicas") == 2
+
+        wait_for("the new head and its replica serving, the old set gone", handed_over,
+                 timeout=3 * HEAD_READY_TIMEOUT, interval=2)
+        FIGURES["head change (template) -> new head and replica serving"] = time.monotonic() - t0
+    lost = [r for r in results if r.status is None]
+    errored = [r for r in results if r.status is not None and not r.complete]
+    print(f"\n[kind] head change {old_head} -> {stage.head_name()}: {len(results)} requests, {len(lost)} lost, "
+          f"{len(errored)} errored; samples without a Ready endpoint: {len(no_endpoint)}")
+    assert stage.head_name() != old_head
+    assert results and not lost and not errored, client.table(lost + errored)
+    assert not no_endpoint, f"the Service had no Ready endpoint at {no_endpoint}"
 
 
 def test_helm_upgrade_while_serving(stage, helm, kubectl, wait_for):
