@@ -3,6 +3,7 @@ deletes a replica or pool pod, the kubelet first has the head drain it (issue 19
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,28 +18,41 @@ from .test_plan import HEAD_IP, HEAD_UID, omnistage
 from .test_plan_pools import pipeline, pool_obj
 
 
+@contextlib.contextmanager
+def serving(handler: type[BaseHTTPRequestHandler]):
+    """`handler` on a free port of 127.0.0.1: its base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+
+
+class Quiet(BaseHTTPRequestHandler):
+    def reply(self, code: int, out: bytes = b"") -> None:
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args):
+        pass
+
+
 @pytest.fixture
 def head():
     """A head on 127.0.0.1 that records each leave it is asked for."""
     calls: list[dict] = []
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(Quiet):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             calls.append({"path": self.path, "auth": self.headers.get("Authorization"), **body})
-            out = json.dumps({"drained": True}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
+            self.reply(200, json.dumps({"drained": True}).encode())
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}", calls
-    server.shutdown()
+    with serving(Handler) as base:
+        yield base, calls
 
 
 def test_the_hook_leaves_every_stage_of_the_pod_drained(head, tmp_path, monkeypatch):
@@ -124,27 +138,15 @@ def test_a_head_s_hook_gives_up_at_the_drain_timeout_and_without_a_listing(monke
 def test_a_static_head_s_requests_in_flight_come_from_vllm_s_gauge():
     """A static single-replica head has no membership listing (409 NotDistributed): the hook reads
     vLLM's num_requests_running instead, summed over its series."""
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(Quiet):
         def do_GET(self):
             if self.path == contract.MEMBERSHIP_PATH:
-                self.send_response(409)
-                self.end_headers()
+                self.reply(409)
                 return
-            out = (b'# TYPE vllm:num_requests_running gauge\n'
-                   b'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
-                   b'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
-                   b'vllm:num_requests_waiting{engine="0",model_name="m"} 7.0\n')
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
+            self.reply(200, b'# TYPE vllm:num_requests_running gauge\n'
+                            b'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+                            b'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
+                            b'vllm:num_requests_waiting{engine="0",model_name="m"} 7.0\n')
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        assert prestop.in_flight(f"http://127.0.0.1:{server.server_port}", "t") == 3
-    finally:
-        server.shutdown()
+    with serving(Handler) as base:
+        assert prestop.in_flight(base, "t") == 3
