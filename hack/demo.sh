@@ -176,9 +176,14 @@ ready() {  # Ready=True and N engine replicas acknowledged by the head
   [[ "$(kubectl get pods -n "$NS" -l "serving.omnistage.io/omnistage=$NAME,serving.omnistage.io/component=engine" \
         --field-selector=status.phase=Running -o name | wc -l)" == "$1" ]]
 }
+# The head the Services select: NAME-head, or NAME-head-<hash> after a head change (its role label says).
+head_ip() {
+  kubectl get pods -n "$NS" -l "serving.omnistage.io/omnistage=$NAME,serving.omnistage.io/role=head" \
+    -o jsonpath='{.items[0].status.podIP}'
+}
 membership() {
   local ip token
-  ip="$(kubectl get pod "$NAME-head" -n "$NS" -o jsonpath='{.status.podIP}')"
+  ip="$(head_ip)"
   [[ "$ip" =~ ^127\.[0-9]+\.[0-9]+\.[0-9]+$ ]] || { log "head pod IP '$ip' is not loopback: not dialling it (network rule)"; return 0; }
   token="$(kubectl get secret "$NAME-membership" -n "$NS" -o jsonpath='{.data.token}' | base64 -d)"
   log "the head's membership: GET http://$ip:8000/omnistage/v1/membership"
@@ -214,7 +219,7 @@ else
   show
 
   step "6/7 requests with repeated audio through the head while it scales 1 -> 2 -> 1"
-  HEAD_IP="$(kubectl get pod "$NAME-head" -n "$NS" -o jsonpath='{.status.podIP}')"
+  HEAD_IP="$(head_ip)"
   [[ "$HEAD_IP" =~ ^127\. ]] || die "head pod IP '$HEAD_IP' is not loopback: not sending requests (network rule)"
   rm -f "$D/requests.stop"
   "$PY" -m tests.cpu_engine.client load "http://$HEAD_IP:8000" "$D/requests.stop" 2 \
@@ -245,7 +250,7 @@ cat >&2 <<EOF
   export KUBECONFIG=$KUBECONFIG
   $BIN/kubectl get omnistage,pods -n $NS -o wide
   $BIN/kubectl scale omnistage $NAME -n $NS --replicas=2
-  $( [[ $ENGINE == real ]] && echo "$PY -m tests.cpu_engine.client http://\$(\$BIN/kubectl get pod $NAME-head -n $NS -o jsonpath='{.status.podIP}'):8000 audio 7 3" )
+  $( [[ $ENGINE == real ]] && echo "$PY -m tests.cpu_engine.client http://\$(\$BIN/kubectl get pods -n $NS -l serving.omnistage.io/omnistage=$NAME,serving.omnistage.io/role=head -o jsonpath='{.items[0].status.podIP}'):8000 audio 7 3" )
   operator log: $D/operator.log   operator metrics: http://127.0.0.1:$METRICS_PORT/metrics
   stand-in runtime log: $D/runtime.log   engine logs: $D/standin/logs/
   stop everything: make demo-down
