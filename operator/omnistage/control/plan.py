@@ -351,13 +351,15 @@ class Pass:
     def drain_disrupted(self) -> None:
         """A replica pod someone else deletes keeps its engine running for its grace period (its
         preStop hook is draining it already): have the head stop routing to it and drain it within
-        what remains of that grace, less the engine's own shutdown. Once per pod (the drain state)."""
+        what remains of that grace, less the engine's own shutdown. Once per pod (the drain state).
+        Also when the hook's leave got there first (the member is draining): the head's leave is
+        idempotent (the second waits for the first), and the drain is said (Event, Leaving) either way."""
         for r in self.o.replicas:
             if not pods.terminating(r) or pods.uid(r) in self.o.drains:
                 continue
             leaves = tuple((stage, mm["replicaId"]) for stage in pods.stage_ids(r)
                            if (mm := self.member_of(r, stage)) is not None and mm.get("pod") == pods.name(r)
-                           and mm.get("state") not in (contract.LEFT, contract.DRAINING))
+                           and mm.get("state") != contract.LEFT)
             if not leaves:
                 continue  # left already (the operator's own deletes come after the leave), or never joined
             drain = max(0, min(self.drain_of(r), pods.grace_left(r, self.at) - SHUTDOWN_SECONDS))
