@@ -187,11 +187,7 @@ KC
   # Standalone kwok loads its Stages only from --config; the build script ships upstream's "fast" set.
   # No KwokConfiguration document: kwok applies its option defaults only when there is none
   # (with one, e.g. `options: {}`, it exits on "node leases parallelism must be greater than 0").
-  # Its pod-delete Stage is the project's (hack/kwok/): a deleted pod waits for its finalizers.
-  for f in "$BIN"/kwok-stages/*.yaml; do
-    [[ "$(basename "$f")" == pod-delete.yaml ]] && f="$ROOT/hack/kwok/pod-delete.yaml"
-    echo '---'; cat "$f"
-  done > "$D/kwok.yaml"
+  for f in "$BIN"/kwok-stages/*.yaml; do echo '---'; cat "$f"; done > "$D/kwok.yaml"
   start kwok "$BIN/kwok" --kubeconfig="$KC" --config="$D/kwok.yaml" \
     --manage-all-nodes=false --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
     --cidr="$POD_CIDR" --node-ip=127.0.0.1 --node-lease-duration-seconds=40

@@ -30,11 +30,6 @@ cannot, because kwok knows nothing about the process:
     Failed (Never: replicas), with restartCount / lastState / Ready written like a kubelet does.
   * preStop: a deleted pod's container preStop exec hook runs before SIGTERM (the replica and
     pool pods' hook drains them at the head), bounded by the grace period.
-  * termination: a deleted pod stays Terminating until its process stopped, as under a kubelet
-    (kwok removes a deleted pod at once): the runtime holds a finalizer (FINALIZER) on every pod
-    whose process it starts and removes it once the process is gone, and the local cluster's kwok
-    deletes a pod only when it has no finalizer left (hack/kwok/pod-delete.yaml). So an evicted
-    replica is seen Terminating, and drained, for as long as its preStop hook runs.
   * readiness: a container with an httpGet readinessProbe is Ready only while the probe answers
     2xx (kwok marks every pod Ready at once, which would make "head Ready" meaningless), and a pod
     with spec.readinessGates (replica and pool pods: the operator's joined condition) is Ready only
@@ -101,8 +96,6 @@ LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 L_COMPONENT = "serving.omnistage.io/component"
 L_ROLE = "serving.omnistage.io/role"
 HEAD_ROLES = ("head", "next-head", "old-head")  # omnistage.names.HEAD_ROLES
-# Held on a pod while its process runs (the kubelet's part in keeping a deleted pod Terminating).
-FINALIZER = "standin.omnistage.io/process"
 L_OMNISTAGE = "serving.omnistage.io/omnistage"
 # Stage-0 pods (head, replicas) and the pods of stages >= 1 (pools).
 COMPONENTS = ("engine", "pool")
@@ -382,8 +375,6 @@ class StandinRuntime:
         self._zygote: zygote.Zygote | None = None  # stand-in mode: the fork server (tests/standin/zygote.py)
         self._zygote_said = False
         self._held_not_ready: set[str] = set()  # pod uids taken back from kwok's Ready before their start
-        self._released: set[str] = set()  # pod uids whose FINALIZER the supervisor let go (no process)
-        self._api: client.CoreV1Api | None = None  # set by start()
 
     # ----- logging -----------------------------------------------------------------------------
 
@@ -627,16 +618,6 @@ class StandinRuntime:
             if reason and not p.stopping:
                 p.stopping = True
                 threading.Thread(target=self._terminate, args=(p, reason), daemon=True).start()
-        # 1b. deleted pods this runtime holds without a process (it never started, or a runtime
-        # before this one started it) -> let them go
-        running = {p.uid for p in procs.values()}
-        for pod in pods.values():
-            meta = pod["metadata"]
-            if meta.get("deletionTimestamp") and FINALIZER in (meta.get("finalizers") or []) \
-                    and meta["uid"] not in running and meta["uid"] not in self._released:
-                self._released.add(meta["uid"])
-                threading.Thread(target=self._release, args=(meta["namespace"], meta["name"], meta["uid"]),
-                                 daemon=True).start()
         # 2. processes that exited on their own (or were killed) -> restart policy
         for key, p in procs.items():
             if p.stopping or p.failed or p.popen is None or p.alive() or p.restart_at is not None:
@@ -736,43 +717,7 @@ class StandinRuntime:
         self._prepare_pre_stop(p, pod, container)
         with self._lock:
             self._procs[key] = p
-        self._hold(pod)
         self._spawn(p, pod, restart=False)
-
-    def _hold(self, pod: dict[str, Any]) -> None:
-        """Add FINALIZER to that incarnation (a JSON patch with a uid test): once deleted, it stays
-        Terminating until _release, after its process stopped."""
-        meta = pod["metadata"]
-        held = meta.get("finalizers") or []
-        if FINALIZER in held:
-            return
-        add = ({"op": "add", "path": "/metadata/finalizers/-", "value": FINALIZER} if held
-               else {"op": "add", "path": "/metadata/finalizers", "value": [FINALIZER]})
-        try:
-            self._api.patch_namespaced_pod(meta["name"], meta["namespace"],
-                                           [{"op": "test", "path": "/metadata/uid", "value": meta["uid"]}, add],
-                                           _request_timeout=10)
-        except ApiException as err:
-            if err.status not in (404, 409, 422):
-                self.log(f"finalizer on {meta['namespace']}/{meta['name']} failed: HTTP {err.status}")
-
-    def _release(self, namespace: str, name: str, uid: str) -> None:
-        """Remove FINALIZER from that incarnation, if it still exists and holds it."""
-        if self._api is None:  # not started (a unit test of the stop itself)
-            return
-        try:
-            pod = self._api.read_namespaced_pod(name, namespace, _request_timeout=10)
-            held = pod.metadata.finalizers or []
-            if pod.metadata.uid != uid or FINALIZER not in held:
-                return
-            i = held.index(FINALIZER)
-            self._api.patch_namespaced_pod(name, namespace, [
-                {"op": "test", "path": "/metadata/uid", "value": uid},
-                {"op": "test", "path": f"/metadata/finalizers/{i}", "value": FINALIZER},
-                {"op": "remove", "path": f"/metadata/finalizers/{i}"}], _request_timeout=10)
-        except ApiException as err:
-            if err.status not in (404, 409, 422):
-                self.log(f"finalizer release of {namespace}/{name} failed: HTTP {err.status}")
 
     def _command(self, pod: dict[str, Any], role: str, ip: str) -> list[str]:
         container = _engine_container(pod)
@@ -1013,7 +958,6 @@ class StandinRuntime:
         with self._lock:
             if self._procs.get(p.key) is p:
                 del self._procs[p.key]
-        self._release(p.namespace, p.pod, p.uid)  # the pod object goes now, as after a kubelet's stop
         for path in (self.state_dir / "pids" / f"{p.namespace}_{p.pod}.json",
                      self.state_dir / "tokens" / f"{p.namespace}_{p.pod}_{p.uid[:8]}"):
             path.unlink(missing_ok=True)
