@@ -940,7 +940,7 @@ class StandinRuntime:
     def _terminate_locked(self, p: Proc, reason: str) -> None:
         if p.alive() and p.pre_stop and not self._stop.is_set():
             # The kubelet's order: the hook, then SIGTERM. Also for a pod already gone or replaced
-            # under its name (one this runtime holds no finalizer on: kwok removed it at once).
+            # under its name: kwok removes a deleted pod's object at once, without its grace.
             self._run_pre_stop(p)
         if p.alive():
             self._event("stop", p, reason=reason.replace(" ", "_"), signal="SIGTERM")
