@@ -51,6 +51,9 @@ def kind_omnistage(name: str, replicas: int) -> dict[str, Any]:
     return m
 
 
+SELECT_SECONDS = 2.0
+
+
 @dataclass
 class KindOmniStage(RealOmniStage):
     """RealOmniStage with the kubelet as the runtime: requests go to the head the Service NAME selects
@@ -61,6 +64,7 @@ class KindOmniStage(RealOmniStage):
     # lives, so the requests in flight through it (a head change's old head) are not cut off by the test.
     _forwards: dict[str, PortForward] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _chosen: tuple[float, str] | None = field(default=None, repr=False)  # (when, head pod uid) of the last choice
 
     def head_name(self) -> str:
         """The head the Services select (NAME-head, or NAME-head-<hash> after a head change)."""
@@ -81,7 +85,14 @@ class KindOmniStage(RealOmniStage):
 
     def base(self) -> str:
         """http://127.0.0.1:PORT forwarded to a head pod the Service selects (Ready, not terminating;
-        the current head pod when none is Ready): a new forward for a new pod or a dead forward."""
+        the current head pod when none is Ready): a new forward for a new pod or a dead forward.
+        The choice is read again after SELECT_SECONDS (about as long as a Service's endpoints take to
+        reach the proxies), not per request: a kubectl per request loads a 2-core machine."""
+        with self._lock:
+            chosen = self._chosen
+            if chosen and time.monotonic() - chosen[0] < SELECT_SECONDS and chosen[1] in self._forwards \
+                    and self._forwards[chosen[1]].alive():
+                return f"http://127.0.0.1:{self._forwards[chosen[1]].port}"
         selected = [p for p in self.kubectl.json("get", "pods", "-n", self.namespace, "-l",
                                                  f"serving.omnistage.io/omnistage={self.name},"
                                                  "serving.omnistage.io/role=head")["items"]
@@ -97,6 +108,7 @@ class KindOmniStage(RealOmniStage):
                 forward = PortForward(self.kubectl, self.namespace, f"pod/{name}", 8000)
                 assert forward.port, f"kubectl port-forward to {name} did not start"
                 self._forwards[uid] = forward
+            self._chosen = (time.monotonic(), uid)
             return f"http://127.0.0.1:{self._forwards[uid].port}"
 
     def service_base(self) -> str:
