@@ -15,10 +15,11 @@ the kubelet sends SIGTERM.
 
 A head pod that is deleted is out of its Services' endpoints already; with `--head` the hook polls
 the head's own membership listing (a static head: vLLM's num_requests_running) until no replica it
-routes to (its own included) has a request in flight, up to the drain timeout, so that the requests it accepted are answered before SIGTERM stops
-vLLM (a head change hands the Service to a new head first, then deletes the old one). A head that
-answers neither (not started) is not waited for. It always exits 0: a hook that fails only loses the drain, the pod goes
-anyway. Standard library only (it runs in the engine image before anything else is imported).
+routes to (its own included) has a request in flight, up to the drain timeout, so that the requests
+it accepted are answered before SIGTERM stops vLLM (a head change hands the Service to a new head
+first, then deletes the old one). A head that answers neither (not started) is not waited for.
+
+It always exits 0: a hook that fails only loses the drain, the pod goes anyway. Standard library only (it runs in the engine image before anything else is imported).
 """
 
 from __future__ import annotations

@@ -55,29 +55,21 @@ def old_head(t, role=names.ROLE_HEAD, **kw):
     return pod
 
 
-def observed(t, obj, h, replicas, members, other=None):
-    return Observed(obj=obj, head=h, replicas=tuple(replicas), head_addressable=h is not None and pods.ready(h),
-                    report=report(t) if h is not None and pods.ready(h) else None,
-                    listing=listing(*members) if h is not None and pods.ready(h) else None, other=other)
-
-
-def listing_at(ip, *members):
-    """The head's listing, its own replica at `ip`."""
+def observed(t, obj, h, replicas=(), members=(), other=None, drains=None):
+    """One head and its replicas as a pass reads them: what a Ready head says (its own replica at its
+    IP), `other` the second set of a head change."""
+    serves = h is not None and pods.ready(h)
     ls = listing(*members)
-    ls["stages"]["0"][0]["host"] = ip
-    return ls
-
-
-def other_set(t, obj, h, replicas=(), members=()):
-    return Observed(obj=obj, head=h, replicas=tuple(replicas), head_addressable=pods.ready(h),
-                    report=report(t) if pods.ready(h) else None,
-                    listing=listing_at(pods.ip(h), *members) if pods.ready(h) else None)
+    if serves:
+        ls["stages"]["0"][0]["host"] = pods.ip(h)
+    return Observed(obj=obj, head=h, replicas=tuple(replicas), head_addressable=serves,
+                    report=report(t) if serves else None, listing=ls if serves else None, other=other,
+                    drains=drains or {})
 
 
 def new_set(t, obj, other, drains=None):
     """The successor as the head the Services select, with no replicas yet, beside `other`."""
-    return Observed(obj=obj, head=successor(t, role=names.ROLE_HEAD), replicas=(), head_addressable=True,
-                    report=report(t), listing=listing_at(NEXT_IP), other=other, drains=drains or {})
+    return observed(t, obj, successor(t, role=names.ROLE_HEAD), other=other, drains=drains)
 
 
 def old_set(t, n=3):
@@ -108,7 +100,7 @@ def test_the_successor_gets_its_first_replicas_within_max_surge_and_the_services
     t = target_from(obj)
     rs = old_set(t)
     ms = [member(r, i) for i, r in enumerate(rs, 1)]
-    o = observed(t, obj, old_head(t), rs, ms, other=other_set(t, obj, successor(t)))
+    o = observed(t, obj, old_head(t), rs, ms, other=observed(t, obj, successor(t)))
     actions, status, _ = plan(t, o, AT)
     made = inner(actions, CreatePod)
     # maxSurge 2: the successor and one replica, bound to it, under a name the old set does not use.
@@ -120,7 +112,7 @@ def test_the_successor_gets_its_first_replicas_within_max_surge_and_the_services
     assert surge["status"] == "True" and "0/1 of its first replicas joined" in surge["message"]
     # That replica joined at the successor: the Services move, successor first.
     nr = new_replica(t, 3)
-    o = observed(t, obj, old_head(t), rs, ms, other=other_set(t, obj, successor(t), [nr], [member(nr, 1)]))
+    o = observed(t, obj, old_head(t), rs, ms, other=observed(t, obj, successor(t), [nr], [member(nr, 1)]))
     actions, _, _ = plan(t, o, AT)
     assert of(actions, SetRole) == [SetRole("qwen3-omni-head-abcdef", NEXT_UID, names.ROLE_HEAD),
                                     SetRole("qwen3-omni-head", HEAD_UID, names.ROLE_OLD_HEAD)]
@@ -132,7 +124,7 @@ def test_a_successor_that_is_not_ready_moves_nothing_and_is_joined_to_by_nobody(
     t = target_from(obj)
     rs = old_set(t)
     o = observed(t, obj, old_head(t), rs, [member(r, i) for i, r in enumerate(rs, 1)],
-                 other=other_set(t, obj, successor(t, ready=False)))
+                 other=observed(t, obj, successor(t, ready=False)))
     actions, _, _ = plan(t, o, AT)
     assert of(actions, SetRole) == [] and of(actions, DeletePod) == [] and inner(actions, Join) == []
     # maxSurge 1 by default: the successor is the surge; its first replicas come after the move.
@@ -143,9 +135,8 @@ def test_the_old_set_drains_all_at_once_and_the_new_set_grows_into_its_gpus():
     obj = omnistage(3)
     t = target_from(obj)
     old = old_head(t, names.ROLE_OLD_HEAD)
-    old["metadata"]["name"] = "qwen3-omni-head"
     rs = old_set(t)
-    o = new_set(t, obj, other_set(t, obj, old, rs, [member(r, i) for i, r in enumerate(rs, 1)]))
+    o = new_set(t, obj, observed(t, obj, old, rs, [member(r, i) for i, r in enumerate(rs, 1)]))
     actions, status, _ = plan(t, o, AT)
     leaves = inner(actions, StartLeave)
     assert sorted(a.pod for a in leaves) == ["qwen3-omni-replica-1", "qwen3-omni-replica-2"]
@@ -154,13 +145,13 @@ def test_the_old_set_drains_all_at_once_and_the_new_set_grows_into_its_gpus():
     assert of(actions, CreatePod) == [] and of(actions, DeletePod) == []
     assert "moved to qwen3-omni-head-abcdef" in cond(status, Type.ROLLOUT_SURGE)["message"]
     # One old replica gone: one new replica, bound to the new head.
-    o = new_set(t, obj, other_set(t, obj, old, rs[1:], [member(rs[1], 2)]), drains={"uid-r2": "running"})
+    o = new_set(t, obj, observed(t, obj, old, rs[1:], [member(rs[1], 2)]), drains={"uid-r2": "running"})
     actions, _, _ = plan(t, o, AT)
     made = of(actions, CreatePod)
     assert [c.obj["metadata"]["name"] for c in made] == ["qwen3-omni-replica-1"]
     assert made[0].obj["metadata"]["annotations"][names.A_HEAD_UID] == NEXT_UID
     # Every old replica gone: the old head is deleted (its preStop waits for what it accepted).
-    o = new_set(t, obj, other_set(t, obj, old))
+    o = new_set(t, obj, observed(t, obj, old))
     actions, _, _ = plan(t, o, AT)
     assert [(a.name, a.reason) for a in of(actions, DeletePod)] == [("qwen3-omni-head", "RetiredHead")]
 
@@ -170,7 +161,7 @@ def test_no_gpu_for_a_second_head_says_so_then_replaces_the_head_in_place():
     t = target_from(obj)
     rs = old_set(t)
     ms = [member(r, i) for i, r in enumerate(rs, 1)]
-    o = observed(t, obj, old_head(t), rs, ms, other=other_set(t, obj, successor(t, unschedulable=True)))
+    o = observed(t, obj, old_head(t), rs, ms, other=observed(t, obj, successor(t, unschedulable=True)))
     actions, status, _ = plan(t, o, AT)
     assert of(actions, DeletePod) == []  # said first, in status and an Event
     surge = cond(status, Type.ROLLOUT_SURGE)
@@ -179,7 +170,7 @@ def test_no_gpu_for_a_second_head_says_so_then_replaces_the_head_in_place():
     assert any(isinstance(a, PostEvent) and a.type == "Warning" for a in actions)
     # The next pass (the condition written): the old head goes; the pending successor gets its GPU.
     obj = {**obj, "status": status}
-    o = observed(t, obj, old_head(t), rs, ms, other=other_set(t, obj, successor(t, unschedulable=True)))
+    o = observed(t, obj, old_head(t), rs, ms, other=observed(t, obj, successor(t, unschedulable=True)))
     actions, _, _ = plan(t, o, AT)
     assert [a.name for a in of(actions, DeletePod)] == ["qwen3-omni-head"]
 
@@ -203,7 +194,7 @@ def test_a_successor_whose_head_died_is_the_head_at_once():
     t = target_from(obj)
     gone = old_head(t)
     gone["metadata"]["deletionTimestamp"] = "2026-11-30T11:59:00Z"
-    o = observed(t, obj, gone, [], [], other=other_set(t, obj, successor(t)))
+    o = observed(t, obj, gone, [], [], other=observed(t, obj, successor(t)))
     actions, _, _ = plan(t, o, AT)
     assert of(actions, SetRole) == [SetRole("qwen3-omni-head-abcdef", NEXT_UID, names.ROLE_HEAD)]
     assert of(actions, CreatePod) == []  # no NAME-head beside it

@@ -68,8 +68,6 @@ def in_place_why(p: Pass) -> str | None:
 
 def begin(p: Pass) -> None:
     """Before the active set's steps: start, follow or give up a head change (p.swap, p.keep_head)."""
-    from .plan import Pass  # plan imports this module
-
     t, head, other = p.t, p.head, p.o.other
     successor = other.head if other is not None else None
     if successor is None:
@@ -88,7 +86,8 @@ def begin(p: Pass) -> None:
         p.progressing.append(Progress.SURGING_HEAD)
         p.keep_head = True
         return
-    q = Pass(t, other, p.at, want_head=render_head_pod(t, pods.name(successor), pods.role(successor) or ROLE_HEAD))
+    # The other set is a pass of its own; its head is compared with the same rendered template.
+    q = type(p)(t, other, p.at, want_head=p.want_head)
     q.neighbours, p.neighbours = p.o.replicas, other.replicas  # replica names are shared
     if pods.role(successor) in (ROLE_OLD_HEAD, ROLE_HEAD):
         if pods.role(successor) == ROLE_HEAD:  # the move was cut off between its two patches: finish it

@@ -12,11 +12,10 @@ from ..names import (
     A_STAGE_IDS,
     A_TEMPLATE_HASH,
     C_JOINED,
+    HEAD_ROLES,
     L_POOL,
     L_ROLE,
     ROLE_HEAD,
-    ROLE_NEXT_HEAD,
-    ROLE_OLD_HEAD,
 )
 
 
@@ -179,5 +178,5 @@ def heads(candidates: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, dict
     def pick(of: list[dict[str, Any]]) -> dict[str, Any] | None:
         return min(of, key=lambda h: (terminating(h), _neg(created(h)))) if of else None
     active = pick([h for h in candidates if role(h) == ROLE_HEAD])
-    rest = [h for h in candidates if h is not active and role(h) in (ROLE_HEAD, ROLE_NEXT_HEAD, ROLE_OLD_HEAD)]
+    rest = [h for h in candidates if h is not active and role(h) in HEAD_ROLES]
     return active, pick(rest)

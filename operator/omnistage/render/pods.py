@@ -240,15 +240,14 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, h
     if role != ROLE_HEAD:
         env, container["lifecycle"] = _leave_on_stop(t, head_ip, drain, list(pool.spec.stage_ids) if pool else [0])
         container["env"] = container["env"] + env
-    else:
+    if role == ROLE_HEAD:
+        port = s.engine.http_port
         # Its own requests answered before SIGTERM (it is out of the Services once deleted): what
         # makes deleting the old head of a head change lose nothing (control/headswap.py).
         container["env"] = container["env"] + [
-            {"name": contract.HEAD_URL_ENV, "value": f"http://$({POD_IP_ENV}):{s.engine.http_port}"},
+            {"name": contract.HEAD_URL_ENV, "value": f"http://$({POD_IP_ENV}):{port}"},
             {"name": contract.DRAIN_SECONDS_ENV, "value": str(drain)}]
         container["lifecycle"] = {"preStop": {"exec": {"command": [*PRESTOP, "--head"]}}}
-    if role == ROLE_HEAD:
-        port = s.engine.http_port
         container["ports"] = [
             {"name": "http", "containerPort": port, "protocol": "TCP"},
             {"name": "master", "containerPort": s.engine.master_port, "protocol": "TCP"},

@@ -61,6 +61,11 @@ TOKENS = Tokens()
 HEADS: dict[Key, HeadView] = {}
 
 
+def second_head(namespace: str, name: str) -> Key:
+    """The HEADS key of a head change's other head (Observed.other)."""
+    return namespace, f"{name}/second-head"
+
+
 @dataclass(frozen=True)
 class Resting:
     """What a pass read when it found its OmniStage at rest (no change, no problem, status as
@@ -82,6 +87,7 @@ def forget(namespace: str, name: str) -> None:
         _locks.pop((namespace, name), None)
     TOKENS.forget(namespace, name)
     HEADS.pop((namespace, name), None)
+    HEADS.pop(second_head(namespace, name), None)
     RESTING.pop((namespace, name), None)
     DRAINS.forget(namespace, name)
     EVENTS.forget(namespace, name)

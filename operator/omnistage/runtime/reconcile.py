@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Emit", "observe", "reconcile"]
 
-SECOND_HEAD = "second-head"  # memory.HEADS key suffix of a head change's other head
 SYNC_TIMEOUT = 60.0  # s a pass waits for the watches' first listing (operator start, new leader)
 
 
@@ -140,7 +139,7 @@ def observe(obj: dict[str, Any], t: Target, token: str, problems: tuple[str, ...
     drains = act_step.DRAINS.states(t.namespace, t.name)
     other = other_client = None
     if second is not None:
-        other, other_client = _observe_set(obj, t, token, second, theirs, (t.namespace, f"{t.name}/{SECOND_HEAD}"),
+        other, other_client = _observe_set(obj, t, token, second, theirs, memory.second_head(t.namespace, t.name),
                                            drains)
     observed, client = _observe_set(obj, t, token, head, tuple(r for r in engines if r not in theirs),
                                     (t.namespace, t.name), drains)
