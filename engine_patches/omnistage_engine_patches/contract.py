@@ -14,6 +14,9 @@ MEMBERSHIP_PATH = API_PREFIX + "/membership"  # GET: the listing
 JOIN_PATH = MEMBERSHIP_PATH + "/join"  # POST
 LEAVE_PATH = MEMBERSHIP_PATH + "/leave"  # POST
 ENGINE_PATH = API_PREFIX + "/engine"  # GET: the EngineReport (any head, distributed or not)
+#: GET, no token: the head's liveness. 200 while its own stage-0 engine lives (silent included),
+#: 503 once it is gone (its process died, or it was detached): the kubelet then restarts the head.
+LIVE_PATH = API_PREFIX + "/live"
 MAX_BODY_BYTES = 16 * 1024  # a join/leave body is < 300 bytes
 
 # ---- environment the operator renders into engine pods ----------------------------------------
@@ -53,8 +56,10 @@ REPLICA_AWARE_CACHE = "replica_aware_cache"
 REPLICA_AFFINITY = "replica_affinity"
 #: Headless replicas send their patch outcomes with their registration (registration_report.py).
 REGISTRATION_REPORT = "registration_report"
+#: A stage engine whose heartbeats stop while its process lives is kept (silent), not killed.
+ENGINE_LIVENESS = "engine_liveness"
 PATCHES = (FRONTEND_CACHE, UUID_SCOPE, REPLICA_METRICS, MM_CACHE_METRICS, MEMBERSHIP, CONNECTOR_PORTS,
-           REPLICA_AWARE_CACHE, REPLICA_AFFINITY, REGISTRATION_REPORT)
+           REPLICA_AWARE_CACHE, REPLICA_AFFINITY, REGISTRATION_REPORT, ENGINE_LIVENESS)
 #: The key a headless replica adds to the stage config it registers with (vllm-omni's
 #: ``register_stage_with_omni_master``): {patch name: outcome} in that replica's process. The head
 #: lists it as that member's ``"patches"`` in the membership listing (membership_api's ``Replica``).
@@ -94,7 +99,18 @@ ATTACHED = "attached"  # head-side client in the stage pool
 DRAINING = "draining"  # attached, no new requests routed, waiting for in-flight ones
 DETACHED = "detached"  # the head dropped it on its own (DOWN, heartbeat timeout, dead engine)
 LEFT = "left"  # detached because of a leave call
-LISTED_STATES = frozenset({REGISTERED, ATTACHED, DRAINING})
+#: What the default listing shows (and the head's own replicas, whatever their state). DETACHED until
+#: the operator's leave turns it LEFT: the operator sees an engine the head dropped on its own.
+LISTED_STATES = frozenset({REGISTERED, ATTACHED, DRAINING, DETACHED})
+
+# ---- a member's coordinatorStatus: what vllm-omni's coordinator last published ------------------
+COORD_UP = "up"  # heartbeats on time: routable (if attached, joined and not draining)
+COORD_SILENT = "silent"  # heartbeats late past the heartbeat timeout, kept attached (engine_liveness)
+COORD_ABSENT = "absent"  # not listed: not started yet, said DOWN, or gone
+# ---- the head's own stage-0 engine (LIVE_PATH's answer, the report's "localEngine") ----------------
+LOCAL_LIVE = "live"
+LOCAL_SILENT = "silent"
+LOCAL_GONE = "gone"
 
 # ---- error codes the operator acts on -----------------------------------------------------------
 E_NOT_DISTRIBUTED = "NotDistributed"
@@ -139,7 +155,8 @@ class Member(TypedDict, total=False):
     registered: bool
     attached: bool
     held: bool  # attached but unroutable until joined (ROUTE_JOINED_ONLY_ENV)
-    coordinatorStatus: str  # "up" or "absent"
+    coordinatorStatus: str  # COORD_UP, COORD_SILENT or COORD_ABSENT
+    silentSeconds: float | None  # how long it has been silent (COORD_SILENT only)
     queueLength: int | None
     inFlight: int
     draining: bool
@@ -179,6 +196,12 @@ class LeaveRequest(TypedDict, total=False):
 
 def members(listing: Listing, stage: int = 0) -> list[Member]:
     return list((listing.get("stages") or {}).get(str(stage)) or [])
+
+
+def is_live(member: Member) -> bool:
+    """The head can route to this engine now: attached, its heartbeats on time, not leaving.
+    What the operator counts as serving (issue 26: never pod readiness alone)."""
+    return member.get("state") == ATTACHED and member.get("coordinatorStatus") == COORD_UP
 
 
 def is_head_local(member: Member, head_ip: str | None) -> bool:

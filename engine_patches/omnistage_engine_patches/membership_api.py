@@ -67,9 +67,16 @@ Routes (all JSON)::
        404 UnknownReplica / UnknownStage, 409 HeadLocalReplica, 409 PodMismatch
 
   Replica = {"stage", "replicaId", "host", "pod", "local", "state", "registered", "attached",
-             "held", "coordinatorStatus": "up"|"absent", "queueLength", "inFlight", "draining",
-             "metricsRegistered", "patches"?}
-  state: pending | registered | attached | draining | detached | left
+             "held", "coordinatorStatus": "up"|"silent"|"absent", "silentSeconds"?, "queueLength",
+             "inFlight", "draining", "metricsRegistered", "patches"?}
+  state: pending | registered | attached | draining | detached | left (the default listing shows
+        detached replicas until a leave makes them left: the operator replaces their pods)
+  coordinatorStatus: silent = attached, heartbeats late past the heartbeat timeout: unroutable,
+        kept (patch ``engine_liveness``), routable again when its heartbeats resume
+
+  GET /omnistage/v1/live   (no token) the head's liveness: 200 {"localEngine": "live"|"silent",
+       "reason"} while its own stage-0 engine lives, 503 {"localEngine": "gone", "reason"} once
+       it is gone (its process died, or it was detached): the kubelet restarts the head
   patches: {patch name: outcome} the replica's own process sent with its registration
         (``contract.REGISTRATION_PATCHES_KEY`` in the stage config, patch ``registration_report``);
         absent for the head-local replica (see GET /omnistage/v1/engine), for a replica whose
@@ -102,8 +109,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from . import contract, report
+from ._patching import applied
 from .membership_listing import DEFAULT_PAGE, MAX_PAGE
 from .membership_ops import LiveHead, MembershipError
+from .patches import engine_liveness, membership
 
 logger = logging.getLogger("omnistage_engine_patches.membership_api")
 
@@ -315,6 +324,35 @@ async def engine_report(request: Request) -> Response:
         return _conditional(request, body, report_etag(body))
 
     return await _handle(request, op)
+
+
+@router.get(contract.LIVE_PATH)
+async def live(request: Request) -> Response:
+    """The head's liveness (no token: it says one word about this process). 503 only when the
+    head's own stage-0 engine is gone, the one state no wait repairs (nothing restarts an in-head
+    engine, and replicas never register with a new head): the kubelet restarts the head, the
+    operator rolls its replicas. A silent engine is alive (engine_liveness waits for it), and an
+    engine not built yet is the startup probe's business. Read from this (HTTP) thread: plain
+    reads of the pools' client slots, nothing on the orchestrator's loop, so a stalled
+    orchestrator cannot fail it."""
+    state, why = contract.LOCAL_LIVE, "the engine is not built yet"
+    client = _engine_client_or_none(request)
+    engine = getattr(client, "engine", client)
+    pools = getattr(engine, "stage_pools", None)
+    orch = next((o for o in membership.running_orchestrators() if pools is not None and o.stage_pools is pools), None)
+    if not applied(contract.ENGINE_LIVENESS):
+        why = f"patch {contract.ENGINE_LIVENESS!r} is not active: liveness is not judged here"
+    elif orch is not None:
+        get_master = getattr(getattr(engine, "_runtime", None), "_get_omni_master_server", None)
+        try:
+            state, why = engine_liveness.local_engine(orch, get_master() if callable(get_master) else None)
+        except Exception as err:  # a shape we do not know: never restart a head on our own error
+            logger.warning("liveness: the local engine could not be read", exc_info=True)
+            state, why = contract.LOCAL_LIVE, f"the local engine could not be read ({type(err).__name__})"
+    if state == contract.LOCAL_GONE:
+        logger.error("liveness: the head's own stage-0 engine is gone (%s): answering 503", why)
+    return JSONResponse({"localEngine": state, "reason": why},
+                        status_code=503 if state == contract.LOCAL_GONE else 200)
 
 
 @router.get(contract.MEMBERSHIP_PATH)

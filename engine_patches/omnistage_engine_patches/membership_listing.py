@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import operator
+import time
 from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from itertools import compress, islice, repeat
 from typing import Any
 
 from . import contract, metric_series, report
-from .patches import membership, registration_report
+from .patches import engine_liveness, membership, registration_report
 from .patches.membership import Key, draining_of, held_of, state_of
 
 DEFAULT_PAGE = 500  # ?all=true page size
@@ -141,6 +142,8 @@ class HeadReads:
         return state.registered_open
 
     def _hub_up(self) -> dict[str, Any]:
+        """Input address -> the coordinator's entry: UP ones, and ERROR ones (engine_liveness
+        publishes those, as silent)."""
         hub = getattr(self.orch._membership, "_hub", None)
         if hub is None:
             return {}
@@ -167,6 +170,10 @@ class HeadReads:
         else:
             status = contract.REGISTERED if registered else contract.PENDING
         rep = up.get(addr) if addr else None
+        coord = contract.COORD_ABSENT if rep is None else (
+            contract.COORD_UP if rep.status == "up" else contract.COORD_SILENT)
+        silent_at = engine_liveness.silent_since(self.orch._membership).get((stage_id, addr)) \
+            if coord == contract.COORD_SILENT else None
         if pool is not None and stage_id not in in_flight:
             in_flight[stage_id] = InFlight(pool)
         entry: contract.Member = {
@@ -179,7 +186,7 @@ class HeadReads:
             "registered": registered,
             "attached": client is not None,
             "held": client is not None and replica_id in held_of(pool),
-            "coordinatorStatus": "up" if rep is not None else "absent",
+            "coordinatorStatus": coord,
             "queueLength": int(rep.queue_length) if rep is not None else None,
             "inFlight": in_flight[stage_id].of(replica_id, addr) if pool is not None else 0,
             "draining": draining,
@@ -189,6 +196,8 @@ class HeadReads:
         # there from the member's first listing on and never changes (auto-assign never hands a
         # registered key out again; the head's own explicit-id registrations carry no report), so
         # it needs no epoch bump and the listing's ETag stays right.
+        if silent_at is not None:
+            entry["silentSeconds"] = round(time.monotonic() - silent_at, 1)
         patches = registration_report.reported(self.master._stage_configs.get(key)) if registered else None
         if patches is not None:
             entry["patches"] = patches
@@ -203,8 +212,8 @@ class HeadReads:
         }
 
     def _listed_candidates(self) -> set[Key]:
-        """Keys that can be in the default listing: head-local, attached, and registered but not
-        departed. Built from sets that hold only those, so the work does not grow with the
+        """Keys that can be in the default listing: head-local, attached, registered but not
+        departed, and detached by the head on its own (until a leave). Built from sets that hold only those, so the work does not grow with the
         departed replicas' routes (only ``live_replica_ids`` walks the pool's slots, in C)."""
         with self._locked():
             local = set(self.master._head_local_slots)
@@ -212,7 +221,8 @@ class HeadReads:
         for stage_id, pool in enumerate(self.orch.stage_pools):
             attached.update(zip(repeat(stage_id), live_replica_ids(pool)))
         routes = self.master._stage_routes
-        return {key for key in local | attached | self._open_registrations() if key in routes}
+        detached = set(self.state.detached_open)
+        return {key for key in local | attached | self._open_registrations() | detached if key in routes}
 
     # ---- operations ----
 

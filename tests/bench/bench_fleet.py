@@ -232,7 +232,8 @@ class FakeHeads:
         boot = f"fleet-{ip}"
         listing = {"bootId": boot, "epoch": 1, "distributed": True, "metricsEnabled": True, "next": None,
                    "stages": {"0": [{"stage": 0, "replicaId": 0, "host": ip, "pod": None, "local": True,
-                                     "state": contract.ATTACHED, "registered": True, "attached": True}]}}
+                                     "state": contract.ATTACHED, "registered": True, "attached": True,
+                                     "coordinatorStatus": contract.COORD_UP}]}}
         report = {"bootId": boot, "pluginVersion": "fleet-bench", "vllmVersion": None, "vllmOmniVersion": None,
                   "distributed": True, "patches": {},
                   "frontendCache": {"cacheClass": "MultiModalProcessorOnlyCache",

@@ -454,7 +454,8 @@ def test_replica_dropped_by_the_head(head):
     rid = replica.replica_id
     assert api.join("replica-a", replica.bind_ip)[0] == 200
     replica.down()
-    wait_for(lambda: rid not in api.members(), 10, what="the head to drop it")
+    # Listed detached until a leave (the operator replaces its pod, then tells the head to forget it).
+    wait_for(lambda: api.members().get(rid, {}).get("state") == "detached", 10, what="the head to drop it")
     assert api.members(all=True)[rid]["state"] == "detached"
     assert replica_lines(api.metrics(), rid) == []
     status, body = api.join("replica-a", replica.bind_ip, waitSeconds=0)

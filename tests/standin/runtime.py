@@ -36,6 +36,10 @@ cannot, because kwok knows nothing about the process:
     while its containers are and every gate's condition is True, as the kubelet computes it. kwok
     also writes True into every readiness gate at start-up; the runtime takes that back when it
     starts the process, so a replica stays NotReady until its stand-in registered and was joined.
+  * liveness: a container with an httpGet livenessProbe is probed once it has started (its readiness
+    probe succeeded once, or without one its liveness probe); failureThreshold failures in a row
+    (refused, timed out, not 2xx/3xx) -> SIGTERM (the preStop hook is not run), SIGKILL after the
+    bound of a stop, and the restart policy above.
 
 `kill(namespace, pod)` (or `python -m tests.standin.runtime kill NS/POD`) SIGKILLs a pod's
 process the way an OOM kill would; the restart policy above then applies: the head comes back with
@@ -69,6 +73,7 @@ import datetime as dt
 import fnmatch
 import ipaddress
 import json
+import math
 import os
 import posixpath
 import signal
@@ -111,6 +116,7 @@ WATCH_TIMEOUT = 60          # server-side watch timeout; the watch is simply re-
 MAX_WATCH_FAILURES = 30     # consecutive failed (re)connects before the runtime gives up loudly
 TICK = 0.2                  # supervisor period: process exits, pending starts, probes
 PROBE_PERIOD_CAP = 1.0      # probe at least this often (faster than the pods' 5 s: tests wait less)
+PROBE_TIMEOUT_CAP = 10.0    # a probe's timeoutSeconds (default 1, as the kubelet's), at most this
 PRE_STOP_CAP = 60.0          # a stand-in's preStop hook (its replica serves nothing: the leave is quick)
 GATE_DEBOUNCE = 1.0         # a Ready rewritten for a gate waits this long for the watch before another
 START_RETRY = 2.0           # a pod that could not be started yet (no Secret yet) is retried this often
@@ -315,10 +321,14 @@ class Proc:
     failed: bool = False       # restartPolicy Never and the process exited: never started again
     last_exit: int | None = None  # container exit code of the previous run (128+signal if killed)
     stopping: bool = False
-    probe: dict[str, Any] | None = None  # {"url", "period", "failure_threshold"}
+    probe: dict[str, Any] | None = None  # readiness: {"url", "period", "failure_threshold", "timeout"}
     ready: bool | None = None
     probe_failures: int = 0
     next_probe: float = 0.0
+    liveness: dict[str, Any] | None = None  # the livenessProbe, as `probe`
+    started: bool = False      # this run passed its start-up (a first probe success): liveness counts
+    live_failures: int = 0
+    next_live: float = 0.0     # inf while a liveness probe is under way, and after its kill
     history: list[tuple[float, str]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one terminator at a time
     terminated: bool = False
@@ -648,11 +658,17 @@ class StandinRuntime:
             if now < self._next_start_try.get(key, 0):
                 continue
             self._maybe_start(key, pod)
-        # 5. readiness probes, then readiness gates (Ready = containers ready and every gate True)
+        # 5. readiness and liveness probes, then readiness gates (Ready = containers ready, every gate True)
         if self.probes:
             for p in procs.values():
                 if p.probe and p.alive() and not p.stopping and now >= p.next_probe:
                     self._probe(p)
+            for p in procs.values():
+                if (p.liveness and p.alive() and not p.stopping and (p.started or not p.probe)
+                        and now >= p.next_live):
+                    # In a thread: its timeout (up to 10 s) and the kill must not hold up the supervisor.
+                    p.next_live = math.inf
+                    threading.Thread(target=self._live_probe, args=(p, p.starts), daemon=True).start()
             for p in procs.values():
                 if p.alive() and not p.stopping and not p.failed and p.restart_at is None:
                     self._sync_gates(p, now)
@@ -711,7 +727,8 @@ class StandinRuntime:
         p = Proc(namespace=ns, pod=name, uid=uid, role=role, ip=ip, argv=argv,
                  log_path=self.state_dir / "logs" / f"{ns}_{name}_{uid[:8]}.log",
                  restart_policy=pod["spec"].get("restartPolicy") or "Always",
-                 probe=self._probe_spec(container, ip), env=self._pending_env.pop(once, None))
+                 probe=self._probe_spec(container, ip), env=self._pending_env.pop(once, None),
+                 liveness=self._probe_spec(container, ip, "livenessProbe"))
         if p.env is not None:
             p.grace = min(float(pod["spec"].get("terminationGracePeriodSeconds", 30)), self.grace_cap)
         self._prepare_pre_stop(p, pod, container)
@@ -817,8 +834,10 @@ class StandinRuntime:
             f.write(base64.b64decode(raw))
         return path
 
-    def _probe_spec(self, container: dict[str, Any], ip: str) -> dict[str, Any] | None:
-        probe = container.get("readinessProbe") or {}
+    def _probe_spec(self, container: dict[str, Any], ip: str,
+                    kind: str = "readinessProbe") -> dict[str, Any] | None:
+        """The container's httpGet `kind` probe (readinessProbe, livenessProbe), or None."""
+        probe = container.get(kind) or {}
         get = probe.get("httpGet")
         if not get:
             return None
@@ -829,7 +848,8 @@ class StandinRuntime:
             return None
         return {"url": f"http://{ip}:{int(port)}{get.get('path') or '/'}",
                 "period": min(float(probe.get("periodSeconds") or 10), PROBE_PERIOD_CAP),
-                "failure_threshold": int(probe.get("failureThreshold") or 3)}
+                "failure_threshold": int(probe.get("failureThreshold") or 3),
+                "timeout": min(float(probe.get("timeoutSeconds") or 1), PROBE_TIMEOUT_CAP)}
 
     # ----- processes ---------------------------------------------------------------------------
 
@@ -851,6 +871,7 @@ class StandinRuntime:
                 os.setpriority(os.PRIO_PROCESS, p.popen.pid, REAL_NICE)  # before it spawns its engine core
         p.started_at = time.monotonic()
         p.ready, p.probe_failures, p.next_probe = None, 0, time.monotonic() + 0.5
+        p.started, p.live_failures, p.next_live = False, 0, p.next_probe
         self._write_pid(p)
         self._event("restart" if restart else "start", p, start=p.starts, log=str(p.log_path))
         if restart:
@@ -943,16 +964,7 @@ class StandinRuntime:
             # under its name: kwok removes a deleted pod's object at once, without its grace.
             self._run_pre_stop(p)
         if p.alive():
-            self._event("stop", p, reason=reason.replace(" ", "_"), signal="SIGTERM")
-            _killpg(p.pid, signal.SIGTERM)
-            grace = self.stop_timeout if p.grace is None or self._stop.is_set() else p.grace
-            try:
-                p.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                self._event("kill", p, reason=f"no_exit_within_{grace:.0f}s", signal="SIGKILL")
-                _killpg(p.pid, signal.SIGKILL)
-                p.popen.wait(5)
-            self._event("stopped", p, code=p.popen.returncode)
+            self._sigterm(p, reason)
         elif p.popen is not None:
             _killpg(p.pid, signal.SIGKILL)  # stragglers of an exited leader
         with self._lock:
@@ -961,6 +973,20 @@ class StandinRuntime:
         for path in (self.state_dir / "pids" / f"{p.namespace}_{p.pod}.json",
                      self.state_dir / "tokens" / f"{p.namespace}_{p.pod}_{p.uid[:8]}"):
             path.unlink(missing_ok=True)
+
+    def _sigterm(self, p: Proc, reason: str) -> None:
+        """Stop the process as a kubelet stops a container: SIGTERM to its group, SIGKILL after the
+        grace (the pod's in real mode, else stop_timeout)."""
+        self._event("stop", p, reason=reason.replace(" ", "_"), signal="SIGTERM")
+        _killpg(p.pid, signal.SIGTERM)
+        grace = self.stop_timeout if p.grace is None or self._stop.is_set() else p.grace
+        try:
+            p.popen.wait(grace)
+        except subprocess.TimeoutExpired:
+            self._event("kill", p, reason=f"no_exit_within_{grace:.0f}s", signal="SIGKILL")
+            _killpg(p.pid, signal.SIGKILL)
+            p.popen.wait(5)
+        self._event("stopped", p, code=p.popen.returncode)
 
     def _write_pid(self, p: Proc) -> None:
         info = {"namespace": p.namespace, "pod": p.pod, "uid": p.uid, "role": p.role, "ip": p.ip, "pid": p.pid,
@@ -991,22 +1017,34 @@ class StandinRuntime:
     def _probe(self, p: Proc) -> None:
         probe = p.probe
         p.next_probe = time.monotonic() + probe["period"]
-        ok = False
-        try:
-            # No proxies: the probe dials the pod's loopback IP directly, nothing else.
-            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-            with opener.open(probe["url"], timeout=1.0) as resp:
-                ok = 200 <= resp.status < 400
-        except (urllib.error.URLError, OSError, ValueError):
-            ok = False
-        if ok:
-            p.probe_failures = 0
+        if _probe_ok(probe):
+            p.probe_failures, p.started = 0, True
             if p.ready is not True:
                 self._patch_ready(p, True, "readiness probe succeeded")
         else:
             p.probe_failures += 1
             if p.ready is True and p.probe_failures >= probe["failure_threshold"]:
                 self._patch_ready(p, False, f"readiness probe failed {p.probe_failures} times ({probe['url']})")
+
+    def _live_probe(self, p: Proc, run: int) -> None:
+        """One liveness probe of run `run` (p.starts); the kubelet's kill after failureThreshold failures
+        in a row, the restart policy then applies to the exit (supervisor step 2)."""
+        spec = p.liveness
+        ok = _probe_ok(spec)
+        if p.starts != run or not p.alive():
+            return  # that run is over; its successor probes afresh
+        p.next_live = time.monotonic() + spec["period"]
+        if ok:
+            p.live_failures, p.started = 0, True
+            return
+        if not p.started:
+            return  # still starting up: never killed for that
+        p.live_failures += 1
+        if p.live_failures >= spec["failure_threshold"]:
+            p.next_live = math.inf  # no more probes of this run
+            why = f"liveness probe failed {p.live_failures} times ({spec['url']}): restarting"
+            self._event("unhealthy", p, why=why)
+            self._sigterm(p, "liveness probe failed")
 
     def _patch_status(self, p: Proc, status: dict[str, Any]) -> bool:
         return self._patch_pod_status(p.namespace, p.pod, p.uid, status)
@@ -1095,6 +1133,25 @@ class StandinRuntime:
                   "containerStatuses": self._container_statuses(p, pod, False, **change)}
         if self._patch_status(p, status):
             self._event("failed", p, phase=status["phase"], exitCode=exit_code)
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *_: Any) -> None:
+        return None  # the 3xx itself is the answer (a redirect could lead off the pod's IP)
+
+
+def _probe_ok(spec: dict[str, Any]) -> bool:
+    """One httpGet probe: a 2xx/3xx answer within its timeout."""
+    # No proxies: the probe dials the pod's loopback IP directly, nothing else.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect)
+    try:
+        with opener.open(spec["url"], timeout=spec["timeout"]) as resp:
+            return 200 <= resp.status < 400
+    except urllib.error.HTTPError as err:
+        err.close()
+        return 200 <= err.code < 400
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
 
 
 def _gates(pod: dict[str, Any]) -> list[str]:

@@ -83,13 +83,14 @@ def replica(t, i, *, ready=True, head_uid=HEAD_UID, leaving=None, phase="Running
     return pod
 
 
-def member(pod, replica_id, state=contract.ATTACHED):
-    return {"replicaId": replica_id, "pod": pods.name(pod), "host": pods.ip(pod), "state": state}
+def member(pod, replica_id, state=contract.ATTACHED, coordinator=contract.COORD_UP):
+    return {"replicaId": replica_id, "pod": pods.name(pod), "host": pods.ip(pod), "state": state,
+            "coordinatorStatus": coordinator}
 
 
 def registered(pod, replica_id):
     """Registered with the head and held unroutable: not joined yet (the listing names no pod)."""
-    return {"replicaId": replica_id, "pod": None, "host": pods.ip(pod), "state": contract.ATTACHED, "held": True}
+    return {"replicaId": replica_id, "pod": None, "host": pods.ip(pod), "state": contract.ATTACHED, "held": True, "coordinatorStatus": contract.COORD_UP}
 
 
 def loading(t, i):
@@ -98,7 +99,7 @@ def loading(t, i):
 
 
 def listing(*members, boot=BOOT):
-    local = {"replicaId": 0, "local": True, "host": HEAD_IP, "state": contract.ATTACHED}
+    local = {"replicaId": 0, "local": True, "host": HEAD_IP, "state": contract.ATTACHED, "coordinatorStatus": contract.COORD_UP}
     return {"bootId": boot, "epoch": 7, "stages": {"0": [local, *members]}}
 
 
@@ -297,7 +298,7 @@ def test_ready_unjoined_replicas_join_once_cache_consistent():
 def test_a_member_whose_pod_is_gone_is_forgotten():
     t, o = situation(3, members=lambda rs: [member(rs[0], 1), member(rs[1], 2),
                                             {"replicaId": 9, "pod": "qwen3-omni-replica-9", "host": "127.77.0.99",
-                                             "state": contract.ATTACHED}])
+                                             "state": contract.ATTACHED, "coordinatorStatus": contract.COORD_UP}])
     actions, _, _ = plan(t, o, AT)
     assert of(actions, LeaveDeparted) == [LeaveDeparted(9, "qwen3-omni-replica-9")]
 

@@ -143,8 +143,8 @@ def test_every_stage_of_a_ready_pool_pod_is_joined_and_the_initial_slot_by_its_i
     pool = pool_obj()
     pp = [pool_pod(t, pool, 1)]
     # The head registered the pod's initial talker and code2wav slots by IP (no pod name yet).
-    by_stage = {1: [{"replicaId": 0, "host": "127.77.1.1", "state": contract.ATTACHED}],
-                2: [{"replicaId": 0, "host": "127.77.1.1", "state": contract.ATTACHED}]}
+    by_stage = {1: [{"replicaId": 0, "host": "127.77.1.1", "state": contract.ATTACHED, "coordinatorStatus": contract.COORD_UP}],
+                2: [{"replicaId": 0, "host": "127.77.1.1", "state": contract.ATTACHED, "coordinatorStatus": contract.COORD_UP}]}
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=by_stage)
     actions, status, _ = plan(t, o, AT)
     assert of(actions, Join) == [Join("speech-1", "127.77.1.1", 1), Join("speech-1", "127.77.1.1", 2)]
@@ -189,7 +189,7 @@ def test_a_pool_pod_gone_from_the_cluster_is_forgotten_for_each_stage():
     pp = [pool_pod(t, pool, 1)]
     by_stage = joined_everywhere(pp)
     for k in (1, 2):
-        by_stage[k].append({"replicaId": 4, "pod": "speech-9", "host": "127.77.1.9", "state": contract.ATTACHED})
+        by_stage[k].append({"replicaId": 4, "pod": "speech-9", "host": "127.77.1.9", "state": contract.ATTACHED, "coordinatorStatus": contract.COORD_UP})
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=by_stage)
     actions, _, _ = plan(t, o, AT)
     assert of(actions, LeaveDeparted) == [LeaveDeparted(4, "speech-9", 1), LeaveDeparted(4, "speech-9", 2)]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from .._patching import Outcome, apply_patch
 from . import (
     connector_ports,
+    engine_liveness,
     frontend_cache,
     membership,
     mm_cache_metrics,
@@ -53,6 +54,8 @@ PATCHES = tuple(Patch(m.NAME, m.install) for m in (
     connector_ports,  # stages >= 1: connector ports without the replica term (one replica per pod)
     replica_aware_cache,  # cache mode replica-aware: tensors omitted per replica, after the pick
     replica_affinity,  # cache mode replica-aware: the pick prefers the replica holding the media
+    # After membership (whose epoch it bumps): a silent stage engine is kept, not killed (issue 26).
+    engine_liveness,
     # Headless replicas: the outcomes (read at registration, so every patch above is in them) go to the head.
     registration_report,
 ))

@@ -87,6 +87,10 @@ class MembershipState:
     registered_open: set[Key] = field(default_factory=set)
     #: (how many of the master's registrations were read, the last one read).
     registrations_seen: tuple[int, Key | None] = (0, None)
+    #: Keys the head detached on its own and the operator has not made leave yet: listed (state
+    #: DETACHED) so the operator can replace a pod whose engine the head dropped, or tell the head
+    #: to forget it (a leave turns it LEFT and unlisted). Small: a leave empties it.
+    detached_open: set[Key] = field(default_factory=set)
 
     def bump(self) -> None:
         self.epoch += 1
@@ -97,6 +101,7 @@ class MembershipState:
     def remember_left(self, key: Key, record: dict[str, Any]) -> None:
         self.departed[key] = contract.LEFT
         self.registered_open.discard(key)
+        self.detached_open.discard(key)
         self.left_records[key] = record
         self.left_records.move_to_end(key)
         while len(self.left_records) > MAX_LEFT_RECORDS:
@@ -115,11 +120,13 @@ class MembershipState:
     def remember_detached(self, key: Key) -> None:
         if not self.has_left(key):
             self.departed[key] = contract.DETACHED
+            self.detached_open.add(key)
         self.registered_open.discard(key)
 
     def forget_detached(self, key: Key) -> None:
         if self.departed.get(key) == contract.DETACHED:
             del self.departed[key]
+        self.detached_open.discard(key)
 
 
 _ORCHESTRATORS: weakref.WeakSet[Any] = weakref.WeakSet()

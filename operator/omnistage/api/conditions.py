@@ -43,12 +43,15 @@ class Reason(StrEnum):
     HEAD_READY = "HeadReady"
     HEAD_PENDING = "HeadPending"
     NO_HEAD = "NoHead"
+    HEAD_ENGINE_SILENT = "HeadEngineSilent"  # the head pod is Ready, its own engine's heartbeats are late
+    HEAD_ENGINE_GONE = "HeadEngineGone"  # the head pod is Ready, its own engine is gone (restarted by liveness)
     # ReplicasAvailable
     ALL_AVAILABLE = "AllAvailable"
     UNAVAILABLE = "Unavailable"
     # MembershipSynced
     SYNCED = "Synced"
     NOT_SYNCED = "NotSynced"
+    SCALE_DOWN_HELD = "ScaleDownHeld"  # a scale-down would remove the last live stage-0 engine (also its Event)
     # CacheConsistent: the engine's real stage-0 frontend cache against status.effectiveCacheMode
     CONSISTENT = "Consistent"
     ENGINE_UNREPORTED = "EngineUnreported"  # the head has not said what it runs (starting, old or no plugin)
@@ -121,6 +124,8 @@ class EventReason(StrEnum):
     LEAVE_FAILED = "LeaveFailed"
     DISRUPTED = "Disrupted"  # someone else deletes a joined replica or pool pod: drained within its grace
     CREATE_REFUSED = "CreateRefused"  # the API server refused a pod (admission, quota): message has its words
+    ENGINE_SILENT = "EngineSilent"  # a joined engine's heartbeats stopped: unroutable, kept (engine_liveness)
+    ENGINE_RESUMED = "EngineResumed"  # its heartbeats resumed: serving again
 
 
 class PodReason(StrEnum):

@@ -19,11 +19,12 @@ class MemberState(StrEnum):
     PENDING = "Pending"  # not Ready yet
     JOINING = "Joining"  # Ready, not acknowledged by the head yet
     JOINED = "Joined"
+    SILENT = "Silent"  # joined, its heartbeats late past the heartbeat timeout: unroutable until they resume
     LEAVING = "Leaving"  # its retirement is decided: draining, then deleted
 
 
 # An OmniStagePool's status lists only its pods that stay, so none of them is Leaving.
-POOL_MEMBER_STATES = (MemberState.PENDING, MemberState.JOINING, MemberState.JOINED)
+POOL_MEMBER_STATES = (MemberState.PENDING, MemberState.JOINING, MemberState.JOINED, MemberState.SILENT)
 
 
 class _Status(_Model):

@@ -33,7 +33,7 @@ from ..render import (
 )
 from ..render.common import Pool, Target
 from ..render.pods import SHUTDOWN_SECONDS, render_pool_pod
-from . import engine_truth, headswap, pods, pools, rollout, status
+from . import engine_truth, headswap, liveness, pods, pools, rollout, status
 from .actions import (
     HEAD_NOT_READY,
     Action,
@@ -81,6 +81,7 @@ def decide(t: Target, o: Observed, at: str | None = None) -> Pass:
     rollout.scale(p)
     p.sync_membership()
     p.mark_joined()
+    liveness.announce(p)
     p.announce_stages()
     headswap.run(p)
     return p
@@ -124,6 +125,7 @@ class Pass:
         self.neighbours: tuple[dict[str, Any], ...] = ()  # the other set's replicas (their names are taken)
         self.swap: headswap.Swap | None = None
         self.in_place: tuple[str, str] | None = None  # (reason, why) a head change cannot surge
+        self.scale_held: str | None = None  # why a stage-0 scale-down keeps a pod (liveness.keep_one_live)
         self._want_replica: dict[int, dict[str, Any]] = {}
         self._want_pool_pod: dict[tuple[str, int], dict[str, Any]] = {}
         self.pools = pools.fit(t, t.name, o.pools)
@@ -196,13 +198,37 @@ class Pass:
         mm = self.member_of(pod, stage)
         return mm is not None and mm.get("pod") == pods.name(pod)
 
+    def engine_live(self, pod: dict[str, Any], stage: int) -> bool:
+        """Joined, and the head can route to its engine now (attached, heartbeats on time)."""
+        mm = self.member_of(pod, stage)
+        return mm is not None and mm.get("pod") == pods.name(pod) and contract.is_live(mm)
+
     def serves(self, pod: dict[str, Any], unread: bool = False) -> bool:
-        """Ready and joined at the head for every stage it runs: the head's word too, not only the
-        pod's Ready (which kwok, for one, writes True at start-up). `unread`: the answer when the
-        membership was not read (a roll drains nothing on a guess; status trusts the pod's Ready)."""
+        """Ready and live at the head for every stage it runs: the head's word too, not only the
+        pod's Ready (which kwok, for one, writes True at start-up), and never a silent or detached
+        engine. `unread`: the answer when the membership was not read (a roll drains nothing on a
+        guess; status trusts the pod's Ready)."""
         if self.listing is None:
             return unread and pods.ready(pod)
-        return pods.ready(pod) and all(self.joined(pod, stage) for stage in pods.stage_ids(pod))
+        return pods.ready(pod) and all(self.engine_live(pod, stage) for stage in pods.stage_ids(pod))
+
+    def head_engine(self) -> contract.Member | None:
+        """The head's own stage-0 engine as its listing says it (None: static, or not read)."""
+        if self.head is None:
+            return None
+        head_ip = pods.ip(self.head)
+        return next((mm for mm in self.members() if contract.is_head_local(mm, head_ip)), None)
+
+    def head_serves(self) -> bool:
+        """The head pod is Ready and, where it keeps a membership, its own engine is live: a head
+        whose engine is silent or gone is no serving replica (issue 26), whatever its pod says.
+        Unread membership trusts the pod's Ready, as serves(unread=True) does."""
+        if not self.head_staying() or not pods.ready(self.head):
+            return False
+        if not self.t.distributed or self.listing is None:
+            return True
+        mm = self.head_engine()
+        return mm is not None and contract.is_live(mm)
 
     def replica_desired(self) -> int:
         """Stage-0 replicas this set is scaled to."""
@@ -382,7 +408,9 @@ class Pass:
             leaving = pods.annotation(r, A_LEAVING) is not None or pods.uid(r) in self.handled
             if self.listing is None and not leaving:
                 continue
-            want = not leaving and all(self.joined(r, stage) for stage in pods.stage_ids(r))
+            # Live, not only joined: a silent engine leaves the Endpoints and the PodDisruptionBudget's
+            # count until its heartbeats resume.
+            want = not leaving and all(self.engine_live(r, stage) for stage in pods.stage_ids(r))
             if want != pods.joined_condition(r):
                 self.actions.append(MarkJoined(pods.name(r), pods.uid(r), want))
 

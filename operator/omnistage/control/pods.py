@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -139,14 +140,17 @@ def created(pod: dict[str, Any]) -> str:
     return pod["metadata"].get("creationTimestamp") or ""
 
 
-def choose_victims(replicas: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+def choose_victims(replicas: list[dict[str, Any]], count: int,
+                   serving: Callable[[dict[str, Any]], bool] = ready) -> list[dict[str, Any]]:
     """Which replica pods leave on scale-down: those already leaving (a crash mid-scale must finish
-    the same choice), then unscheduled ones (they serve nothing), then not-ready, then the newest
-    (the oldest have the warmest caches). Ties go to the highest index, so the choice is stable."""
+    the same choice), then unscheduled ones (they serve nothing), then those not `serving` (the
+    head's word: detached, silent, not joined, loading), then not-ready, then the newest (the
+    oldest have the warmest caches). Ties go to the highest index, so the choice is stable."""
     def rank(pod: dict[str, Any]) -> tuple:
         return (
             annotation(pod, A_LEAVING) is None,
             scheduled(pod),
+            serving(pod),
             ready(pod),
             _neg(created(pod)),
             -index(pod),

@@ -17,7 +17,7 @@ from omnistage_engine_patches import contract
 from ..api.conditions import EventReason, Progress
 from ..names import A_LEAVING
 from ..render.common import Pool
-from . import pods
+from . import liveness, pods
 from .actions import DRAIN_DONE, DRAIN_FAILED, Annotate, CreatePod, MarkJoined, StartLeave
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ _WHY = {
     Progress.SCALED_DOWN: "spec.replicas is {replicas}",
     Progress.ROLLING_REPLICA: "its pod template changed",
     Progress.ROLLED_REPLICA: "it belongs to a previous head",
-    Progress.REPLACED_REPLICA: "its engine exited or it turned NotReady",
+    Progress.REPLACED_REPLICA: "its engine exited, it turned NotReady, or the head detached its engine",
     Progress.POOL_DELETED: "its OmniStagePool {pool} is gone",
 }
 
@@ -80,6 +80,11 @@ def retire_stale(p: Pass) -> None:
             retire(p, r, 0, Progress.ROLLED_REPLICA, "it belongs to a previous head")
         elif pods.terminal(r):
             retire(p, r, 0, Progress.REPLACED_REPLICA, f"its engine exited ({r['status'].get('phase')})")
+        elif (mm := liveness.detached(p, r)) is not None:
+            # The head dropped its engine (it said DOWN or died, or was silent for the coordinator's
+            # 600 s) while the pod lives: replicas never register again, so a new pod does.
+            retire(p, r, 0, Progress.REPLACED_REPLICA, f"the head detached its engine (stage {mm.get('stage')} "
+                   f"replica {mm.get('replicaId')}): its process exited or its heartbeats stopped for good")
         elif p.listing is not None and p.member_of(r) is not None and not pods.containers_ready(r):
             # Its container, not its Ready (that waits for the join): a replica the head
             # lists whose engine stopped answering.
@@ -158,7 +163,10 @@ def _scale(p: Pass, pool: Pool | None, desired: int, why: str) -> None:
     staying = p.staying(name)
     extra = surge(p, pool)  # a roll's replacements, beyond desired until the outdated pods left
     if len(staying) > desired + extra:
-        for victim in pods.choose_victims(staying, len(staying) - desired - extra):
+        victims = pods.choose_victims(staying, len(staying) - desired - extra, serving=p.serves)
+        if pool is None:
+            victims = liveness.keep_one_live(p, victims)
+        for victim in victims:
             retire(p, victim, p.drain_of(victim), Progress.SCALED_DOWN, _why(p, Progress.SCALED_DOWN, victim))
         return
     # Pool pods too are created once the head has an IP, not once it is Ready: the head turns Ready

@@ -20,7 +20,7 @@ from ..api.statuses import MemberState
 from ..names import A_CONFIG_HASH, A_LEAVING
 from ..render import selector
 from ..render.common import Target, pool_selector
-from . import engine_truth, headswap, pods, pools, rollout
+from . import engine_truth, headswap, liveness, pods, pools, rollout
 
 if TYPE_CHECKING:
     from .plan import Pass
@@ -45,14 +45,15 @@ def omnistage_status(p: Pass, generation: int | None, at: str) -> dict[str, Any]
     live = p.live(None)  # stage-0 replicas: what spec.replicas and the scale selector count
     head_staying = p.head_staying()
     engine_pods = ([head] if head_staying else []) + live
-    ready_pods = ([head] if head_staying and pods.ready(head) else []) + [r for r in live if p.serves(r, unread=True)]
+    # Serving as the head lists it: a head whose own engine is silent or gone is not counted.
+    ready_pods = ([head] if p.head_serves() else []) + [r for r in live if p.serves(r, unread=True)]
     updated = (1 if pods.template_hash(head) == pods.template_hash(p.want_head) else 0) + sum(
         1 for r in live if pods.template_hash(r) == pods.template_hash(p.want_replica(pods.index(r)))
         and pods.head_uid(r) == pods.uid(head)) if head_staying else 0
     members = _members(p, live)
     joined = sum(1 for m in members if m.state == MemberState.JOINED)
     if t.distributed:
-        head_registered = any(contract.is_head_local(mm, pods.ip(head)) for mm in p.members())
+        head_registered = (mm := p.head_engine()) is not None and contract.is_live(mm)
     else:
         head_registered = head_staying and pods.ready(head)  # one replica inside the head: nothing to sync
     stages = stage_rows(p)
@@ -86,6 +87,8 @@ def _members(p: Pass, live: list[dict[str, Any]]) -> list[statuses.MemberStatus]
         mm = p.member_of(r)
         if pods.annotation(r, A_LEAVING) or pods.uid(r) in p.handled or pods.terminating(r):
             state = MemberState.LEAVING
+        elif liveness.silent(p, r) is not None:
+            state = MemberState.SILENT
         elif mm is not None and mm.get("pod") == pods.name(r):
             state = MemberState.JOINED
         elif mm is not None and pods.containers_ready(r):
@@ -103,10 +106,11 @@ def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dic
                 head_registered: bool, stages: list[dict[str, Any]]) -> list[Cond]:
     t, head = p.t, p.head
     live = p.live(None)
-    head_ready = p.head_staying() and pods.ready(head)
+    head_ready = p.head_serves()
+    head_engine = liveness.head_engine_problem(p)
     others = [mm for mm in p.members() if not contract.is_head_local(mm, pods.ip(head))
               and mm.get("state") != contract.LEFT] if t.distributed else []
-    problem = p.membership_problem or (p.o.problems[0] if p.o.problems else None)
+    problem = p.membership_problem or p.scale_held or (p.o.problems[0] if p.o.problems else None)
     desired = t.spec.replicas
     replica_desired = t.spec.replicas - 1 if t.distributed else 0
     replicas_ready = sum(1 for r in live if p.serves(r, unread=True))  # a replica pod is Ready once joined
@@ -124,13 +128,14 @@ def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dic
     conds = [
         Cond(Type.CONFIG_RENDERED, True, Reason.RENDERED,
              f"effective stage-0 cache mode {t.cache.mode}: {t.cache.reason}"),
-        Cond(Type.HEAD_READY, head_ready,
-             Reason.HEAD_READY if head_ready else (Reason.HEAD_PENDING if p.head_staying() else Reason.NO_HEAD),
-             f"head pod {pods.name(head)}" if head else "no head pod"),
+        Cond(Type.HEAD_READY, head_ready, head_engine[0] if head_engine else (
+             Reason.HEAD_READY if head_ready else (Reason.HEAD_PENDING if p.head_staying() else Reason.NO_HEAD)),
+             head_engine[1] if head_engine else (f"head pod {pods.name(head)}" if head else "no head pod")),
         Cond(Type.REPLICAS_AVAILABLE, replicas_available,
              Reason.ALL_AVAILABLE if replicas_ready == replica_desired else Reason.UNAVAILABLE,
              f"{replicas_ready}/{replica_desired} replica pods serving"),
-        Cond(Type.MEMBERSHIP_SYNCED, synced, Reason.SYNCED if synced else Reason.NOT_SYNCED,
+        Cond(Type.MEMBERSHIP_SYNCED, synced, Reason.SYNCED if synced else (
+             Reason.SCALE_DOWN_HELD if problem and problem == p.scale_held else Reason.NOT_SYNCED),
              problem or (f"{registered}/{desired} replicas registered" if read else "membership not read yet")),
         Cond(Type.CACHE_CONSISTENT, verdict.consistent, verdict.reason, verdict.message),
         Cond(Type.REPLICA_FAILURE, bool(unschedulable or exited), Reason.UNSCHEDULABLE if unschedulable
