@@ -190,6 +190,33 @@ membership() {
   curl -fsS --noproxy '*' --max-time 5 -H "Authorization: Bearer $token" "http://$ip:8000/omnistage/v1/membership" \
     | "$PY" -m json.tool || log "membership endpoint did not answer"
 }
+# The membership as the head lists it, next to what the operator's status says: they must agree
+# (status counts only the engines the head lists as live: attached, heartbeats on time).
+truth() {
+  local ip token listing status
+  ip="$(head_ip)"
+  [[ "$ip" =~ ^127\.[0-9]+\.[0-9]+\.[0-9]+$ ]] || { log "head pod IP '$ip' is not loopback: not dialling it"; return 0; }
+  token="$(kubectl get secret "$NAME-membership" -n "$NS" -o jsonpath='{.data.token}' | base64 -d)"
+  listing="$(curl -fsS --noproxy '*' --max-time 5 -H "Authorization: Bearer $token" \
+    "http://$ip:8000/omnistage/v1/membership" || echo '{}')"
+  status="$(kubectl get omnistage "$NAME" -n "$NS" -o json)"
+  LISTING="$listing" STATUS="$status" "$PY" - <<'PY' >&2
+import json, os
+listing, st = json.loads(os.environ["LISTING"] or "{}"), json.loads(os.environ["STATUS"]).get("status", {})
+members = (listing.get("stages") or {}).get("0") or []
+live = [m for m in members if m.get("state") == "attached" and m.get("coordinatorStatus") == "up"]
+print(f"{'the head lists (stage 0)':<58} | the operator's status")
+rows = [f"replica {m.get('replicaId')} {'(head)' if m.get('local') else m.get('pod') or '-':<22} "
+        f"{m.get('state'):<9} {m.get('coordinatorStatus')}" for m in members]
+side = [f"readyReplicas {st.get('readyReplicas')}, registeredReplicas {st.get('registeredReplicas')}",
+        *[f"{m.get('pod')}: {m.get('state')}" for m in st.get("members") or []]]
+for i in range(max(len(rows), len(side))):
+    print(f"{(rows[i] if i < len(rows) else ''):<58} | {side[i] if i < len(side) else ''}")
+print(f"live engines in the listing: {len(live)}; status says ready: {st.get('readyReplicas')}")
+if st.get("readyReplicas") is not None and st["readyReplicas"] > len(live):
+    raise SystemExit("status claims more serving engines than the head lists as live")
+PY
+}
 show() {
   echo >&2
   kubectl get omnistage,pods -n "$NS" -o wide
@@ -242,6 +269,11 @@ else
   step "7/7 what served them"
   grep '^\[requests\] [0-9]' "$D/requests.log" >&2 || true
 fi
+echo >&2
+log "the membership as the head lists it, with the status beside it:"
+# A pass may lag the listing by a few seconds: agreement within 30 s, then the table once more.
+wait_until "the status to agree with the head's listing" 30 truth
+truth
 
 trap - ERR
 echo >&2
