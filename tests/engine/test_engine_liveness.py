@@ -31,17 +31,12 @@ pytest.importorskip("vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run
 
 from omnistage_engine_patches import contract
 
-from tests.engine.test_membership_api import (  # noqa: F401  (fixtures)
-    _OPENER,
-    bind_request,
-    fresh_picks,
-    head,
-    http_app,
-    start_replica,
-    text_config,
-    token_file,
-)
+from tests.engine import test_membership_api as shared
+from tests.engine.test_membership_api import _OPENER, bind_request, fresh_picks, start_replica
 from tests.standin.engine import wait_for
+
+# The membership tests' fixtures: a stand-in head with its HTTP app.
+text_config, token_file, http_app, head = shared.text_config, shared.token_file, shared.http_app, shared.head
 
 pytestmark = pytest.mark.engine
 

@@ -120,3 +120,40 @@ def test_a_replica_the_head_detached_while_its_pod_lives_is_replaced():
     assert [m["state"] for m in status["members"]] == ["Leaving", "Joined"]
     assert status["readyReplicas"] == 2
 
+
+
+# ---- rendering: the heartbeat timeout and the head's liveness --------------------------------------
+
+def _head_container(**engine):
+    from omnistage.render import render_head_pod, target_from
+
+    from .test_plan import omnistage as obj_of
+    obj = obj_of(2)
+    obj["spec"].setdefault("engine", {}).update(engine)
+    return render_head_pod(target_from(obj))["spec"]["containers"][0]
+
+
+def test_the_heartbeat_timeout_is_rendered_on_the_head_and_defaults_to_vllm_omni_s():
+    args = _head_container()["args"]
+    assert args[args.index("--omni-heartbeat-timeout") + 1] == "30"
+    args = _head_container(heartbeatTimeoutSeconds=10)["args"]
+    assert args[args.index("--omni-heartbeat-timeout") + 1] == "10"
+
+
+def test_a_heartbeat_timeout_out_of_range_is_refused_naming_the_field():
+    import pytest
+    from omnistage.api.validation import InvalidSpec
+    from omnistage.render import target_from
+
+    from .test_plan import omnistage as obj_of
+    for bad in (0, 600):
+        obj = obj_of(2)
+        obj["spec"].setdefault("engine", {})["heartbeatTimeoutSeconds"] = bad
+        with pytest.raises(InvalidSpec, match="heartbeatTimeoutSeconds"):
+            target_from(obj)
+
+
+def test_the_head_s_liveness_asks_whether_its_own_engine_lives():
+    probe = _head_container()["livenessProbe"]
+    assert probe == {"httpGet": {"path": contract.LIVE_PATH, "port": "http"}, "periodSeconds": 10,
+                     "timeoutSeconds": 10, "failureThreshold": 3}

@@ -117,6 +117,7 @@ REFUSED = [
     ("replica-address-abbrev", args("-or", "127.0.0.9"), "spec.engine.extraArgs[1]", "abbreviation"),
     ("headless", args("--headless"), "spec.engine.extraArgs[1]", "--headless"),
     ("port", args("--port=8001"), "spec.engine.extraArgs[1]", "spec.engine.httpPort"),
+    ("heartbeat", args("--omni-heartbeat-timeout", "60"), "spec.engine.extraArgs[1]", "spec.engine.heartbeatTimeoutSeconds"),
     ("omni-again", args("--omni"), "spec.engine.extraArgs[1]", "--omni"),
     # env: the plugin allow-list and the plugin's own switches
     ("vllm-plugins", env("VLLM_PLUGINS"), "spec.engine.env[1].name", "VLLM_PLUGINS"),
@@ -169,7 +170,6 @@ ACCEPTED = [
     ("shm-object-size", args("--mm-shm-cache-max-object-size-mb=64")),
     ("tensor-ipc", args("--mm-tensor-ipc=direct_rpc")),
     ("lb-policy", args("--omni-lb-policy=round-robin")),  # starts like --omni, is another flag
-    ("heartbeat", args("--omni-heartbeat-timeout", "60")),
     ("config-format", args("--config-format=hf")),  # starts like --config, is another flag
     ("portfolio", args("--portfolio")),  # starts like --port; vLLM would refuse it, the operator need not
     ("stage-init-timeout", args("--stage-init-timeout=900")),

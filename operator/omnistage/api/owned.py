@@ -19,6 +19,8 @@ OPERATOR_OWNED_FLAGS = [
     # Membership and topology: a user value would break registration or routing.
     "--omni", "--omni-master-address", "-oma", "--omni-master-port", "-omp", "--stage-id", "--headless",
     "--omni-replica-address", "-ora", "--omni-dp-size-local", "--port",
+    # spec.engine.heartbeatTimeoutSeconds.
+    "--omni-heartbeat-timeout",
     # More than one API process makes vLLM pick its own frontend cache (processor_only).
     "--api-server-count", "-asc",
     # The stage-0 multimodal cache: the operator renders it from spec.cache (the CLI beats the config).

@@ -129,6 +129,16 @@ class EngineSpec(_Model):
         30, ge=0, le=3600,
         description="How long a leaving replica may finish in-flight requests before it is detached and deleted.",
     )
+    heartbeat_timeout_seconds: int = Field(
+        30, ge=5, le=590,
+        description=(
+            "Seconds a stage engine's heartbeats may be late before the head's coordinator marks it silent and "
+            "stops routing to it (vllm-omni's omni_heartbeat_timeout; default 30, its own). Lower finds a truly dead "
+            "replica sooner but raises false alarms on a busy or paused node; a silent engine is kept and routable "
+            "again when its heartbeats resume (engine_liveness patch). Below 600: the coordinator forgets an engine "
+            "silent that long, and the head then detaches it."
+        ),
+    )
     startup_timeout_seconds: int = Field(
         1800, ge=60, description="How long the head may take to load the model before its startup probe fails."
     )

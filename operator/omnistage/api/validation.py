@@ -87,7 +87,8 @@ MULTI_STAGE_PIPELINES = sorted(key for key, stages in KNOWN_PIPELINES.items() if
 SINGLE_STAGE_EXAMPLES = ("qwen3_omni_moe_thinker_only", "qwen2_5_omni_thinker_only", "ming_flash_omni_thinker_only")
 
 _FLAGS_INSTEAD = ("the operator renders them: set spec.cache for the multimodal cache, spec.replicas for "
-                  "replicas, spec.engine.httpPort/masterPort for ports and spec.engine.stageOverrides for other stage-0 keys")
+                  "replicas, spec.engine.httpPort/masterPort for ports, spec.engine.heartbeatTimeoutSeconds for the "
+                  "heartbeat timeout and spec.engine.stageOverrides for other stage-0 keys")
 
 SPEC_RULES = [
     Rule(

@@ -147,6 +147,7 @@ def _head_args(t: Target) -> list[str]:
     if t.distributed:
         args += ["--stage-id", "0", "--omni-master-address", f"$({POD_IP_ENV})",
                  "--omni-master-port", str(e.master_port),
+                 "--omni-heartbeat-timeout", str(e.heartbeat_timeout_seconds),
                  "--stage-init-timeout", str(e.startup_timeout_seconds),
                  "--init-timeout", str(e.startup_timeout_seconds)]
     if not e.log_stats:
@@ -253,12 +254,15 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, h
             {"name": "master", "containerPort": s.engine.master_port, "protocol": "TCP"},
         ]
         # /health is 503 while any stage has no live replica: fine for readiness, fatal as liveness
-        # (restarting the head restarts every replica), so liveness only checks the socket.
+        # (restarting the head restarts every replica). Liveness asks the plugin's LIVE_PATH, 503 only
+        # once the head's own stage-0 engine is gone (nothing else restarts an in-head engine); it is
+        # answered off the engine's loop, and 10 s per probe so a busy machine does not fail it.
         container["startupProbe"] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
                                      "failureThreshold": max(1, s.engine.startup_timeout_seconds // 10)}
         container["readinessProbe"] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
                                        "failureThreshold": 3}
-        container["livenessProbe"] = {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 6}
+        container["livenessProbe"] = {"httpGet": {"path": contract.LIVE_PATH, "port": "http"}, "periodSeconds": 10,
+                                      "timeoutSeconds": 10, "failureThreshold": 3}
     tolerations = [_gpu_toleration(gpu), *placement.tolerations]
     spec: dict[str, Any] = {
         "restartPolicy": "Always" if role == ROLE_HEAD else "Never",

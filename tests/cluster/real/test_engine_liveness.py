@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pytest
 
@@ -98,7 +98,7 @@ class Timeline:
                               "ready": st.get("readyReplicas"), "registered": st.get("registeredReplicas")})
             self.stop.wait(1.0)
 
-    def __enter__(self) -> Timeline:
+    def __enter__(self) -> Self:
         self.thread.start()
         return self
 
