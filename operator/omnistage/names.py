@@ -28,6 +28,10 @@ A_TEMPLATE_HASH = f"{GROUP}/template-hash"
 A_CONFIG_HASH = f"{GROUP}/config-hash"
 A_EFFECTIVE_CACHE_MODE = f"{GROUP}/effective-cache-mode"  # on the ConfigMap
 A_HEAD_UID = f"{GROUP}/head-uid"
+# The head container's restartCount when a replica or pool pod was made: a higher count now means the
+# engine it registered with is gone (replicas never register again). Read from the pods, never from
+# status, which an OmniStage editor may write (issue 27).
+A_HEAD_RESTARTS = f"{GROUP}/head-restarts"
 A_REPLICA_INDEX = f"{GROUP}/replica-index"
 A_STAGE_IDS = f"{GROUP}/stage-ids"      # a pool pod's stages ("1,2"): read even after its pool is gone
 A_LEAVING = f"{GROUP}/leaving"          # a retirement decided (value: its reason); survives a restart

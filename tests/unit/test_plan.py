@@ -218,8 +218,14 @@ def test_a_leaving_replica_the_head_no_longer_lists_is_deleted():
     assert of(actions, StartLeave) == []
 
 
+def restarted(pod, count=1):
+    """The head pod after its container restarted `count` times (as the kubelet reports it)."""
+    pod["status"]["containerStatuses"] = [{"name": "engine", "restartCount": count}]
+    return pod
+
+
 def test_head_engine_restarted_rolls_every_replica_and_joins_nobody():
-    t, o = situation(3, listing=listing(boot="boot-2"))
+    t, o = situation(3, listing=listing(boot="boot-2"), head=lambda t: restarted(head(t)))
     actions, status, _ = plan(t, o, AT)
     assert {a.name for a in of(actions, DeletePod)} == {"qwen3-omni-replica-1", "qwen3-omni-replica-2"}
     assert any(e.reason == "HeadRestarted" for e in of(actions, PostEvent))
@@ -406,9 +412,9 @@ def test_each_pass_renders_the_desired_pods_once(monkeypatch):
         calls["head"] += 1
         return real_head(t)
 
-    def count_replica(t, i, ip, uid):
+    def count_replica(t, i, ip, uid, restarts):
         calls["replica"].append(i)
-        return real_replica(t, i, ip, uid)
+        return real_replica(t, i, ip, uid, restarts)
 
     monkeypatch.setattr(plan_module, "render_head_pod", count_head)
     monkeypatch.setattr(plan_module, "render_replica_pod", count_replica)
@@ -463,6 +469,45 @@ def test_a_replaced_head_never_reads_as_an_engine_restart():
     assert of(actions, DeletePod) == []
     assert stored["head"] == {"pod": "qwen3-omni-head", "uid": "head-uid-2", "ip": HEAD_IP, "bootId": "boot-2",
                               "restarts": 0}
+
+
+@pytest.mark.parametrize("forged", [{"restarts": -1}, {"bootId": "forged"}, {"restarts": 0, "bootId": "x"}])
+def test_a_forged_status_rolls_nothing(forged):
+    """issue 27: status.head drove "the head restarted", and a forged value deleted every replica
+    undrained. Now the restart is read from the pods: the head's restartCount against the count
+    each replica recorded when it was made."""
+    t, o = situation(3)
+    obj = {**o.obj, "status": {**(o.obj.get("status") or {}), "head": {"uid": HEAD_UID, **forged}}}
+    t, o = situation(3, obj=obj)
+    actions, _, _ = plan(t, o, AT)
+    assert of(actions, DeletePod) == [] and of(actions, StartLeave) == []
+    assert not any(e.reason == "HeadRestarted" for e in of(actions, PostEvent))
+
+
+def test_replicas_made_after_the_head_restarted_stay():
+    t, o = situation(3, head=lambda t: restarted(head(t), 2),
+                     pods_=lambda t: [render_made_at(t, 1, 2), render_made_at(t, 2, 2)])
+    assert of(plan(t, o, AT).actions, DeletePod) == []
+
+
+def render_made_at(t, i, restarts):
+    pod = replica(t, i)
+    pod["metadata"]["annotations"][names.A_HEAD_RESTARTS] = str(restarts)
+    return pod
+
+
+@pytest.mark.parametrize(("key", "value"), [(names.A_REPLICA_INDEX, "abc"), (names.A_HEAD_RESTARTS, "-3"),
+                                            (names.A_STAGE_IDS, "0,x")])
+def test_a_pod_with_an_annotation_the_operator_did_not_write_is_replaced_and_no_pass_raises(key, value):
+    def rs(t):
+        bad = replica(t, 2)
+        bad["metadata"]["annotations"][key] = value
+        return [replica(t, 1), bad]
+    t, o = situation(3, pods_=rs)
+    actions, status, _ = plan(t, o, AT)
+    assert [a.name for a in of(actions, Annotate)] == ["qwen3-omni-replica-2"]
+    assert "not one the operator wrote" in " ".join(a.message for a in of(actions, DeletePod) + of(actions, PostEvent)
+                                                    if a.message) or of(actions, StartLeave)
 
 
 def test_merge_patch_sends_null_for_what_the_new_status_leaves_out():

@@ -115,7 +115,7 @@ class Pass:
         self.listing = o.listing
         self.report = o.report
         self.membership_problem: str | None = None
-        self.head_restarted = False  # this pass saw the head's container restart
+        self.head_restarted = False  # this pass rolls replicas of an earlier engine of this head pod
         self.verdict: engine_truth.Verdict | None = None
         self.want_head = want_head or render_head_pod(t)  # rendered once per pass
         # Set by headswap.begin while a head change runs (or is said before it runs in place):
@@ -138,14 +138,14 @@ class Pass:
     def want_replica(self, index: int) -> dict[str, Any]:
         if index not in self._want_replica:
             self._want_replica[index] = render_replica_pod(self.t, index, pods.ip(self.head) or "",
-                                                           pods.uid(self.head))
+                                                           pods.uid(self.head), pods.restarts(self.head))
         return self._want_replica[index]
 
     def want_pool_pod(self, pool: Pool, index: int) -> dict[str, Any]:
         key = (pool.name, index)
         if key not in self._want_pool_pod:
             self._want_pool_pod[key] = render_pool_pod(self.t, pool, index, pods.ip(self.head) or "",
-                                                       pods.uid(self.head))
+                                                       pods.uid(self.head), pods.restarts(self.head))
         return self._want_pool_pod[key]
 
     def want(self, pod: dict[str, Any]) -> dict[str, Any] | None:
@@ -296,33 +296,14 @@ class Pass:
         if not self.t.distributed:
             self.listing = None
             return  # a static single replica: no master, no membership to keep
-        before = self.previous.get("head") or {}
-        if self.head_live() and before.get("uid") == pods.uid(self.head) and before.get("restarts") is not None \
-                and pods.restarts(self.head) > before["restarts"]:
-            # The head's container restarted: a new engine process, which its replicas never register
-            # with again. Seen from the pod, not the head's boot id: a multi-stage head answers nothing
-            # (not even /health) until a replica of every remote stage registered, which none will.
-            self._roll_for_new_head(f"its container restarted (restartCount {before['restarts']} -> "
-                                    f"{pods.restarts(self.head)})")
-            self.head_restarted = True
-            return
+        # A head whose container restarted runs a new engine, which its replicas never register with
+        # again: rollout.retire_stale rolls them, by the restart count each pod recorded when it was
+        # made (from the pods, never from status, which an OmniStage editor may write).
         if not self.head_talks():
             self.membership_problem, self.listing = HEAD_NOT_READY, None
             return
         if self.listing is None:
             self.membership_problem = f"head unreachable: {self.o.listing_problem}"
-            return
-        boot = self.listing.get("bootId")
-        if before.get("uid") == pods.uid(self.head) and before.get("bootId") and boot != before.get("bootId"):
-            # Same head pod, new engine process: its replicas registered with the old one.
-            self._roll_for_new_head(f"boot id {before.get('bootId')} -> {boot}")
-
-    def _roll_for_new_head(self, why: str) -> None:
-        self.emit("Warning", Progress.HEAD_RESTARTED, f"head engine restarted ({why}); rolling every replica"
-                  + (" and every pool pod" if self.t.spec.stages else ""))
-        for r in self.live():
-            self.delete(r)
-        self.progressing.append(Progress.HEAD_RESTARTED)
 
     def staying(self, pool: str | None) -> list[dict[str, Any]]:
         """Live pods of a pool (None: stage-0 replicas) not on their way out: what its replicas is compared with."""

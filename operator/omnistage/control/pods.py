@@ -7,6 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from ..names import (
+    A_HEAD_RESTARTS,
     A_HEAD_UID,
     A_LEAVING,
     A_REPLICA_INDEX,
@@ -37,10 +38,37 @@ def role(pod: dict[str, Any]) -> str | None:
     return pod["metadata"].get("labels", {}).get(L_ROLE)
 
 
+def _count(text: str | None) -> int | None:
+    """A small non-negative integer as the operator writes one, else None (an annotation is
+    untrusted: someone may have written anything there)."""
+    return int(text) if text is not None and text.isdigit() and len(text) <= 9 else None
+
+
 def stage_ids(pod: dict[str, Any]) -> tuple[int, ...]:
-    """The stages a pod runs a replica of: its pool's, as rendered; stage 0 for head and replicas."""
+    """The stages a pod runs a replica of: its pool's, as rendered; stage 0 for head and replicas.
+    () when the annotation is not the operator's (malformed() says so; the pod is replaced)."""
     ids = annotation(pod, A_STAGE_IDS)
-    return tuple(int(i) for i in ids.split(",")) if ids else (0,)
+    if not ids:
+        return (0,)
+    parsed = [_count(i) for i in ids.split(",")]
+    return () if None in parsed or len(parsed) > 64 else tuple(parsed)
+
+
+def head_restarts(pod: dict[str, Any]) -> int | None:
+    """The head's restartCount when this pod was made (None: not recorded, or not the operator's)."""
+    return _count(annotation(pod, A_HEAD_RESTARTS))
+
+
+def malformed(pod: dict[str, Any]) -> str | None:
+    """Why an annotation the operator reads on its own pod is not one it wrote, or None. Such a pod
+    is foreign state: it is replaced, and no pass raises on it."""
+    for key, valid in ((A_REPLICA_INDEX, lambda v: _count(v) is not None),
+                       (A_STAGE_IDS, lambda v: stage_ids(pod) != ()),
+                       (A_HEAD_RESTARTS, lambda v: _count(v) is not None)):
+        value = annotation(pod, key)
+        if value is not None and not valid(value):
+            return f"its annotation {key}={value[:40]!r} is not one the operator wrote"
+    return None
 
 
 def annotation(pod: dict[str, Any], key: str) -> str | None:
@@ -52,7 +80,7 @@ def ip(pod: dict[str, Any]) -> str | None:
 
 
 def index(pod: dict[str, Any]) -> int:
-    return int(annotation(pod, A_REPLICA_INDEX) or 0)
+    return _count(annotation(pod, A_REPLICA_INDEX)) or 0
 
 
 def template_hash(pod: dict[str, Any]) -> str | None:

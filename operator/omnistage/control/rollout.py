@@ -65,10 +65,13 @@ def retire_stale(p: Pass) -> None:
     template changed are roll()'s)."""
     if not p.head_live():
         return
-    head_uid = pods.uid(p.head)
+    head_uid, head_restarts = pods.uid(p.head), pods.restarts(p.head)
+    rolled = []
     for r in p.live():
         drain = p.drain_of(r)
-        if pods.annotation(r, A_LEAVING) is not None:
+        if (why := pods.malformed(r)) is not None:
+            retire(p, r, 0, Progress.REPLACED_REPLICA, why)
+        elif pods.annotation(r, A_LEAVING) is not None:
             # A retirement decided earlier (this operator or one before a restart) is finished,
             # whatever happened to the spec since.
             reason = pods.annotation(r, A_LEAVING) or Progress.SCALED_DOWN
@@ -78,6 +81,13 @@ def retire_stale(p: Pass) -> None:
             retire(p, r, drain, Progress.POOL_DELETED, _why(p, Progress.POOL_DELETED, r))
         elif pods.head_uid(r) != head_uid:
             retire(p, r, 0, Progress.ROLLED_REPLICA, "it belongs to a previous head")
+        elif (made_at := pods.head_restarts(r)) is not None and head_restarts > made_at:
+            # The head's container restarted since this pod was made: a new engine, which the
+            # replica never registers with again (a multi-stage head answers nothing until one of
+            # every remote stage did, so this is read from the pod, not from the head's boot id).
+            rolled.append(f"restartCount {made_at} -> {head_restarts}")
+            p.head_restarted = True
+            retire(p, r, 0, Progress.ROLLED_REPLICA, "its head's engine restarted")
         elif pods.terminal(r):
             retire(p, r, 0, Progress.REPLACED_REPLICA, f"its engine exited ({r['status'].get('phase')})")
         elif (mm := liveness.detached(p, r)) is not None:
@@ -89,6 +99,9 @@ def retire_stale(p: Pass) -> None:
             # Its container, not its Ready (that waits for the join): a replica the head
             # lists whose engine stopped answering.
             retire(p, r, 0, Progress.REPLACED_REPLICA, "it turned NotReady")
+    if rolled:
+        p.emit("Warning", Progress.HEAD_RESTARTED, f"head engine restarted ({rolled[0]}); rolling every replica"
+               + (" and every pool pod" if p.t.spec.stages else "") + " bound to the engine before")
 
 
 # -- rollouts: surge first, then drain (spec.rollout)

@@ -25,6 +25,7 @@ from ..api.podtemplate import (
 )
 from ..names import (
     A_CONFIG_HASH,
+    A_HEAD_RESTARTS,
     A_HEAD_UID,
     A_REPLICA_INDEX,
     A_STAGE_IDS,
@@ -341,21 +342,24 @@ def render_head_pod(t: Target, name: str | None = None, role: str = ROLE_HEAD) -
     return pod
 
 
-def render_replica_pod(t: Target, index: int, head_ip: str, head_uid: str) -> dict[str, Any]:
+def render_replica_pod(t: Target, index: int, head_ip: str, head_uid: str, head_restarts: int = 0) -> dict[str, Any]:
     """A headless stage-0 replica. Replicas never re-register after a head restart, so each one
-    is bound to one head incarnation (its IP in the args, its UID in an annotation)."""
+    is bound to one head incarnation (its IP in the args; its UID and container restart count in
+    annotations)."""
     if not t.distributed:
         raise ValueError("a static single-replica OmniStage has no replica pods")
     spec = _pod_spec(t, ROLE_REPLICA, _replica_args(t, head_ip), head_ip=head_ip)
     return _pod(t, replica_pod_name(t, index), ROLE_REPLICA, spec,
-                {A_HEAD_UID: head_uid, A_REPLICA_INDEX: str(index)})
+                {A_HEAD_UID: head_uid, A_HEAD_RESTARTS: str(head_restarts), A_REPLICA_INDEX: str(index)})
 
 
 
-def render_pool_pod(t: Target, pool: Pool, index: int, head_ip: str, head_uid: str) -> dict[str, Any]:
+def render_pool_pod(t: Target, pool: Pool, index: int, head_ip: str, head_uid: str,
+                    head_restarts: int = 0) -> dict[str, Any]:
     """One pod of an OmniStagePool: a headless replica of each of its stages, bound to one head
     incarnation like a stage-0 replica. Owned by the OmniStage (it goes with its head); the pool
     only says how many there are."""
     spec = _pod_spec(t, ROLE_POOL, _pool_args(t, pool, head_ip), pool, head_ip)
-    extra = {A_HEAD_UID: head_uid, A_REPLICA_INDEX: str(index), A_STAGE_IDS: ",".join(map(str, pool.spec.stage_ids))}
+    extra = {A_HEAD_UID: head_uid, A_HEAD_RESTARTS: str(head_restarts), A_REPLICA_INDEX: str(index),
+             A_STAGE_IDS: ",".join(map(str, pool.spec.stage_ids))}
     return _pod(t, pool.pod_name(index), ROLE_POOL, spec, extra, pool)
