@@ -173,6 +173,41 @@ def test_a_stall_of_the_head_s_engine_is_survived_and_status_follows_the_listing
     assert lost == [], "a request on the stalled engine was lost instead of waiting for it"
 
 
+def test_a_stall_of_a_remote_replica_is_survived(stage):
+    [replica] = stage.replica_pods()
+    p = stage.runtime.process(stage.namespace, replica)
+    assert p is not None and p.alive(), "no running replica process"
+    cores = engine_cores(p.pid)
+    assert cores, "no StageEngineCoreProc under the replica"
+    results: list[client.Result] = []
+    with Timeline(stage) as tl:
+        sender = threading.Thread(target=lambda: results.extend(stream(stage, STALL_SECONDS + 40)))
+        sender.start()
+        time.sleep(5)
+        for pid in cores:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(STALL_SECONDS)
+        for pid in cores:
+            os.kill(pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        stage.wait_for("the replica live again", lambda: any(
+            m.get("pod") == replica and m.get("coordinatorStatus") == "up" and m.get("state") == "attached"
+            for m in stage0(stage.head.listing())), timeout=120, interval=1)
+        back = time.monotonic() - resumed
+        stage.wait_for("status 2 ready", lambda: stage.get()["status"].get("readyReplicas") == 2, timeout=60)
+        sender.join(600)
+    silent = [r for r in tl.rows if r["live"] == 1]
+    lost = [r for r in results if r.status is None or not r.complete]
+    print(f"\n[real] replica {replica} stalled {STALL_SECONDS}s: one engine live in {len(silent)} samples, live again "
+          f"{back:.1f}s after SIGCONT; {len(results)} requests, {len(lost)} without a complete answer")
+    for r in lost:
+        print(f"  {r.line()}")
+    assert silent, "the replica was never listed silent"
+    assert stage.replica_pods() == [replica], "the stalled replica's pod was replaced"
+    assert not tl.overclaims(), f"status claimed more live engines than the listing: {tl.overclaims()}"
+    assert lost == [], "a request on the stalled replica was lost instead of waiting for it"
+
+
 def test_a_scale_down_right_after_a_stall_keeps_a_live_engine(stage):
     cores = engine_cores(head_pid(stage))
     [replica] = stage.replica_pods()
