@@ -76,6 +76,35 @@ def test_static_single_replica_runs_a_local_runtime():
         render_replica_pod(t, 1, HEAD_IP, HEAD_UID)
 
 
+def test_heartbeat_timeout_is_the_distributed_head_s_alone():
+    """The coordinator runs in the head: only a distributed head takes --omni-heartbeat-timeout."""
+    assert flag(args_of(render_head_pod(target(replicas=2))), "--omni-heartbeat-timeout") == "30"
+    t = target(replicas=2, engine={"heartbeatTimeoutSeconds": 90})
+    assert flag(args_of(render_head_pod(t)), "--omni-heartbeat-timeout") == "90"
+    assert "--omni-heartbeat-timeout" not in args_of(render_replica_pod(t, 1, HEAD_IP, HEAD_UID))
+    static = target(replicas=1, membership="static", engine={"heartbeatTimeoutSeconds": 90})
+    assert "--omni-heartbeat-timeout" not in args_of(render_head_pod(static))
+
+
+@pytest.mark.parametrize("bad", [4, 591, 600])
+def test_heartbeat_timeout_out_of_range_is_refused_naming_the_field(bad):
+    from omnistage.api.validation import InvalidSpec
+    with pytest.raises(InvalidSpec, match="heartbeatTimeoutSeconds"):
+        target(replicas=2, engine={"heartbeatTimeoutSeconds": bad})
+
+
+@pytest.mark.parametrize(("membership", "replicas"), [("dynamic", 2), ("static", 1)])
+def test_head_liveness_asks_whether_its_own_engine_lives(membership, replicas):
+    from omnistage_engine_patches import contract
+    t = target(replicas=replicas, membership=membership)
+    head = render_head_pod(t)["spec"]["containers"][0]
+    assert head["livenessProbe"] == {"httpGet": {"path": contract.LIVE_PATH, "port": "http"},
+                                     "periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 3}
+    assert "http" in [p["name"] for p in head["ports"]]
+    if replicas > 1:  # replicas serve no HTTP: nothing to probe
+        assert "livenessProbe" not in render_replica_pod(t, 1, HEAD_IP, HEAD_UID)["spec"]["containers"][0]
+
+
 def test_one_replica_pod_per_extra_replica():
     children = render_children(target(replicas=4), "tok", HEAD_IP, HEAD_UID)
     assert [p["metadata"]["name"] for p in children.replicas] == [

@@ -7,7 +7,11 @@ refused, 5xx) are retried with backoff; a 4xx is an answer and is returned to th
 
 Timeouts are tight: these calls run on the reconcile workers (a draining leave runs on act.DRAINS),
 and a head that does not answer within them is reported unreachable rather than waited for. An
-unreachable head costs at most about CONNECT_SECONDS x attempts + the backoff per call."""
+unreachable head costs at most about CONNECT_SECONDS x attempts + the backoff per call.
+
+What a head answers is untrusted (its image is the tenant's): each answer is read in chunks, at
+most MAX_ANSWER_BYTES, and whole within the call's timeout (not per read: a body dripped a byte at
+a time would otherwise hold a worker for ever). An answer over either bound is no answer."""
 
 from __future__ import annotations
 
@@ -28,6 +32,31 @@ _pool = urllib3.PoolManager(retries=False)
 CONNECT_SECONDS = 1.0  # the head is in the cluster network: a connect takes milliseconds or never
 READ_SECONDS = 3.0  # report, listing and an undrained leave answer in milliseconds
 JOIN_SECONDS = 10.0  # a join attaches the replica's client to the stage pool on the head
+#: A listing of a thousand replicas is about 0.5 MB; nothing the operator asks for comes near this.
+MAX_ANSWER_BYTES = 4 * 1024 * 1024
+_CHUNK = 64 * 1024
+
+
+class _BadAnswer(Exception):
+    """The head's answer broke a bound (too large, or not complete in time): no answer."""
+
+
+def _read_bounded(resp: urllib3.BaseHTTPResponse, deadline: float) -> bytes:
+    """The body, at most MAX_ANSWER_BYTES, read whole before `deadline` (time.monotonic())."""
+    declared = resp.headers.get("Content-Length")
+    if declared and declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
+        raise _BadAnswer(f"answer of {declared} bytes, over {MAX_ANSWER_BYTES}")
+    chunks, size = [], 0
+    while True:
+        if time.monotonic() > deadline:
+            raise _BadAnswer("answer not complete within its timeout")
+        chunk = resp.read1(_CHUNK)  # what has arrived, without waiting for a full chunk
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > MAX_ANSWER_BYTES:
+            raise _BadAnswer(f"answer over {MAX_ANSWER_BYTES} bytes")
+        chunks.append(chunk)
 
 
 class HeadRefused(RuntimeError):
@@ -76,14 +105,20 @@ def _conditional_call(op: str, method: str, head: HeadClient, path: str, body: d
         headers["If-None-Match"] = etag
     for attempt in range(attempts):
         start = time.monotonic()
+        resp = None
         try:
             resp = _pool.request(
                 method, head.url(path),
                 body=json.dumps(body).encode() if body is not None else None,
                 headers=headers, timeout=urllib3.Timeout(connect=CONNECT_SECONDS, read=timeout),
+                preload_content=False,
             )
-        except urllib3.exceptions.HTTPError as err:
-            MEMBERSHIP_CALLS.labels(op, "unreachable").inc()
+            raw = _read_bounded(resp, start + CONNECT_SECONDS + timeout)
+            resp.release_conn()
+        except (urllib3.exceptions.HTTPError, _BadAnswer) as err:
+            if resp is not None:
+                resp.close()  # never reuse a connection left mid-answer
+            MEMBERSHIP_CALLS.labels(op, "bad_answer" if isinstance(err, _BadAnswer) else "unreachable").inc()
             last = err
         else:
             MEMBERSHIP_SECONDS.labels(op).observe(time.monotonic() - start)
@@ -91,9 +126,9 @@ def _conditional_call(op: str, method: str, head: HeadClient, path: str, body: d
                 MEMBERSHIP_CALLS.labels(op, "not_modified").inc()
                 return None, etag
             try:
-                data = json.loads(resp.data or b"{}")
+                data = json.loads(raw or b"{}")
             except ValueError:
-                data = {"error": resp.data[:200].decode(errors="replace")}
+                data = {"error": raw[:200].decode(errors="replace")}
             if not isinstance(data, dict):
                 data = {"error": f"unexpected answer {str(data)[:200]}"}
             if resp.status < 300:
@@ -113,7 +148,7 @@ def _conditional_call(op: str, method: str, head: HeadClient, path: str, body: d
     # change to unreachable once; a join or leave that fails is worth a line each time.
     log.log(logging.DEBUG if op in ("report", "list") else logging.INFO,
             "%s at %s: no answer: %s", op, head.url(path), last)
-    reason = str(last) if isinstance(last, HeadRefused) else type(last).__name__
+    reason = str(last) if isinstance(last, HeadRefused | _BadAnswer) else type(last).__name__
     raise HeadUnreachable(f"{op} at {head.url(path)}: no answer ({reason})")
 
 

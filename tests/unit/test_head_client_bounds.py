@@ -1,0 +1,106 @@
+"""What a head answers is untrusted (issue 27 item 3): a hostile "head" on loopback cannot make the
+operator hold a huge body in memory, nor hold a worker with a body dripped a byte at a time.
+
+On the code before this change: the 150 MB body added 454 MiB of RSS (the operator's limit is
+512 Mi), and the drip held the call for more than 40 s (the timeout applied to each read).
+"""
+
+from __future__ import annotations
+
+import resource
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from omnistage.runtime import head_client
+from omnistage.runtime.head_client import HeadClient, HeadUnreachable
+
+
+class HostileHead:
+    """A raw TCP server on 127.0.0.1 answering every request the way `mode` says."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.stop = threading.Event()
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self.answer, args=(conn,), daemon=True).start()
+
+    def answer(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)
+                if self.mode == "huge":  # 150 MB of JSON-ish bytes, no Content-Length
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n")
+                    block = b"[" + b"1," * 32767 + b"1"
+                    for _ in range(150 * 1024 * 1024 // len(block)):
+                        if self.stop.is_set():
+                            return
+                        conn.sendall(block)
+                elif self.mode == "declared":  # a Content-Length past the bound
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 157286400\r\n\r\n{")
+                    time.sleep(5)
+                elif self.mode == "drip":  # a byte every 0.5 s, for ever
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n")
+                    while not self.stop.is_set():
+                        conn.sendall(b" ")
+                        time.sleep(0.5)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+@pytest.fixture
+def hostile() -> Iterator:
+    heads = []
+
+    def make(mode: str) -> HeadClient:
+        h = HostileHead(mode)
+        heads.append(h)
+        return HeadClient("127.0.0.1", h.port, "token")
+    yield make
+    for h in heads:
+        h.close()
+
+
+def _max_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@pytest.mark.parametrize("mode", ["huge", "declared"])
+def test_an_answer_over_the_bound_is_no_answer_and_is_not_held(hostile, mode):
+    head = hostile(mode)
+    before = _max_rss_mib()
+    t0 = time.monotonic()
+    with pytest.raises(HeadUnreachable, match="answer"):
+        head_client.listing(head, attempts=1)
+    grew = _max_rss_mib() - before
+    print(f"\n[bounds] {mode}: refused after {time.monotonic() - t0:.2f}s, peak RSS grew {grew:.0f} MiB")
+    assert grew < 64, f"RSS grew {grew:.0f} MiB reading a hostile answer"
+
+
+def test_a_dripped_answer_is_cut_at_the_call_s_timeout(hostile):
+    head = hostile("drip")
+    t0 = time.monotonic()
+    with pytest.raises(HeadUnreachable, match="not complete within"):
+        head_client.listing(head, attempts=1)
+    took = time.monotonic() - t0
+    print(f"\n[bounds] drip: cut after {took:.1f}s (connect {head_client.CONNECT_SECONDS}s + read "
+          f"{head_client.READ_SECONDS}s)")
+    assert took < head_client.CONNECT_SECONDS + head_client.READ_SECONDS + 2
