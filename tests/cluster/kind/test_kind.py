@@ -4,8 +4,9 @@ real containers under real kubelets, serving real requests (fixtures and what is
 One cluster, one operator release, one OmniStage for the module, in this order: install, serve,
 what only a kubelet shows, scale up and down under load with the leader operator pod deleted during
 the scale-up, a replica pod deleted, a node drained through the budget, the head container killed,
-`helm upgrade` while serving, `helm uninstall`. The three marked full (minutes of engine restarts
-each) run in `make e2e-kind`, not in CI (.ci/run says why).
+the head's engine stalled past its heartbeat timeout, a head change, `helm upgrade` while serving,
+`helm uninstall`. Those marked full (minutes of engine restarts each) run in `make e2e-kind`, not in
+CI (.ci/run says why).
 Every step prints its figures; requests go through the head with a bounded stream and every one
 must get a complete answer where the operator could have finished it.
 """
@@ -13,6 +14,8 @@ must get a complete answer where the operator could have finished it.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 
@@ -256,6 +259,55 @@ def test_head_container_killed_kubelet_restarts_it_and_replicas_roll(stage, kube
     results = client.run_many(stage.base(), [(f"after head restart #{i}", client.body(model, "audio", 9 + i))
                                              for i in range(4)], 2)
     assert all(r.complete for r in results), client.table(results)
+
+
+def _head_engine_cores() -> list[int]:
+    """The head's own stage-0 engine core (StageEngineCoreProc_*_replica0_*: the head-local replica),
+    as this machine sees a kind pod's processes (one kernel: the host's /proc)."""
+    from pathlib import Path
+
+    cores = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if "StageEngineCoreProc" in cmd and "_replica0_" in cmd:
+                cores.append(int(entry.name))
+    return cores
+
+
+@pytest.mark.full
+def test_a_stall_of_the_head_s_engine_is_survived_under_a_kubelet(stage):
+    """issue 26 on kind: SIGSTOP of the head's own engine core for 45 s (past the default 30 s heartbeat
+    timeout) under a stream, then SIGCONT: the engine is not killed, the head's liveness probe does
+    not restart it, requests in flight on it wait for it, and it serves again."""
+    head = stage.head_name()
+    restarts = stage.pod(head)["status"]["containerStatuses"][0]["restartCount"]
+    cores = _head_engine_cores()
+    assert cores, "no StageEngineCoreProc of the head's replica 0 on this machine"
+    samples = []
+    with stream(stage, requests=200, concurrency=2, seconds=900) as results:
+        time.sleep(5)
+        t0 = time.monotonic()
+        for pid in cores:
+            os.kill(pid, signal.SIGSTOP)
+        while time.monotonic() - t0 < 45:
+            samples.append(stage.get()["status"].get("readyReplicas"))
+            time.sleep(5)
+        for pid in cores:
+            os.kill(pid, signal.SIGCONT)
+        stage.wait_for("the head's engine serving again", lambda: stage.get()["status"].get("readyReplicas") == 2,
+                       timeout=300, interval=1)
+        FIGURES["head engine stalled 45 s: SIGCONT -> serving with 2 again"] = time.monotonic() - t0 - 45
+    lost = [r for r in results if not r.complete]
+    print(f"\n[kind] head engine stalled 45 s: readyReplicas every 5 s {samples}; {len(results)} requests, "
+          f"{len(lost)} without a complete answer")
+    assert all(os.path.exists(f"/proc/{pid}") for pid in cores), "the stalled engine was killed"
+    assert stage.pod(head)["status"]["containerStatuses"][0]["restartCount"] == restarts, "the head was restarted"
+    assert 1 in samples, "status never stopped counting the stalled engine"
+    assert results and not lost, client.table(lost)
 
 
 @pytest.mark.full
