@@ -56,14 +56,18 @@ def test_without_the_patch_a_stall_kills_the_head_s_engine(stage):
     for pid in cores:
         os.kill(pid, signal.SIGSTOP)
     time.sleep(STALL_SECONDS)
+    killed = []
     for pid in cores:
-        os.kill(pid, signal.SIGCONT)
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:  # upstream's watcher shut the stalled engine down meanwhile
+            killed.append(pid)
     time.sleep(15)  # what the patched head needs to serve again (2.5 s measured), with room
     local = next((m for m in stage0(stage.head.listing()) if m.get("local")), {})
     answer = client.chat(stage.base(), client.body(client.served_model(stage.base()), "text", 3, max_tokens=8),
                          "after the stall, unpatched")
     print(f"\n[real] unpatched head after a {STALL_SECONDS}s stall: its engine {local.get('state')}/"
-          f"{local.get('coordinatorStatus')}; {answer.line()}; engine cores alive: "
-          f"{[os.path.exists(f'/proc/{pid}') for pid in cores]}")
+          f"{local.get('coordinatorStatus')}; {answer.line()}; engine core processes killed during the stall: "
+          f"{len(killed)} of {len(cores)}")
     assert not answer.complete, "the unpatched head served after the stall: the positive test proves nothing"
     assert local.get("state") != "attached", local
