@@ -30,11 +30,15 @@ def events(actions, reason):
     return [a for a in of(actions, PostEvent) if a.reason == reason]
 
 
-def test_a_silent_replica_is_not_counted_and_its_gate_is_cleared():
-    t, o = situation(3)
+def first_replica_silent():
+    """The listing of situation(3) with replica-1's heartbeats late."""
+    _, o = situation(3)
     rs = o.replicas
-    lst = with_head(members=[member(rs[0], 1, coordinator=contract.COORD_SILENT), member(rs[1], 2)])
-    t, o = situation(3, listing=lst)
+    return with_head(members=[member(rs[0], 1, coordinator=contract.COORD_SILENT), member(rs[1], 2)])
+
+
+def test_a_silent_replica_is_not_counted_and_its_gate_is_cleared():
+    t, o = situation(3, listing=first_replica_silent())
     actions, status, _ = plan(t, o, AT)
     assert status["readyReplicas"] == 2 and status["registeredReplicas"] == 2
     assert [m["state"] for m in status["members"]] == ["Silent", "Joined"]
@@ -45,9 +49,7 @@ def test_a_silent_replica_is_not_counted_and_its_gate_is_cleared():
 
 
 def test_a_silent_replica_is_announced_once_and_its_return_too():
-    t, o = situation(3)
-    rs = o.replicas
-    silent = with_head(members=[member(rs[0], 1, coordinator=contract.COORD_SILENT), member(rs[1], 2)])
+    silent = first_replica_silent()
     t, o = situation(3, listing=silent)
     _, status, _ = plan(t, o, AT)
     obj = {**o.obj, "status": status}

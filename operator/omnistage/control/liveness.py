@@ -43,22 +43,23 @@ def head_engine_problem(p: Pass) -> tuple[str, str] | None:
         f"restarts it; every replica is then rolled onto the new engine")
 
 
-def detached(p: Pass, pod: dict[str, Any]) -> contract.Member | None:
-    """The member the head detached on its own while this pod, joined as it, still lives."""
+def _joined_member(p: Pass, pod: dict[str, Any], holds) -> contract.Member | None:
+    """The first member this pod was joined as (under its name) for which `holds(member)`."""
     for stage in pods.stage_ids(pod):
         mm = p.member_of(pod, stage)
-        if mm is not None and mm.get("pod") == pods.name(pod) and mm.get("state") == contract.DETACHED:
+        if mm is not None and mm.get("pod") == pods.name(pod) and holds(mm):
             return mm
     return None
+
+
+def detached(p: Pass, pod: dict[str, Any]) -> contract.Member | None:
+    """The member the head detached on its own while this pod, joined as it, still lives."""
+    return _joined_member(p, pod, lambda mm: mm.get("state") == contract.DETACHED)
 
 
 def silent(p: Pass, pod: dict[str, Any]) -> contract.Member | None:
     """The joined member of this pod whose heartbeats are late (kept, unroutable)."""
-    for stage in pods.stage_ids(pod):
-        mm = p.member_of(pod, stage)
-        if mm is not None and mm.get("pod") == pods.name(pod) and mm.get("coordinatorStatus") == contract.COORD_SILENT:
-            return mm
-    return None
+    return _joined_member(p, pod, lambda mm: mm.get("coordinatorStatus") == contract.COORD_SILENT)
 
 
 def keep_one_live(p: Pass, victims: list[dict[str, Any]]) -> list[dict[str, Any]]:

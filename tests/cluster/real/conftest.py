@@ -80,6 +80,7 @@ def standin(kubeconfig, kwok_nodes, state_dir, engine_image, real_namespace) -> 
         yield rt
 
 
+
 @pytest.fixture(scope="module")
 def real_namespace(request: pytest.FixtureRequest, kubectl, wait_for) -> Iterator[str]:
     stem = re.sub(r"[^a-z0-9-]+", "-", request.module.__name__.rsplit(".", 1)[-1].lower())[:30].strip("-")

@@ -3,12 +3,14 @@ requests they send (the fixtures are in conftest.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -210,3 +212,14 @@ def watch_join(stage: RealOmniStage, pod: str, t0: float) -> dict[str, float]:
 
     stage.wait_for(f"{pod} joined", step, timeout=20 * 60, interval=2)
     return seen
+
+
+@contextlib.contextmanager
+def patches_off(kubeconfig, state_dir, engine_image: EngineImage, real_namespace: str,
+                patches: str) -> Iterator[StandinRuntime]:
+    """A negative control's runtime: the engines run with OMNISTAGE_DISABLE_PATCHES=`patches`, set by
+    the runtime's image (a test-only switch: the operator refuses that variable in a spec)."""
+    image = dataclasses.replace(engine_image, env={**engine_image.env, "OMNISTAGE_DISABLE_PATCHES": patches})
+    with StandinRuntime(kubeconfig=kubeconfig, namespaces=[real_namespace], state_dir=state_dir / "engines",
+                        image=image) as rt:
+        yield rt

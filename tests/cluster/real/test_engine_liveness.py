@@ -70,12 +70,17 @@ def live_in(listing: dict[str, Any] | None) -> int:
     return sum(1 for m in stage0(listing) if m.get("state") == "attached" and m.get("coordinatorStatus") == "up")
 
 
+def liveness_omnistage(name: str, replicas: int) -> dict[str, Any]:
+    """The tiny OmniStage with a heartbeat timeout short enough for a stall to pass it quickly."""
+    manifest = tiny_omnistage(name, replicas)
+    manifest["spec"].setdefault("engine", {})["heartbeatTimeoutSeconds"] = HEARTBEAT_TIMEOUT
+    return manifest
+
+
 @pytest.fixture(scope="module")
 def stage(kubectl, operator, standin, real_namespace, wait_for) -> Any:
     s = RealOmniStage(kubectl, standin, real_namespace, NAME, wait_for)
-    manifest = tiny_omnistage(NAME, replicas=2)
-    manifest["spec"].setdefault("engine", {})["heartbeatTimeoutSeconds"] = HEARTBEAT_TIMEOUT
-    s.apply(manifest)
+    s.apply(liveness_omnistage(NAME, replicas=2))
     s.wait_serving(2, "the head and its replica joined (real engine start-up)", timeout=HEAD_READY_TIMEOUT + JOIN_TIMEOUT)
     return s
 
@@ -138,9 +143,10 @@ def head_pid(stage: RealOmniStage) -> int:
     return p.pid
 
 
-def test_a_stall_of_the_head_s_engine_is_survived_and_status_follows_the_listing(stage):
-    cores = engine_cores(head_pid(stage))
-    assert cores, "no StageEngineCoreProc under the head"
+def stall_under_stream(stage: RealOmniStage, cores: list[int], live_again, what: str) -> tuple[Timeline, float]:
+    """SIGSTOP `cores` for STALL_SECONDS under a stream, then SIGCONT; wait until `live_again(members)`
+    and status says 2 ready again. The timeline and how long after SIGCONT the engine was live again;
+    every request of the stream must have got a complete answer."""
     results: list[client.Result] = []
     with Timeline(stage) as tl:
         sender = threading.Thread(target=lambda: results.extend(stream(stage, STALL_SECONDS + 40)))
@@ -148,29 +154,33 @@ def test_a_stall_of_the_head_s_engine_is_survived_and_status_follows_the_listing
         time.sleep(5)
         for pid in cores:
             os.kill(pid, signal.SIGSTOP)
-        stopped = time.monotonic()
         time.sleep(STALL_SECONDS)
         for pid in cores:
             os.kill(pid, signal.SIGCONT)
         resumed = time.monotonic()
-        stage.wait_for("the head's engine live again", lambda: any(
-            m.get("local") and m.get("coordinatorStatus") == "up" and m.get("state") == "attached"
-            for m in stage0(stage.head.listing())), timeout=120, interval=1)
+        stage.wait_for(f"{what} live again", lambda: live_again(stage0(stage.head.listing())), timeout=120, interval=1)
         back = time.monotonic() - resumed
         stage.wait_for("status 2 ready", lambda: stage.get()["status"].get("readyReplicas") == 2, timeout=60)
         sender.join(600)
-    silent = [r for r in tl.rows if "silent" in r["head"]]
     lost = [r for r in results if r.status is None or not r.complete]
-    print(f"\n[real] head engine stalled {STALL_SECONDS}s (SIGSTOP at +{stopped - tl.t0:.0f}s): listed silent in "
-          f"{len(silent)} samples, live again {back:.1f}s after SIGCONT; {len(results)} requests, {len(lost)} without "
-          f"a complete answer")
+    print(f"\n[real] {what} stalled {STALL_SECONDS}s: live again {back:.1f}s after SIGCONT; {len(results)} requests, "
+          f"{len(lost)} without a complete answer")
     for r in lost:
         print(f"  {r.line()}")
-    assert silent, "the head's engine was never listed silent: the stall did not pass the heartbeat timeout"
-    assert all(os.path.exists(f"/proc/{pid}") for pid in cores), "the stalled engine was killed"
+    assert all(os.path.exists(f"/proc/{pid}") for pid in cores), f"the stalled {what} was killed"
     assert not tl.overclaims(), f"status claimed more live engines than the listing: {tl.overclaims()}"
+    assert lost == [], f"a request on the stalled {what} was lost instead of waiting for it"
+    return tl, back
+
+
+def test_a_stall_of_the_head_s_engine_is_survived_and_status_follows_the_listing(stage):
+    cores = engine_cores(head_pid(stage))
+    assert cores, "no StageEngineCoreProc under the head"
+    tl, _ = stall_under_stream(stage, cores, lambda members: any(
+        m.get("local") and m.get("coordinatorStatus") == "up" and m.get("state") == "attached" for m in members),
+        "the head's engine")
+    assert any("silent" in r["head"] for r in tl.rows), "never listed silent: the stall did not pass the timeout"
     assert any(r["ready"] == 1 for r in tl.rows), "status never said the head's engine stopped serving"
-    assert lost == [], "a request on the stalled engine was lost instead of waiting for it"
 
 
 def test_a_stall_of_a_remote_replica_is_survived(stage):
@@ -179,33 +189,11 @@ def test_a_stall_of_a_remote_replica_is_survived(stage):
     assert p is not None and p.alive(), "no running replica process"
     cores = engine_cores(p.pid)
     assert cores, "no StageEngineCoreProc under the replica"
-    results: list[client.Result] = []
-    with Timeline(stage) as tl:
-        sender = threading.Thread(target=lambda: results.extend(stream(stage, STALL_SECONDS + 40)))
-        sender.start()
-        time.sleep(5)
-        for pid in cores:
-            os.kill(pid, signal.SIGSTOP)
-        time.sleep(STALL_SECONDS)
-        for pid in cores:
-            os.kill(pid, signal.SIGCONT)
-        resumed = time.monotonic()
-        stage.wait_for("the replica live again", lambda: any(
-            m.get("pod") == replica and m.get("coordinatorStatus") == "up" and m.get("state") == "attached"
-            for m in stage0(stage.head.listing())), timeout=120, interval=1)
-        back = time.monotonic() - resumed
-        stage.wait_for("status 2 ready", lambda: stage.get()["status"].get("readyReplicas") == 2, timeout=60)
-        sender.join(600)
-    silent = [r for r in tl.rows if r["live"] == 1]
-    lost = [r for r in results if r.status is None or not r.complete]
-    print(f"\n[real] replica {replica} stalled {STALL_SECONDS}s: one engine live in {len(silent)} samples, live again "
-          f"{back:.1f}s after SIGCONT; {len(results)} requests, {len(lost)} without a complete answer")
-    for r in lost:
-        print(f"  {r.line()}")
-    assert silent, "the replica was never listed silent"
+    tl, _ = stall_under_stream(stage, cores, lambda members: any(
+        m.get("pod") == replica and m.get("coordinatorStatus") == "up" and m.get("state") == "attached"
+        for m in members), f"replica {replica}")
+    assert any(r["live"] == 1 for r in tl.rows), "the replica was never listed silent"
     assert stage.replica_pods() == [replica], "the stalled replica's pod was replaced"
-    assert not tl.overclaims(), f"status claimed more live engines than the listing: {tl.overclaims()}"
-    assert lost == [], "a request on the stalled replica was lost instead of waiting for it"
 
 
 def test_a_scale_down_right_after_a_stall_keeps_a_live_engine(stage):

@@ -11,7 +11,6 @@ weights). One head, no replica: about 3 minutes. Marked full, like the module it
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import time
@@ -19,11 +18,10 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.real.realstage import HEAD_READY_TIMEOUT, RealOmniStage, tiny_omnistage
-from tests.cluster.real.test_engine_liveness import HEARTBEAT_TIMEOUT, STALL_SECONDS, engine_cores, head_pid
+from tests.cluster.real.realstage import HEAD_READY_TIMEOUT, RealOmniStage, patches_off
+from tests.cluster.real.test_engine_liveness import STALL_SECONDS, engine_cores, head_pid, liveness_omnistage
 from tests.cpu_engine import client
 from tests.standin.harness import stage0
-from tests.standin.runtime import StandinRuntime
 
 NAME = "liveness-off"
 pytestmark = [pytest.mark.full, pytest.mark.timeout(HEAD_READY_TIMEOUT + 600)]
@@ -31,18 +29,14 @@ pytestmark = [pytest.mark.full, pytest.mark.timeout(HEAD_READY_TIMEOUT + 600)]
 
 @pytest.fixture(scope="module")
 def standin(kubeconfig, kwok_nodes, state_dir, engine_image, real_namespace):
-    image = dataclasses.replace(engine_image, env={**engine_image.env, "OMNISTAGE_DISABLE_PATCHES": "engine_liveness"})
-    with StandinRuntime(kubeconfig=kubeconfig, namespaces=[real_namespace], state_dir=state_dir / "engines",
-                        image=image) as rt:
+    with patches_off(kubeconfig, state_dir, engine_image, real_namespace, "engine_liveness") as rt:
         yield rt
 
 
 @pytest.fixture(scope="module")
 def stage(kubectl, operator, standin, real_namespace, wait_for) -> Any:
     s = RealOmniStage(kubectl, standin, real_namespace, NAME, wait_for)
-    manifest = tiny_omnistage(NAME, replicas=1)
-    manifest["spec"].setdefault("engine", {})["heartbeatTimeoutSeconds"] = HEARTBEAT_TIMEOUT
-    s.apply(manifest)
+    s.apply(liveness_omnistage(NAME, replicas=1))
     s.wait_for("the head's own engine live", lambda: any(
         m.get("local") and m.get("coordinatorStatus") == "up" for m in stage0(s.head.listing())),
         timeout=HEAD_READY_TIMEOUT, interval=2)

@@ -17,7 +17,6 @@ anyway only because the hold is switched off too).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -29,10 +28,10 @@ from tests.cluster.real.realstage import (
     JOIN_TIMEOUT,
     RealOmniStage,
     count,
+    patches_off,
     tiny_omnistage,
 )
 from tests.cpu_engine import client
-from tests.standin.runtime import StandinRuntime
 
 NAME = "tiny-unpatched"
 DISABLED = "frontend_cache,membership"
@@ -42,9 +41,7 @@ pytestmark = pytest.mark.timeout(HEAD_READY_TIMEOUT + JOIN_TIMEOUT)
 
 @pytest.fixture(scope="module")
 def standin(kubeconfig, kwok_nodes, state_dir, engine_image, real_namespace):
-    image = dataclasses.replace(engine_image, env={**engine_image.env, "OMNISTAGE_DISABLE_PATCHES": DISABLED})
-    with StandinRuntime(kubeconfig=kubeconfig, namespaces=[real_namespace], state_dir=state_dir / "engines",
-                        image=image) as rt:
+    with patches_off(kubeconfig, state_dir, engine_image, real_namespace, DISABLED) as rt:
         yield rt
 
 
