@@ -299,12 +299,14 @@ async def _handle(request: Request, op) -> Response:
 # ---- conditional GETs: the operator's cheap probe -------------------------------------------------
 # The operator polls every head every few seconds; at rest nothing changed. It sends back the ETag
 # of the answer it holds (If-None-Match) and gets 304 with no body while that answer still stands.
-# The listing's ETag is the boot id and the membership epoch (bumped by every join, leave, attach
-# and detach), so a probe of an unchanged head builds no listing; the report's is a digest of it.
+# The listing's ETag is the boot id, the membership epoch (bumped by every join, leave, attach and
+# detach) and a digest of what the coordinator last published of each engine (up or silent), so a
+# probe of an unchanged head builds no listing, and an engine that comes up, goes silent or resumes
+# is seen at once (the operator counts only live engines); the report's ETag is a digest of it.
 
 
-def listing_etag(boot_id: str, epoch: int) -> str:
-    return f'"{boot_id}.{epoch}"'
+def listing_etag(boot_id: str, epoch: int, liveness: str = "") -> str:
+    return f'"{boot_id}.{epoch}.{liveness}"' if liveness else f'"{boot_id}.{epoch}"'
 
 
 def report_etag(body: dict[str, Any]) -> str:
@@ -362,11 +364,12 @@ async def list_membership(request: Request) -> Response:
         head = LiveHead.locate(_engine_client(request))
         if include_all:  # pages of every route: not what the probe is for
             return await head.snapshot(include_all=True, limit=limit, after=after)
-        etag = listing_etag(report.BOOT_ID, head.state.epoch)
+        liveness = head.liveness_digest()
+        etag = listing_etag(report.BOOT_ID, head.state.epoch, liveness)
         if request.headers.get("if-none-match") == etag:
             return Response(status_code=304, headers={"ETag": etag})  # no listing built
         body = await head.snapshot()
-        return _conditional(request, body, listing_etag(body["bootId"], body["epoch"]))
+        return _conditional(request, body, listing_etag(body["bootId"], body["epoch"], liveness))
 
     return await _handle(request, op)
 

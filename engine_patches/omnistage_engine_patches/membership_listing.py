@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import operator
 import time
 from bisect import bisect_right
@@ -149,6 +150,13 @@ class HeadReads:
             return {}
         return {rep.input_addr: rep for rep in hub.get_replica_list().replicas}
 
+    def liveness_digest(self) -> str:
+        """What the coordinator last published of each engine (address and status, not its queue
+        length), as a short digest for the listing's ETag. A plain read of the hub's cached list,
+        safe from any thread."""
+        states = sorted((addr, str(getattr(rep, "status", "up"))) for addr, rep in self._hub_up().items())
+        return hashlib.sha256(repr(states).encode()).hexdigest()[:12]
+
     def _entry(self, key: Key, up: dict[str, Any], in_flight: dict[int, InFlight]) -> contract.Member:
         stage_id, replica_id = key
         state = self.state
@@ -171,7 +179,7 @@ class HeadReads:
             status = contract.REGISTERED if registered else contract.PENDING
         rep = up.get(addr) if addr else None
         coord = contract.COORD_ABSENT if rep is None else (
-            contract.COORD_UP if rep.status == "up" else contract.COORD_SILENT)
+            contract.COORD_UP if getattr(rep, "status", "up") == "up" else contract.COORD_SILENT)
         silent_at = engine_liveness.silent_since(self.orch._membership).get((stage_id, addr)) \
             if coord == contract.COORD_SILENT else None
         if pool is not None and stage_id not in in_flight:

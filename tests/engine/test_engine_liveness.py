@@ -32,7 +32,7 @@ pytest.importorskip("vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run
 from omnistage_engine_patches import contract
 
 from tests.engine import test_membership_api as shared
-from tests.engine.test_membership_api import _OPENER, bind_request, fresh_picks, start_replica
+from tests.engine.test_membership_api import _OPENER, _get_with_etag, bind_request, fresh_picks, start_replica
 from tests.standin.engine import wait_for
 
 # The membership tests' fixtures: a stand-in head with its HTTP app.
@@ -78,6 +78,7 @@ def test_regression_a_silent_replica_is_kept_unroutable_and_serves_again(head):
         wait_for(lambda: api.members(all=True)[rid]["coordinatorStatus"] == contract.COORD_SILENT, 3 * TIMEOUT,
                  what="the replica to be listed silent")
         went_silent = time.monotonic() - t0
+        wait_for(lambda: "silentSeconds" in api.members()[rid], 2, what="its silence to be timed")
         m = api.members()[rid]
         assert (m["state"], m["attached"], m["pod"]) == (contract.ATTACHED, True, "replica-a")
         assert m["silentSeconds"] >= 0
@@ -100,9 +101,12 @@ def test_regression_the_head_s_own_engine_is_not_killed_by_a_stall(head):
     """issue 26: vllm-omni's watcher took the head's own late engine for a departure and shut it down."""
     engine, api = head(heartbeat_timeout=TIMEOUT)
     local = engine.stage0.clients[0]
+    _, _, etag = _get_with_etag(api, contract.MEMBERSHIP_PATH, None)
     with heartbeats_held(engine._runtime.local_coord_client):
         wait_for(lambda: api.members()[0]["coordinatorStatus"] == contract.COORD_SILENT, 3 * TIMEOUT,
                  what="the head's own engine to be listed silent")
+        # The operator's conditional probe sees it: the ETag it holds no longer matches.
+        assert _get_with_etag(api, contract.MEMBERSHIP_PATH, etag)[0] == 200
         assert engine.stage0.clients[0] is local and not local.shut_down.is_set()
         status, body = live(api)
         assert (status, body["localEngine"]) == (200, contract.LOCAL_SILENT), body

@@ -159,3 +159,14 @@ def test_the_head_s_liveness_asks_whether_its_own_engine_lives():
     probe = _head_container()["livenessProbe"]
     assert probe == {"httpGet": {"path": contract.LIVE_PATH, "port": "http"}, "periodSeconds": 10,
                      "timeoutSeconds": 10, "failureThreshold": 3}
+
+
+def test_a_registration_the_head_failed_to_attach_is_replaced():
+    """Listed detached with no pod (never joined), from this pod's address: a join would be refused
+    (ReplicaDetached) for ever, so the pod is replaced."""
+    t, o = situation(3)
+    rs = o.replicas
+    failed = {**member(rs[0], 1, state=contract.DETACHED, coordinator=contract.COORD_ABSENT), "pod": None}
+    t, o = situation(3, listing=with_head(members=[failed, member(rs[1], 2)]))
+    actions, _, _ = plan(t, o, AT)
+    assert of(actions, Annotate) == [Annotate("qwen3-omni-replica-1", {"serving.omnistage.io/leaving": "ReplacedReplica"})]

@@ -61,6 +61,10 @@ NAME = contract.MEMBERSHIP
 #: How many leave results are kept in full, for idempotent answers to a repeated leave. Older
 #: ones shrink to their identity (``MembershipState.departed`` keeps *that* a replica left).
 MAX_LEFT_RECORDS = 4096
+#: How many of the replicas the head detached on its own the default listing shows until a leave
+#: answers them (the newest): the operator acts on each within a pass or two, so this is room for a
+#: burst, and a head nobody cleans up after still lists a bounded number.
+MAX_DETACHED_LISTED = 64
 
 Key = tuple[int, int]  # (stage id, replica id), the OmniMasterServer's route key
 
@@ -90,7 +94,7 @@ class MembershipState:
     #: Keys the head detached on its own and the operator has not made leave yet: listed (state
     #: DETACHED) so the operator can replace a pod whose engine the head dropped, or tell the head
     #: to forget it (a leave turns it LEFT and unlisted). Small: a leave empties it.
-    detached_open: set[Key] = field(default_factory=set)
+    detached_open: dict[Key, None] = field(default_factory=dict)  # insertion-ordered: the newest last
 
     def bump(self) -> None:
         self.epoch += 1
@@ -101,7 +105,7 @@ class MembershipState:
     def remember_left(self, key: Key, record: dict[str, Any]) -> None:
         self.departed[key] = contract.LEFT
         self.registered_open.discard(key)
-        self.detached_open.discard(key)
+        self.detached_open.pop(key, None)
         self.left_records[key] = record
         self.left_records.move_to_end(key)
         while len(self.left_records) > MAX_LEFT_RECORDS:
@@ -120,13 +124,15 @@ class MembershipState:
     def remember_detached(self, key: Key) -> None:
         if not self.has_left(key):
             self.departed[key] = contract.DETACHED
-            self.detached_open.add(key)
+            self.detached_open[key] = None
+            while len(self.detached_open) > MAX_DETACHED_LISTED:
+                del self.detached_open[next(iter(self.detached_open))]
         self.registered_open.discard(key)
 
     def forget_detached(self, key: Key) -> None:
         if self.departed.get(key) == contract.DETACHED:
             del self.departed[key]
-        self.detached_open.discard(key)
+        self.detached_open.pop(key, None)
 
 
 _ORCHESTRATORS: weakref.WeakSet[Any] = weakref.WeakSet()
