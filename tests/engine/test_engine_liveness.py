@@ -97,6 +97,21 @@ def test_regression_a_silent_replica_is_kept_unroutable_and_serves_again(head):
           f"they resumed")
 
 
+def test_a_leave_detaches_a_silent_replica(head):
+    """The operator makes a silent replica leave when its pod is gone (or replaced): the leave
+    detaches it at once and fails what was bound to it, whatever the watcher keeps."""
+    engine, api = head(heartbeat_timeout=TIMEOUT)
+    replica = start_replica(engine)
+    rid = replica.replica_id
+    assert api.join("replica-a", replica.bind_ip)[0] == 200
+    replica.kill()  # no DOWN: heartbeats stop for good
+    wait_for(lambda: api.members()[rid]["coordinatorStatus"] == contract.COORD_SILENT, 3 * TIMEOUT,
+             what="the replica to be listed silent")
+    status, body = api.leave(pod="replica-a", replicaId=rid, drainTimeoutSeconds=0)
+    assert (status, body["state"], body["detached"]) == (200, "left", True), body
+    assert rid not in engine.attached_replica_ids()
+
+
 def test_regression_the_head_s_own_engine_is_not_killed_by_a_stall(head):
     """issue 26: vllm-omni's watcher took the head's own late engine for a departure and shut it down."""
     engine, api = head(heartbeat_timeout=TIMEOUT)

@@ -151,7 +151,14 @@ def test_series_removed_when_replica_departs(text_config, how):
         elif how == "down":
             replica.down()  # graceful: the coordinator publishes it gone, the watcher detaches it
         else:
-            replica.kill()  # no DOWN: detached after the heartbeat timeout
+            # No DOWN: after the heartbeat timeout the head keeps it, silent (engine_liveness), until
+            # the operator makes it leave (its pod is gone); that leave removes its series.
+            replica.kill()
+            controller = engine.orchestrator._membership
+            wait_for(lambda: any(rep.status == "error" for rep in controller._hub.get_replica_list().replicas),
+                     15, what=f"replica {rid} timed out")
+            assert rid in engine.attached_replica_ids()
+            leave(engine, rid)
         wait_for(lambda: rid not in engine.attached_replica_ids(), 15, what=f"replica {rid} detached")
         wait_for(lambda: not replica_samples(str(rid)), 5, what=f"replica {rid}'s series removed")
         books = bookkeeping(engine)

@@ -15,8 +15,8 @@ With this patch:
   after the plugin loaded, so the wrapper is there too) publishes ERROR replicas beside the UP
   ones. Every upstream reader keeps only ``status == UP`` (the load balancer, the watcher), so
   routing is unchanged: a silent replica gets no new request.
-* ``MembershipController.handle_unregister`` leaves a replica the coordinator lists as ERROR
-  attached: *silent*, unroutable, its requests in flight waiting for it. When its heartbeats
+* ``MembershipController.handle_unregister``, called by the watcher, leaves a replica the
+  coordinator lists as ERROR attached (a leave still detaches it): *silent*, unroutable, its requests in flight waiting for it. When its heartbeats
   resume the coordinator lists it UP again and it is routable at once. A replica that said DOWN
   (a graceful exit), or whose ERROR entry the coordinator dropped (600 s of silence), is detached
   as upstream does. Requests in flight on a silent engine wait: within the client's own timeout
@@ -36,6 +36,7 @@ Switch it off with ``OMNISTAGE_DISABLE_PATCHES=engine_liveness`` (the negative c
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from typing import Any
@@ -48,6 +49,11 @@ logger = logging.getLogger("omnistage_engine_patches.engine_liveness")
 NAME = contract.ENGINE_LIVENESS
 
 WATCH_INTERVAL_S = 0.5  # as upstream's watcher
+
+#: True in the membership watcher's task and the unregister tasks it spawns (asyncio copies the
+#: context into a task it creates): only the watcher's unregister of a silent replica is skipped. A
+#: leave (the operator's, through membership_ops) detaches a silent replica like any other.
+_FROM_WATCHER: contextvars.ContextVar[bool] = contextvars.ContextVar("omnistage_from_watcher", default=False)
 
 
 def silent_since(controller: Any) -> dict[tuple[int, str], float]:
@@ -184,13 +190,14 @@ def install() -> str | None:
 
     @wrap(MembershipController, "handle_unregister", NAME)
     async def handle_unregister(orig, self, stage_id, input_addr, *args, **kwargs):
-        if hub_statuses(self).get((stage_id, input_addr)) == contract.COORD_SILENT:
+        if _FROM_WATCHER.get() and hub_statuses(self).get((stage_id, input_addr)) == contract.COORD_SILENT:
             return None  # silent, not gone: _watch_silence says so once
         return await orig(self, stage_id, input_addr, *args, **kwargs)
 
     @wrap(MembershipController, "_watch_replica_list", NAME)
     async def _watch_replica_list(orig, self):
         watch = asyncio.create_task(_watch_silence(self), name="omnistage-silence-watch")
+        _FROM_WATCHER.set(True)  # this task's context, and the unregister tasks it spawns
         try:
             return await orig(self)
         finally:
