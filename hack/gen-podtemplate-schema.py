@@ -21,6 +21,10 @@ What is kept and changed, and why:
     owner); ephemeralContainers goes (the API server refuses them when a pod is created).
   * descriptions are cut to their first sentence, which keeps `kubectl explain` useful and the CRD
     far below the API server's limits.
+  * the lists the CRD's CEL rules walk get an upper bound (BOUNDS), which Kubernetes leaves out: the API
+    server estimates a rule's cost from the bounds of what it iterates, and a list inside an unbounded
+    list is estimated past any budget, so without them the rules on containers' env, envFrom,
+    volumeMounts and capabilities and on projected volumes' sources could only be checked by the operator.
 
   hack/gen-podtemplate-schema.py           write the file
   hack/gen-podtemplate-schema.py --check   exit 1 if the committed file differs from a regeneration
@@ -55,6 +59,19 @@ KEEP_ONLY = {
     "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta": {"labels", "annotations"},
 }
 DROP_REQUIRED = {"io.k8s.api.core.v1.PodSpec"}
+# (definition, field) -> the bound its list gets (see the module docstring): far above what an engine
+# pod's overlay carries, low enough that every rule of operator/omnistage/api/template_rules.py stays
+# within the API server's CEL cost budget.
+BOUNDS = {
+    ("io.k8s.api.core.v1.PodSpec", "containers"): {"maxItems": 64},
+    ("io.k8s.api.core.v1.PodSpec", "initContainers"): {"maxItems": 64},
+    ("io.k8s.api.core.v1.PodSpec", "volumes"): {"maxItems": 256},
+    ("io.k8s.api.core.v1.Container", "env"): {"maxItems": 1024},
+    ("io.k8s.api.core.v1.Container", "envFrom"): {"maxItems": 128},
+    ("io.k8s.api.core.v1.Container", "volumeMounts"): {"maxItems": 256},
+    ("io.k8s.api.core.v1.Capabilities", "add"): {"maxItems": 64},
+    ("io.k8s.api.core.v1.ProjectedVolumeSource", "sources"): {"maxItems": 128},
+}
 # Keys a CRD schema node may carry, besides the ones handled explicitly below.
 PASS_THROUGH = {
     "type", "format", "enum", "required", "minimum", "maximum", "pattern", "maxLength", "minLength",
@@ -122,7 +139,8 @@ class _Inliner:
                 props = {p: v for p, v in value.items()
                          if p not in DROP.get(name or "", set())
                          and (name not in KEEP_ONLY or p in KEEP_ONLY[name])}
-                out["properties"] = {p: self.node(v, stack) for p, v in props.items()}
+                out["properties"] = {p: {**self.node(v, stack), **BOUNDS.get((name or "", p), {})}
+                                     for p, v in props.items()}
                 for p, v in out["properties"].items():
                     # A map-type list's keys must be required or defaulted (structural schemas).
                     item_keys = v.get("x-kubernetes-list-map-keys", [])

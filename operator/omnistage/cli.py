@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import sys
 
 import yaml
 
 from . import api
+from .api import security
 from .api.crd import crd_yaml
 from .api.validation import InvalidSpec
 from .control import pools
@@ -58,6 +60,9 @@ def cmd_docs(_: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
+    if args.allowed_host_paths is not None:
+        # Where the reconcile loop reads it too (operator_main.run), so render refuses what a pass would.
+        os.environ[security.ALLOWED_HOST_PATHS_ENV] = args.allowed_host_paths
     try:
         objs, pool_objs = _load_omnistages(args.filename)
         targets = [target_from(o, default_image=args.engine_image) for o in objs]
@@ -84,8 +89,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .operator_main import run  # kopf is imported only when the operator runs
 
     return run(namespaces=args.namespace, metrics_port=args.metrics_port, probe_port=args.probe_port,
-               bind=args.bind_address, engine_image=args.engine_image,
+               bind=args.bind_address, engine_image=args.engine_image, allowed_host_paths=args.allowed_host_paths,
                lease_namespace=args.leader_election_namespace, lease_name=args.leader_election_id)
+
+
+def _host_paths(text: str) -> str:
+    try:
+        security.parse_allowed_host_paths(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def _add_allowed_host_paths(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allowed-host-paths", type=_host_paths, metavar="DIR[,DIR...]",
+                   help="host directories (comma-separated absolute prefixes) an OmniStage's spec.modelVolume.hostPath "
+                   f"may name (default: ${security.ALLOWED_HOST_PATHS_ENV}, else none)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--token", help="membership token (default: a random one)")
     r.add_argument("--engine-image", help=f"engine image where spec.engine.image is unset (default: "
                    f"${api.ENGINE_IMAGE_ENV}, else {api.DEFAULT_ENGINE_IMAGE})")
+    _add_allowed_host_paths(r)
     r.set_defaults(func=cmd_render)
     run = sub.add_parser("run", help="run the operator (kopf)")
     run.add_argument("-n", "--namespace", action="append", default=[],
@@ -110,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--bind-address", default="0.0.0.0", help="address for /metrics and the probes")
     run.add_argument("--engine-image", help=f"engine image of OmniStages that leave spec.engine.image unset "
                      f"(default: ${api.ENGINE_IMAGE_ENV}, else {api.DEFAULT_ENGINE_IMAGE})")
+    _add_allowed_host_paths(run)
     run.add_argument("--leader-election-namespace", help="namespace of the leader-election Lease (default: "
                      "$POD_NAMESPACE, else the in-cluster ServiceAccount's; neither: no election, one replica only)")
     run.add_argument("--leader-election-id", default=LEASE_NAME, help="name of the leader-election Lease")

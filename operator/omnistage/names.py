@@ -36,6 +36,11 @@ A_REPLICA_INDEX = f"{GROUP}/replica-index"
 A_STAGE_IDS = f"{GROUP}/stage-ids"      # a pool pod's stages ("1,2"): read even after its pool is gone
 A_LEAVING = f"{GROUP}/leaving"          # a retirement decided (value: its reason); survives a restart
 
+# ---- children ---------------------------------------------------------------------------------------
+# The Secret holding an OmniStage's membership token is NAME-membership (render/network.py). Validation
+# refuses a spec that reads any Secret named *-membership (api/security.py).
+MEMBERSHIP_SECRET = "membership"
+
 # ---- pod conditions -------------------------------------------------------------------------------
 # The readiness gate of replica and pool pods (spec.readinessGates): True while the head routes to
 # every replica the pod runs. The operator sets it when the head acknowledged the join and clears it

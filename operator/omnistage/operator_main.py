@@ -8,6 +8,7 @@ import os
 import kopf
 
 from . import api
+from .api import security
 from .runtime import handlers, leader, probes
 from .runtime.informer import STATE
 from .runtime.metrics import STATUS, serve
@@ -15,7 +16,7 @@ from .runtime.metrics import STATUS, serve
 
 def run(namespaces: list[str], metrics_port: int, probe_port: int, bind: str = "0.0.0.0",
         engine_image: str | None = None, lease_namespace: str | None = None,
-        lease_name: str = leader.LEASE_NAME) -> int:
+        lease_name: str = leader.LEASE_NAME, allowed_host_paths: str | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if engine_image:
         # The flag beats the environment; the reconcile loop reads the default from there
@@ -23,6 +24,14 @@ def run(namespaces: list[str], metrics_port: int, probe_port: int, bind: str = "
         os.environ[api.ENGINE_IMAGE_ENV] = engine_image
     logging.getLogger(__name__).info("engine image where spec.engine.image is unset: %s",
                                      api.operator_engine_image())
+    if allowed_host_paths is not None:
+        os.environ[security.ALLOWED_HOST_PATHS_ENV] = allowed_host_paths  # the same one source, as above
+    try:
+        host_paths = security.operator_allowed_host_paths()
+    except ValueError as err:
+        raise SystemExit(f"omnistage run: {err}") from None
+    logging.getLogger(__name__).info("host directories spec.modelVolume.hostPath may name: %s",
+                                     ", ".join(host_paths) or "none")
     handlers.watch(namespaces)
     lease_namespace = lease_namespace or leader.default_namespace()
     elector, threads = None, ()

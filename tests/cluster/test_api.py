@@ -305,6 +305,69 @@ INVALID = [
     ("placement-and-template-tolerations", {"placement": {"tolerations": [{"key": "a", "operator": "Exists"}]},
                                             "template": {"spec": {"tolerations": []}}},
      ["spec.placement", "must not both set"]),
+    ("template-engine-env-owned", {"template": {"spec": {"containers": [
+        {"name": "engine", "env": [{"name": "OMNISTAGE_FRONTEND_CACHE", "value": "lru"}]}]}}},
+     ["spec.template.spec.containers", "the engine container's env must not set variables the operator manages"]),
+    ("template-too-many-containers", {"template": {"spec": {"containers": [{"name": f"c{i}"} for i in range(65)]}}},
+     ["spec.template.spec.containers", "must have at most 64 items"]),
+    # The security model (docs/security.md, tests/unit/test_security.py): host access ...
+    *((f"template-{field}", {"template": {"spec": {field: True}}}, [f"spec.template.spec.{field}", "must not be true"])
+      for field in ("hostPID", "hostIPC")),
+    *((f"template-{field}-{flag}", {"template": {"spec": {field: [
+        {"name": "side", "image": "x"}, {"name": "x", "image": "x", "securityContext": {flag: True}}]}}},
+       [f"spec.template.spec.{field}", "no container may set securityContext.privileged or allowPrivilegeEscalation"])
+      for field in ("containers", "initContainers") for flag in ("privileged", "allowPrivilegeEscalation")),
+    *((f"template-{field}-capability", {"template": {"spec": {field: [
+        {"name": "x", "image": "x", "securityContext": {"capabilities": {"add": ["IPC_LOCK", "SYS_ADMIN"]}}}]}}},
+       [f"spec.template.spec.{field}", "securityContext.capabilities.add may hold only IPC_LOCK and SYS_NICE"])
+      for field in ("containers", "initContainers")),
+    ("template-host-path-volume", {"template": {"spec": {"volumes": [
+        {"name": "root", "hostPath": {"path": "/"}}]}}},
+     ["spec.template.spec.volumes", "may mount only host directories (hostPath)"]),
+    *((f"model-volume-host-path-{i}", {"modelVolume": {"hostPath": {"path": path}}},
+       ["spec.modelVolume.hostPath.path", "must be an absolute directory other than /"])
+      for i, path in enumerate(("/", "/mnt/models/../../etc", "//etc", "/mnt/./models"))),
+    ("template-node-name", {"template": {"spec": {"nodeName": "h200-0"}}},
+     ["spec.template.spec.nodeName", "must not be set: it puts the pod on a node past the scheduler"]),
+    ("template-system-priority", {"template": {"spec": {"priorityClassName": "system-node-critical"}}},
+     ["spec.template.spec.priorityClassName", "must not be system-node-critical or system-cluster-critical"]),
+    ("placement-system-priority", {"placement": {"priorityClassName": "system-cluster-critical"}},
+     ["spec.placement.priorityClassName", "must not be system-node-critical or system-cluster-critical"]),
+    ("template-grace-period", {"template": {"spec": {"terminationGracePeriodSeconds": 0}}},
+     ["spec.template.spec.terminationGracePeriodSeconds", "is the operator's: the engine pods' lifecycle is"]),
+    ("template-active-deadline", {"template": {"spec": {"activeDeadlineSeconds": 60}}},
+     ["spec.template.spec.activeDeadlineSeconds", "is the operator's: the engine pods' lifecycle is"]),
+    # ... the operator's Secrets (NAME-membership, this OmniStage's or another's) ...
+    ("engine-env-membership-secret", {"engine": {"env": [{"name": "T", "valueFrom": {
+        "secretKeyRef": {"name": "qwen3-omni-membership", "key": "token"}}}]}},
+     ["spec.engine.env", "must not take a value from a Secret named *-membership"]),
+    ("transport-env-membership-secret", {"transport": {"env": [{"name": "T", "valueFrom": {
+        "secretKeyRef": {"name": "other-membership", "key": "token"}}}]}},
+     ["spec.transport.env", "must not take a value from a Secret named *-membership"]),
+    *((f"template-{field}-{how}-membership-secret",
+       {"template": {"spec": {field: [{"name": "x", "image": "x", **ref}]}}},
+       [f"spec.template.spec.{field}", "env valueFrom.secretKeyRef and envFrom secretRef must not refer to a Secret"])
+      for field in ("containers", "initContainers") for how, ref in (
+          ("env", {"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "a-membership", "key": "token"}}}]}),
+          ("env-from", {"envFrom": [{"secretRef": {"name": "a-membership"}}]}))),
+    *((f"template-{kind}-volume-membership-secret", {"template": {"spec": {"volumes": [{"name": "t", **source}]}}},
+       ["spec.template.spec.volumes", "(secret, projected) must not mount a Secret named *-membership"])
+      for kind, source in (("secret", {"secret": {"secretName": "qwen3-omni-membership"}}),
+                           ("projected", {"projected": {"sources": [{"secret": {"name": "a-membership"}}]}}))),
+    *((f"template-{field}-mounts-the-token", {"template": {"spec": {field: [
+        {"name": "x", "image": "x", "volumeMounts": [{"name": "membership-token", "mountPath": "/steal"}]}]}}},
+       [f"spec.template.spec.{field}", "only the engine container may mount the operator's volume membership-token"])
+      for field in ("containers", "initContainers")),
+    ("template-env-from-owned-prefix", {"template": {"spec": {"containers": [
+        {"name": "engine", "envFrom": [{"prefix": "OMNISTAGE_", "configMapRef": {"name": "tuning"}}]}]}}},
+     ["spec.template.spec.containers", "the engine container's envFrom must not use a prefix"]),
+    # ... and the command line the operator builds, the GPU resource.
+    ("extra-args-expansion", {"engine": {"extraArgs": ["--served-model-name", "$(HF_TOKEN)"]}},
+     ["spec.engine.extraArgs", "must not contain $("]),
+    *((f"model-{i}", {"model": model}, ["spec.model", "should match"])
+      for i, model in enumerate(("--mm-processor-cache-type=lru", "Qwen/Qwen3 Omni", "$(HF_TOKEN)"))),
+    *((f"gpu-resource-{name}", {"gpu": {"resource": name}}, ["spec.gpu.resource", "must name a GPU"])
+      for name in ("cpu", "ephemeral-storage", "hugepages-2Mi", "squat.ai/kvm")),
 ]
 
 
@@ -321,12 +384,47 @@ def test_invalid_omnistage_is_rejected(omnistage_crd, kubectl, namespace, change
     assert kubectl("get", "omnistage", "invalid", "-n", namespace, check=False).returncode != 0
 
 
-def test_every_cel_rule_has_a_rejection_case(omnistage_crd):
-    (version,) = omnistage_crd["spec"]["versions"]
-    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    covered = {text for case in INVALID for text in case[2]}
-    for rule in spec["x-kubernetes-validations"]:
-        assert f"spec{rule['fieldPath']}" in covered, f"no INVALID case for the CEL rule {rule['rule']!r}"
+def _field_rules(node: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]]]:
+    """(field, rule) of every CEL rule below spec: its own (with their fieldPath) and its fields'."""
+    out = [(path + rule.get("fieldPath", ""), rule) for rule in node.get("x-kubernetes-validations", [])]
+    for name, sub in (node.get("properties") or {}).items():
+        out += _field_rules(sub, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        out += _field_rules(node["items"], path)
+    return out
+
+
+def _covered(cases: list[tuple[str, Any, list[str]]], field: str, message: str) -> bool:
+    """A case expects the field and a part of the rule's message (rules on one field differ by it)."""
+    return any(field in expected and any(t != field and t in message for t in expected) for _, _, expected in cases)
+
+
+def test_every_cel_rule_has_a_rejection_case(omnistage_crd, kubectl):
+    pool_crd = kubectl.json("get", "crd", "omnistagepools.serving.omnistage.io")
+    for crd, cases in ((omnistage_crd, INVALID), (pool_crd, POOL_INVALID)):
+        (version,) = crd["spec"]["versions"]
+        for field, rule in _field_rules(version["schema"]["openAPIV3Schema"]["properties"]["spec"], "spec"):
+            assert _covered(cases, field, rule["message"]), \
+                f"no rejection case of {crd['spec']['names']['kind']} for the CEL rule {rule['rule']!r} on {field}"
+
+
+# The OmniStagePool shares the GPU and placement models and their rules.
+POOL_INVALID = [
+    ("pool-gpu-resource", {"gpu": {"resource": "memory"}}, ["spec.gpu.resource", "must name a GPU"]),
+    ("pool-system-priority", {"placement": {"priorityClassName": "system-node-critical"}},
+     ["spec.placement.priorityClassName", "must not be system-node-critical or system-cluster-critical"]),
+]
+
+
+@pytest.mark.parametrize(("change", "expected"), [c[1:] for c in POOL_INVALID], ids=[c[0] for c in POOL_INVALID])
+def test_invalid_pool_is_rejected(omnistage_crd, kubectl, namespace, change, expected):
+    obj = {"apiVersion": "serving.omnistage.io/v1alpha1", "kind": "OmniStagePool", "metadata": {"name": "invalid"},
+           "spec": {"omniStage": "qwen3-omni", "stageIds": [1], **change}}
+    out = kubectl("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj), check=False)
+    print(out.stderr)
+    assert out.returncode != 0, f"the API server accepted an invalid OmniStagePool: {out.stdout}"
+    for text in expected:
+        assert text in out.stderr
 
 
 # What the API server lets through: near misses that change neither the cache nor the plugin, and
@@ -351,12 +449,24 @@ ACCEPTED = [
                  "containers": [{"name": "engine", "resources": {"requests": {"cpu": 16, "memory": "200Gi"}},
                                  "envFrom": [{"secretRef": {"name": "tuning"}}]},
                                 {"name": "sidecar", "image": "x", "ports": [{"containerPort": 9901}]}]}}}),
-    # Lists inside the containers list are beyond the API server's CEL cost budget: the operator
-    # refuses these (Ready=False InvalidSpec; tests/unit/test_podtemplate.py).
-    ("operator-only-template-env", {"template": {"spec": {"containers": [
-        {"name": "engine", "env": [{"name": "OMNISTAGE_FRONTEND_CACHE", "value": "lru"}]}]}}}),
+    # The engine's mount paths are beyond the API server's CEL cost budget: the operator refuses them
+    # (Ready=False InvalidSpec; tests/unit/test_podtemplate.py).
     ("operator-only-template-mount", {"template": {"spec": {"containers": [
         {"name": "engine", "volumeMounts": [{"name": "x", "mountPath": "/etc/omnistage"}]}]}}}),
+    # The host directories the operator allows are its configuration: it refuses the others
+    # (InvalidSpec; tests/unit/test_security.py), the API server only what is never allowed.
+    ("operator-only-model-host-path", {"modelVolume": {"hostPath": {"path": "/mnt/models/qwen3-omni"}}}),
+    # What the security model leaves to the editor (docs/security.md).
+    ("security-near-misses", {"engine": {"extraArgs": ["--served-model-name", "qwen$1"]}, "template": {"spec": {
+        "hostPID": False, "automountServiceAccountToken": True, "priorityClassName": "inference-high",
+        "containers": [{"name": "engine", "securityContext": {
+            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK", "SYS_NICE"]}},
+            "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}],
+            "envFrom": [{"prefix": "OMNISTAGE_STANDIN_", "configMapRef": {"name": "knobs"}}]}],
+        "volumes": [{"name": "a", "secret": {"secretName": "membership-token"}},
+                    {"name": "b", "projected": {"sources": [{"secret": {"name": "tls"}}]}}]}}}),
+    *((f"gpu-{name}", {"gpu": {"resource": name}}) for name in ("amd.com/gpu", "nvidia.com/mig-3g.71gb")),
+    ("model-path", {"model": "/models/Qwen3-Omni-30B-A3B-Instruct"}),
 ]
 
 

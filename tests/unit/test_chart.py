@@ -166,6 +166,11 @@ def _check_engine_image(objs):
     assert {"name": "OMNISTAGE_ENGINE_IMAGE", "value": "registry.example/ml/engine:9.9.9"} in container(objs)["env"]
 
 
+def _check_allowed_host_paths(objs):
+    """The operator reads the allow-list from this variable (api/security.py), comma-separated."""
+    assert {"name": "OMNISTAGE_ALLOWED_HOST_PATHS", "value": "/mnt/models,/data/weights"} in container(objs)["env"]
+
+
 def _check_namespaced(objs):
     assert "--namespace=$(POD_NAMESPACE)" in container(objs)["args"]
     assert {(o["kind"], o["metadata"]["name"]) for o in objs if o["kind"] in RBAC_KINDS} == {
@@ -309,6 +314,7 @@ CASES = [
      _check_image),
     ({"imagePullSecrets": [{"name": "regcred"}]}, _check_pull_secrets),
     ({"engineImage": "registry.example/ml/engine:9.9.9"}, _check_engine_image),
+    ({"allowedHostPaths": ["/mnt/models", "/data/weights"]}, _check_allowed_host_paths),
     ({"namespaced": True}, _check_namespaced),
     ({"namespaced": True, "watchNamespaces": ["team-a", "team-b"]}, _check_watch_namespaces_namespaced),
     ({"watchNamespaces": ["team-a"]}, _check_watch_namespaces_cluster_wide),
@@ -394,6 +400,7 @@ def test_common_overrides_are_accepted(render, override):
     ("replicaCount=two", "replicaCount"),               # wrong types and values
     ("image.pullPolicy=Sometimes", "pullPolicy"),
     ("watchNamespaces[0]=Team_A", "watchNamespaces"),  # not a namespace name
+    ("allowedHostPaths[0]=models", "allowedHostPaths"),  # not absolute
     ("monitoring.operatorInterval=30", "operatorInterval"),
     ("namespaced=yes", "namespaced"),
     ("nodeSelector.pool=1", "pool"),                    # label values are strings (--set-string)

@@ -2,8 +2,9 @@
 
 Kubernetes wants a structural OpenAPI v3 schema: every node typed, no $ref, no anyOf for
 optional fields. Pydantic's JSON schema is close; `structural` closes the gap. spec.template and
-spec.engine.env[].valueFrom are Kubernetes' own types: their schema is generated from the Kubernetes
-OpenAPI document (podtemplate.schema.json, hack/gen-podtemplate-schema.py) and embedded here.
+the valueFrom of spec.engine.env and spec.transport.env are Kubernetes' own types: their schema is
+generated from the Kubernetes OpenAPI document (podtemplate.schema.json,
+hack/gen-podtemplate-schema.py) and embedded here.
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ def _embed_kubernetes_types(spec_schema: dict[str, Any]) -> None:
     for part, description in _TEMPLATE_PARTS.items():
         template["properties"][part]["description"] = description
     props["template"] = template
-    env = props["engine"]["properties"]["env"]["items"]["properties"]
-    env["valueFrom"] = _kubernetes_type("spec.containers.env.valueFrom", env["valueFrom"]["description"])
+    for owner in ("engine", "transport"):
+        env = props[owner]["properties"]["env"]["items"]["properties"]
+        env["valueFrom"] = _kubernetes_type("spec.containers.env.valueFrom", env["valueFrom"]["description"])
 
 
 # Both kinds: what `kubectl get` answers first is whether it works and, if not, why (KServe's READY).

@@ -19,6 +19,7 @@ from .validation import NAME_RULE_MESSAGE, SPEC_RULES
 KUBERNETES_TYPES = {
     "spec.template": "core/v1 PodTemplateSpec",
     "spec.engine.env[].valueFrom": "core/v1 EnvVarSource",
+    "spec.transport.env[].valueFrom": "core/v1 EnvVarSource",
 }
 
 HEADER = (
@@ -75,10 +76,14 @@ def _constraints(node: dict[str, Any]) -> list[str]:
         out.append(f"{lo}value{hi}")
     if node.get("minLength"):
         out.append(f"at least {node['minLength']} character{'s' if node['minLength'] > 1 else ''}")
+    if node.get("maxLength") is not None:
+        out.append(f"at most {node['maxLength']} characters")
     if node.get("maxItems") is not None:
         out.append(f"at most {node['maxItems']} items")
     if node.get("pattern"):
         out.append(f"matches {_code(node['pattern'])}")
+    # A rule about the field alone (api/security.py's FieldRule): the API server and the operator say this.
+    out += [_cell(rule["message"]) for rule in node.get("x-kubernetes-validations") or []]
     return out
 
 
@@ -178,8 +183,8 @@ def reference_markdown(crd: dict[str, Any] | None = None, pool_crd: dict[str, An
         "## Validation rules", "",
         ("Besides the per-field constraints above, every OmniStage obeys these rules. Rules with a CEL "
         "expression are enforced by the API server: `kubectl apply` is refused with the message. The API server "
-        "cannot check the others (CEL cannot look into free-form objects, or the rule would exceed its CEL cost "
-        "budget), so the operator enforces them: the "
+        "cannot check the others (CEL cannot look into free-form objects, the rule would exceed its CEL cost "
+        "budget, or it depends on the operator's configuration), so the operator enforces them: the "
         "OmniStage gets `ConfigRendered=False` and `Ready=False` with reason `InvalidSpec` and the message, a "
         "Warning Event says the same, `omnistage render` prints it, and running pods are left as they are "
         "until the spec is fixed."), "",

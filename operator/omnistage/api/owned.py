@@ -4,13 +4,14 @@ spec.stages and spec.transport) refuse them, as CEL and in Python, from these pr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from omnistage_engine_patches import contract
 
 from . import podtemplate as pt
-from .specs import OmniStageSpec
+from .security import ARGV_EXPANSION, MEMBERSHIP_SECRET_SUFFIX, host_path_allowed, operator_allowed_host_paths
+from .specs import EnvVar, OmniStageSpec
 
 # Flags the operator owns on the engine command line (vllm 0.30.0 / vllm-omni 0.30.0 spellings,
 # short aliases included); spec.engine.extraArgs may set none of them in any form vLLM's parser
@@ -97,6 +98,14 @@ def owned_flags_cel() -> str:
     return "!has(self.engine.extraArgs) || self.engine.extraArgs.all(a, !(" + " || ".join(tests) + "))"
 
 
+def argv_expansion_items(spec: OmniStageSpec) -> list[str]:
+    return [f"[{i}]" for i, a in enumerate(spec.engine.extra_args) if ARGV_EXPANSION in a]
+
+
+def argv_expansion_cel() -> str:
+    return f"!has(self.engine.extraArgs) || self.engine.extraArgs.all(a, !a.contains('{ARGV_EXPANSION}'))"
+
+
 # ---- spec.engine.env ------------------------------------------------------------------------------
 
 
@@ -126,6 +135,47 @@ def owned_env_cel() -> str:
 
 def env_value_and_source_items(spec: OmniStageSpec) -> list[str]:
     return [f"[{i}]" for i, e in enumerate(spec.engine.env) if e.value_from is not None and e.value]
+
+
+# ---- the operator's Secrets (NAME-membership) -----------------------------------------------------
+
+
+def membership_secret(name: Any) -> bool:
+    """A Secret name of the form the operator's token Secrets have (any OmniStage's)."""
+    return isinstance(name, str) and name.endswith(MEMBERSHIP_SECRET_SUFFIX)
+
+
+def not_membership_secret_cel(ref: str, key: str = "name") -> str:
+    """CEL: the Secret reference `ref` (an object naming its Secret in `key`), where set, is not to a
+    membership Secret."""
+    return f"!has({ref}) || !has({ref}.{key}) || !{ref}.{key}.endsWith('{MEMBERSHIP_SECRET_SUFFIX}')"
+
+
+def env_secret_cel(var: str) -> str:
+    """CEL: the env var `var` takes no value from a membership Secret."""
+    return f"!has({var}.valueFrom) || ({not_membership_secret_cel(var + '.valueFrom.secretKeyRef')})"
+
+
+def env_secret_items(envs: list[tuple[int, Any]]) -> list[str]:
+    """"[i].valueFrom.secretKeyRef.name" of the (index, valueFrom) pairs that read a membership Secret."""
+    return [f"[{i}].valueFrom.secretKeyRef.name" for i, value_from in envs
+            if membership_secret(pt.mapping(value_from, "secretKeyRef").get("name"))]
+
+
+def spec_env_secret_items(env: Callable[[OmniStageSpec], list[EnvVar]]) -> Callable[[OmniStageSpec], list[str]]:
+    return lambda s: env_secret_items([(i, e.value_from) for i, e in enumerate(env(s))])
+
+
+# ---- spec.modelVolume.hostPath ------------------------------------------------------------------
+
+
+def host_path_outside_allow_list(spec: OmniStageSpec) -> list[str]:
+    """The operator's configuration decides (security.operator_allowed_host_paths): not pure, like
+    the engine image default, and read the same way, from the process's environment."""
+    mv = spec.model_volume
+    if mv is None or mv.host_path is None:
+        return []
+    return [] if host_path_allowed(mv.host_path.path, operator_allowed_host_paths()) else [""]
 
 
 # ---- spec.engine.stageOverrides -------------------------------------------------------------------

@@ -53,8 +53,8 @@ ADDRESS_ENV = (POD_IP_ENV, VLLM_HOST_IP_ENV)
 ENGINE_OWNED_FIELDS = ("command", "args", "image", "ports", "startupProbe", "readinessProbe", "livenessProbe",
                        "lifecycle")  # a replica's preStop hook drains it (omnistage_engine_patches.prestop)
 # Pod fields the operator renders: replicas must not restart in place (a restarted replica never
-# registers with the head again), the head must.
-POD_OWNED_FIELDS = ("restartPolicy",)
+# registers with the head again), the head must; the grace period is the drain's; no deadline ends a pod.
+POD_OWNED_FIELDS = ("restartPolicy", "terminationGracePeriodSeconds", "activeDeadlineSeconds")
 
 
 # ---- the schema -----------------------------------------------------------------------------------
@@ -183,7 +183,8 @@ def _key_path(path: str, key: str) -> str:
 
 def schema_problems(value: Any, node: dict[str, Any], path: str) -> list[tuple[str, str]]:
     """What the API server's schema check would refuse in `value`: types, unknown fields, required
-    fields, enums, patterns and duplicate keys of map-type lists, each as (field path, message)."""
+    fields, enums, patterns, lengths, list sizes and duplicate keys of map-type lists, each as (field
+    path, message)."""
     if node.get("x-kubernetes-int-or-string"):
         if isinstance(value, bool) or not isinstance(value, int | str):
             return [(path, f"must be an integer or a string (got {value!r})")]
@@ -201,6 +202,10 @@ def schema_problems(value: Any, node: dict[str, Any], path: str) -> list[tuple[s
         problems.append((path, f"must be one of {', '.join(map(str, node['enum']))} (got {value!r})"))
     if kind == "string" and node.get("pattern") and not re.search(node["pattern"], value):
         problems.append((path, f"must match {node['pattern']} (got {value!r})"))
+    if kind == "string" and len(value) > node.get("maxLength", len(value)):
+        problems.append((path, f"must be at most {node['maxLength']} characters"))
+    if kind == "array" and len(value) > node.get("maxItems", len(value)):
+        problems.append((path, f"must have at most {node['maxItems']} items (got {len(value)})"))
     if kind == "object":
         props = node.get("properties")
         # The API server drops nulls of non-nullable fields before it validates; so does this check.

@@ -11,8 +11,18 @@ from enum import StrEnum
 from typing import Annotated, Any
 
 from omnistage_engine_patches import contract
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
+
+from .security import (
+    ALLOWED_HOST_PATHS_ENV,
+    GPU_RESOURCE,
+    HOST_PATH,
+    MAX_PATH_LENGTH,
+    MAX_RESOURCE_NAME_LENGTH,
+    MODEL_PATTERN,
+    PLACEMENT_PRIORITY,
+)
 
 # The engine image of OmniStages that leave spec.engine.image unset comes from the operator's
 # configuration, never from a CRD default: a default is written into every stored object, so an
@@ -98,6 +108,10 @@ class EnvVar(_Model):
         "resourceFieldRef), e.g. HF_TOKEN from a Secret.")
 
 
+# Bounds the cost of the CEL rules over spec.engine.extraArgs (a JSON-valued flag fits many times over).
+MAX_ARG_LENGTH = 65536
+
+
 class EngineSpec(_Model):
     """How the vllm-omni engine runs in the head and replica pods."""
 
@@ -142,11 +156,12 @@ class EngineSpec(_Model):
     startup_timeout_seconds: int = Field(
         1800, ge=60, description="How long the head may take to load the model before its startup probe fails."
     )
-    extra_args: list[str] = Field(
+    extra_args: list[Annotated[str, Field(max_length=MAX_ARG_LENGTH)]] = Field(
         default_factory=list, max_length=64,
         description=(
             "Extra arguments for `vllm serve` on head and replicas. Flags the operator sets (membership, ports, "
-            "the multimodal cache, the stage config) are refused in every spelling vLLM accepts."
+            "the multimodal cache, the stage config) are refused in every spelling vLLM accepts, and so is $( "
+            "(Kubernetes would expand $(VAR) into the variable's value)."
         ),
     )
     env: list[EnvVar] = Field(
@@ -169,7 +184,10 @@ class EngineSpec(_Model):
 class GpuSpec(_Model):
     """The GPUs each engine pod requests and the nodes that have them."""
 
-    resource: str = Field("nvidia.com/gpu", min_length=1, description="Extended resource name of the GPU.")
+    resource: Annotated[str, AfterValidator(GPU_RESOURCE.check)] = Field(
+        "nvidia.com/gpu", min_length=1, max_length=MAX_RESOURCE_NAME_LENGTH, json_schema_extra=GPU_RESOURCE.schema(),
+        description="Extended resource name of the GPU: DOMAIN/gpu of a GPU vendor (nvidia.com/gpu, amd.com/gpu), "
+        "nvidia.com/gpu.shared or an NVIDIA MIG slice (nvidia.com/mig-3g.71gb).")
     count: int = Field(1, ge=1, description="GPUs per engine pod; at least engine.tensorParallelSize.")
     product: str = Field("NVIDIA-H200", min_length=1, description="GPU product the pods must run on.")
     product_label: str = Field(
@@ -194,7 +212,9 @@ class PlacementSpec(_Model):
         None, description="Pod affinity (core/v1 Affinity).",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
-    priority_class_name: str | None = Field(None, description="PriorityClass of the engine pods.")
+    priority_class_name: Annotated[str | None, AfterValidator(PLACEMENT_PRIORITY.check)] = Field(
+        None, json_schema_extra=PLACEMENT_PRIORITY.schema(),
+        description="PriorityClass of the engine pods (not system-node-critical or system-cluster-critical).")
     scheduler_name: str | None = Field(None, description="Scheduler of the engine pods.")
 
 
@@ -204,7 +224,10 @@ class PvcSource(_Model):
 
 
 class HostPathSource(_Model):
-    path: str = Field(min_length=1, pattern="^/", description="Absolute directory on the node with the weights.")
+    path: Annotated[str, AfterValidator(HOST_PATH.check)] = Field(
+        min_length=1, max_length=MAX_PATH_LENGTH, pattern="^/", json_schema_extra=HOST_PATH.schema(),
+        description="Absolute directory on the node with the weights, mounted read-only. The operator mounts only "
+        f"directories its administrator allows ({ALLOWED_HOST_PATHS_ENV}, none by default; docs/security.md).")
 
 
 class ModelVolumeSpec(_Model):
@@ -212,7 +235,8 @@ class ModelVolumeSpec(_Model):
 
     mount_path: str = Field("/models", pattern="^/", description="Where the weights are mounted in the engine pods.")
     pvc: PvcSource | None = Field(None, description="Mount a PersistentVolumeClaim.")
-    host_path: HostPathSource | None = Field(None, description="Mount a directory of the node.")
+    host_path: HostPathSource | None = Field(
+        None, description="Mount a directory of the node (one the operator's administrator allows).")
 
 
 class StageEngineSpec(_Model):
@@ -312,7 +336,10 @@ class DisruptionBudgetSpec(_Model):
 class OmniStageSpec(_Model):
     """Desired state of an OmniStage: one head pod plus replicas-1 headless stage-0 replica pods."""
 
-    model: str = Field(min_length=1, description="Model name or path served by `vllm serve` (e.g. Qwen/Qwen3-Omni-30B-A3B-Instruct).")
+    model: str = Field(
+        min_length=1, pattern=MODEL_PATTERN,
+        description="Model name or path served by `vllm serve` (e.g. Qwen/Qwen3-Omni-30B-A3B-Instruct, /models/...): "
+        "its first argument, so no leading '-', no '$', whitespace or control characters.")
     pipeline: str | None = Field(
         None, max_length=128,
         description="vllm-omni pipeline registry key written into the deploy config (e.g. qwen3_omni_moe_thinker_only). "
@@ -368,8 +395,11 @@ class OmniStageSpec(_Model):
             "strategic merge: containers merge by name (the engine container is named engine), env and "
             "volumes by name, volumeMounts by mountPath; other lists (tolerations, envFrom...) replace. "
             "spec.placement and spec.engine.env are applied first. Refused: the engine container's command, "
-            "args, image, ports, probes and lifecycle hooks, the GPU resource, restartPolicy, hostNetwork: true, "
-            "the operator's volumes, mount paths, environment variables, labels and annotations."
+            "args, image, ports, probes and lifecycle hooks, the GPU resource, restartPolicy, the pod's lifecycle "
+            "(terminationGracePeriodSeconds, activeDeadlineSeconds), nodeName, system priority classes, host "
+            "namespaces, hostPath volumes, privileged containers, privilege escalation, capabilities beyond "
+            "IPC_LOCK and SYS_NICE, the operator's Secrets (NAME-membership), volumes, mount paths, environment "
+            "variables, labels and annotations (docs/security.md)."
         ),
     )
 

@@ -29,35 +29,61 @@ from .owned import (
     OWNED_ENV_NAMES,
     OWNED_ENV_PREFIX,
     STANDIN_ENV_PREFIX,
+    argv_expansion_cel,
+    argv_expansion_items,
+    env_secret_cel,
     env_value_and_source_items,
+    host_path_outside_allow_list,
     owned_env_cel,
     owned_env_items,
     owned_flag_items,
     owned_flags_cel,
     owned_stage_paths,
     respelled_owned_flag_items,
+    spec_env_secret_items,
 )
 from .pipeline_rules import multi_stage_problems
+from .security import ALLOWED_CAPABILITIES, ALLOWED_HOST_PATHS_ENV, system_priority_message
 from .specs import MAX_NAME_LENGTH, OmniStageSpec
 from .template_rules import (
+    HOST_NAMESPACES,
+    MEMBERSHIP_SECRETS,
     PLACEMENT_EXCLUSIVE,
+    UNSET_POD_FIELDS,
     absent_or,
+    capability_cel,
+    capability_items,
+    container_secret_cel,
+    container_secret_items,
+    engine_env_prefix_cel,
+    engine_env_prefix_items,
+    engine_owned_env_cel,
     engine_owned_env_items,
     engine_owned_field_items,
     engine_owned_fields_cel,
     engine_owned_mount_items,
+    escalation_cel,
+    escalation_items,
     gpu_request_cel,
     gpu_request_items,
-    host_network_items,
+    host_path_volume_cel,
+    host_path_volume_items,
     owned_annotation_items,
     owned_label_items,
-    owned_pod_field_items,
     owned_volume_items,
     placement_conflict_cel,
     placement_conflict_items,
     present,
     product_selector_items,
+    secret_volume_cel,
+    secret_volume_items,
+    set_pod_field_items,
+    system_priority_cel,
+    system_priority_items,
     template_schema_problems,
+    token_mount_cel,
+    token_mount_items,
+    true_pod_field_items,
 )
 
 
@@ -134,6 +160,14 @@ SPEC_RULES = [
         respelled_owned_flag_items,
     ),
     Rule(
+        ".engine.extraArgs",
+        argv_expansion_cel(),
+        "spec.engine.extraArgs must not contain $( : Kubernetes replaces $(VAR) in a container's arguments with "
+        "the variable's value (a Secret's too) and vLLM publishes some of them (--served-model-name on /v1/models); "
+        "the operator builds the engine's command line, so write every value literally",
+        argv_expansion_items,
+    ),
+    Rule(
         ".engine.env",
         owned_env_cel(),
         "spec.engine.env must not set variables the operator manages (" + ", ".join(OWNED_ENV_NAMES)
@@ -163,6 +197,24 @@ SPEC_RULES = [
         "spec.engine.env entries take value or valueFrom, not both",
         env_value_and_source_items,
     ),
+    *(Rule(
+        f".{path}",
+        absent_or(path, f"self.{path}.all(e, {env_secret_cel('e')})"),
+        f"spec.{path} must not take a value from {MEMBERSHIP_SECRETS}",
+        spec_env_secret_items(env),
+    ) for path, env in (("engine.env", lambda s: s.engine.env),
+                        ("transport.env", lambda s: s.transport.env if s.transport else []))),
+    Rule(
+        ".modelVolume.hostPath.path",
+        # The operator's configuration, which the API server cannot see; it refuses only what is never
+        # allowed (the field's own rule, security.HOST_PATH).
+        None,
+        "spec.modelVolume.hostPath.path must be at or below a host directory the operator's administrator allows "
+        f"({ALLOWED_HOST_PATHS_ENV} of the operator: `omnistage run --allowed-host-paths`, the chart value "
+        "allowedHostPaths; none by default): a host directory is open to every pod that mounts it, so the "
+        "cluster decides which; use spec.modelVolume.pvc, or ask for the directory to be allowed",
+        host_path_outside_allow_list,
+    ),
     Rule(
         ".template.metadata.labels",
         absent_or("template.metadata.labels", "self.template.metadata.labels.all(k, !(k in ["
@@ -189,9 +241,7 @@ SPEC_RULES = [
     ),
     Rule(
         ".template.spec.containers",
-        # No CEL: env (and volumeMounts below) are unbounded lists inside the unbounded containers list;
-        # the API server estimates such a rule at more than 100x its cost budget and refuses the CRD.
-        None,
+        engine_owned_env_cel(),
         "spec.template.spec.containers: the engine container's env must not set variables the operator manages ("
         + ", ".join(OWNED_ENV_NAMES) + f", {OWNED_ENV_PREFIX}*; the test stand-in's {STANDIN_ENV_PREFIX}* "
         "excepted): they switch the engine plugin off or on, set the frontend cache, carry the membership token "
@@ -200,7 +250,18 @@ SPEC_RULES = [
     ),
     Rule(
         ".template.spec.containers",
-        None,  # over the API server's CEL cost budget, as above
+        engine_env_prefix_cel(),
+        "spec.template.spec.containers: the engine container's envFrom must not use a prefix in the operator's "
+        f"namespace ({OWNED_ENV_PREFIX}*; the test stand-in's {STANDIN_ENV_PREFIX}* excepted): it would set the "
+        "operator's variables; use another prefix",
+        engine_env_prefix_items,
+    ),
+    Rule(
+        ".template.spec.containers",
+        # No CEL: comparing every mount path with spec.modelVolume.mountPath (a string of any length, with
+        # and without a trailing /) is estimated at more than 100x the API server's CEL cost budget, even
+        # with volumeMounts bounded (hack/gen-podtemplate-schema.py).
+        None,
         "spec.template.spec.containers: the engine container's volumeMounts must not use the operator's mount "
         f"paths ({', '.join(pt.OPERATOR_MOUNT_PATHS)}, spec.modelVolume.mountPath, or below "
         f"{' or '.join(pt.OPERATOR_FILE_DIRS)}): they hold the deploy config, the membership token, the "
@@ -214,6 +275,57 @@ SPEC_RULES = [
         "on the engine container from spec.gpu.count",
         gpu_request_items(field),
     ) for field in ("containers", "initContainers")),
+    # The security model (docs/security.md), for every container: the engine, sidecars, init containers.
+    *(rule for field in ("containers", "initContainers") for rule in (
+        Rule(
+            f".template.spec.{field}",
+            escalation_cel(field),
+            f"spec.template.spec.{field}: no container may set securityContext.privileged or "
+            "allowPrivilegeEscalation to true: a privileged container is root on the node (every device and "
+            "capability), and privilege escalation (setuid binaries, file capabilities) undoes the engine pods' "
+            "hardening; remove them",
+            escalation_items(field),
+        ),
+        Rule(
+            f".template.spec.{field}",
+            capability_cel(field),
+            f"spec.template.spec.{field}: securityContext.capabilities.add may hold only "
+            f"{' and '.join(ALLOWED_CAPABILITIES)} (pinned memory for GPU and RDMA transfers, NUMA binding): engine "
+            "containers drop every capability, and any other (SYS_ADMIN, NET_ADMIN, SYS_PTRACE...) is a step "
+            "towards the node",
+            capability_items(field),
+        ),
+        Rule(
+            f".template.spec.{field}",
+            container_secret_cel(field),
+            f"spec.template.spec.{field}: env valueFrom.secretKeyRef and envFrom secretRef must not refer to "
+            + MEMBERSHIP_SECRETS,
+            container_secret_items(field),
+        ),
+        Rule(
+            f".template.spec.{field}",
+            token_mount_cel(field),
+            f"spec.template.spec.{field}: only the engine container may mount the operator's volume "
+            f"{pt.V_TOKEN}: it holds the OmniStage's membership token, which makes its engines join and leave",
+            token_mount_items(field),
+        ),
+    )),
+    Rule(
+        ".template.spec.volumes",
+        host_path_volume_cel(),
+        "spec.template.spec.volumes may mount only host directories (hostPath) the operator's administrator allows "
+        f"({ALLOWED_HOST_PATHS_ENV} of the operator: `omnistage run --allowed-host-paths`, the chart value "
+        "allowedHostPaths; none by default), each a plain absolute path other than / without '.' or '..' segments "
+        "or '//': any other node directory (the container runtime's socket, /etc, the kubelet's files) is a way "
+        "onto the node; bring the weights with spec.modelVolume (a PersistentVolumeClaim, or an allowed directory)",
+        host_path_volume_items,
+    ),
+    Rule(
+        ".template.spec.volumes",
+        secret_volume_cel(),
+        f"spec.template.spec.volumes (secret, projected) must not mount {MEMBERSHIP_SECRETS}",
+        secret_volume_items,
+    ),
     Rule(
         ".template.spec.volumes",
         absent_or("template.spec.volumes", "self.template.spec.volumes.all(v, !(v.name in ["
@@ -223,21 +335,23 @@ SPEC_RULES = [
         "token or the model volume; name yours differently",
         owned_volume_items,
     ),
+    *(Rule(
+        f".template.spec.{field}",
+        "!(" + present(f"template.spec.{field}") + ")",
+        f"spec.template.spec.{field} {why}",
+        set_pod_field_items(field),
+    ) for field, why in UNSET_POD_FIELDS.items()),
+    *(Rule(
+        f".template.spec.{field}",
+        absent_or(f"template.spec.{field}", f"!self.template.spec.{field}"),
+        f"spec.template.spec.{field} must not be true: {why}",
+        true_pod_field_items(field),
+    ) for field, why in HOST_NAMESPACES.items()),
     Rule(
-        ".template.spec.restartPolicy",
-        "!(" + present("template.spec.restartPolicy") + ")",
-        "spec.template.spec.restartPolicy is the operator's: the head restarts in place (Always), a replica "
-        "must not (Never: a restarted replica never registers with the head again and is replaced instead)",
-        owned_pod_field_items("restartPolicy"),
-    ),
-    Rule(
-        ".template.spec.hostNetwork",
-        absent_or("template.spec.hostNetwork", "!self.template.spec.hostNetwork"),
-        "spec.template.spec.hostNetwork must not be true: every engine pod listens on the same ports "
-        "(spec.engine.httpPort, spec.engine.masterPort, the connectors' from spec.transport.basePort), so two "
-        "engine pods on one node would collide on the node's network, and the engine NetworkPolicy does not "
-        "apply to host-network pods",
-        host_network_items,
+        ".template.spec.priorityClassName",
+        system_priority_cel(),
+        system_priority_message("spec.template.spec.priorityClassName"),
+        system_priority_items,
     ),
     Rule(
         ".template.spec.nodeSelector",

@@ -5,7 +5,15 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from ..names import ENGINE_COMPONENTS, L_COMPONENT, L_OMNISTAGE, ROLE_HEAD, ROLE_POOL, ROLE_REPLICA
+from ..names import (
+    ENGINE_COMPONENTS,
+    L_COMPONENT,
+    L_OMNISTAGE,
+    MEMBERSHIP_SECRET,
+    ROLE_HEAD,
+    ROLE_POOL,
+    ROLE_REPLICA,
+)
 from .common import Pool, Target, metadata, selector_labels
 from .pods import TOKEN_KEY
 
@@ -64,7 +72,7 @@ def render_secret(t: Target, token: str) -> dict[str, Any]:
     """The token the operator presents to the head's membership endpoint. The caller supplies it
     so rendering stays pure; the reconcile loop generates it once and never rotates it silently."""
     return {
-        "apiVersion": "v1", "kind": "Secret", "metadata": metadata(t, t.child_name("membership")),
+        "apiVersion": "v1", "kind": "Secret", "metadata": metadata(t, t.child_name(MEMBERSHIP_SECRET)),
         "type": "Opaque",
         "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     }

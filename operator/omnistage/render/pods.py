@@ -33,6 +33,7 @@ from ..names import (
     C_JOINED,
     L_OMNISTAGE,
     L_ROLE,
+    MEMBERSHIP_SECRET,
     ROLE_HEAD,
     ROLE_POOL,
     ROLE_REPLICA,
@@ -192,7 +193,7 @@ def _volumes(t: Target, role: str) -> tuple[list[dict], list[dict]]:
     ]
     # Every engine pod: the head serves the membership endpoint with it, a replica or pool pod's
     # preStop hook leaves the head with it.
-    volumes.append({"name": V_TOKEN, "secret": {"secretName": t.child_name("membership")}})
+    volumes.append({"name": V_TOKEN, "secret": {"secretName": t.child_name(MEMBERSHIP_SECRET)}})
     mounts.append({"name": V_TOKEN, "mountPath": TOKEN_DIR, "readOnly": True})
     mv = t.spec.model_volume
     if mv is not None:
@@ -274,6 +275,8 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, h
         # The drain (the operator's leave, or the preStop hook's), then room for vLLM's own shutdown.
         "terminationGracePeriodSeconds": drain + SHUTDOWN_SECONDS,
         "enableServiceLinks": False,
+        # The engine never calls the API: no ServiceAccount token in its pods unless spec.template asks.
+        "automountServiceAccountToken": False,
         "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
     }
     if role != ROLE_HEAD:
