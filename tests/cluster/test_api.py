@@ -321,9 +321,6 @@ INVALID = [
         {"name": "x", "image": "x", "securityContext": {"capabilities": {"add": ["IPC_LOCK", "SYS_ADMIN"]}}}]}}},
        [f"spec.template.spec.{field}", "securityContext.capabilities.add may hold only IPC_LOCK and SYS_NICE"])
       for field in ("containers", "initContainers")),
-    ("template-host-path-volume", {"template": {"spec": {"volumes": [
-        {"name": "root", "hostPath": {"path": "/"}}]}}},
-     ["spec.template.spec.volumes", "may mount only host directories (hostPath)"]),
     *((f"model-volume-host-path-{i}", {"modelVolume": {"hostPath": {"path": path}}},
        ["spec.modelVolume.hostPath.path", "must be an absolute directory other than /"])
       for i, path in enumerate(("/", "/mnt/models/../../etc", "//etc", "/mnt/./models"))),

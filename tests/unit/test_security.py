@@ -95,10 +95,10 @@ REFUSED = [
      "spec.template.spec.containers[1].securityContext.capabilities.add[0]", "IPC_LOCK", "api"),
     # host directories: none in the template, the model volume's only where the operator allows
     ("template-host-root", volumes({"name": "host", "hostPath": {"path": "/"}}),
-     "spec.template.spec.volumes[1].hostPath", "onto the node", "api"),
+     "spec.template.spec.volumes[1].hostPath", "onto the node", "operator"),
     ("template-runtime-socket", volumes({"name": "cri", "hostPath": {"path": "/run/containerd/containerd.sock",
                                                                      "type": "Socket"}}),
-     "spec.template.spec.volumes[1].hostPath", "spec.modelVolume", "api"),
+     "spec.template.spec.volumes[1].hostPath", "spec.modelVolume", "operator"),
     ("model-volume-root", host_path("/"), "spec.modelVolume.hostPath.path", "other than /", "field"),
     ("model-volume-dot-dot", host_path("/mnt/models/../../etc"), "spec.modelVolume.hostPath.path", "'..'", "field"),
     ("model-volume-dot", host_path("/mnt/./models"), "spec.modelVolume.hostPath.path", "segments", "field"),

@@ -253,13 +253,6 @@ def host_path_volume_items(spec: OmniStageSpec) -> list[str]:
             if v.get("hostPath") is not None and refused(pt.mapping(v, "hostPath").get("path"))]
 
 
-def host_path_volume_cel() -> str:
-    """What is never allowed (the API server cannot see the operator's allow-list): a path that is
-    not a plain absolute directory other than /."""
-    plain = security.HOST_PATH.cel.replace("self", "v.hostPath.path")
-    return absent_or("template.spec.volumes", "self.template.spec.volumes.all(v, !has(v.hostPath) || "
-                     f"(v.hostPath.path.startsWith('/') && {plain}))")
-
 
 def secret_volume_items(spec: OmniStageSpec) -> list[str]:
     out = []
