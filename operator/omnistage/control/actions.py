@@ -24,7 +24,9 @@ class PostEvent:
 
 @dataclass(frozen=True)
 class EnsureChild:
-    """Create the child, or patch it when the `compare` fields drifted (Event when it changed)."""
+    """Create the child, or restore it when it differs: the `compare` fields whole (only the API
+    server's defaults beside what is rendered), the labels and annotations by containment (Event
+    when it changed)."""
     obj: dict[str, Any]
     compare: tuple[str, ...]
 
@@ -125,6 +127,9 @@ class Observed:
     # A head change in progress (control/headswap.py): the second head with its own replicas and
     # what it said, read like the first. `head` above is the one the Services select (ROLE_HEAD).
     other: Observed | None = None
+    # Why the membership Secret is not used (reconcile.ensure_token: a Secret of its name that the
+    # OmniStage does not own): nothing is created or deleted until it is fixed.
+    secret_refused: str | None = None
 
 
 HEAD_NOT_READY = "head pod is not ready"  # why a pass read nothing from the head

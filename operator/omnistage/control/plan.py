@@ -44,6 +44,7 @@ from .actions import (
     LeaveDeparted,
     MarkJoined,
     Observed,
+    OnOtherHead,
     PostEvent,
     StartLeave,
 )
@@ -65,6 +66,8 @@ def plan(t: Target | InvalidSpec, o: Observed, at: str | None = None) -> Plan:
     generation = o.obj["metadata"].get("generation")
     if isinstance(t, InvalidSpec):
         return _invalid(t, o, generation, at)
+    if o.secret_refused:
+        return _secret_refused(t, o, generation, at)
     p = decide(t, o, at)
     return Plan(p.actions, status.omnistage_status(p, generation, at), status.pool_statuses(p, at))
 
@@ -97,6 +100,33 @@ def _invalid(err: InvalidSpec, o: Observed, generation: int | None, at: str) -> 
     conds = [Cond(Type.CONFIG_RENDERED, False, Reason.INVALID_SPEC, message),
              Cond(Type.READY, False, Reason.INVALID_SPEC, message)]
     return Plan(actions, {**previous, "conditions": merge(previous.get("conditions", []), conds, generation, at)}, {})
+
+
+def _secret_refused(t: Target, o: Observed, generation: int | None, at: str) -> Plan:
+    """A Secret of the membership token's name that the OmniStage does not own: pods would mount a
+    token the operator did not issue. Loses nothing: the children are kept as rendered, running pods
+    stay as they are, and nothing is created or deleted until the Secret is deleted or renamed."""
+    p = Pass(t, o, at)
+    p.children()
+    message = o.secret_refused or ""
+    if condition(p.previous, Type.MEMBERSHIP_SYNCED).get("message") != message:
+        p.emit("Warning", Reason.NOT_SYNCED, message)
+    conds = [Cond(Type.MEMBERSHIP_SYNCED, False, Reason.NOT_SYNCED, message),
+             Cond(Type.READY, False, Reason.WAITING, f"waiting for {Type.MEMBERSHIP_SYNCED}: {message}")]
+    return Plan(p.actions, {**p.previous, "conditions": merge(p.previous.get("conditions", []), conds, generation,
+                                                               at)}, {})
+
+
+def mounts_membership_secret(actions: list[Action], o: Observed) -> bool:
+    """An engine pod is about to mount the membership Secret: these actions create one, or one is
+    scheduled and not started. Only then does a pass read the Secret (RBAC gives the operator no
+    watch on Secrets, and a read every pass would cost a request at rest): a deleted Secret is
+    re-created before a pod needs it, and running pods keep the copy their kubelet mounted."""
+    def creates(acts: list[Action] | tuple[Action, ...]) -> bool:
+        return any(isinstance(a, CreatePod) or (isinstance(a, OnOtherHead) and creates(a.actions)) for a in acts)
+
+    seen = [o.head, *o.replicas, *((o.other.head, *o.other.replicas) if o.other is not None else ())]
+    return creates(actions) or any(pod is not None and pods.mounting(pod) for pod in seen)
 
 
 class Pass:
@@ -251,7 +281,8 @@ class Pass:
     def children(self) -> None:
         t = self.t
         budgets = [render_disruption_budget(t), *(render_disruption_budget(t, f.pool) for f in self.pools if f.runs)]
-        for child, compare in ((render_configmap(t), ("data",)), (render_api_service(t), ("spec",)),
+        # Compared whole (runtime/kube.drifted): a key someone added to a spec is drift too.
+        for child, compare in ((render_configmap(t), ("data", "binaryData")), (render_api_service(t), ("spec",)),
                                (render_master_service(t), ("spec",)), (render_network_policy(t), ("spec",)),
                                *((b, ("spec",)) for b in budgets)):
             self.actions.append(EnsureChild(child, compare))

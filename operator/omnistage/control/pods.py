@@ -164,6 +164,11 @@ def scheduled(pod: dict[str, Any]) -> bool:
     return bool((pod.get("spec") or {}).get("nodeName"))
 
 
+def mounting(pod: dict[str, Any]) -> bool:
+    """Scheduled and not started: its kubelet is mounting its volumes (the membership Secret's too)."""
+    return scheduled(pod) and not terminating(pod) and (pod.get("status") or {}).get("phase") == "Pending"
+
+
 def created(pod: dict[str, Any]) -> str:
     return pod["metadata"].get("creationTimestamp") or ""
 

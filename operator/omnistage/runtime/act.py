@@ -109,12 +109,17 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
         if isinstance(a, actions.PostEvent):
             emit(a.type, a.reason, a.message)
         elif isinstance(a, actions.EnsureChild):
-            meta = a.obj["metadata"]
-            result, child = kube.apply(a.obj, a.compare, STATE.of(a.obj["kind"]).get(meta["namespace"], meta["name"]))
-            if result != "unchanged":
-                STATE.wrote(child)
-                emit("Normal", EventReason.CONFIG_RENDERED if a.obj["kind"] == "ConfigMap" else EventReason.CHILD_SYNCED,
-                     f"{a.obj['kind']} {a.obj['metadata']['name']} {result}")
+            meta, kind = a.obj["metadata"], a.obj["kind"]
+            done = kube.apply(a.obj, a.compare, STATE.of(kind).get(meta["namespace"], meta["name"]))
+            if done.result != "unchanged":
+                STATE.wrote(done.obj)
+                emit("Normal", EventReason.CONFIG_RENDERED if kind == "ConfigMap" else EventReason.CHILD_SYNCED,
+                     f"{kind} {meta['name']} {done.result}" + _differed(done.drift, "it had "))
+            if done.left:
+                emit("Warning", EventReason.CHILD_SYNCED,
+                     f"{kind} {meta['name']} still differs from what the operator renders after a restore"
+                     + _differed(done.left, "") + ": the API server, a mutating webhook or another controller "
+                     "writes it; the operator leaves it until it changes again")
         elif isinstance(a, actions.CreatePod):
             try:
                 pod, created = kube.create(a.obj)
@@ -187,3 +192,11 @@ def write_pool_statuses(namespace: str, statuses: dict[str, dict[str, Any]]) -> 
         except ApiException as err:
             if err.status != 404:  # deleted since the watch delivered it: nothing to describe
                 raise
+
+
+def _differed(drift: tuple[str, ...], lead: str, most: int = 4) -> str:
+    """The first few of kube.drifted()'s lines, for an Event."""
+    if not drift:
+        return ""
+    more = f"; and {len(drift) - most} more" if len(drift) > most else ""
+    return f" ({lead}{'; '.join(drift[:most])}{more})"

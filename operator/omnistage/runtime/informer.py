@@ -9,7 +9,8 @@ store at once (`wrote`), so the next pass does not act again on what it has just
 watch event arrives; a write older than what the watch already delivered (or deleted) is ignored.
 
 The membership token Secret is not here: RBAC refuses the operator list/watch on Secrets (least
-privilege), so reconcile.py reads it once per OmniStage and keeps the token in memory.
+privilege), so reconcile.py reads it once per OmniStage and keeps the token in memory (and reads it
+again, re-creating it when it is gone, whenever an engine pod is about to mount it).
 
 Followers watch nothing (leader.py): an informer lists only while its replica leads, and drops its
 store when leadership is lost."""

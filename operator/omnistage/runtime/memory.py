@@ -35,7 +35,8 @@ def lock(namespace: str, name: str) -> threading.Lock:
 class Tokens:
     """Each OmniStage's membership token, by the OmniStage's uid (a re-created OmniStage has a new
     Secret). RBAC refuses the operator list/watch on Secrets, so the token cannot come from a
-    watch: reconcile.ensure_token reads (or creates) it once and keeps it here."""
+    watch: reconcile.ensure_token reads (or creates) it once and keeps it here, and re-creates the
+    Secret from it when an engine pod is about to mount a Secret someone deleted."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -2,8 +2,10 @@
 (act.py), then status.
 
 What the API server holds is read from the watch-fed store (informer.STATE), never re-read: a pass
-talks to the API server only to write. What a head says is asked every pass, cheaply (headview.py:
-one conditional GET, 304 at rest). What the pass remembers between passes is memory.py's.
+talks to the API server only to write, and to read the membership Secret (which no watch may see)
+when it holds no token or an engine pod is about to mount it (ensure_token). What a head says is
+asked every pass, cheaply (headview.py: one conditional GET, 304 at rest). What the pass remembers
+between passes is memory.py's.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
+from .. import api
+from ..api.conditions import EventReason
 from ..api.validation import InvalidSpec
 from ..control import pods, pools
 from ..control.actions import Action, EnsureChild, Observed, PostEvent
-from ..control.plan import plan
+from ..control.plan import mounts_membership_secret, plan
 from ..control.status import pool_status
 from ..names import HEAD_ROLES, ROLE_POOL, ROLE_REPLICA
 from ..render import render_secret, target_from
@@ -87,18 +91,25 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
         decided = plan(t, Observed(obj))
         act_step.act(obj["metadata"]["namespace"], decided.actions, None, emit, obj["metadata"]["name"])
         return decided.status
-    token = ensure_token(t)
-    observed, (client, other_client) = observe(obj, t, token)
+    token, refused = ensure_token(t, emit)
+    observed, (client, other_client) = observe(obj, t, token, refused=refused)
     key, fingerprint = (t.namespace, t.name), _fingerprint(observed, t)
     rest = memory.RESTING.get(key)
     if rest is not None and rest.fingerprint == fingerprint:
         return obj.get("status") or {}  # nothing read changed since a pass that found it at rest
     decided = plan(t, observed)
+    if refused is None and mounts_membership_secret(decided.actions, observed):
+        token, refused = ensure_token(t, emit, read=True)  # re-created if it was deleted
+        if refused is not None:
+            observed = replace(observed, secret_refused=refused)
+            decided = plan(t, observed)
     problems = act_step.act(t.namespace, decided.actions, client, emit, t.name, other=other_client)
     changed = _changes(decided.actions) or bool(problems)
     # A head change never rests: the resync probes only the head the Services select, and the other
-    # head's news (a replica registered there) must reach a pass too.
-    if not changed and not decided.pools and decided.status == obj.get("status") and observed.other is None:
+    # head's news (a replica registered there) must reach a pass too. Nor does a refused Secret: the
+    # resync's next pass reads it again (whoever deletes it causes no event the operator can watch).
+    if (not changed and not decided.pools and decided.status == obj.get("status") and observed.other is None
+            and refused is None):
         memory.RESTING[key] = memory.Resting(fingerprint, client, t.distributed)
     else:
         memory.RESTING.pop(key, None)
@@ -106,32 +117,64 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
         # Status says what is true after the pass, not before it: read again (only when the pass
         # changed something, so a pass at rest costs no extra request) and let the plan describe it.
         # Its actions are left for the next pass, which the changed pods trigger anyway.
-        observed, _ = observe(obj, t, token, problems=tuple(problems))
+        observed, _ = observe(obj, t, token, problems=tuple(problems), refused=refused)
         decided = plan(t, observed)
     act_step.write_pool_statuses(t.namespace, decided.pools)
     return decided.status
 
 
-def ensure_token(t: Target) -> str:
-    """The membership token the head client needs: held, else read from the Secret, else the Secret
-    is created (the one write a pass makes before it plans)."""
+def ensure_token(t: Target, emit: Emit, read: bool = False) -> tuple[str | None, str | None]:
+    """(the membership token the head client needs, None), or (what is held or None, why the Secret
+    is refused). Held, else read from the Secret, which is created when missing (the one write a
+    pass makes before it plans). `read`: an engine pod is about to mount it (plan.mounts_membership_
+    secret), so it is read even when the token is held, and re-created from the held token when it
+    was deleted (a pod would wait in FailedMount). A Secret of that name is adopted only when its
+    ownerReferences name this OmniStage's uid: someone else's would give the engines a token the
+    operator did not issue."""
     held = memory.TOKENS.held(t.namespace, t.name, t.uid)
-    if held is not None:
-        return held
-    existing = kube.read("Secret", t.namespace, t.child_name("membership"))
-    if existing and TOKEN_KEY in (existing.get("data") or {}):
-        token = base64.b64decode(existing["data"][TOKEN_KEY]).decode()
-    else:
-        made, _ = kube.create(render_secret(t, secrets.token_urlsafe(32)))
-        token = base64.b64decode(made["data"][TOKEN_KEY]).decode()
+    if held is not None and not read:
+        return held, None
+    name = t.child_name("membership")
+    secret = kube.read("Secret", t.namespace, name)
+    if secret is None:
+        secret, created = kube.create(render_secret(t, held or secrets.token_urlsafe(32)))
+        if created and held is not None:
+            emit("Normal", EventReason.CHILD_SYNCED, f"Secret {name} re-created from the membership token the "
+                 "operator holds: it had been deleted, and engine pods mount it")
+    why = _not_ours(secret, t)
+    if why is not None:
+        log.warning("%s/%s: %s", t.namespace, t.name, why)
+        return held, why
+    token = base64.b64decode(secret["data"][TOKEN_KEY]).decode()
     memory.TOKENS.keep(t.namespace, t.name, t.uid, token)
-    return token
+    return token, None
 
 
-def observe(obj: dict[str, Any], t: Target, token: str, problems: tuple[str, ...] = ()
-            ) -> tuple[Observed, tuple[HeadClient | None, HeadClient | None]]:
+def _not_ours(secret: dict[str, Any], t: Target) -> str | None:
+    """Why a Secret of the membership token's name is not this OmniStage's to use, else None."""
+    meta = secret["metadata"]
+    refs = meta.get("ownerReferences") or []
+    if not any(ref.get("uid") == t.uid for ref in refs):
+        owners = ", ".join(f"{ref.get('kind')} {ref.get('name')} (uid {ref.get('uid')})" for ref in refs)
+        earlier = any(ref.get("kind") == api.KIND and ref.get("name") == t.name for ref in refs)
+        return (f"Secret {meta['name']} is not this OmniStage's: its ownerReferences name "
+                f"{owners or 'no owner'}, not uid {t.uid}"
+                + ("; it is an earlier OmniStage's of this name, which the garbage collector removes"
+                   if earlier else "")
+                + ". The operator does not adopt a membership token it did not issue, and creates or deletes no "
+                f"engine pod until it is gone: delete Secret {meta['name']} (or, if something else needs it, "
+                "re-create it under another name) and the operator creates its own")
+    if TOKEN_KEY not in (secret.get("data") or {}):
+        return (f"Secret {meta['name']} has no key {TOKEN_KEY!r}: delete it and the operator creates it again "
+                "(it may not update Secrets)")
+    return None
+
+
+def observe(obj: dict[str, Any], t: Target, token: str | None, problems: tuple[str, ...] = (),
+            refused: str | None = None) -> tuple[Observed, tuple[HeadClient | None, HeadClient | None]]:
     """The pods from the watches, and what a Ready head runs and who its members are (tight timeouts).
-    During a head change, the second head and its replicas too (Observed.other), with its client."""
+    During a head change, the second head and its replicas too (Observed.other), with its client.
+    No token (ensure_token refused the Secret and holds none): no head is asked."""
     owned = STATE.pods.owned(t.namespace, t.name)
     head, second = pods.heads([p for p in owned if pods.role(p) in HEAD_ROLES])
     engines = tuple(p for p in owned if pods.role(p) in (ROLE_REPLICA, ROLE_POOL))
@@ -144,15 +187,15 @@ def observe(obj: dict[str, Any], t: Target, token: str, problems: tuple[str, ...
     observed, client = _observe_set(obj, t, token, head, tuple(r for r in engines if r not in theirs),
                                     (t.namespace, t.name), drains)
     return replace(observed, problems=problems, pools=tuple(STATE.pools.owned(t.namespace, t.name)),
-                   other=other), (client, other_client)
+                   other=other, secret_refused=refused), (client, other_client)
 
 
-def _observe_set(obj: dict[str, Any], t: Target, token: str, head: dict[str, Any] | None,
+def _observe_set(obj: dict[str, Any], t: Target, token: str | None, head: dict[str, Any] | None,
                  replicas: tuple[dict[str, Any], ...], key: memory.Key, drains: dict[str, str]
                  ) -> tuple[Observed, HeadClient | None]:
     """One head and its replicas: the head's client, its report and listing."""
     client = None
-    if head is not None and pods.ip(head) and not pods.terminating(head):
+    if head is not None and pods.ip(head) and not pods.terminating(head) and token is not None:
         client = HeadClient(pods.ip(head), t.spec.engine.http_port, token)
     report = listing = None
     report_problem = listing_problem = None

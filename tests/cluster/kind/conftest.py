@@ -51,7 +51,7 @@ def helm_values() -> list[str]:
     (the engine venv and its interpreter, the model), which the operator refuses unless its
     administrator allows them (docs/security.md)."""
     repo, tag = OPERATOR_IMAGE.rsplit(":", 1)
-    allowed = ",".join((ENGINE_VENV, python_prefix(), MODEL_DIR))
+    allowed = f"{ENGINE_VENV},{python_prefix()},{MODEL_DIR}"
     return ["--set", f"image.repository={repo}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
             "--set", f"engineImage={ENGINE_IMAGE}", "--set", "replicaCount=2",
             "--set", f"allowedHostPaths={{{allowed}}}"]

@@ -1,0 +1,149 @@
+"""The membership Secret (issue 27 item 5): re-created from the token the operator holds when an engine
+pod is about to mount it and it is gone, and adopted only when its ownerReferences name this
+OmniStage's uid. No API server: kube.read and kube.create are monkeypatched, and count the requests."""
+
+from __future__ import annotations
+
+import base64
+import copy
+
+import pytest
+from omnistage.api.conditions import Reason, Type
+from omnistage.control.actions import CreatePod, DeletePod, EnsureChild, OnOtherHead, PostEvent
+from omnistage.control.plan import mounts_membership_secret, plan
+from omnistage.render import render_secret, target_from
+from omnistage.runtime import memory, reconcile
+
+from .conftest import SAMPLE
+from .test_plan import AT, cond, head, replica, situation
+
+UID = "ost-uid"
+NAME = "qwen3-omni-membership"
+
+
+def target():
+    obj = copy.deepcopy(SAMPLE)
+    obj["metadata"].update(namespace="serving", uid=UID)
+    return target_from(obj)
+
+
+def secret(token: str, owner_uid: str | None = UID, owner: str = "qwen3-omni") -> dict:
+    obj = render_secret(target(), token)
+    obj["metadata"]["ownerReferences"] = [] if owner_uid is None else [
+        {**obj["metadata"]["ownerReferences"][0], "uid": owner_uid, "name": owner}]
+    return obj
+
+
+class FakeSecrets:
+    """The one Secret of the namespace, and every request made for it."""
+
+    def __init__(self, monkeypatch, stored: dict | None):
+        self.stored, self.requests, self.events = stored, [], []
+        monkeypatch.setattr(memory, "TOKENS", memory.Tokens())
+        monkeypatch.setattr(reconcile.kube, "read", self.read)
+        monkeypatch.setattr(reconcile.kube, "create", self.create)
+
+    def read(self, kind, namespace, name):
+        assert (kind, namespace, name) == ("Secret", "serving", NAME)
+        self.requests.append("get")
+        return copy.deepcopy(self.stored)
+
+    def create(self, obj):
+        self.requests.append("create")
+        if self.stored is not None:  # 409: kube.create hands back the one that exists
+            return copy.deepcopy(self.stored), False
+        self.stored = copy.deepcopy(obj)
+        return copy.deepcopy(obj), True
+
+    def emit(self, etype, reason, message):
+        self.events.append((etype, reason, message))
+
+    def token(self) -> str:
+        return base64.b64decode(self.stored["data"]["token"]).decode()
+
+
+def test_no_secret_one_is_created_and_its_token_held(monkeypatch):
+    api = FakeSecrets(monkeypatch, None)
+    token, refused = reconcile.ensure_token(target(), api.emit)
+    assert refused is None and token == api.token() and api.requests == ["get", "create"]
+    assert memory.TOKENS.held("serving", "qwen3-omni", UID) == token
+    assert reconcile.ensure_token(target(), api.emit) == (token, None) and len(api.requests) == 2  # held: free
+
+
+def test_its_own_secret_is_adopted(monkeypatch):
+    api = FakeSecrets(monkeypatch, secret("t0k3n"))
+    assert reconcile.ensure_token(target(), api.emit) == ("t0k3n", None) and api.requests == ["get"]
+
+
+@pytest.mark.parametrize("owner_uid, owner, earlier", [
+    (None, "", False), ("someone-elses-uid", "another", False), ("old-uid", "qwen3-omni", True)])
+def test_a_secret_the_omnistage_does_not_own_is_refused_not_adopted(monkeypatch, owner_uid, owner, earlier):
+    api = FakeSecrets(monkeypatch, secret("planted", owner_uid, owner))
+    token, refused = reconcile.ensure_token(target(), api.emit)
+    assert token is None and refused is not None and api.requests == ["get"]
+    assert memory.TOKENS.held("serving", "qwen3-omni", UID) is None
+    assert f"Secret {NAME} is not this OmniStage's" in refused and f"delete Secret {NAME}" in refused
+    assert "another name" in refused and ("garbage collector" in refused) == earlier
+
+
+def test_one_created_by_someone_else_in_between_is_checked_too(monkeypatch):
+    api = FakeSecrets(monkeypatch, None)
+    monkeypatch.setattr(reconcile.kube, "read", lambda *a: api.requests.append("get") or api.__setattr__(
+        "stored", secret("raced", None)))  # gone when read, there when created: a 409
+    token, refused = reconcile.ensure_token(target(), api.emit)
+    assert token is None and "is not this OmniStage's" in refused and api.requests == ["get", "create"]
+
+
+def test_a_deleted_secret_is_re_created_from_the_held_token_when_a_pod_mounts_it(monkeypatch):
+    api = FakeSecrets(monkeypatch, secret("held-token"))
+    assert reconcile.ensure_token(target(), api.emit) == ("held-token", None)
+    api.stored = None  # kubectl delete secret
+    assert reconcile.ensure_token(target(), api.emit) == ("held-token", None)  # no pod needs it: no request
+    assert api.requests == ["get"]
+    assert reconcile.ensure_token(target(), api.emit, read=True) == ("held-token", None)
+    assert api.requests == ["get", "get", "create"] and api.token() == "held-token"
+    assert api.stored["metadata"]["ownerReferences"][0]["uid"] == UID
+    assert [(e[0], e[1]) for e in api.events] == [("Normal", "ChildSynced")] and NAME in api.events[0][2]
+    assert reconcile.ensure_token(target(), api.emit, read=True) == ("held-token", None)
+    assert api.requests[-1] == "get" and len(api.events) == 1  # there: read, nothing written
+
+
+def test_a_planted_secret_is_refused_even_with_the_token_held(monkeypatch):
+    api = FakeSecrets(monkeypatch, secret("held-token"))
+    reconcile.ensure_token(target(), api.emit)
+    api.stored = secret("planted", None)  # deleted, and one without an owner put in its place
+    token, refused = reconcile.ensure_token(target(), api.emit, read=True)
+    assert token == "held-token" and "is not this OmniStage's" in refused  # running engines keep theirs
+
+
+# ----- the plan: when a pass reads the Secret, and what a refused one holds --------------------------------
+
+def test_the_secret_is_read_only_when_a_pod_is_about_to_mount_it():
+    t, o = situation(3)
+    assert not mounts_membership_secret(plan(t, o, AT).actions, o)  # at rest: no request
+    t, gone = situation(3, pods_=lambda t: [replica(t, 1)])  # a replica pod was deleted: it is re-created
+    assert mounts_membership_secret(plan(t, gone, AT).actions, gone)
+    starting = replica(t, 2, ready=False, phase="Pending")  # scheduled, its kubelet mounting volumes
+    t, o = situation(3, pods_=lambda t: [replica(t, 1), starting])
+    assert mounts_membership_secret([], o)
+    unscheduled = {**starting, "spec": {}}
+    t, o = situation(3, pods_=lambda t: [replica(t, 1), unscheduled])
+    assert not mounts_membership_secret([], o)
+    assert mounts_membership_secret([OnOtherHead((CreatePod({}, "r", "m"),))], o)
+
+
+def test_a_refused_secret_creates_and_deletes_nothing_and_says_so_once():
+    why = f"Secret {NAME} is not this OmniStage's: delete Secret {NAME}"
+    t, o = situation(3, pods_=lambda t: [replica(t, 1), replica(t, 2, template="old")], head=lambda t: head(t),
+                     secret_refused=why)
+    actions, status, _ = plan(t, o, AT)
+    assert not [a for a in actions if isinstance(a, CreatePod | DeletePod | OnOtherHead)]
+    assert [a.obj["kind"] for a in actions if isinstance(a, EnsureChild)] == [
+        "ConfigMap", "Service", "Service", "NetworkPolicy", "PodDisruptionBudget"]  # tampered children still come back
+    assert [(a.type, a.reason, a.message) for a in actions if isinstance(a, PostEvent)] == [
+        ("Warning", Reason.NOT_SYNCED, why)]
+    synced, ready = cond(status, Type.MEMBERSHIP_SYNCED), cond(status, Type.READY)
+    assert (synced["status"], synced["reason"], synced["message"]) == ("False", "NotSynced", why)
+    assert ready["status"] == "False" and why in ready["message"]
+    again = plan(t, type(o)(**{**o.__dict__, "obj": {**o.obj, "status": status}}), AT)
+    assert not [a for a in again.actions if isinstance(a, PostEvent)]  # said once
