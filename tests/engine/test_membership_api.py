@@ -715,7 +715,7 @@ def test_a_failed_attach_is_recorded_as_detached(head):
             rid = replica.replica_id
             wait_for(lambda: api.members(all=True).get(rid, {}).get("state") == "detached", 10,
                      what="the failed attach to be recorded")
-            # Listed detached until a leave: the operator replaces the pod registered from that IP.
+            # Listed detached until a leave (the newest 64 such): the operator sees what the head dropped.
             assert api.members()[rid]["state"] == "detached"
             status, body = api.join("replica-a", ip, waitSeconds=0)
             assert (status, body["error"]) == (409, contract.E_REPLICA_DETACHED)

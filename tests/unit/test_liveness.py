@@ -161,12 +161,12 @@ def test_the_head_s_liveness_asks_whether_its_own_engine_lives():
                      "timeoutSeconds": 10, "failureThreshold": 3}
 
 
-def test_a_registration_the_head_failed_to_attach_is_replaced():
-    """Listed detached with no pod (never joined), from this pod's address: a join would be refused
-    (ReplicaDetached) for ever, so the pod is replaced."""
+def test_an_old_registration_from_a_pod_s_address_never_replaces_it():
+    """Pod IPs come back: a detached registration that was never joined, from the address a new pod
+    now has, is another pod's. The new pod is left alone (it joins as itself)."""
     t, o = situation(3)
     rs = o.replicas
-    failed = {**member(rs[0], 1, state=contract.DETACHED, coordinator=contract.COORD_ABSENT), "pod": None}
-    t, o = situation(3, listing=with_head(members=[failed, member(rs[1], 2)]))
+    old = {**member(rs[0], 1, state=contract.DETACHED, coordinator=contract.COORD_ABSENT), "pod": None}
+    t, o = situation(3, listing=with_head(members=[old, member(rs[1], 2)]))
     actions, _, _ = plan(t, o, AT)
-    assert of(actions, Annotate) == [Annotate("qwen3-omni-replica-1", {"serving.omnistage.io/leaving": "ReplacedReplica"})]
+    assert of(actions, Annotate) == [] and of(actions, DeletePod) == []

@@ -43,19 +43,20 @@ def head_engine_problem(p: Pass) -> tuple[str, str] | None:
         f"restarts it; every replica is then rolled onto the new engine")
 
 
-def _member(p: Pass, pod: dict[str, Any], holds, unjoined: bool = False) -> contract.Member | None:
-    """The first member this pod runs (joined under its name; with `unjoined`, also one registered
-    from its address and never joined) for which `holds(member)`."""
+def _member(p: Pass, pod: dict[str, Any], holds) -> contract.Member | None:
+    """The first member this pod was joined as (under its name) for which `holds(member)`. Never one
+    only registered from its address: pod IPs come back, and an old registration from this address
+    is another pod's."""
     for stage in pods.stage_ids(pod):
         mm = p.member_of(pod, stage)
-        if mm is not None and (mm.get("pod") == pods.name(pod) or unjoined and not mm.get("pod")) and holds(mm):
+        if mm is not None and mm.get("pod") == pods.name(pod) and holds(mm):
             return mm
     return None
 
 
 def detached(p: Pass, pod: dict[str, Any]) -> contract.Member | None:
-    """The member the head detached on its own (or never attached) while this pod still lives."""
-    return _member(p, pod, lambda mm: mm.get("state") == contract.DETACHED, unjoined=True)
+    """The member the head detached on its own while this pod, joined as it, still lives."""
+    return _member(p, pod, lambda mm: mm.get("state") == contract.DETACHED)
 
 
 def silent(p: Pass, pod: dict[str, Any]) -> contract.Member | None:
