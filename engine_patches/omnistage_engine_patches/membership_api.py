@@ -126,6 +126,15 @@ _OPAQUE_STATUSES = frozenset({401, 500})
 # ---- token ------------------------------------------------------------------------------------
 
 _token_cache: dict[str, Any] = {"key": None, "token": None}
+#: What an unauthenticated caller hears when the head has no token: nothing of where it would be.
+NOT_CONFIGURED = "membership is not configured on this head"
+
+
+def _log_once(why: str) -> None:
+    """Why membership is refused, in the head's log; once per cause (every caller may ask again)."""
+    if _token_cache.get("logged") != why:
+        _token_cache["logged"] = why
+        logger.error("%s: every membership call answers 503", why)
 
 
 def _expected_token() -> str | None:
@@ -133,13 +142,14 @@ def _expected_token() -> str | None:
     if path:
         try:
             st = os.stat(path)
+            key = (path, st.st_mtime_ns, st.st_size, st.st_ino)
+            if _token_cache["key"] != key:
+                with open(path, encoding="utf-8") as f:
+                    _token_cache.update(key=key, token=f.read().strip())
         except OSError as err:
-            raise MembershipError(503, "TokenNotConfigured",
-                                  f"{contract.TOKEN_FILE_ENV}={path} is unreadable: {err}") from err
-        key = (path, st.st_mtime_ns, st.st_size, st.st_ino)
-        if _token_cache["key"] != key:
-            with open(path, encoding="utf-8") as f:
-                _token_cache.update(key=key, token=f.read().strip())
+            # The path is the head's to know: its log says it, the answer only that it is unset.
+            _log_once(f"membership token file {contract.TOKEN_FILE_ENV}={path} is unreadable: {err}")
+            raise MembershipError(503, "TokenNotConfigured", NOT_CONFIGURED) from err
         return _token_cache["token"] or None
     return (os.environ.get(contract.TOKEN_ENV) or "").strip() or None
 
@@ -147,8 +157,9 @@ def _expected_token() -> str | None:
 def _authorize(request: Request) -> None:
     expected = _expected_token()
     if not expected:
-        raise MembershipError(503, "TokenNotConfigured", f"set {contract.TOKEN_FILE_ENV} or {contract.TOKEN_ENV} "
-                              "on the head")
+        _log_once(f"membership token not configured: set {contract.TOKEN_FILE_ENV} or {contract.TOKEN_ENV} "
+                  "on the head")
+        raise MembershipError(503, "TokenNotConfigured", NOT_CONFIGURED)
     scheme, _, presented = (request.headers.get("authorization") or "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), expected.encode()):
         raise MembershipError(401, "Unauthorized", "missing or wrong bearer token")
