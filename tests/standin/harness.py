@@ -301,8 +301,10 @@ def stage0(listing: dict[str, Any] | None) -> list[dict[str, Any]]:
 
 
 def remote_members(listing: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Headless replicas the head knows and has not let go (its own local replica excluded)."""
-    return [m for m in stage0(listing) if not m.get("local") and str(m.get("state", "")).lower() != "left"]
+    """Headless replicas the head holds (its own local replica excluded): not left, and not detached
+    (the head lists a replica it dropped on its own as detached until the operator's leave)."""
+    return [m for m in stage0(listing)
+            if not m.get("local") and str(m.get("state", "")).lower() not in ("left", "detached")]
 
 
 def left_at_head(listing: dict[str, Any] | None, replica_id: int) -> dict[str, Any] | None:
