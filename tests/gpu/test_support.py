@@ -19,7 +19,7 @@ from omnistage import api
 from omnistage.api.validation import validate_omnistage
 from omnistage.control import pools
 from omnistage.known_pipelines import PIPELINES
-from omnistage.render.common import target_from
+from omnistage.render import target_from
 from omnistage.render.pods import render_head_pod, render_pool_pod
 
 from . import multistage as ms

@@ -39,6 +39,7 @@ class Reason(StrEnum):
     # ConfigRendered (and Ready, and an OmniStagePool's Ready when its spec is not even a valid model)
     RENDERED = "Rendered"
     INVALID_SPEC = "InvalidSpec"
+    CONFIG_TOO_LARGE = "ConfigTooLarge"  # the deploy config would not fit in its ConfigMap (render/target.py)
     # HeadReady
     HEAD_READY = "HeadReady"
     HEAD_PENDING = "HeadPending"

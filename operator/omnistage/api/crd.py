@@ -16,7 +16,8 @@ from pydantic import BaseModel
 from .. import api
 from ..yamlio import dump_all
 from . import conditions, podtemplate, statuses
-from .validation import NAME_RULE_CEL, NAME_RULE_MESSAGE, SPEC_RULES
+from .child_names import OMNISTAGE_NAME_RULES, POOL_NAME_RULES, NameRule
+from .validation import SPEC_RULES
 
 _DROP = {"title"}
 
@@ -112,7 +113,7 @@ def build_crd() -> dict[str, Any]:
     ]
     root = _root("OmniStage runs vllm-omni with a replicated, elastic stage 0 on GPU nodes and keeps its "
                  "multimodal caches consistent while replicas join and leave.", spec_schema, statuses.OmniStageStatus)
-    root["x-kubernetes-validations"] = [{"rule": NAME_RULE_CEL, "message": NAME_RULE_MESSAGE}]
+    root["x-kubernetes-validations"] = _name_validations(OMNISTAGE_NAME_RULES)
     return _definition(api.KIND, api.PLURAL, api.SINGULAR, api.SHORT_NAMES, root, [
         {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas",
          "description": "Stage-0 engine replicas wanted (head included)"},
@@ -125,6 +126,11 @@ def build_crd() -> dict[str, Any]:
         *READY_COLUMNS,
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ])
+
+
+def _name_validations(rules: tuple[NameRule, ...]) -> list[dict[str, str]]:
+    """On the root, the one place CEL sees metadata.name (child_names.py: why each limit)."""
+    return [{"rule": r.cel, "message": r.message} for r in rules]
 
 
 def _definition(kind: str, plural: str, singular: str, short_names: list[str], root: dict[str, Any],
@@ -192,6 +198,7 @@ def build_pool_crd() -> dict[str, Any]:
     root = _root("OmniStagePool runs replicas of an OmniStage's stages after stage 0 (e.g. Qwen3-Omni's talker "
                  "and code2wav): each pod one headless process per stage in spec.stageIds, joined on the OmniStage's "
                  "head.", _schema_of(api.OmniStagePoolSpec), statuses.OmniStagePoolStatus)
+    root["x-kubernetes-validations"] = _name_validations(POOL_NAME_RULES)
     return _definition(api.POOL_KIND, api.POOL_PLURAL, api.POOL_SINGULAR, api.POOL_SHORT_NAMES, root, [
         {"name": "OmniStage", "type": "string", "jsonPath": ".spec.omniStage", "description": "The pipeline"},
         {"name": "Stages", "type": "string", "jsonPath": ".spec.stageIds", "description": "Stages each pod runs"},

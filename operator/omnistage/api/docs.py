@@ -11,8 +11,9 @@ from typing import Any
 
 from .. import api
 from . import conditions
+from .child_names import OMNISTAGE_NAME_RULES, POOL_NAME_RULES
 from .crd import build_crd, build_pool_crd
-from .validation import NAME_RULE_MESSAGE, SPEC_RULES
+from .validation import SPEC_RULES
 
 # Fields whose schema is a Kubernetes type embedded whole (crd.py): the reference names the type and
 # points at `kubectl explain` instead of copying hundreds of Kubernetes' own fields.
@@ -189,7 +190,7 @@ def reference_markdown(crd: dict[str, Any] | None = None, pool_crd: dict[str, An
         "Warning Event says the same, `omnistage render` prints it, and running pods are left as they are "
         "until the spec is fixed."), "",
         "| Field | Checked by | Message |", "|---|---|---|",
-        f"| `metadata.name` | API server | {_cell(NAME_RULE_MESSAGE)} |",
+        *(f"| `metadata.name` | API server | {_cell(r.message)} |" for r in OMNISTAGE_NAME_RULES),
     ]
     for rule in SPEC_RULES:
         checker = "API server" if rule.cel else "operator (`InvalidSpec`)"
@@ -229,6 +230,7 @@ def pool_reference(crd: dict[str, Any]) -> list[str]:
         f"condition is False with reason {api.either(f'`{r}`' for r in conditions.POOL_REASONS)} and a message "
         "saying what to change ([troubleshooting](troubleshooting.md#an-omnistagepools-ready)). A refused pool "
         "keeps its pods and gets no new ones."), "",
+        *(f"`metadata.name`: {_cell(r.message)} (API server and operator)." for r in POOL_NAME_RULES), "",
         "## `kubectl get omnistagepools` columns", "", *_columns(version),
         "", "## Pool spec", "", *_tables(root["properties"]["spec"], "omnistagepool.spec"),
         "## Pool status", "", *_tables(root["properties"]["status"], "omnistagepool.status"),

@@ -14,6 +14,7 @@ from omnistage_engine_patches import contract
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from .child_names import MAX_OMNISTAGE_NAME
 from .security import (
     ALLOWED_HOST_PATHS_ENV,
     GPU_RESOURCE,
@@ -404,17 +405,13 @@ class OmniStageSpec(_Model):
     )
 
 
-# Child names are NAME-head, NAME-replica-N, NAME-config...; they must stay valid label values.
-MAX_NAME_LENGTH = 40
-
-
 # ---- OmniStagePool: the capacity of stages 1..n-1 ---------------------------------------------------
 
 class OmniStagePoolSpec(_Model):
     """A group of pods, each running one headless replica of every stage in stageIds, for an
     OmniStage with spec.stages. The pool is the only writer of its replica count (scale subresource)."""
 
-    omni_stage: str = Field(min_length=1, max_length=MAX_NAME_LENGTH, description="The OmniStage (same namespace).")
+    omni_stage: str = Field(min_length=1, max_length=MAX_OMNISTAGE_NAME, description="The OmniStage (same namespace).")
     stage_ids: list[Annotated[int, Field(ge=1, le=15)]] = Field(
         min_length=1, max_length=15,
         description="Stages each pod runs, one process per stage, sharing the pod's GPUs (numbered from 0 for every "

@@ -23,6 +23,8 @@ from .. import names
 from ..known_pipelines import PIPELINES as KNOWN_PIPELINES
 from . import podtemplate as pt
 from .cachemode import SENDER_CACHE_WITH_DYNAMIC_MEMBERSHIP, membership_can_change
+from .child_names import OMNISTAGE_NAME_RULES, name_problems
+from .conditions import Reason
 from .owned import (
     OPERATOR_OWNED_FLAGS,
     OPERATOR_OWNED_STAGE_KEYS,
@@ -44,7 +46,7 @@ from .owned import (
 )
 from .pipeline_rules import multi_stage_problems
 from .security import ALLOWED_CAPABILITIES, ALLOWED_HOST_PATHS_ENV, system_priority_message
-from .specs import MAX_NAME_LENGTH, OmniStageSpec
+from .specs import OmniStageSpec
 from .template_rules import (
     HOST_NAMESPACES,
     MEMBERSHIP_SECRETS,
@@ -370,15 +372,12 @@ SPEC_RULES = [
     ),
 ]
 
-NAME_RULE_CEL = f"self.metadata.name.size() <= {MAX_NAME_LENGTH}"
-NAME_RULE_MESSAGE = f"metadata.name must be at most {MAX_NAME_LENGTH} characters so the child object names fit"
-
-
 class InvalidSpec(ValueError):
-    """A spec the operator will not act on; `problems` are (field, message) pairs."""
+    """A spec the operator will not act on; `problems` are (field, message) pairs; `reason` is the
+    ConfigRendered and Ready reason it sets (InvalidSpec, or ConfigTooLarge: render/target.py)."""
 
-    def __init__(self, problems: list[tuple[str, str]]):
-        self.problems = problems
+    def __init__(self, problems: list[tuple[str, str]], reason: str = Reason.INVALID_SPEC):
+        self.problems, self.reason = problems, reason
         super().__init__("; ".join(f"{f}: {m}" for f, m in problems))
 
 
@@ -397,8 +396,8 @@ def validate_omnistage(obj: dict[str, Any]) -> OmniStageSpec:
     problems: list[tuple[str, str]] = []
     if not name:
         problems.append(("metadata.name", "is required"))
-    elif len(name) > MAX_NAME_LENGTH:
-        problems.append(("metadata.name", NAME_RULE_MESSAGE))
+    else:
+        problems += name_problems(name, OMNISTAGE_NAME_RULES)
     try:
         spec = OmniStageSpec.model_validate(obj.get("spec") or {})
     except ValidationError as err:

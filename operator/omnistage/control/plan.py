@@ -96,9 +96,9 @@ def _invalid(err: InvalidSpec, o: Observed, generation: int | None, at: str) -> 
     message = str(err)
     actions: list[Action] = []
     if condition(previous, Type.CONFIG_RENDERED).get("message") != message:
-        actions.append(PostEvent("Warning", Reason.INVALID_SPEC, message))
-    conds = [Cond(Type.CONFIG_RENDERED, False, Reason.INVALID_SPEC, message),
-             Cond(Type.READY, False, Reason.INVALID_SPEC, message)]
+        actions.append(PostEvent("Warning", err.reason, message))
+    conds = [Cond(Type.CONFIG_RENDERED, False, err.reason, message),
+             Cond(Type.READY, False, err.reason, message)]
     return Plan(actions, {**previous, "conditions": merge(previous.get("conditions", []), conds, generation, at)}, {})
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..api import OmniStagePoolSpec
+from ..api.child_names import POOL_NAME_RULES, name_problems
 from ..api.conditions import Reason
 from ..known_pipelines import SHIPPED_DEPLOY
 from ..render.common import Pool, Target
@@ -40,11 +41,14 @@ class Fitted:
 
 def parse(obj: Mapping[str, Any]) -> Pool | tuple[str, str]:
     meta = obj.get("metadata") or {}
+    # A name created before the CRD refused it: its pods' labels and budget would be refused in turn.
+    problems = [f"{field}: {message}" for field, message in name_problems(meta["name"], POOL_NAME_RULES)]
     try:
         spec = OmniStagePoolSpec.model_validate(obj.get("spec") or {})
     except ValidationError as err:
-        where = "; ".join(f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
-        return Reason.INVALID_SPEC, where
+        problems += [f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()]
+    if problems:
+        return Reason.INVALID_SPEC, "; ".join(problems)
     return Pool(meta["name"], meta.get("uid"), meta.get("generation"), spec)
 
 

@@ -9,8 +9,7 @@ from typing import Any
 
 from .. import api
 from ..api import OmniStagePoolSpec, OmniStageSpec
-from ..api.cachemode import CacheDecision, membership_can_change, resolve_cache_mode
-from ..api.validation import validate_omnistage
+from ..api.cachemode import CacheDecision, membership_can_change
 from ..names import (
     APP_NAME,
     COMPONENT_ENGINE,
@@ -42,7 +41,7 @@ class Pool:
 
 @dataclass(frozen=True)
 class Target:
-    """A validated OmniStage: what every renderer takes."""
+    """A validated OmniStage: what every renderer takes (target.target_from makes it)."""
 
     name: str
     namespace: str
@@ -59,20 +58,6 @@ class Target:
 
     def child_name(self, suffix: str) -> str:
         return f"{self.name}-{suffix}"
-
-
-def target_from(obj: dict[str, Any], default_image: str | None = None) -> Target:
-    """Validate an OmniStage object; raises validation.InvalidSpec (cache rule included).
-
-    default_image is the engine image when spec.engine.image is unset; None means the operator's
-    configuration (api.operator_engine_image: OMNISTAGE_ENGINE_IMAGE, else the built-in default),
-    read here so that every renderer stays a pure function of the Target."""
-    spec = validate_omnistage(obj)
-    meta = obj.get("metadata") or {}
-    decision = resolve_cache_mode(spec.cache.mode, spec.membership, spec.replicas, spec.model_kind,
-                                  spec.cache.size_gib)
-    image = spec.engine.image or default_image or api.operator_engine_image()
-    return Target(meta["name"], meta.get("namespace") or "default", meta.get("uid"), spec, decision, image)
 
 
 def labels(t: Target, role: str | None = None, pool: str | None = None) -> dict[str, str]:
