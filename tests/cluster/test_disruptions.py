@@ -27,7 +27,7 @@ from tests.cluster.test_operator import (
     sample,
     wait_ready,
 )
-from tests.standin.harness import HeadEndpoint, remote_members, service_addresses
+from tests.standin.harness import HeadEndpoint, remote_members, service_addresses, stage0
 from tests.standin.replica import LOAD_KNOB
 
 pytestmark = pytest.mark.usefixtures("operator_log_on_failure")
@@ -45,9 +45,8 @@ def _cond(pod: dict[str, Any], ctype: str) -> str | None:
                  if c.get("type") == ctype), None)
 
 
-def _joined_at_head(head: HeadEndpoint) -> set[str] | None:
+def _joined_at_head(listing: dict[str, Any] | None) -> set[str] | None:
     """The pods the head routes to; None when it did not answer (a busy head on a small machine)."""
-    listing = head.listing()
     return None if listing is None else {m["pod"] for m in remote_members(listing) if m.get("pod")}
 
 
@@ -69,9 +68,10 @@ class Floor:
         before a leave and sets it after a join, so one of the two listings agrees with an honest
         pod). Not counted: terminating pods (Kubernetes counts none as ready), and pods before the
         runtime took back kwok's start-up True."""
-        before = _joined_at_head(self.head)
+        first = self.head.listing()
         pods = engine_pods(self.kubectl, self.namespace, role="replica", include_terminating=True)
-        after = _joined_at_head(self.head)
+        last = self.head.listing()
+        before, after = _joined_at_head(first), _joined_at_head(last)
         if before is None or after is None:
             self.unanswered += 1
             return None
@@ -81,7 +81,10 @@ class Floor:
                 if self.standin else True
             if taken_back and not p["metadata"].get("deletionTimestamp") and _cond(p, JOINED) == "True" \
                     and _cond(p, "Ready") == "True" and name not in before and name not in after:
-                self.lies.append(f"{name} Ready (joined condition True) but not joined at the head")
+                seen = [(m.get("replicaId"), m.get("pod"), m.get("state"), m.get("coordinatorStatus"))
+                        for lst in (first, last) for m in stage0(lst)]
+                self.lies.append(f"{name} Ready (joined condition True) but not joined at the head; the head "
+                                 f"listed (replica, pod, state, coordinator) {seen}")
         serving = 1 + min(len(before), len(after))
         self.min_serving = serving if self.min_serving is None else min(self.min_serving, serving)
         return serving
@@ -231,7 +234,7 @@ def test_a_head_change_moves_the_service_to_a_successor_without_an_outage(kubect
     def done() -> bool:
         eps = _service_endpoints(kubectl, namespace)
         fewest["endpoints"] = min(fewest["endpoints"], len(eps))
-        joined = _joined_at_head(head)
+        joined = _joined_at_head(head.listing())
         if joined is not None:
             fewest["serving"] = min(fewest["serving"], 1 + len(joined))
         now = engine_pods(kubectl, namespace, include_terminating=True)

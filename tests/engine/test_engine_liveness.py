@@ -131,6 +131,37 @@ def test_regression_the_head_s_own_engine_is_not_killed_by_a_stall(head):
     assert live(api) == (200, {"localEngine": contract.LOCAL_LIVE, "reason": "stage-0 replica 0 attached"})
 
 
+def health(api) -> int:
+    """The head's /health: its pod's readiness probe."""
+    try:
+        with _OPENER.open(api.url + "/health", timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_regression_the_head_is_ready_only_while_it_can_route_to_a_live_engine(head):
+    """The head's readiness (/health) means "a request can be routed to a live stage-0 engine"
+    (issue 26): 503 while its only engine is silent, 200 again once it resumes, and 200 throughout
+    a silence of its own engine while a joined replica serves. Fails on a /health that counts a
+    silent (kept) engine as live: the head stayed Ready, each request got "no live replica"."""
+    engine, api = head(heartbeat_timeout=TIMEOUT)
+    assert health(api) == 200
+    with heartbeats_held(engine._runtime.local_coord_client):
+        wait_for(lambda: api.members()[0]["coordinatorStatus"] == contract.COORD_SILENT, 3 * TIMEOUT,
+                 what="the head's own engine to be listed silent")
+        assert health(api) == 503
+    wait_for(lambda: health(api) == 200, 2 * TIMEOUT, what="/health 200 once its heartbeats resume")
+    replica = start_replica(engine)
+    assert api.join("replica-a", replica.bind_ip)[0] == 200
+    wait_for(lambda: api.members()[replica.replica_id]["coordinatorStatus"] == contract.COORD_UP, 2 * TIMEOUT,
+             what="the replica's first heartbeat")
+    with heartbeats_held(engine._runtime.local_coord_client):
+        wait_for(lambda: api.members()[0]["coordinatorStatus"] == contract.COORD_SILENT, 3 * TIMEOUT,
+                 what="the head's own engine to be listed silent again")
+        assert health(api) == 200  # the replica serves: still routable
+
+
 def test_regression_the_liveness_path_fails_once_the_head_s_engine_is_gone(head):
     engine, api = head()
     assert live(api)[0] == 200

@@ -1082,8 +1082,11 @@ class StandinRuntime:
         if pod is None:
             return
         pod_ready = ready and (not _gates(pod) or (not reset_gates and _gates_true(pod)))
+        # `started` as the kubelet writes it: after the first probe success (of a probed container),
+        # kept across readiness flips until a restart (the operator reads a started head: pods.answers).
+        started = {"started": p.started} if p.probe else {}
         status = {"conditions": _readiness(pod, pod_ready, ready, reset_gates),
-                  "containerStatuses": self._container_statuses(p, pod, ready)}
+                  "containerStatuses": self._container_statuses(p, pod, ready, **started)}
         if self._patch_status(p, status):
             p.ready = ready
             p.gate_patched_at = time.monotonic()
@@ -1105,7 +1108,7 @@ class StandinRuntime:
         cs = next((c for c in (pod.get("status") or {}).get("containerStatuses") or []), {})
         t = _rfc3339()
         prev_start = ((cs.get("state") or {}).get("running") or {}).get("startedAt") or t
-        change = {"restartCount": int(cs.get("restartCount") or 0) + 1, "started": True,
+        change = {"restartCount": int(cs.get("restartCount") or 0) + 1, "started": not p.probe,
                   "state": {"running": {"startedAt": t}},
                   "lastState": {"terminated": {"exitCode": p.last_exit or 0,
                                                "reason": "Error" if p.last_exit else "Completed",

@@ -170,3 +170,44 @@ def test_an_old_registration_from_a_pod_s_address_never_replaces_it():
     t, o = situation(3, listing=with_head(members=[old, member(rs[1], 2)]))
     actions, _, _ = plan(t, o, AT)
     assert of(actions, Annotate) == [] and of(actions, DeletePod) == []
+
+
+def started_head(t, ready=False, started=True):
+    """The head pod as the kubelet writes it once its startup probe passed, its readiness (/health)
+    now failing: no live engine serves stage 0."""
+    from .test_plan import head
+
+    pod = head(t, ready=ready)
+    pod["status"]["containerStatuses"] = [{"name": "engine", "restartCount": 0, "started": started,
+                                           "state": {"running": {"startedAt": "2026-11-30T00:00:00Z"}}}]
+    return pod
+
+
+def test_a_started_head_that_is_not_ready_is_still_read():
+    """A head whose only engine is silent is not Ready (/health 503: it cannot route), yet the operator
+    reads it, says why, and can join a replica that would serve. Fails on reading only a Ready head:
+    HeadReady said HeadPending and no join happened."""
+    from omnistage.control import pods
+    from omnistage.control.actions import Join
+
+    from .test_plan import loading, registered
+
+    t, o = situation(2, pods_=lambda t: [loading(t, 1)], listing=None)
+    lst = with_head(contract.COORD_SILENT, silentSeconds=40.0, members=[registered(o.replicas[0], 1)])
+    t, o = situation(2, pods_=lambda t: [loading(t, 1)], listing=lst, head=lambda t: started_head(t))
+    assert pods.answers(o.head) and not pods.ready(o.head)
+    actions, status, _ = plan(t, o, AT)
+    head_ready = cond(status, Type.HEAD_READY)
+    assert (head_ready["status"], head_ready["reason"]) == ("False", Reason.HEAD_ENGINE_SILENT)
+    assert [a.pod for a in of(actions, Join)] == ["qwen3-omni-replica-1"]
+
+
+def test_a_head_that_never_started_or_is_going_is_not_read():
+    from omnistage.control import pods
+
+    t, _ = situation(2)
+    assert not pods.answers(started_head(t, started=False))
+    going = started_head(t)
+    going["metadata"]["deletionTimestamp"] = "2026-11-30T00:00:00Z"
+    assert not pods.answers(going)
+    assert pods.answers(started_head(t, ready=True, started=False))  # Ready answers, whatever `started` says

@@ -21,6 +21,11 @@ With this patch:
   (a graceful exit), or whose ERROR entry the coordinator dropped (600 s of silence), is detached
   as upstream does. Requests in flight on a silent engine wait: within the client's own timeout
   (the HTTP client disconnects, vLLM aborts them), or until the operator makes the replica leave.
+* ``OmniBase._live_replica_count`` (what the head's ``/health`` counts per stage) leaves a silent
+  replica out: ``/health``, the head pod's readiness, then means "this head can route a request to
+  a live engine of every stage" (issue 26). Upstream a silent replica counts as live until the
+  watcher kills it; here it is kept, so without this a head whose engines are all silent would
+  stay Ready and answer each request with "no live replica".
 * ``MembershipController._watch_replica_list`` runs a second loop beside it that notes when each
   attached replica went silent and came back, logs both, and bumps the membership epoch, so the
   operator's cheap conditional probe sees the change (the listing shows ``coordinatorStatus:
@@ -164,16 +169,37 @@ def local_engine(orch: Any, master: Any | None) -> tuple[str, str]:
     return contract.LOCAL_GONE, f"stage-0 replica {slots[0]}: detached or evicted (its engine is gone)"
 
 
+def silent_clients(pool: Any, counted: Any) -> int:
+    """How many of the pool's clients for which `counted(client)` holds the coordinator lists as
+    silent (0 where the pool belongs to no running orchestrator with a coordinator: a static head
+    judges nothing here)."""
+    from vllm_omni.engine.stage_pool import StagePool
+
+    from . import membership
+
+    orch = next((o for o in membership.running_orchestrators()
+                 if any(p is pool for p in getattr(o, "stage_pools", None) or [])), None)
+    controller = getattr(orch, "_membership", None)
+    if controller is None:
+        return 0
+    statuses = hub_statuses(controller)
+    stage_id = getattr(pool, "stage_id", None)
+    return sum(1 for client in pool.clients if client is not None and counted(client)
+               and statuses.get((stage_id, StagePool._client_input_addr(client))) == contract.COORD_SILENT)
+
+
 def install() -> str | None:
     from vllm_omni.distributed.omni_coordinator.messages import ReplicaList, ReplicaStatus
     from vllm_omni.distributed.omni_coordinator.omni_coordinator import OmniCoordinator
     from vllm_omni.engine.membership_controller import MembershipController
+    from vllm_omni.entrypoints.omni_base import OmniBase
 
     targets = (
         Target(OmniCoordinator, "get_active_replicas", ("self",)),
         Target(MembershipController, "handle_unregister", ("self", "stage_id", "input_addr"), more=True,
                coroutine=True),
         Target(MembershipController, "_watch_replica_list", ("self",), coroutine=True),
+        Target(OmniBase, "_live_replica_count", ("self", "pool")),
     )
     problem = shape_problem(*targets)
     if problem:
@@ -193,6 +219,18 @@ def install() -> str | None:
         if _FROM_WATCHER.get() and hub_statuses(self).get((stage_id, input_addr)) == contract.COORD_SILENT:
             return None  # silent, not gone: _watch_silence says so once
         return await orig(self, stage_id, input_addr, *args, **kwargs)
+
+    @wrap(OmniBase, "_live_replica_count", NAME)
+    def _live_replica_count(orig, self, pool):
+        live = orig(self, pool)
+        if not live:
+            return live
+        try:
+            silent = silent_clients(pool, lambda client: not self._replica_is_dead(client))
+        except Exception:  # never fail /health on our own error: count as upstream does
+            logger.warning("engine liveness: the silent replicas could not be counted", exc_info=True)
+            return live
+        return live - silent
 
     @wrap(MembershipController, "_watch_replica_list", NAME)
     async def _watch_replica_list(orig, self):

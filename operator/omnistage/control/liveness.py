@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 
 
 def head_engine_problem(p: Pass) -> tuple[str, str] | None:
-    """(HeadReady reason, message) while the head pod is Ready but its own stage-0 engine is not
-    live; None otherwise (or when the membership was not read)."""
-    if not p.t.distributed or p.listing is None or not p.head_staying() or not pods.ready(p.head):
+    """(HeadReady reason, message) while the head answers but its own stage-0 engine is not live
+    (its pod not Ready, unless a replica serves); None otherwise (or when the membership was not read)."""
+    if not p.t.distributed or p.listing is None or not p.head_staying() or not pods.answers(p.head):
         return None
     mm = p.head_engine()
     if mm is not None and contract.is_live(mm):

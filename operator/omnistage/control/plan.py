@@ -199,8 +199,9 @@ class Pass:
         return self.head_staying() and bool(pods.ip(self.head))
 
     def head_talks(self) -> bool:
-        """A head client exists and the head pod is Ready: the only head the plan reads answers from."""
-        return self.o.head_addressable and self.head_live() and pods.ready(self.head)
+        """A head client exists and the head answers (Ready, or started: pods.answers): the only head
+        the plan reads answers from."""
+        return self.o.head_addressable and self.head_live() and pods.answers(self.head)
 
     def live(self, pool: str | None = "*") -> list[dict[str, Any]]:
         """Replica and pool pods not going away; of one pool (None: stage-0 replicas) unless "*"."""

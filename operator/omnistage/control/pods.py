@@ -6,6 +6,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+from ..api.podtemplate import ENGINE_CONTAINER
 from ..names import (
     A_HEAD_RESTARTS,
     A_HEAD_UID,
@@ -128,6 +129,19 @@ def ready(pod: dict[str, Any]) -> bool:
     """Ready as the kubelet says it: for a replica or pool pod (readiness gate C_JOINED) that means
     serving, joined on the head; for the head, its /health probe."""
     return _true(pod, "Ready")
+
+
+def answers(head: dict[str, Any]) -> bool:
+    """The head's app answers: Ready, or its engine container started (the kubelet's startup probe
+    passed, and it stays so until a restart) and runs. What the operator reads a head on: its
+    readiness (/health) is 503 while no live engine serves a stage, and a head whose engines are all
+    silent must still be read, to say why and to join a replica that would serve (issue 26)."""
+    if ready(head):
+        return True
+    if terminating(head) or terminal(head):
+        return False
+    return any(c.get("name") == ENGINE_CONTAINER and c.get("started") is True and "running" in (c.get("state") or {})
+               for c in (head.get("status") or {}).get("containerStatuses") or [])
 
 
 def containers_ready(pod: dict[str, Any]) -> bool:

@@ -92,6 +92,14 @@ def replica_pod_name(t: Target, index: int) -> str:
     return t.child_name(f"replica-{index}")
 
 
+def credential_secret_name(pod_name: str) -> str:
+    """POD-membership: a replica or pool pod's own credential (contract.pod_credential), which it
+    mounts where a head mounts the master token. The suffix is the master Secret's, so every rule
+    that keeps specs off `*-membership` Secrets keeps them off these too; a name that collides with
+    another OmniStage's master Secret is refused by ownership (runtime/credentials.py)."""
+    return f"{pod_name}-{MEMBERSHIP_SECRET}"
+
+
 def _env(t: Target, role: str) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -104,6 +112,8 @@ def _env(t: Target, role: str) -> list[dict[str, Any]]:
     if role == ROLE_HEAD:
         env += [
             {"name": contract.TOKEN_FILE_ENV, "value": f"{TOKEN_DIR}/{TOKEN_KEY}"},
+            # The plugin serves the membership routes on this port alone (not on --port).
+            {"name": contract.MEMBERSHIP_PORT_ENV, "value": str(t.spec.engine.membership_port)},
             # The engine plugin builds exactly this stage-0 frontend cache and reports what it built.
             {"name": contract.FRONTEND_CACHE_ENV, "value": str(t.cache.mode)},
             {"name": "VLLM_ENGINE_READY_TIMEOUT_S", "value": str(t.spec.engine.startup_timeout_seconds)},
@@ -179,7 +189,7 @@ def _cache_volume(t: Target) -> dict[str, Any]:
     return {} if t.spec.model_volume is not None else {"sizeLimit": t.spec.download_volume_size}
 
 
-def _volumes(t: Target, role: str) -> tuple[list[dict], list[dict]]:
+def _volumes(t: Target, role: str, pod_name: str) -> tuple[list[dict], list[dict]]:
     volumes = [
         {"name": V_CONFIG, "configMap": {"name": t.child_name("config")}},
         {"name": V_SHM, "hostPath": {"path": f"{SAME_NODE_SHM_ROOT}/{t.namespace}/{t.name}", "type": "DirectoryOrCreate"}}
@@ -191,9 +201,11 @@ def _volumes(t: Target, role: str) -> tuple[list[dict], list[dict]]:
         {"name": V_SHM, "mountPath": SHM_DIR},
         {"name": V_CACHE, "mountPath": CACHE_DIR},
     ]
-    # Every engine pod: the head serves the membership endpoint with it, a replica or pool pod's
-    # preStop hook leaves the head with it.
-    volumes.append({"name": V_TOKEN, "secret": {"secretName": t.child_name(MEMBERSHIP_SECRET)}})
+    # A head: the master token, which its membership endpoint checks (and derives the pods'
+    # credentials from). A replica or pool pod, which runs model code: only its own credential, with
+    # which its preStop hook makes itself leave, and nothing else (contract.pod_credential).
+    secret = t.child_name(MEMBERSHIP_SECRET) if role == ROLE_HEAD else credential_secret_name(pod_name)
+    volumes.append({"name": V_TOKEN, "secret": {"secretName": secret}})
     mounts.append({"name": V_TOKEN, "mountPath": TOKEN_DIR, "readOnly": True})
     mv = t.spec.model_volume
     if mv is not None:
@@ -210,19 +222,20 @@ def _leave_on_stop(t: Target, head_ip: str, drain: int, stage_ids: list[int]) ->
     """A replica or pool pod's preStop hook (omnistage_engine_patches.prestop) and what it reads:
     whoever deletes the pod (an eviction, a node drain, kubectl delete), the kubelet first has the
     head stop routing to it and drain it, up to the drain timeout, even with the operator down."""
-    env = [{"name": contract.HEAD_URL_ENV, "value": f"http://{head_ip}:{t.spec.engine.http_port}"},
+    env = [{"name": contract.HEAD_URL_ENV, "value": f"http://{head_ip}:{t.spec.engine.membership_port}"},
            {"name": contract.DRAIN_SECONDS_ENV, "value": str(drain)},
            {"name": contract.TOKEN_FILE_ENV, "value": f"{TOKEN_DIR}/{TOKEN_KEY}"}]
     hook = {"preStop": {"exec": {"command": [*PRESTOP, *(a for k in stage_ids for a in ("--stage-id", str(k)))]}}}
     return env, hook
 
 
-def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, head_ip: str = "") -> dict[str, Any]:
+def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, head_ip: str = "",
+              name: str = "") -> dict[str, Any]:
     s = t.spec
     gpu: GpuSpec = pool.spec.gpu if pool else s.gpu
     placement: PlacementSpec = pool.spec.placement if pool else s.placement
     drain = pool.spec.drain_timeout_seconds if pool else s.engine.drain_timeout_seconds
-    volumes, mounts = _volumes(t, role)
+    volumes, mounts = _volumes(t, role, name)
     container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": t.engine_image,
@@ -248,15 +261,19 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, h
         # Its own requests answered before SIGTERM (it is out of the Services once deleted): what
         # makes deleting the old head of a head change lose nothing (control/headswap.py).
         container["env"] = container["env"] + [
-            {"name": contract.HEAD_URL_ENV, "value": f"http://$({POD_IP_ENV}):{port}"},
+            {"name": contract.HEAD_URL_ENV, "value": f"http://$({POD_IP_ENV}):{s.engine.membership_port}"},
+            {"name": contract.API_URL_ENV, "value": f"http://$({POD_IP_ENV}):{port}"},
             {"name": contract.DRAIN_SECONDS_ENV, "value": str(drain)}]
         container["lifecycle"] = {"preStop": {"exec": {"command": [*PRESTOP, "--head"]}}}
         container["ports"] = [
             {"name": "http", "containerPort": port, "protocol": "TCP"},
             {"name": "master", "containerPort": s.engine.master_port, "protocol": "TCP"},
+            {"name": contract.MEMBERSHIP_PORT_NAME, "containerPort": s.engine.membership_port, "protocol": "TCP"},
         ]
-        # /health is 503 while any stage has no live replica: fine for readiness, fatal as liveness
-        # (restarting the head restarts every replica). Liveness asks the plugin's LIVE_PATH, 503 only
+        # /health is 503 while any stage has no live engine (engine_liveness leaves a silent one out):
+        # readiness means "this head can route a request", and the operator still reads a head that
+        # is not Ready once it started (control/pods.answers). Fatal as liveness (restarting the head
+        # restarts every replica). Liveness asks the plugin's LIVE_PATH, 503 only
         # once the head's own stage-0 engine is gone (nothing else restarts an in-head engine); it is
         # answered off the engine's loop, and 10 s per probe so a busy machine does not fail it.
         container["startupProbe"] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
@@ -351,8 +368,9 @@ def render_replica_pod(t: Target, index: int, head_ip: str, head_uid: str, head_
     annotations)."""
     if not t.distributed:
         raise ValueError("a static single-replica OmniStage has no replica pods")
-    spec = _pod_spec(t, ROLE_REPLICA, _replica_args(t, head_ip), head_ip=head_ip)
-    return _pod(t, replica_pod_name(t, index), ROLE_REPLICA, spec,
+    name = replica_pod_name(t, index)
+    spec = _pod_spec(t, ROLE_REPLICA, _replica_args(t, head_ip), head_ip=head_ip, name=name)
+    return _pod(t, name, ROLE_REPLICA, spec,
                 {A_HEAD_UID: head_uid, A_HEAD_RESTARTS: str(head_restarts), A_REPLICA_INDEX: str(index)})
 
 
@@ -362,7 +380,7 @@ def render_pool_pod(t: Target, pool: Pool, index: int, head_ip: str, head_uid: s
     """One pod of an OmniStagePool: a headless replica of each of its stages, bound to one head
     incarnation like a stage-0 replica. Owned by the OmniStage (it goes with its head); the pool
     only says how many there are."""
-    spec = _pod_spec(t, ROLE_POOL, _pool_args(t, pool, head_ip), pool, head_ip)
+    spec = _pod_spec(t, ROLE_POOL, _pool_args(t, pool, head_ip), pool, head_ip, pool.pod_name(index))
     extra = {A_HEAD_UID: head_uid, A_HEAD_RESTARTS: str(head_restarts), A_REPLICA_INDEX: str(index),
              A_STAGE_IDS: ",".join(map(str, pool.spec.stage_ids))}
     return _pod(t, pool.pod_name(index), ROLE_POOL, spec, extra, pool)

@@ -20,18 +20,18 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from .. import api
-from ..api.conditions import EventReason
+from ..api.conditions import EventReason, Reason, timestamp
 from ..api.validation import InvalidSpec
 from ..control import pods, pools
 from ..control.actions import Action, EnsureChild, Observed, PostEvent
 from ..control.plan import mounts_membership_secret, plan
-from ..control.status import pool_status
+from ..control.status import failed_status, pool_status
 from ..names import HEAD_ROLES, ROLE_POOL, ROLE_REPLICA
 from ..render import render_secret, target_from
 from ..render.common import Target
 from ..render.pods import TOKEN_KEY
 from . import act as act_step
-from . import kube, memory
+from . import credentials, kube, memory
 from .act import EmitFn as Emit
 from .head_client import HeadClient
 from .headview import ask_head, said, view_for
@@ -63,15 +63,40 @@ def reconcile(namespace: str, name: str, emit: Emit | None,
         try:
             status = _reconcile(obj, emit)
         except ApiException as err:
-            if err.status == 403 and "being terminated" in (err.body or ""):
+            if act_step.namespace_going(err):
                 # The namespace is going away with everything in it: nothing to converge to.
                 log.info("%s/%s: namespace is terminating; not reconciling", namespace, name)
                 return None
+            _failed(obj, emit, f"the API server answered {err.status}: {kube.reason_of(err)}")
+            raise
+        except Exception as err:
+            _failed(obj, emit, f"{type(err).__name__}: {err}")
             raise
         if status != obj.get("status"):
             STATE.wrote(kube.patch_status(namespace, name, status, obj.get("status")))
         STATUS.observe(namespace, name, {**status, "desiredReplicas": obj["spec"].get("replicas", 1)})
         return status
+
+
+# What a condition or an Event quotes of a failed pass's exception.
+FAILURE_MESSAGE_LIMIT = 300
+
+
+def _failed(obj: dict[str, Any], emit: Emit, why: str) -> None:
+    """A pass that raised still says why: ReplicaFailure=True reason PassFailed and a Warning Event
+    (repeats aggregated); the queue logs the traceback and the resync tries again. Never raises: the
+    API server may be what failed."""
+    meta = obj["metadata"]
+    why = why if len(why) <= FAILURE_MESSAGE_LIMIT else why[:FAILURE_MESSAGE_LIMIT - 3] + "..."
+    emit("Warning", Reason.PASS_FAILED, f"the operator's pass failed: {why}")
+    status = failed_status(obj.get("status") or {}, meta.get("generation"), why, timestamp())
+    if status == obj.get("status"):
+        return
+    try:
+        STATE.wrote(kube.patch_status(meta["namespace"], meta["name"], status, obj.get("status")))
+    except Exception as err:  # noqa: BLE001 -- said in the log; the pass's own error is raised on
+        log.warning("%s/%s: the PassFailed condition was not written: %s", meta["namespace"], meta["name"],
+                    getattr(err, "status", None) or type(err).__name__)
 
 
 def _orphaned_pools(namespace: str, name: str) -> None:
@@ -98,13 +123,17 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
     if rest is not None and rest.fingerprint == fingerprint:
         return obj.get("status") or {}  # nothing read changed since a pass that found it at rest
     decided = plan(t, observed)
+    mounting: list[str] = []
     if refused is None and mounts_membership_secret(decided.actions, observed):
         token, refused = ensure_token(t, emit, read=True)  # re-created if it was deleted
         if refused is not None:
             observed = replace(observed, secret_refused=refused)
             decided = plan(t, observed)
-    problems = act_step.act(t.namespace, decided.actions, client, emit, t.name, other=other_client)
-    changed = _changes(decided.actions) or bool(problems)
+        else:  # and the credentials of the replica and pool pods mounting theirs
+            mounting = credentials.ensure_mounting(_engine_pods(observed), token, emit)
+    acted = act_step.act(t.namespace, decided.actions, client, emit, t.name, other=other_client, token=token)
+    problems = mounting + acted.problems
+    changed = _changes(decided.actions) or bool(problems) or bool(acted.refused)
     # A head change never rests: the resync probes only the head the Services select, and the other
     # head's news (a replica registered there) must reach a pass too. Nor does a refused Secret: the
     # resync's next pass reads it again (whoever deletes it causes no event the operator can watch).
@@ -117,7 +146,8 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
         # Status says what is true after the pass, not before it: read again (only when the pass
         # changed something, so a pass at rest costs no extra request) and let the plan describe it.
         # Its actions are left for the next pass, which the changed pods trigger anyway.
-        observed, _ = observe(obj, t, token, problems=tuple(problems), refused=refused)
+        observed, _ = observe(obj, t, token, problems=tuple(problems), refused=refused,
+                              children=tuple(acted.refused))
         decided = plan(t, observed)
     act_step.write_pool_statuses(t.namespace, decided.pools)
     return decided.status
@@ -171,7 +201,8 @@ def _not_ours(secret: dict[str, Any], t: Target) -> str | None:
 
 
 def observe(obj: dict[str, Any], t: Target, token: str | None, problems: tuple[str, ...] = (),
-            refused: str | None = None) -> tuple[Observed, tuple[HeadClient | None, HeadClient | None]]:
+            refused: str | None = None, children: tuple[str, ...] = ()
+            ) -> tuple[Observed, tuple[HeadClient | None, HeadClient | None]]:
     """The pods from the watches, and what a Ready head runs and who its members are (tight timeouts).
     During a head change, the second head and its replicas too (Observed.other), with its client.
     No token (ensure_token refused the Secret and holds none): no head is asked."""
@@ -186,8 +217,8 @@ def observe(obj: dict[str, Any], t: Target, token: str | None, problems: tuple[s
                                            drains)
     observed, client = _observe_set(obj, t, token, head, tuple(r for r in engines if r not in theirs),
                                     (t.namespace, t.name), drains)
-    return replace(observed, problems=problems, pools=tuple(STATE.pools.owned(t.namespace, t.name)),
-                   other=other, secret_refused=refused), (client, other_client)
+    return replace(observed, problems=problems, refused=children,
+                   pools=tuple(STATE.pools.owned(t.namespace, t.name)), other=other, secret_refused=refused), (client, other_client)
 
 
 def _observe_set(obj: dict[str, Any], t: Target, token: str | None, head: dict[str, Any] | None,
@@ -196,10 +227,10 @@ def _observe_set(obj: dict[str, Any], t: Target, token: str | None, head: dict[s
     """One head and its replicas: the head's client, its report and listing."""
     client = None
     if head is not None and pods.ip(head) and not pods.terminating(head) and token is not None:
-        client = HeadClient(pods.ip(head), t.spec.engine.http_port, token)
+        client = HeadClient(pods.ip(head), t.spec.engine.membership_port, token)
     report = listing = None
     report_problem = listing_problem = None
-    if client is not None and pods.ready(head):
+    if client is not None and pods.answers(head):  # Ready, or started: read a head whose engines are silent too
         view = view_for(key, pods.uid(head), _rv(head))
         report, listing, report_problem, listing_problem = ask_head(client, view, t.distributed)
         if view.token_refused:  # 401: the Secret was replaced; read it again next pass
@@ -207,6 +238,11 @@ def _observe_set(obj: dict[str, Any], t: Target, token: str | None, head: dict[s
     return Observed(obj=obj, head=head, replicas=replicas, head_addressable=client is not None, report=report,
                     report_problem=report_problem, listing=listing, listing_problem=listing_problem,
                     drains=drains), client
+
+
+def _engine_pods(o: Observed) -> list[dict[str, Any]]:
+    """The replica and pool pods of both heads' sets."""
+    return [*o.replicas, *(o.other.replicas if o.other is not None else ())]
 
 
 def _rv(obj: dict[str, Any] | None) -> str | None:
