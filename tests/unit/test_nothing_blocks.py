@@ -105,7 +105,7 @@ def test_a_30s_drain_does_not_block_the_reconcile_pass(monkeypatch):
     start = time.monotonic()
     leave = StartLeave("r-2", "uid-r2", ((0, 2),), 30)
     problems = act("ns", [Annotate("r-2", {"serving.omnistage.io/leaving": "ScaledDown"}), leave], HEAD,
-                   lambda *e: events.append(e), "ost", drains=drains)
+                   lambda *e: events.append(e), "ost", drains=drains).problems
     took = time.monotonic() - start
     assert problems == [] and took < 0.5, f"act waited {took:.2f}s for a drain"
     assert wait(lambda: calls == [(2, 30)])

@@ -58,9 +58,11 @@ class Reason(StrEnum):
     ENGINE_UNREPORTED = "EngineUnreported"  # the head has not said what it runs (starting, old or no plugin)
     PATCH_NOT_APPLIED = "PatchNotApplied"  # a patch the mode needs is skipped or disabled (also StagesReady's)
     CACHE_MISMATCH = "CacheMismatch"  # the frontend built another cache than the OmniStage promises
-    # ReplicaFailure
+    # ReplicaFailure: what keeps the pods and children from being what the pass decided
     UNSCHEDULABLE = "Unschedulable"
     ENGINE_EXITED = "EngineExited"
+    CHILD_REFUSED = "ChildRefused"  # the API server refused a child (also its Event); the others were applied
+    PASS_FAILED = "PassFailed"  # the pass itself failed (also its Event); the next one retries
     NO_FAILURE = "NoFailure"
     # RolloutSurge
     NOT_ROLLING = "NotRolling"

@@ -123,6 +123,7 @@ class Observed:
     listing_problem: str | None = None
     drains: Mapping[str, str] = field(default_factory=dict)  # pod uid -> DRAIN_* (act's drain executor)
     problems: tuple[str, ...] = ()  # what the previous act step could not do (joins refused, ...)
+    refused: tuple[str, ...] = ()  # the children the API server refused in that step, with its words
     pools: tuple[dict[str, Any], ...] = ()  # the OmniStagePools whose spec.omniStage names it
     # A head change in progress (control/headswap.py): the second head with its own replicas and
     # what it said, read like the first. `head` above is the one the Services select (ROLE_HEAD).

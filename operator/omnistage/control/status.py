@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 # The patches a stage pod's replica needs in effect: connector ports without the replica term, which
 # the head also assumes when it advertises a replica's sender endpoint (each pod binds its own).
 STAGE_POD_PATCHES = (contract.CONNECTOR_PORTS,)
+MOST_REFUSED = 4  # refused children ReplicaFailure names (each message is bounded: runtime/act.refusal)
 
 
 def _dump(model: BaseModel) -> dict[str, Any]:
@@ -122,6 +123,8 @@ def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dic
     every_pod = engine_pods + [r for r in p.live() if pods.pool(r) is not None]
     unschedulable = [f"{pods.name(x)}: {pods.unschedulable(x)}" for x in every_pod if pods.unschedulable(x)]
     exited = [f"{pods.name(x)}: engine exited ({x['status'].get('phase')})" for x in every_pod if pods.terminal(x)]
+    refused = [f"the API server refused {why}" for why in p.o.refused[:MOST_REFUSED]] + (
+        [f"and {len(p.o.refused) - MOST_REFUSED} more children"] if len(p.o.refused) > MOST_REFUSED else [])
     replicas_available = replicas_ready == replica_desired and len(live) == replica_desired
     registered = (1 if head_registered else 0) + joined
     verdict = p.verdict
@@ -138,8 +141,9 @@ def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dic
              Reason.SCALE_DOWN_HELD if problem and problem == p.scale_held else Reason.NOT_SYNCED),
              problem or (f"{registered}/{desired} replicas registered" if read else "membership not read yet")),
         Cond(Type.CACHE_CONSISTENT, verdict.consistent, verdict.reason, verdict.message),
-        Cond(Type.REPLICA_FAILURE, bool(unschedulable or exited), Reason.UNSCHEDULABLE if unschedulable
-             else (Reason.ENGINE_EXITED if exited else Reason.NO_FAILURE), "; ".join(unschedulable + exited)),
+        Cond(Type.REPLICA_FAILURE, bool(refused or unschedulable or exited), Reason.CHILD_REFUSED if refused
+             else Reason.UNSCHEDULABLE if unschedulable else Reason.ENGINE_EXITED if exited else Reason.NO_FAILURE,
+             "; ".join(refused + unschedulable + exited)),
     ]
     conds.append(rollout_condition(p))
     stages_ready = all(row["registered"] == row["desired"] == row["ready"] and row["desired"] > 0
@@ -154,6 +158,14 @@ def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dic
                       + "".join(f"; stage {row['id']}: {row['ready']}/{row['desired']} pods ready" for row in stages)))
     conds.append(ready(head_ready, replicas_available, synced, True, verdict.consistent, stages_ready))
     return conds
+
+
+def failed_status(previous: dict[str, Any], generation: int | None, why: str, at: str) -> dict[str, Any]:
+    """After a pass that failed (runtime/reconcile.py): the status it found, and ReplicaFailure saying
+    why, until a pass gets through."""
+    cond = Cond(Type.REPLICA_FAILURE, True, Reason.PASS_FAILED,
+                f"the operator's last pass failed and is retried at the next resync: {why}")
+    return {**previous, "conditions": merge(previous.get("conditions", []), [cond], generation, at)}
 
 
 def rollout_condition(p: Pass) -> Cond:

@@ -14,12 +14,12 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 from kubernetes.client.exceptions import ApiException
 
 from .. import api
-from ..api.conditions import EventReason, PodReason
+from ..api.conditions import EventReason, PodReason, Reason
 from ..control import actions
 from ..control.actions import DRAIN_DONE, DRAIN_FAILED, DRAIN_RUNNING, Action
 from ..names import C_JOINED, L_ROLE
@@ -99,18 +99,53 @@ class Drains:
 DRAINS = Drains()
 
 
+class Acted(NamedTuple):
+    """What an act step could not do, for the status the pass writes."""
+
+    problems: list[str]  # membership: joins refused, leaves failed, pods refused (MembershipSynced)
+    refused: list[str]  # children the API server refused, each with its words (ReplicaFailure ChildRefused)
+
+
+# What a condition or an Event quotes of the API server's answer: its message may repeat a whole object.
+API_MESSAGE_LIMIT = 300
+
+
+def refusal(kind: str, name: str, err: ApiException) -> str:
+    """One child the API server refused: which, the status code and the API's message (bounded)."""
+    words = kube.reason_of(err)
+    if len(words) > API_MESSAGE_LIMIT:
+        words = words[:API_MESSAGE_LIMIT - 3] + "..."
+    return f"{kind} {name}: {err.status} {words}"
+
+
+def namespace_going(err: ApiException) -> bool:
+    """A terminating namespace refuses every create: reconcile's to handle (it stops the pass)."""
+    return err.status == 403 and "being terminated" in (err.body or "")
+
+
 def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: EmitFn, owner: str,
-        drains: Drains = DRAINS, other: HeadClient | None = None) -> list[str]:
-    """Execute in order; return what could not be done that status should say (membership problems).
+        drains: Drains = DRAINS, other: HeadClient | None = None) -> Acted:
+    """Execute in order; return what could not be done that status should say. A child the API server
+    refuses (a 422 Invalid, a quota's 403, a 404, a 409) is said in a Warning Event and in the result,
+    and the actions after it still run: one refused child does not stop the others.
     `other`: the client of a head change's other head, for the actions it decided (OnOtherHead)."""
     problems: list[str] = []
+    children: list[str] = []  # refused by the API server
     refused: set[str] = set()  # pods whose join failed in this run: not marked joined
     for a in planned:
         if isinstance(a, actions.PostEvent):
             emit(a.type, a.reason, a.message)
         elif isinstance(a, actions.EnsureChild):
             meta, kind = a.obj["metadata"], a.obj["kind"]
-            done = kube.apply(a.obj, a.compare, STATE.of(kind).get(meta["namespace"], meta["name"]))
+            try:
+                done = kube.apply(a.obj, a.compare, STATE.of(kind).get(meta["namespace"], meta["name"]))
+            except ApiException as err:
+                if namespace_going(err):
+                    raise
+                why = refusal(kind, meta["name"], err)
+                emit("Warning", Reason.CHILD_REFUSED, f"the API server refused {why}")
+                children.append(why)
+                continue
             if done.result != "unchanged":
                 STATE.wrote(done.obj)
                 emit("Normal", EventReason.CONFIG_RENDERED if kind == "ConfigMap" else EventReason.CHILD_SYNCED,
@@ -124,13 +159,14 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
             try:
                 pod, created = kube.create(a.obj)
             except ApiException as err:
-                if err.status not in (403, 422) or "being terminated" in (err.body or ""):
-                    raise  # a terminating namespace is reconcile's to handle (it stops the pass)
+                if namespace_going(err):
+                    raise
                 # Refused by admission (e.g. Pod Security refusing sameNode's hostPath /dev/shm) or a
                 # quota: no later pass will do better until someone acts, so say it where people look.
-                why = f"creating pod {a.obj['metadata']['name']} was refused ({err.status}): {kube.reason_of(err)}"
-                emit("Warning", EventReason.CREATE_REFUSED, why)
+                why = refusal("Pod", a.obj["metadata"]["name"], err)
+                emit("Warning", EventReason.CREATE_REFUSED, f"the API server refused {why}")
                 problems.append(why)
+                children.append(why)
                 continue
             STATE.wrote(pod)
             if created:
@@ -143,7 +179,9 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
         elif isinstance(a, actions.Annotate):
             STATE.wrote(kube.patch_pod_annotations(namespace, a.name, a.annotations))
         elif isinstance(a, actions.OnOtherHead):
-            problems += act(namespace, list(a.actions), other, emit, owner, drains)
+            theirs = act(namespace, list(a.actions), other, emit, owner, drains)
+            problems += theirs.problems
+            children += theirs.refused
         elif isinstance(a, actions.SetRole):
             STATE.wrote(kube.patch_pod_labels(namespace, a.name, a.uid, {L_ROLE: a.role}))
         elif isinstance(a, actions.StartLeave):
@@ -180,7 +218,7 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
                 STATE.wrote(pod)
         else:  # pragma: no cover - a new action type without an executor is a programming error
             raise TypeError(f"no executor for {a!r}")
-    return problems
+    return Acted(problems, children)
 
 
 def write_pool_statuses(namespace: str, statuses: dict[str, dict[str, Any]]) -> None:
