@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "installs pass their own, --namespace=$(POD_NAMESPACE) from the downward API)")
     run.add_argument("--metrics-port", type=int, default=8080, help="Prometheus /metrics port (0: off)")
     run.add_argument("--probe-port", type=int, default=8081, help="probe port: /healthz liveness, /readyz readiness (0: off)")
-    run.add_argument("--bind-address", default="0.0.0.0", help="address for /metrics and the probes")
+    run.add_argument("--bind-address", help="address /metrics and the probes bind (default: "
+                     "$OMNISTAGE_BIND_ADDRESS, else 127.0.0.1; the install manifests: the pod's IP)")
     run.add_argument("--engine-image", help=f"engine image of OmniStages that leave spec.engine.image unset "
                      f"(default: ${api.ENGINE_IMAGE_ENV}, else {api.DEFAULT_ENGINE_IMAGE})")
     _add_allowed_host_paths(run)

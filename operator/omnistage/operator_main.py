@@ -13,8 +13,19 @@ from .runtime import handlers, leader, probes
 from .runtime.informer import STATE
 from .runtime.metrics import STATUS, serve
 
+# The address /metrics and the probes bind: the flag, else this variable, else loopback. Metrics name every
+# OmniStage the operator watches, every tenant's: whoever reaches the address reads them (docs/security.md).
+# The install manifests set the pod's IP (the kubelet's probes and Prometheus reach it, other pods of the
+# node's network only through the pod's IP, which a NetworkPolicy can fence); run by hand, it is loopback.
+BIND_ADDRESS_ENV = "OMNISTAGE_BIND_ADDRESS"
+DEFAULT_BIND_ADDRESS = "127.0.0.1"
 
-def run(namespaces: list[str], metrics_port: int, probe_port: int, bind: str = "0.0.0.0",
+
+def bind_address(flag: str | None) -> str:
+    return flag or os.environ.get(BIND_ADDRESS_ENV) or DEFAULT_BIND_ADDRESS
+
+
+def run(namespaces: list[str], metrics_port: int, probe_port: int, bind: str | None = None,
         engine_image: str | None = None, lease_namespace: str | None = None,
         lease_name: str = leader.LEASE_NAME, allowed_host_paths: str | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -45,6 +56,8 @@ def run(namespaces: list[str], metrics_port: int, probe_port: int, bind: str = "
             "leader election off (no --leader-election-namespace, $POD_NAMESPACE or in-cluster namespace): "
             "run exactly one replica")
     leader.configure(elector)
+    bind = bind_address(bind)
+    logging.getLogger(__name__).info("metrics on %s:%s, probes on %s:%s", bind, metrics_port, bind, probe_port)
     serve(metrics_port, bind)
     probes.serve(probe_port, bind, probes.Checks(leading=leader.is_leading, synced=lambda: STATE.synced(0),
                                                  omnistages=STATUS.count, threads=threads))

@@ -63,6 +63,25 @@ CLUSTER_UP_TIMEOUT = 10 * 60
 CLUSTER_DOWN_TIMEOUT = 2 * 60
 
 
+# The downward API's fields an operator run on this machine answers itself: its "pod IP" is loopback
+# (the Deployment binds /metrics and the probes to $(POD_IP): OMNISTAGE_BIND_ADDRESS).
+LOCAL_FIELDS = {"status.podIP": "127.0.0.1"}
+
+
+def _container_env(container: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as its pod would have it, for a process run here: values, the
+    downward API fields of LOCAL_FIELDS, and $(VAR) expanded from earlier variables as the kubelet
+    does. Other valueFrom entries are left out (POD_NAMESPACE, POD_NAME: the harness sets its own)."""
+    out: dict[str, str] = {}
+    for e in container.get("env") or []:
+        field = ((e.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
+        if "value" in e:
+            out[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: out.get(m[1], m[0]), e["value"])
+        elif field in LOCAL_FIELDS:
+            out[e["name"]] = LOCAL_FIELDS[field]
+    return out
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if HERE in item.path.parents:
@@ -423,7 +442,7 @@ def operator_identity(kubectl: Kubectl, kustomize, service_account_kubeconfig,
         rendered = kustomize(_OVERLAYS[overlay])
         deployment = next(d for d in rendered if d["kind"] == "Deployment" and d["metadata"]["name"] == OPERATOR_SA)
         container = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "operator")
-        env = {e["name"]: e["value"] for e in container.get("env") or [] if "value" in e}
+        env = _container_env(container)
         objects = []
         for doc in rendered:
             if doc["kind"] not in _IDENTITY_KINDS:

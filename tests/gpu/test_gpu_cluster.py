@@ -18,7 +18,7 @@ import pytest
 from omnistage.control.engine_truth import required_patches
 from omnistage_engine_patches import contract
 
-from tests.standin.harness import condition, http_get, left_at_head, pod_ready, port_forward
+from tests.standin.harness import condition, left_at_head, pod_ready
 
 from .checks import converged, head, operator_leader, wait_for
 from .support import ENGINE_IMAGE_ENV, OPERATOR_CONTAINER, OPERATOR_NAME, ROOT, allocatable_gpus, gpus_needed
@@ -110,9 +110,10 @@ def test_operator_metrics_report_the_engine(kubectl, operator_in_cluster, gpu_om
     # The leader's: the follower reconciles nothing, so it exports no OmniStage series.
     leading = operator_leader(kubectl, op.namespace)
     assert leading, "no operator pod holds the Lease"
-    with port_forward(kubectl, op.namespace, f"pod/{leading}", ports["metrics"]) as local:
-        assert local, "kubectl port-forward to the operator did not start"
-        text = http_get(f"http://127.0.0.1:{local}/metrics", timeout=10)
+    # Through the API server's pod proxy: the operator binds its pod's IP, which a port-forward (the pod's
+    # loopback) does not reach (docs/security.md).
+    proxy = f"/api/v1/namespaces/{op.namespace}/pods/{leading}:{ports['metrics']}/proxy/metrics"
+    text = kubectl("get", "--raw", proxy, check=False).stdout
     assert text, "the operator's /metrics did not answer"
     mine = [line for line in text.splitlines() if f'name="{stage.name}"' in line
             and f'namespace="{stage.namespace}"' in line]

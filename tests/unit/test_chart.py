@@ -171,6 +171,21 @@ def _check_allowed_host_paths(objs):
     assert {"name": "OMNISTAGE_ALLOWED_HOST_PATHS", "value": "/mnt/models,/data/weights"} in container(objs)["env"]
 
 
+def _check_bind_address(objs):
+    """/metrics and the probes bind what the operator reads here (operator_main.bind_address); by default
+    the pod's IP, which Kubernetes expands from POD_IP, itself defined before it (issue 27, item 8)."""
+    env = container(objs)["env"]
+    assert {"name": "OMNISTAGE_BIND_ADDRESS", "value": "0.0.0.0"} in env
+
+
+def _check_bind_address_default(objs):
+    env = container(objs)["env"]
+    names = [e["name"] for e in env]
+    assert {"name": "OMNISTAGE_BIND_ADDRESS", "value": "$(POD_IP)"} in env
+    assert env[names.index("POD_IP")]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert names.index("POD_IP") < names.index("OMNISTAGE_BIND_ADDRESS")  # $(VAR) expands earlier variables only
+
+
 def _check_namespaced(objs):
     assert "--namespace=$(POD_NAMESPACE)" in container(objs)["args"]
     assert {(o["kind"], o["metadata"]["name"]) for o in objs if o["kind"] in RBAC_KINDS} == {
@@ -315,6 +330,8 @@ CASES = [
     ({"imagePullSecrets": [{"name": "regcred"}]}, _check_pull_secrets),
     ({"engineImage": "registry.example/ml/engine:9.9.9"}, _check_engine_image),
     ({"allowedHostPaths": ["/mnt/models", "/data/weights"]}, _check_allowed_host_paths),
+    ({"bindAddress": "0.0.0.0"}, _check_bind_address),
+    ({}, _check_bind_address_default),
     ({"namespaced": True}, _check_namespaced),
     ({"namespaced": True, "watchNamespaces": ["team-a", "team-b"]}, _check_watch_namespaces_namespaced),
     ({"watchNamespaces": ["team-a"]}, _check_watch_namespaces_cluster_wide),
