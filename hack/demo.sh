@@ -181,13 +181,17 @@ head_ip() {
   kubectl get pods -n "$NS" -l "serving.omnistage.io/omnistage=$NAME,serving.omnistage.io/role=head" \
     -o jsonpath='{.items[0].status.podIP}'
 }
+# The head's membership port (spec.engine.membershipPort's default, contract.DEFAULT_MEMBERSHIP_PORT):
+# the listing is not on the OpenAI port (8000).
+MEMBERSHIP_PORT="$("$PY" -c 'from omnistage_engine_patches import contract; print(contract.DEFAULT_MEMBERSHIP_PORT)')"
 membership() {
   local ip token
   ip="$(head_ip)"
   [[ "$ip" =~ ^127\.[0-9]+\.[0-9]+\.[0-9]+$ ]] || { log "head pod IP '$ip' is not loopback: not dialling it (network rule)"; return 0; }
   token="$(kubectl get secret "$NAME-membership" -n "$NS" -o jsonpath='{.data.token}' | base64 -d)"
-  log "the head's membership: GET http://$ip:8000/omnistage/v1/membership"
-  curl -fsS --noproxy '*' --max-time 5 -H "Authorization: Bearer $token" "http://$ip:8000/omnistage/v1/membership" \
+  log "the head's membership: GET http://$ip:$MEMBERSHIP_PORT/omnistage/v1/membership"
+  curl -fsS --noproxy '*' --max-time 5 -H "Authorization: Bearer $token" \
+    "http://$ip:$MEMBERSHIP_PORT/omnistage/v1/membership" \
     | "$PY" -m json.tool || log "membership endpoint did not answer"
 }
 # The membership as the head lists it, next to what the operator's status says: they must agree
@@ -198,7 +202,7 @@ truth() {
   [[ "$ip" =~ ^127\.[0-9]+\.[0-9]+\.[0-9]+$ ]] || { log "head pod IP '$ip' is not loopback: not dialling it"; return 0; }
   token="$(kubectl get secret "$NAME-membership" -n "$NS" -o jsonpath='{.data.token}' | base64 -d)"
   listing="$(curl -fsS --noproxy '*' --max-time 5 -H "Authorization: Bearer $token" \
-    "http://$ip:8000/omnistage/v1/membership" || echo '{}')"
+    "http://$ip:$MEMBERSHIP_PORT/omnistage/v1/membership" || echo '{}')"
   status="$(kubectl get omnistage "$NAME" -n "$NS" -o json)"
   LISTING="$listing" STATUS="$status" "$PY" - <<'PY' >&2
 import json, os

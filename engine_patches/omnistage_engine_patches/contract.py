@@ -6,16 +6,28 @@ every vLLM process. A name that crosses the wire or the pod spec is written here
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from typing import TypedDict
 
-# ---- HTTP paths on the head's OpenAI port (bearer token: TOKEN_FILE_ENV / TOKEN_ENV) ----------
+# ---- the head's membership port -----------------------------------------------------------------
+#: Every path below but LIVE_PATH is served on this port of the head alone (membership_api starts a
+#: second HTTP server beside vLLM's), never on the public OpenAI port: the NetworkPolicy admits only
+#: the operator's namespace and the OmniStage's own pods to it. The operator renders the port
+#: (spec.engine.membershipPort) as the head container's port of this name and as MEMBERSHIP_PORT_ENV.
+MEMBERSHIP_PORT_NAME = "membership"
+DEFAULT_MEMBERSHIP_PORT = 8090
+MEMBERSHIP_PORT_ENV = "OMNISTAGE_MEMBERSHIP_PORT"
+
+# ---- HTTP paths on the membership port (bearer token: TOKEN_FILE_ENV / TOKEN_ENV) ----------------
 API_PREFIX = "/omnistage/v1"
 MEMBERSHIP_PATH = API_PREFIX + "/membership"  # GET: the listing
 JOIN_PATH = MEMBERSHIP_PATH + "/join"  # POST
 LEAVE_PATH = MEMBERSHIP_PATH + "/leave"  # POST
 ENGINE_PATH = API_PREFIX + "/engine"  # GET: the EngineReport (any head, distributed or not)
-#: GET, no token: the head's liveness. 200 while its own stage-0 engine lives (silent included),
-#: 503 once it is gone (its process died, or it was detached): the kubelet then restarts the head.
+#: GET, no token, on the PUBLIC port (the kubelet probes it there, by the port name "http"): the
+#: head's liveness. 200 while its own stage-0 engine lives (silent included), 503 once it is gone
+#: (its process died, or it was detached): the kubelet then restarts the head.
 LIVE_PATH = API_PREFIX + "/live"
 MAX_BODY_BYTES = 16 * 1024  # a join/leave body is < 300 bytes
 
@@ -34,13 +46,42 @@ PORTS_PER_POD = "per-pod"
 VLLM_PLUGINS_ENV = "VLLM_PLUGINS"
 GENERAL_PLUGIN = "omnistage_engine_patches"
 ENDPOINT_PLUGIN = "omnistage_membership"
-#: A replica or pool pod's preStop hook (prestop.py): the head it leaves ("http://<head IP>:<port>")
-#: and how long its requests in flight may finish (spec.engine.drainTimeoutSeconds, a pool's own).
+#: A replica or pool pod's preStop hook (prestop.py): the head's membership port it leaves
+#: ("http://<head IP>:<membership port>") and how long its requests in flight may finish
+#: (spec.engine.drainTimeoutSeconds, a pool's own). A head's hook also reads API_URL_ENV, its own
+#: public port (vLLM's /metrics, for a static head without a listing).
 HEAD_URL_ENV = "OMNISTAGE_HEAD_URL"
+API_URL_ENV = "OMNISTAGE_API_URL"
 DRAIN_SECONDS_ENV = "OMNISTAGE_DRAIN_SECONDS"
 #: Every name the operator owns in an engine container's environment.
 OPERATOR_OWNED_ENV = (TOKEN_FILE_ENV, TOKEN_ENV, FRONTEND_CACHE_ENV, DISABLE_PATCHES_ENV, ROUTE_JOINED_ONLY_ENV,
-                      CONNECTOR_PORTS_ENV, VLLM_PLUGINS_ENV, HEAD_URL_ENV, DRAIN_SECONDS_ENV)
+                      CONNECTOR_PORTS_ENV, VLLM_PLUGINS_ENV, HEAD_URL_ENV, DRAIN_SECONDS_ENV, MEMBERSHIP_PORT_ENV,
+                      API_URL_ENV)
+
+# ---- credentials --------------------------------------------------------------------------------
+#: Two kinds of bearer token. The OmniStage's MASTER token (Secret NAME-membership, mounted in its
+#: head pods only, held by the operator) may do everything. A replica or pool pod holds only its POD
+#: CREDENTIAL (Secret POD-membership, written by the operator before the pod): POD_CREDENTIAL_PREFIX,
+#: the pod's name, ":", and the hex HMAC-SHA256 of the pod's name under the master token. The head
+#: derives it again from the master token it holds (nothing to store per pod), and accepts it only
+#: for a leave of that pod's own membership: a compromised replica can make itself leave, nothing else.
+POD_CREDENTIAL_PREFIX = "pod:"
+
+
+def pod_credential(master_token: str, pod: str) -> str:
+    """The bearer token of pod `pod` (its preStop hook's): bound to its name by the master token."""
+    digest = hmac.new(master_token.encode(), (POD_CREDENTIAL_PREFIX + pod).encode(), hashlib.sha256).hexdigest()
+    return f"{POD_CREDENTIAL_PREFIX}{pod}:{digest}"
+
+
+def credential_pod(master_token: str, presented: str) -> str | None:
+    """The pod a presented pod credential is valid for under `master_token`, else None."""
+    if not presented.startswith(POD_CREDENTIAL_PREFIX):
+        return None
+    pod = presented[len(POD_CREDENTIAL_PREFIX):].rpartition(":")[0]
+    if not pod or len(pod) > 253:
+        return None
+    return pod if hmac.compare_digest(pod_credential(master_token, pod).encode(), presented.encode()) else None
 
 # ---- patches ------------------------------------------------------------------------------------
 FRONTEND_CACHE = "frontend_cache"

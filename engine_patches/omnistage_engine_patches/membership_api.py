@@ -10,11 +10,25 @@ so the handlers find the engine at ``request.app.state.engine_client`` (set by
 The operations themselves are :mod:`.membership_ops`; the names that cross the wire are
 :mod:`.contract`'s.
 
+Its own port: every route below but ``/omnistage/v1/live`` is served by a second HTTP server
+in the head's process, on ``contract.MEMBERSHIP_PORT_ENV`` (default
+``contract.DEFAULT_MEMBERSHIP_PORT``; the operator renders ``spec.engine.membershipPort``) of the
+address vLLM's own server binds (``--host``), started and stopped with vLLM's app (its lifespan)
+on the same event loop, so the handlers see the engine exactly as vLLM's routes do. vLLM's public
+port answers them 404: the NetworkPolicy opens that port to everyone, and the membership port
+only to the operator's namespace and the OmniStage's own pods. Only a process that serves vLLM's
+HTTP app (the head) attaches the plugin; headless replicas serve nothing. The liveness path stays
+on the public port, where the kubelet probes it. A membership port that cannot be bound fails the
+head's start (the kubelet restarts it) rather than leave a head nobody can manage.
+
 Authentication: ``Authorization: Bearer <token>``, checked before anything else (the body is not
-read before). The token is read from the file named by ``OMNISTAGE_MEMBERSHIP_TOKEN_FILE`` (a
-mounted Secret; re-read when it changes, so a rotated Secret takes effect without a restart) or
+read before). The master token is read from the file named by ``OMNISTAGE_MEMBERSHIP_TOKEN_FILE``
+(a mounted Secret; re-read when it changes, so a rotated Secret takes effect without a restart) or
 else from ``OMNISTAGE_MEMBERSHIP_TOKEN``. With neither set every call is refused (503
-``TokenNotConfigured``): the endpoint never runs open.
+``TokenNotConfigured``): the endpoint never runs open. The master token may do everything; a pod
+credential (``contract.pod_credential``: a replica or pool pod's preStop hook holds only its own)
+may only ``leave`` with ``"pod": <its own name>`` and no other selector: anything else it asks is
+403 ``Forbidden``.
 
 Routes (all JSON)::
 
@@ -88,20 +102,24 @@ Routes (all JSON)::
   Errors: {"error": <code>, "message": str, "bootId": str, ...details}; 400 BadRequest (not a
   JSON object, not UTF-8, nested deeper than 8 levels), 413 BodyTooLarge (over 16 KiB), 422
   InvalidBody (field errors in ``fields``), 409 NotDistributed, 503 EngineNotReady / EngineBusy
-  / MembershipPatchDisabled / TokenNotConfigured. Two answers reveal nothing about the head:
-  401 Unauthorized (bad or missing token) and 500 (``InternalError``: "internal error, see the
-  head's log"; ``DetachFailed``) carry no ``bootId`` and no exception text (the head logs it).
+  / MembershipPatchDisabled / TokenNotConfigured. Three answers reveal nothing about the head:
+  401 Unauthorized (bad or missing token), 403 Forbidden (a pod credential asking for more than
+  its own pod's leave) and 500 (``InternalError``: "internal error, see the head's log";
+  ``DetachFailed``) carry no ``bootId`` and no exception text (the head logs it).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
 import logging
 import os
+import socket
 from argparse import Namespace
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -120,7 +138,7 @@ MAX_JSON_DEPTH = 8  # join/leave bodies are flat objects
 INTERNAL_ERROR = "InternalError"
 #: Answers that carry no bootId: a caller without the token learns nothing about the head, and a
 #: 500 says only that something failed (the head's log has the rest).
-_OPAQUE_STATUSES = frozenset({401, 500})
+_OPAQUE_STATUSES = frozenset({401, 403, 500})
 
 
 # ---- token ------------------------------------------------------------------------------------
@@ -154,15 +172,30 @@ def _expected_token() -> str | None:
     return (os.environ.get(contract.TOKEN_ENV) or "").strip() or None
 
 
-def _authorize(request: Request) -> None:
+def _authorize(request: Request) -> str | None:
+    """Who asks: None for the master token (the operator's: everything), a pod's name for that pod's
+    credential (its own leave only, see _handle); 401 for anything else."""
     expected = _expected_token()
     if not expected:
         _log_once(f"membership token not configured: set {contract.TOKEN_FILE_ENV} or {contract.TOKEN_ENV} "
                   "on the head")
         raise MembershipError(503, "TokenNotConfigured", NOT_CONFIGURED)
     scheme, _, presented = (request.headers.get("authorization") or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), expected.encode()):
-        raise MembershipError(401, "Unauthorized", "missing or wrong bearer token")
+    presented = presented.strip()
+    if scheme.lower() == "bearer":
+        if hmac.compare_digest(presented.encode(), expected.encode()):
+            return None
+        pod = contract.credential_pod(expected, presented)
+        if pod is not None:
+            return pod
+    raise MembershipError(401, "Unauthorized", "missing or wrong bearer token")
+
+
+def _forbidden(message: str) -> MembershipError:
+    return MembershipError(403, "Forbidden", message)
+
+
+ONLY_OWN_LEAVE = "a pod credential may only make its own pod leave (POST leave with its name as pod)"
 
 
 # ---- bodies -----------------------------------------------------------------------------------
@@ -270,7 +303,9 @@ def _page_query(request: Request) -> tuple[bool, int, str | None]:
 
 # ---- routes -----------------------------------------------------------------------------------
 
+#: The membership port's routes (every one needs a token) and the public port's (the liveness only).
 router = APIRouter()
+public_router = APIRouter()
 
 
 def _engine_client_or_none(request: Request) -> Any | None:
@@ -293,10 +328,14 @@ def _error(err: MembershipError) -> JSONResponse:
     return JSONResponse(body, status_code=err.status, headers=headers)
 
 
-async def _handle(request: Request, op) -> Response:
+async def _handle(request: Request, op, own_leave: bool = False) -> Response:
+    """`op()` for the master token; for a pod credential only when `own_leave` (the leave route),
+    as `op(pod)`, which checks the body names that pod alone."""
     try:
-        _authorize(request)
-        answer = await op()
+        pod = _authorize(request)
+        if pod is not None and not own_leave:
+            raise _forbidden(ONLY_OWN_LEAVE)
+        answer = await (op(pod) if own_leave else op())
         return answer if isinstance(answer, Response) else JSONResponse(answer)
     except MembershipError as err:
         if err.status >= 500:
@@ -339,7 +378,7 @@ async def engine_report(request: Request) -> Response:
     return await _handle(request, op)
 
 
-@router.get(contract.LIVE_PATH)
+@public_router.get(contract.LIVE_PATH)
 async def live(request: Request) -> Response:
     """The head's liveness (no token: it says one word about this process). 503 only when the
     head's own stage-0 engine is gone, the one state no wait repairs (nothing restarts an in-head
@@ -385,14 +424,17 @@ async def list_membership(request: Request) -> Response:
     return await _handle(request, op)
 
 
-async def _command(request: Request, model: type[_Body], call: Callable[[LiveHead, Any], Awaitable[Any]]
-                   ) -> JSONResponse:
-    """A POST: its body parsed as `model`, then `call(head, body)` on the live head."""
-    async def op():
+async def _command(request: Request, model: type[_Body], call: Callable[[LiveHead, Any], Awaitable[Any]],
+                   check: Callable[[Any, str], None] | None = None) -> JSONResponse:
+    """A POST: its body parsed as `model`, then `call(head, body)` on the live head. With `check`,
+    a pod credential is admitted too, and `check(body, pod)` refuses what that pod may not ask."""
+    async def op(pod: str | None = None):
         body = await _parse(request, model)
+        if pod is not None and check is not None:
+            check(body, pod)
         return await call(LiveHead.locate(_engine_client(request)), body)
 
-    return await _handle(request, op)
+    return await _handle(request, op, own_leave=check is not None)
 
 
 @router.post(contract.JOIN_PATH)
@@ -401,11 +443,115 @@ async def join(request: Request) -> JSONResponse:
                                                                           body.wait_seconds))
 
 
+def _own_pod_only(body: LeaveBody, pod: str) -> None:
+    """A pod credential's leave: by its own pod name, nothing else (an id or an address could pick
+    another pod's replica)."""
+    if body.pod != pod or body.replica_id is not None or body.ip:
+        raise _forbidden(ONLY_OWN_LEAVE)
+
+
 @router.post(contract.LEAVE_PATH)
 async def leave(request: Request) -> JSONResponse:
     return await _command(request, LeaveBody, lambda head, body: head.leave(
         body.stage, replica_id=body.replica_id, pod=body.pod or None, ip=body.ip or None,
-        drain_timeout=body.drain_timeout_seconds))
+        drain_timeout=body.drain_timeout_seconds), check=_own_pod_only)
+
+
+# ---- the membership port: a second HTTP server in the head's process ----------------------------
+
+#: Bounds of the membership server beside the body's (MAX_BODY_BYTES): its callers are the operator
+#: and the preStop hooks, a handful at once.
+MAX_CONNECTIONS = 64
+MAX_HEADER_BYTES = 16 * 1024
+STOP_SECONDS = 10.0
+
+
+def membership_port(environ: Any = os.environ) -> int:
+    """contract.MEMBERSHIP_PORT_ENV, else contract.DEFAULT_MEMBERSHIP_PORT (0: any free port, tests)."""
+    raw = (environ.get(contract.MEMBERSHIP_PORT_ENV) or "").strip()
+    if not raw:
+        return contract.DEFAULT_MEMBERSHIP_PORT
+    if not raw.isdigit() or int(raw) > 65535:
+        raise ValueError(f"{contract.MEMBERSHIP_PORT_ENV}={raw!r} is not a port number (0-65535)")
+    return int(raw)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The membership port, bound now: a port someone else holds fails the head's start, loudly."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise RuntimeError(f"the membership port {host}:{port} cannot be bound ({err}): set "
+                           f"{contract.MEMBERSHIP_PORT_ENV} (spec.engine.membershipPort) to a free port") from err
+    return sock
+
+
+def membership_app(state: Any) -> FastAPI:
+    """The membership port's app: the token routes, sharing vLLM's app state (its engine client)."""
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    app.state = state
+    app.include_router(router)
+    return app
+
+
+async def serve_membership(state: Any, host: str, port: int) -> Callable[[], Awaitable[None]]:
+    """Start the membership server on the running loop; returns the coroutine function that stops
+    it. The bound port is left in ``state.omnistage_membership_port``."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """No signal handlers of its own: the process's (vLLM's) stay in charge of stopping it."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+        def install_signal_handlers(self) -> None:  # uvicorn before 0.29
+            pass
+
+    sock = _listen(host, port)
+    state.omnistage_membership_port = sock.getsockname()[1]
+    config = uvicorn.Config(membership_app(state), lifespan="off", log_level="warning", access_log=False,
+                            limit_concurrency=MAX_CONNECTIONS, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                            timeout_keep_alive=5, timeout_graceful_shutdown=5)
+    server = _Server(config)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            sock.close()
+            raise RuntimeError(f"the membership server on {host}:{port} did not start: {task.exception()!r}")
+        await asyncio.sleep(0.01)
+    logger.info("membership endpoint on %s:%d (%s and %s; head boot id %s)", host, state.omnistage_membership_port,
+                contract.MEMBERSHIP_PATH, contract.ENGINE_PATH, report.BOOT_ID)
+
+    async def stop() -> None:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(task), STOP_SECONDS)
+        sock.close()
+
+    return stop
+
+
+def _serve_beside(app: FastAPI, port: int) -> None:
+    """Run the membership server for as long as vLLM's app runs: its lifespan, wrapped."""
+    inner, state = app.router.lifespan_context, app.state
+    args = getattr(state, "args", None)
+    host = getattr(args, "host", None) or "0.0.0.0"
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a: Any) -> AsyncIterator[Any]:
+        async with inner(a) as value:
+            stop = await serve_membership(state, host, port)
+            try:
+                yield value
+            finally:
+                await stop()
+
+    app.router.lifespan_context = lifespan
 
 
 # ---- the plugin -------------------------------------------------------------------------------
@@ -418,9 +564,9 @@ class MembershipEndpointPlugin:
     required_tasks = None  # membership is independent of the served task
 
     def attach_router(self, app: FastAPI) -> None:
-        app.include_router(router)
-        logger.info("membership endpoint at %s and %s (head boot id %s)", contract.MEMBERSHIP_PATH,
-                    contract.ENGINE_PATH, report.BOOT_ID)
+        """The liveness on vLLM's (public) app; every token route on the membership port."""
+        app.include_router(public_router)
+        _serve_beside(app, membership_port())
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         # Only upstream vLLM calls this; vllm-omni sets state.engine_client itself.

@@ -7,15 +7,17 @@ for its requests in flight, before the kubelet stops the engine.
 A replica pod is deleted by the operator only after the head let it go; anyone else (an eviction, a
 node drain, `kubectl delete pod`) would stop its engine with SIGTERM at once and cut off the
 requests it runs. The kubelet runs this hook first, inside the pod's terminationGracePeriodSeconds,
-even when the operator is down: it asks the head (contract.HEAD_URL_ENV, bearer token from
-contract.TOKEN_FILE_ENV) to stop routing to this pod's replica of each stage and to wait up to
+even when the operator is down: it asks the head (its membership port, contract.HEAD_URL_ENV; bearer
+token from contract.TOKEN_FILE_ENV: this pod's own credential, contract.pod_credential, which the
+head accepts for this pod's leave and nothing else) to stop routing to this pod's replica of each stage and to wait up to
 contract.DRAIN_SECONDS_ENV for its requests in flight (one leave per stage, side by side; the
 head's leave is idempotent, so the operator asking too changes nothing). Then the hook returns and
 the kubelet sends SIGTERM.
 
 A head pod that is deleted is out of its Services' endpoints already; with `--head` the hook polls
 the head's own membership listing (a static head: vLLM's num_requests_running) until no replica it
-routes to (its own included) has a request in flight, up to the drain timeout, so that the requests
+routes to (its own included) has a request in flight, up to the drain timeout (a head holds the
+master token; the static head's gauge is on its public port, contract.API_URL_ENV), so that the requests
 it accepted are answered before SIGTERM stops vLLM (a head change hands the Service to a new head
 first, then deletes the old one). A head that answers neither (not started) is not waited for.
 
@@ -71,13 +73,13 @@ IDLE_POLLS = 3
 RUNNING = re.compile(r"^vllm:num_requests_running(?:\{[^}]*\})?\s+([0-9.e+]+)$", re.MULTILINE)
 
 
-def in_flight(base: str, token: str) -> int | None:
-    """Requests in flight over every replica the head lists; a static head's from vLLM's
-    num_requests_running gauge (None: neither answers)."""
+def in_flight(base: str, token: str, api: str | None = None) -> int | None:
+    """Requests in flight over every replica the head lists (its membership port, `base`); a static
+    head's from vLLM's num_requests_running gauge (its public port, `api`; None: neither answers)."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def get(path: str, auth: bool) -> bytes | None:
-        request = urllib.request.Request(base.rstrip("/") + path,
+        request = urllib.request.Request((base if auth else api or base).rstrip("/") + path,
                                          headers={"Authorization": f"Bearer {token}"} if auth else {})
         try:
             with opener.open(request, timeout=5) as resp:
@@ -99,11 +101,12 @@ def in_flight(base: str, token: str) -> int | None:
     return round(sum(float(v) for v in values)) if values else None
 
 
-def wait_idle(base: str, token: str, drain_seconds: float, clock=time.monotonic, sleep=time.sleep) -> str:
+def wait_idle(base: str, token: str, drain_seconds: float, clock=time.monotonic, sleep=time.sleep,
+              api: str | None = None) -> str:
     """A head's hook: wait until nothing is in flight IDLE_POLLS times in a row; what happened, in one line."""
     deadline, idle, most = clock() + drain_seconds, 0, 0
     while True:
-        n = in_flight(base, token)
+        n = in_flight(base, token, api)
         if n is None:
             return "no membership listing and no num_requests_running: not waiting"
         most = max(most, n)
@@ -134,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prestop: cannot leave: {contract.HEAD_URL_ENV}, POD_NAME and a token are needed", file=sys.stderr)
         return 0
     if args.head:
-        print(f"prestop: head {pod} {wait_idle(base, token, drain)}", flush=True)
+        print(f"prestop: head {pod} {wait_idle(base, token, drain, api=os.environ.get(contract.API_URL_ENV))}",
+              flush=True)
         return 0
     results: list[str] = []
     threads = [threading.Thread(target=lambda k=k: results.append(leave(base, token, pod, k, drain)))

@@ -75,7 +75,8 @@ FLEET_ENV = {"OMNISTAGE_CLUSTER_DIR": "/tmp/omnistage-fleet", "OMNISTAGE_ETCD_PO
              "OMNISTAGE_ETCD_PEER_PORT": "23900", "OMNISTAGE_API_PORT": "16543", "OMNISTAGE_KCM_PORT": "20357",
              "OMNISTAGE_SCHED_PORT": "20359", "OMNISTAGE_POD_CIDR": "127.78.0.0/24"}
 NAMESPACE = "fleet"
-HTTP_PORT = 18431  # the heads' port: distinct from every other local test's
+HTTP_PORT = 18431  # the heads' OpenAI port: distinct from every other local test's
+MEMBERSHIP_PORT = 18432  # the heads' membership port (what the operator dials), likewise
 GROUP, VERSION, PLURAL = "serving.omnistage.io", "v1alpha1", "omnistages"
 GPUS_PER_NODE = 8
 # The plain values of the operator Deployment's env (manifests/base/deployment.yaml), which the
@@ -134,7 +135,7 @@ def omnistage(name: str) -> dict[str, Any]:
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "OmniStage", "metadata": {"name": name},
             "spec": {"model": "Qwen/Qwen3-Omni-30B-A3B-Instruct", "pipeline": "qwen3_omni_moe_thinker_only",
                      "replicas": 1, "membership": "dynamic", "cache": {"mode": "auto", "sizeGiB": 4},
-                     "engine": {"tensorParallelSize": 1, "httpPort": HTTP_PORT},
+                     "engine": {"tensorParallelSize": 1, "httpPort": HTTP_PORT, "membershipPort": MEMBERSHIP_PORT},
                      "gpu": {"resource": "nvidia.com/gpu", "count": 1, "product": "NVIDIA-H200"}}}
 
 
@@ -201,7 +202,7 @@ def proc_rss_mb(pid: int) -> float:
 # ----- fake heads (one asyncio thread; a listener per head pod IP) ----------------------------------
 
 class FakeHeads:
-    """Answers GET ENGINE_PATH and MEMBERSHIP_PATH on every head pod's IP:HTTP_PORT, like a
+    """Answers GET ENGINE_PATH and MEMBERSHIP_PATH on every head pod's IP:MEMBERSHIP_PORT, like a
     distributed head with one local replica, honouring If-None-Match with the same ETags as the
     real endpoint; heads in `hang` accept connections and never answer (unreachable)."""
 
@@ -219,7 +220,7 @@ class FakeHeads:
     async def _serve(self, ips: list[str]) -> None:
         for ip in ips:
             assert ip.startswith("127."), ip  # network rule
-            self.servers[ip] = await asyncio.start_server(lambda r, w, ip=ip: self._conn(ip, r, w), ip, HTTP_PORT)
+            self.servers[ip] = await asyncio.start_server(lambda r, w, ip=ip: self._conn(ip, r, w), ip, MEMBERSHIP_PORT)
 
     def stop(self) -> None:
         async def close() -> None:

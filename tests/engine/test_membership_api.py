@@ -73,16 +73,23 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopba
 
 
 class Api:
-    """The operator's side of the wire: JSON over HTTP with a bearer token."""
+    """The operator's side of the wire: JSON over HTTP with a bearer token. `url` is the head's public
+    (vLLM) port, `membership` its membership port: the paths under contract.API_PREFIX go there, the
+    liveness and everything else to the public port (as the operator and the kubelet dial them)."""
 
-    def __init__(self, url: str, token: str | None = TOKEN) -> None:
-        self.url, self.token = url, token
+    def __init__(self, url: str, membership: str | None = None, token: str | None = TOKEN) -> None:
+        self.url, self.membership, self.token = url, membership or url, token
+
+    def base(self, path: str) -> str:
+        on_membership = path.startswith(contract.API_PREFIX) and not path.startswith(contract.LIVE_PATH)
+        return self.membership if on_membership else self.url
 
     def call(self, method: str, path: str, body: Any = None, *, token: Any = "default", raw: bytes | None = None,
-             headers: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, dict[str, Any]]:
+             headers: dict[str, str] | None = None, timeout: float = 60,
+             base: str | None = None) -> tuple[int, dict[str, Any]]:
         token = self.token if token == "default" else token
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req = urllib.request.Request((base or self.base(path)) + path, data=data, method=method)
         req.add_header("Content-Type", "application/json")
         if token is not None:
             req.add_header("Authorization", f"Bearer {token}")
@@ -139,6 +146,15 @@ def _allow_endpoint_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_PLUGINS", ",".join(dict.fromkeys([*listed, PLUGIN_NAME])))
 
 
+def serve_head_app(engine_client: Any, ip: str, monkeypatch: pytest.MonkeyPatch) -> tuple[HttpServerThread, Api]:
+    """vLLM's app for `engine_client` on `ip` (a free public port), with the plugin's membership port
+    (contract.MEMBERSHIP_PORT_ENV: a free port of `ip` too); started."""
+    monkeypatch.setenv(contract.MEMBERSHIP_PORT_ENV, str(free_port(ip)))
+    server = HttpServerThread(build_http_app(engine_client, ip, 0), ip, free_port(ip))
+    server.__enter__()
+    return server, Api(server.url, f"http://{ip}:{os.environ[contract.MEMBERSHIP_PORT_ENV]}")
+
+
 @pytest.fixture
 def http_app(token_file, monkeypatch):
     """Factory: ``http_app(engine_client) -> api``: vLLM's app with our endpoint for any engine
@@ -147,11 +163,9 @@ def http_app(token_file, monkeypatch):
     servers: list[HttpServerThread] = []
 
     def make(engine_client: Any) -> Api:
-        ip = loopback_ip()
-        server = HttpServerThread(build_http_app(engine_client, ip, 0), ip, free_port(ip))
-        server.__enter__()
+        server, api = serve_head_app(engine_client, loopback_ip(), monkeypatch)
         servers.append(server)
-        return Api(server.url)
+        return api
 
     yield make
     for server in reversed(servers):
@@ -169,10 +183,8 @@ def head(text_config, token_file, monkeypatch):
         ctx = standin_head(text_config, ip, **options)
         engine = ctx.__enter__()
         stack.append(ctx)
-        server = HttpServerThread(build_http_app(StandinEngineClient(engine), ip, 0), ip, free_port(ip))
-        server.__enter__()
+        server, api = serve_head_app(StandinEngineClient(engine), ip, monkeypatch)
         stack.append(server)
-        api = Api(server.url)
         # The coordinator has published the head-local replica: the head is fully up.
         wait_for(lambda: api.members().get(0, {}).get("coordinatorStatus") == "up", 10, what="the local replica UP")
         return engine, api
@@ -259,6 +271,63 @@ def test_authentication(head, token_file, monkeypatch):
     monkeypatch.delenv("OMNISTAGE_MEMBERSHIP_TOKEN")
     status, body = api.call("GET", BASE_PATH, token="from-env")
     assert (status, body["error"]) == (503, "TokenNotConfigured")
+
+
+# ---- the membership port and the pods' credentials (issue 27 item 6) ------------------------
+
+
+def test_membership_routes_answer_on_the_membership_port_only(head):
+    """Every token route is on the membership port; vLLM's public port (open to everyone) answers
+    them 404. The liveness stays on the public port, where the kubelet probes it."""
+    _, api = head()
+    assert api.membership != api.url
+    for path in (BASE_PATH, contract.ENGINE_PATH):
+        assert api.call("GET", path)[0] == 200, path
+        status, _ = api.call("GET", path, base=api.url)
+        assert status == 404, f"the public port answers {path}: {status}"
+    for path in (contract.JOIN_PATH, contract.LEAVE_PATH):
+        assert api.call("POST", path, {"stage": 0, "replicaId": 99})[0] in (404, 422), path  # the head's answer
+        assert api.call("POST", path, {"stage": 0, "replicaId": 99}, base=api.url)[0] == 404, path
+    assert api.call("GET", contract.LIVE_PATH, token=None)[0] == 200
+    assert api.call("GET", contract.LIVE_PATH, token=None, base=api.membership)[0] == 404
+
+
+def test_a_pod_credential_makes_only_its_own_pod_leave(head):
+    """A replica pod's preStop hook holds contract.pod_credential(master, its name): the head takes
+    it for that pod's own leave by name and nothing else (403), a forged one not at all (401); the
+    master token (the operator's) still does everything."""
+    engine, api = head()
+    a, b = start_replica(engine), start_replica(engine)
+    assert api.join("pod-a", a.bind_ip)[0] == 200 and api.join("pod-b", b.bind_ip)[0] == 200
+    ids = {m["pod"]: m["replicaId"] for m in api.members().values() if m["pod"]}
+    cred = contract.pod_credential(TOKEN, "pod-a")
+    refused = [
+        ("GET", BASE_PATH, None), ("GET", contract.ENGINE_PATH, None),
+        ("POST", contract.JOIN_PATH, {"stage": 0, "pod": "pod-a", "ip": a.bind_ip}),
+        ("POST", contract.LEAVE_PATH, {"stage": 0, "pod": "pod-b"}),  # another pod
+        ("POST", contract.LEAVE_PATH, {"stage": 0, "replicaId": ids["pod-b"]}),
+        ("POST", contract.LEAVE_PATH, {"stage": 0, "ip": b.bind_ip}),
+        ("POST", contract.LEAVE_PATH, {"stage": 0, "pod": "pod-a", "replicaId": ids["pod-b"]}),
+        ("POST", contract.LEAVE_PATH, {"stage": 0, "pod": "pod-a", "ip": b.bind_ip}),
+    ]
+    for method, path, body in refused:
+        status, answer = api.call(method, path, body, token=cred)
+        assert (status, answer.get("error")) == (403, "Forbidden"), (method, path, body, answer)
+        assert "bootId" not in answer
+    forged = [cred[:-4] + "0000", cred.replace("pod-a", "pod-b"), contract.pod_credential("another", "pod-b"),
+              contract.pod_credential(TOKEN, "pod-a") + "x", "pod:", "pod::"]
+    for token in forged:
+        status, answer = api.call("POST", contract.LEAVE_PATH, {"stage": 0, "pod": "pod-b"}, token=token)
+        assert (status, answer.get("error")) == (401, "Unauthorized"), (token, answer)
+    assert {m["pod"] for m in api.members().values() if m["state"] == "attached"} >= {"pod-a", "pod-b"}
+    status, answer = api.call("POST", contract.LEAVE_PATH, {"stage": 0, "pod": "pod-a", "drainTimeoutSeconds": 5},
+                              token=cred)
+    assert (status, answer["state"], answer["replicaId"]) == (200, "left", ids["pod-a"]), answer
+    states = {m["pod"]: m["state"] for m in api.members(all=True).values() if m["pod"]}
+    assert states == {"pod-a": "left", "pod-b": "attached"}
+    # The master token: another pod's leave, by id.
+    status, answer = api.leave(replicaId=ids["pod-b"], drainTimeoutSeconds=5)
+    assert (status, answer["state"]) == (200, "left"), answer
 
 
 # ---- join ----------------------------------------------------------------------------------
@@ -523,10 +592,10 @@ def test_body_limits_and_nesting(head):
     assert (status, body["error"]) == (413, "BodyTooLarge") and body["bootId"] == report.BOOT_ID
     # Chunked: no length up front; the head stops reading past the limit.
     chunks = [b'{"stage": 0, "pod": "p", "pad": "'] + [b"x" * 4096] * 8 + [b'"}']
-    status, body = _raw_post(api.url, BASE_PATH + "/join", chunks)
+    status, body = _raw_post(api.membership, BASE_PATH + "/join", chunks)
     assert (status, body["error"]) == (413, "BodyTooLarge")
     # A small chunked body is read normally (the limit is not a refusal of chunked encoding).
-    status, body = _raw_post(api.url, BASE_PATH + "/leave", [b'{"stage": 0, ', b'"replicaId": 99}'])
+    status, body = _raw_post(api.membership, BASE_PATH + "/leave", [b'{"stage": 0, ', b'"replicaId": 99}'])
     assert (status, body["error"]) == (404, "UnknownReplica")
     # Deeply nested JSON within the size limit: the C parser would raise RecursionError.
     deep = b'{"pod": ' + b"[" * 5000 + b"]" * 5000 + b"}"
@@ -539,7 +608,7 @@ def test_body_limits_and_nesting(head):
     status, body = api.call("POST", BASE_PATH + "/join", raw=b"\xff\xfe{")
     assert (status, body["error"]) == (400, "BadRequest")
     # Without the token a large body is a 401: nothing is read before authorization.
-    status, body = _raw_post(api.url, BASE_PATH + "/join", [big], token="wrong", length=len(big))
+    status, body = _raw_post(api.membership, BASE_PATH + "/join", [big], token="wrong", length=len(big))
     assert (status, body["error"]) == (401, "Unauthorized") and "bootId" not in body
 
 
@@ -580,7 +649,7 @@ def test_engine_report(head, http_app):
 
 
 def _get_with_etag(api: Api, path: str, etag: str | None = None, token: str | None = TOKEN) -> tuple[int, Any, str]:
-    req = urllib.request.Request(api.url + path, method="GET")
+    req = urllib.request.Request(api.base(path) + path, method="GET")
     if token is not None:
         req.add_header("Authorization", f"Bearer {token}")
     if etag is not None:
@@ -808,9 +877,10 @@ def test_standin_processes(tmp_path):
     """``python -m tests.standin.head`` and ``python -m tests.standin.replica`` on loopback pod
     IPs: register, join, metrics, DOWN on SIGTERM, clean head exit on SIGTERM."""
     head_ip, replica_ip = loopback_ip(), loopback_ip()
-    master_port, http_port = free_port(head_ip), free_port(head_ip)
+    master_port, http_port, membership_port = free_port(head_ip), free_port(head_ip), free_port(head_ip)
     (tmp_path / "token").write_text(TOKEN)
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env[contract.MEMBERSHIP_PORT_ENV] = str(membership_port)  # as the operator renders it into the head pod
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.pop("VLLM_PLUGINS", None)  # the head sets its own allow-list
 
@@ -823,7 +893,7 @@ def test_standin_processes(tmp_path):
                   str(http_port), "--token-file", str(tmp_path / "token")], "head")
     replica = spawn(["tests.standin.replica", "--master-ip", head_ip, "--master-port", str(master_port),
                      "--bind-ip", replica_ip], "replica")
-    api = Api(f"http://{head_ip}:{http_port}")
+    api = Api(f"http://{head_ip}:{http_port}", f"http://{head_ip}:{membership_port}")
     try:
         def healthy() -> bool:
             try:

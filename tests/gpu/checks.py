@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omnistage.runtime import leader
+from omnistage_engine_patches import contract
 
 from tests.standin.harness import HeadEndpoint, condition, engine_pods, is_true, pod_ready, remote_members
 
@@ -22,10 +23,12 @@ class GpuOmniStage:
     http_port: int  # spec.engine.httpPort
     gpus_per_pod: int
     created: bool  # False: OMNISTAGE_GPU_OMNISTAGE named one that was already there
+    membership_port: int = contract.DEFAULT_MEMBERSHIP_PORT  # spec.engine.membershipPort
 
 
 def head(kubectl: Any, stage: GpuOmniStage) -> HeadEndpoint:
-    return HeadEndpoint(kubectl, stage.namespace, stage.name, http_port=stage.http_port)
+    return HeadEndpoint(kubectl, stage.namespace, stage.name, http_port=stage.http_port,
+                        membership_port=stage.membership_port)
 
 
 def operator_leader(kubectl: Any, namespace: str) -> str | None:

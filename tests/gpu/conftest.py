@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.standin.harness import membership_port
 from tests.support.kubectl import Kubectl
 
 from .checks import GpuOmniStage, converged, operator_leader, wait_for
@@ -165,7 +166,7 @@ def gpu_omnistage(settings: Settings, kubectl: Kubectl, operator_in_cluster: Ins
         ns, name = settings.omnistage
         obj = kubectl.json("get", "omnistage", name, "-n", ns)
         stage = GpuOmniStage(ns, name, obj["spec"].get("replicas", 1), obj["spec"]["engine"]["httpPort"],
-                             obj["spec"]["gpu"]["count"], False)
+                             obj["spec"]["gpu"]["count"], False, membership_port(obj))
         wait_for(f"{ns}/{name} Ready", lambda: converged(kubectl, stage, stage.replicas), settings.ready_timeout)
         yield stage
         return
@@ -179,7 +180,7 @@ def gpu_omnistage(settings: Settings, kubectl: Kubectl, operator_in_cluster: Ins
     kubectl("apply", "--server-side", f"--field-manager={FIELD_MANAGER}", "-f", "-", input=json.dumps(obj))
     stored = kubectl.json("get", "omnistage", name, "-n", ns)
     stage = GpuOmniStage(ns, name, settings.replicas, stored["spec"]["engine"]["httpPort"],
-                         stored["spec"]["gpu"]["count"], True)
+                         stored["spec"]["gpu"]["count"], True, membership_port(stored))
     try:
         wait_for(f"{ns}/{name} Ready with {stage.replicas} registered replicas",
                  lambda: converged(kubectl, stage, stage.replicas), settings.ready_timeout)

@@ -20,8 +20,9 @@ from typing import Any, Self
 
 import pytest
 import yaml
+from omnistage_engine_patches import contract
 
-from tests.standin.harness import L_OMNISTAGE, L_ROLE, HeadEndpoint
+from tests.standin.harness import L_OMNISTAGE, L_ROLE, HeadEndpoint, membership_port
 
 from . import multistage as ms
 from .checks import wait_for
@@ -52,6 +53,7 @@ class Pipeline:
     model: str
     objects: list[dict[str, Any]]  # as applied
     cross_node: bool = False  # the pools' pods were kept off the thinker pods' nodes
+    membership_port: int = contract.DEFAULT_MEMBERSHIP_PORT  # spec.engine.membershipPort
     seconds_to_ready: float = 0.0
     notes: dict[str, Any] = field(default_factory=dict)
 
@@ -82,7 +84,7 @@ def read(kubectl: Any, p: Pipeline) -> tuple[dict[str, Any] | None, list[dict[st
 
 
 def head(kubectl: Any, p: Pipeline) -> HeadEndpoint:
-    return HeadEndpoint(kubectl, p.namespace, p.name, http_port=p.http_port)
+    return HeadEndpoint(kubectl, p.namespace, p.name, http_port=p.http_port, membership_port=p.membership_port)
 
 
 def problems(kubectl: Any, p: Pipeline) -> list[str]:
@@ -181,7 +183,7 @@ def deployed(settings: Settings, kubectl: Any, mode: str, gpu_nodes: list[dict[s
     stored = kubectl.json("get", "omnistage", name, "-n", ns)
     repro = _repro()
     p = Pipeline(ns, name, [o["metadata"]["name"] for o in pools], mode, repro.http_port(stored),
-                 repro.served_model(stored), objects, cross_node=cross)
+                 repro.served_model(stored), objects, cross_node=cross, membership_port=membership_port(stored))
     try:
         p.seconds_to_ready = wait_converged(kubectl, p, f"{mode} pipeline Ready with every stage registered",
                                             settings.ready_timeout)

@@ -184,11 +184,19 @@ def http_get(url: str, token: str | None = None, timeout: float = 5) -> str | No
         return None
 
 
-class HeadEndpoint:
-    """The head's membership endpoint and /metrics for one OmniStage."""
+def membership_port(obj: dict[str, Any]) -> int:
+    """An OmniStage's spec.engine.membershipPort (the CRD defaults it in every stored object)."""
+    return int(((obj.get("spec") or {}).get("engine") or {}).get("membershipPort") or contract.DEFAULT_MEMBERSHIP_PORT)
 
-    def __init__(self, kubectl: Callable[..., Any], namespace: str, name: str, http_port: int = 8000):
+
+class HeadEndpoint:
+    """The head's membership endpoint (its membership port) and /metrics (its public port) for one
+    OmniStage, with the master token (the operator's)."""
+
+    def __init__(self, kubectl: Callable[..., Any], namespace: str, name: str, http_port: int = 8000,
+                 membership_port: int = contract.DEFAULT_MEMBERSHIP_PORT):
         self.kubectl, self.namespace, self.name, self.http_port = kubectl, namespace, name, http_port
+        self.membership_port = membership_port
 
     def token(self) -> str:
         secret = self.kubectl.json("get", "secret", f"{self.name}-membership", "-n", self.namespace)
@@ -209,16 +217,18 @@ class HeadEndpoint:
         return ((pod.get("status") or {}).get("podIP") or None) if pod else None
 
     @contextlib.contextmanager
-    def _base(self) -> Iterator[str | None]:
+    def _base(self, port: int | None = None) -> Iterator[str | None]:
+        """The head's `port` (default: its membership port), directly or through a port-forward."""
+        port = port or self.membership_port
         ip = self.ip()
         if ip is None:
             yield None
         elif is_loopback(ip):
-            yield f"http://{ip}:{self.http_port}"
+            yield f"http://{ip}:{port}"
         else:
             with port_forward(self.kubectl, self.namespace, f"pod/{(self.pod() or {}).get('metadata', {}).get('name')}",
-                              self.http_port) as port:
-                yield f"http://127.0.0.1:{port}" if port else None
+                              port) as local:
+                yield f"http://127.0.0.1:{local}" if local else None
 
     def report(self) -> dict[str, Any] | None:
         """GET the engine report (contract.ENGINE_PATH), or None when the head does not answer."""
@@ -247,7 +257,7 @@ class HeadEndpoint:
         return json.loads(body) if body else None
 
     def metrics(self) -> str | None:
-        with self._base() as base:
+        with self._base(self.http_port) as base:
             return http_get(base + "/metrics", timeout=5) if base else None
 
 

@@ -92,6 +92,7 @@ from urllib.parse import urlparse
 import yaml
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
+from omnistage_engine_patches import contract
 
 from tests.standin import realpod, zygote
 from tests.standin.realpod import EngineImage
@@ -740,8 +741,11 @@ class StandinRuntime:
         container = _engine_container(pod)
         args = [_expand(a, pod) or "" for a in container.get("args") or []]
         if role == "head":
-            # A single-engine head (membership static, 1 replica) has no master port: only its HTTP port.
-            for port in filter(None, (_arg(args, "--port") or "8000", _arg(args, "--omni-master-port"))):
+            # A single-engine head (membership static, 1 replica) has no master port: only its HTTP port
+            # and the plugin's membership port (the container port of that name).
+            membership = next((str(p["containerPort"]) for p in container.get("ports") or []
+                               if p.get("name") == contract.MEMBERSHIP_PORT_NAME), None)
+            for port in filter(None, (_arg(args, "--port") or "8000", _arg(args, "--omni-master-port"), membership)):
                 if not _port_free(ip, int(port)):
                     # Not one of ours (we wait for our own previous holder of an IP): most likely another
                     # local cluster on this machine whose nodes have the same loopback pod CIDRs.

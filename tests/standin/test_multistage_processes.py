@@ -153,26 +153,27 @@ def start(tmp_path):
         proc.kill()
 
 
-def _pod(name: str, ip: str, args: list[str]) -> dict[str, Any]:
+def _pod(name: str, ip: str, args: list[str], env: list[dict[str, str]] = ()) -> dict[str, Any]:
     return {"metadata": {"name": name, "namespace": "ns"}, "status": {"podIP": ip},
-            "spec": {"containers": [{"name": "engine", "args": args}]}}
+            "spec": {"containers": [{"name": "engine", "args": args, "env": list(env)}]}}
 
 
-def head(start, tmp_path, stage_init_timeout: int) -> tuple[Proc, str, str, int]:
-    """The head pod's process: (proc, ip, base URL, master port)."""
+def head(start, tmp_path, stage_init_timeout: int) -> tuple[Proc, str, str, int, str]:
+    """The head pod's process: (proc, ip, base URL, master port, membership base URL)."""
     ip = next(_IPS)
-    http_port, master_port = free_port(ip), free_port(ip)
+    http_port, master_port, membership_port = free_port(ip), free_port(ip), free_port(ip)
     args = ["serve", "Qwen/Qwen3-Omni", "--omni", "--deploy-config", "/etc/omnistage/deploy.yaml",
             "--host", "0.0.0.0", "--port", str(http_port), "--stage-id", "0", "--omni-master-address", "$(POD_IP)",
             "--omni-master-port", str(master_port), "--stage-init-timeout", str(stage_init_timeout),
             "--init-timeout", str(stage_init_timeout)]
-    pod = _pod("x-head", ip, args)
+    # As the operator renders it: the plugin's membership port (OMNISTAGE_MEMBERSHIP_PORT).
+    pod = _pod("x-head", ip, args, [{"name": "OMNISTAGE_MEMBERSHIP_PORT", "value": str(membership_port)}])
     token = tmp_path / "token"
     token.write_text(TOKEN)
     args = [runtime._expand(a, pod) for a in args]
     argv = runtime.head_argv(sys.executable, runtime.HEAD_MODULE, args, ip, token, stages=3)
     argv += ["--model-dir", str(tmp_path / "model")]
-    return start("head", argv, ip, pod), ip, f"http://{ip}:{http_port}", master_port
+    return start("head", argv, ip, pod), ip, f"http://{ip}:{http_port}", master_port, f"http://{ip}:{membership_port}"
 
 
 def head_blocks(proc: Proc) -> bool:
@@ -181,7 +182,7 @@ def head_blocks(proc: Proc) -> bool:
 
 
 def test_three_stage_head_serves_once_the_pool_pod_registered_stages_1_and_2(start, tmp_path):
-    head_proc, head_ip, base, master_port = head(start, tmp_path, stage_init_timeout=300)
+    head_proc, head_ip, base, master_port, members = head(start, tmp_path, stage_init_timeout=300)
     wait("the head's master up, stages 1 and 2 awaited", lambda: head_blocks(head_proc), STARTUP_BOUND, head_proc)
     assert status(base + "/health") is None  # no HTTP at all while the startup waits
 
@@ -202,18 +203,18 @@ def test_three_stage_head_serves_once_the_pool_pod_registered_stages_1_and_2(sta
     print(f"  /health polled {len(health_seen) - 1} times unanswered before the 200 ({serving:.1f}s)")
     # The same app as a one-stage head: the engine report (stage 0's frontend as the plugin chose
     # it for a distributed head) and /metrics.
-    report = get_json(base + ENGINE_PATH)
+    report = get_json(members + ENGINE_PATH)
     print("engine report:", {k: report[k] for k in ("distributed", "frontendCache")})
     assert report["distributed"] is True and report["frontendCache"]["mode"] == "processor-only"
     assert status(base + "/metrics") == 200
 
     def both_stages_up() -> bool:
-        stages = listing(base)
+        stages = listing(members)
         return all(any(m["host"] == pool_ip and m["state"] == "attached" and m["coordinatorStatus"] == "up"
                        for m in stages.get(k, [])) for k in ("1", "2"))
 
     wait("stages 1 and 2 attached and UP from the pool pod's IP", both_stages_up, 30, head_proc)
-    stages = listing(base)
+    stages = listing(members)
     print("listing:", {k: [(m["replicaId"], m["host"], m["state"]) for m in v] for k, v in stages.items()})
     assert [m["host"] for m in stages["0"]] == [head_ip] and stages["0"][0]["local"]
     # vllm-omni's watcher detaches an initial slot only after one of its 0.5 s ticks saw it UP
@@ -224,13 +225,13 @@ def test_three_stage_head_serves_once_the_pool_pod_registered_stages_1_and_2(sta
     assert "stage 1 replica 0 sent DOWN" in pool.log.read_text() and "stage 2 replica 0 sent DOWN" in pool.log.read_text()
     wait("/health 503 after the pool's DOWN", lambda: status(base + "/health") == 503, 20, head_proc)
     # The initial slots, dropped by the head on DOWN: listed as detached (until a leave), routed to by none.
-    for stages in (listing(base), listing(base, include_all=True)):
+    for stages in (listing(members), listing(members, include_all=True)):
         assert [(m["host"], m["state"]) for k in ("1", "2") for m in stages[k]] == [(pool_ip, "detached")] * 2
     assert head_proc.terminate() == 0
 
 
 def test_three_stage_head_exits_non_zero_after_the_stage_init_timeout(start, tmp_path):
-    head_proc, _, base, _ = head(start, tmp_path, stage_init_timeout=3)
+    head_proc, _, base, _, _ = head(start, tmp_path, stage_init_timeout=3)
     wait("the head's master up, stages 1 and 2 awaited", lambda: head_blocks(head_proc), STARTUP_BOUND, head_proc)
     wait("the head to exit", lambda: head_proc.popen.poll() is not None, 60)
     log = head_proc.log.read_text(errors="replace")

@@ -97,7 +97,7 @@ def _tampered(which: str, change) -> tuple[dict, dict]:
 
 
 def _np_peer(have):
-    have["spec"]["ingress"][0]["from"][0]["namespaceSelector"] = {}
+    have["spec"]["ingress"][2]["from"][0]["namespaceSelector"] = {}  # the engines' rule: every namespace
 
 
 def _nodeport(have):
@@ -111,7 +111,7 @@ TAMPERS = [
     ("api", _nodeport, 'spec.type: "NodePort", not "ClusterIP"'),
     ("NetworkPolicy", lambda h: h["spec"]["podSelector"]["matchLabels"].update(nobody="here"),
      'spec.podSelector.matchLabels.nobody: "here", not rendered'),
-    ("NetworkPolicy", _np_peer, "spec.ingress[0].from[0].namespaceSelector: {}, not rendered"),
+    ("NetworkPolicy", _np_peer, "spec.ingress[2].from[0].namespaceSelector: {}, not rendered"),
     ("master", lambda h: h["spec"]["selector"].update(x="y"), "spec.selector.x"),
     ("PodDisruptionBudget", lambda h: h["spec"]["selector"]["matchLabels"].update(x="y"),
      "spec.selector.matchLabels.x"),

@@ -89,21 +89,27 @@ def test_replica_and_pool_pods_leave_on_stop_and_the_head_waits_for_its_requests
     assert _engine(replica)["lifecycle"]["preStop"]["exec"]["command"] == [
         "python3", "-m", "omnistage_engine_patches.prestop", "--stage-id", "0"]
     env = {e["name"]: e.get("value") for e in _engine(replica)["env"]}
-    assert env[contract.HEAD_URL_ENV] == f"http://{HEAD_IP}:{t.spec.engine.http_port}"
+    # The head's membership port, with the pod's own credential (issue 27 item 6), never the master token.
+    assert env[contract.HEAD_URL_ENV] == f"http://{HEAD_IP}:{t.spec.engine.membership_port}"
     assert env[contract.DRAIN_SECONDS_ENV] == str(t.spec.engine.drain_timeout_seconds)
     assert contract.TOKEN_FILE_ENV in env
-    assert any(v.get("secret", {}).get("secretName") == "qwen3-omni-membership" for v in replica["spec"]["volumes"])
+    secrets = [v["secret"]["secretName"] for v in replica["spec"]["volumes"] if "secret" in v]
+    assert secrets == ["qwen3-omni-replica-1-membership"]
     assert replica["spec"]["terminationGracePeriodSeconds"] == t.spec.engine.drain_timeout_seconds + SHUTDOWN_SECONDS
     # The head's own hook waits for its requests in flight (a head change deletes the old head).
     head_pod = _engine(render_head_pod(t))
     assert head_pod["lifecycle"]["preStop"]["exec"]["command"][-1] == "--head"
     env = {e["name"]: e.get("value") for e in head_pod["env"]}
-    assert env[contract.HEAD_URL_ENV] == f"http://$(POD_IP):{t.spec.engine.http_port}"
+    assert env[contract.HEAD_URL_ENV] == f"http://$(POD_IP):{t.spec.engine.membership_port}"
+    assert env[contract.API_URL_ENV] == f"http://$(POD_IP):{t.spec.engine.http_port}"  # a static head's gauge
 
     _, pt = pipeline()
     pool = parse(pool_obj(stage_ids=(1, 2)))
-    hook = _engine(render_pool_pod(pt, pool, 1, HEAD_IP, HEAD_UID))["lifecycle"]["preStop"]["exec"]["command"]
+    pool_pod = render_pool_pod(pt, pool, 1, HEAD_IP, HEAD_UID)
+    hook = _engine(pool_pod)["lifecycle"]["preStop"]["exec"]["command"]
     assert hook[-4:] == ["--stage-id", "1", "--stage-id", "2"]
+    secrets = [v["secret"]["secretName"] for v in pool_pod["spec"]["volumes"] if "secret" in v]
+    assert secrets == [f"{pool.pod_name(1)}-membership"]
 
 
 def test_a_template_cannot_replace_the_hook():
@@ -119,7 +125,7 @@ def test_a_head_s_hook_waits_until_nothing_is_in_flight_several_polls_in_a_row(m
     """Fails on a hook that returns at the first idle poll (a request sent just before the Service's
     endpoints reached every proxy would be cut off) or that does not wait at all."""
     seen = iter([3, 1, 0, 2, 0, 0, 0, 5])
-    monkeypatch.setattr(prestop, "in_flight", lambda base, token: next(seen))
+    monkeypatch.setattr(prestop, "in_flight", lambda base, token, api=None: next(seen))
     polls = []
     assert prestop.wait_idle("http://127.0.0.1:9", "t", 60, sleep=polls.append) == \
         "idle (3 requests were in flight when it stopped)"
@@ -128,10 +134,10 @@ def test_a_head_s_hook_waits_until_nothing_is_in_flight_several_polls_in_a_row(m
 
 def test_a_head_s_hook_gives_up_at_the_drain_timeout_and_without_a_listing(monkeypatch):
     now = iter(range(0, 1000, 10))
-    monkeypatch.setattr(prestop, "in_flight", lambda base, token: 4)
+    monkeypatch.setattr(prestop, "in_flight", lambda base, token, api=None: 4)
     assert "4 requests still in flight after the 30s" in prestop.wait_idle(
         "http://127.0.0.1:9", "t", 30, clock=lambda: next(now), sleep=lambda s: None)
-    monkeypatch.setattr(prestop, "in_flight", lambda base, token: None)
+    monkeypatch.setattr(prestop, "in_flight", lambda base, token, api=None: None)
     assert prestop.wait_idle("http://127.0.0.1:9", "t", 30, sleep=lambda s: None) == "no membership listing and no num_requests_running: not waiting"
 
 

@@ -1,5 +1,6 @@
 """Invariants of the rendered children that every scenario must keep."""
 
+import base64
 import copy
 
 import pytest
@@ -171,9 +172,47 @@ def test_network_policy_fences_every_engine_pod_and_admits_only_its_own():
                                          "values": ["engine", "pool"]}]}
     # The replicas are selected too: their listeners (--omni-replica-address) are unauthenticated.
     assert np["spec"]["podSelector"] == own_engines
-    engine_rule, http_rule = np["spec"]["ingress"]
-    assert engine_rule["from"] == [{"podSelector": own_engines}]
-    assert "from" not in http_rule and http_rule["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    http_rule, membership_rule, engine_rule = np["spec"]["ingress"]
+    # Everyone: the head's OpenAI API only, by its port's name.
+    assert "from" not in http_rule and http_rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    # The membership port (issue 27 item 6): the operator's namespace and the OmniStage's own pods.
+    assert membership_rule["ports"] == [{"port": "membership", "protocol": "TCP"}]
+    assert membership_rule["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "omnistage-system"}}},
+        {"podSelector": own_engines}]
+    # Engine to engine: every port (vllm-omni's coordinator and per-replica sockets are on random ports).
+    assert engine_rule == {"from": [{"podSelector": own_engines}]}
+
+
+def test_the_network_policy_names_the_namespace_the_operator_runs_in(monkeypatch):
+    monkeypatch.setenv("POD_NAMESPACE", "platform-operators")
+    np = render_children(target(replicas=2), "tok", HEAD_IP, HEAD_UID).network_policy
+    assert np["spec"]["ingress"][1]["from"][0] == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "platform-operators"}}}
+
+
+def test_membership_is_on_its_own_port_and_replicas_hold_only_their_own_credential():
+    """Issue 27 item 6: the head's membership port is a container port of its own (the plugin serves
+    the token routes there, not on the OpenAI port); a replica pod mounts a Secret with its own
+    credential, never the master token, which only the head mounts."""
+    from omnistage_engine_patches import contract
+
+    children = render_children(target(replicas=3), "master-token", HEAD_IP, HEAD_UID)
+    head = children.head["spec"]["containers"][0]
+    assert head["ports"][-1] == {"name": "membership", "containerPort": 8090, "protocol": "TCP"}
+    env = {e["name"]: e.get("value") for e in head["env"]}
+    assert env[contract.MEMBERSHIP_PORT_ENV] == "8090"
+    assert [v["secret"]["secretName"] for v in children.head["spec"]["volumes"] if "secret" in v] == [
+        "qwen3-omni-membership"]
+    assert children.secret["metadata"]["name"] == "qwen3-omni-membership"
+    for pod, cred in zip(children.replicas, children.credentials, strict=True):
+        name = pod["metadata"]["name"]
+        mounted = [v["secret"]["secretName"] for v in pod["spec"]["volumes"] if "secret" in v]
+        assert mounted == [f"{name}-membership"] == [cred["metadata"]["name"]]
+        token = base64.b64decode(cred["data"]["token"]).decode()
+        assert token == contract.pod_credential("master-token", name) and "master-token" not in token
+        assert contract.credential_pod("master-token", token) == name
+        assert cred["metadata"]["ownerReferences"] == children.secret["metadata"]["ownerReferences"]
 
 
 def test_master_service_publishes_not_ready_head():

@@ -201,7 +201,8 @@ def test_a_stage_override_may_not_set_the_operators_keys():
     ({"mode": "sameNode", "protocol": "rdma"}, "spec.transport.protocol", "set mode network or protocol tcp"),
     ({"basePort": 80}, "spec.transport.basePort", "greater than or equal to 1024"),
     ({"basePort": 65000}, "spec.transport.basePort", "less than or equal to 64512"),
-    ({"basePort": 7900}, "spec.transport.basePort", "7900..8923 hold spec.engine.httpPort 8000"),
+    ({"basePort": 7000}, "spec.transport.basePort", "7000..8023 hold spec.engine.httpPort 8000"),
+    ({"basePort": 8050}, "spec.transport.basePort", "8050..9073 hold spec.engine.membershipPort 8090"),
     ({"basePort": 24500}, "spec.transport.basePort", "hold spec.engine.masterPort 25000"),
     ({"env": [{"name": "OMNISTAGE_CONNECTOR_PORTS", "value": "x"}]}, "spec.transport.env[0].name", "is the operator's"),
 ])
@@ -211,5 +212,5 @@ def test_an_invalid_transport_is_refused(transport, field, fragment):
 
 
 def test_every_problem_is_reported_at_once():
-    fields = [f for f, _ in problems(stages=[stage(5)], basePort=7900)]
+    fields = [f for f, _ in problems(stages=[stage(5)], basePort=7000)]
     assert fields == ["spec.stages[0].id", "spec.transport.basePort"]

@@ -76,7 +76,8 @@ def transport_problems(spec: OmniStageSpec) -> list[tuple[str, str]]:
         problems.append(("spec.transport.protocol", ("rdma needs mode network (sameNode moves data through /dev/shm); "
                                                     "set mode network or protocol tcp")))
     base, last = transport.base_port, transport.base_port + CONNECTOR_PORT_SPAN - 1
-    for name, port in (("httpPort", spec.engine.http_port), ("masterPort", spec.engine.master_port)):
+    for name, port in (("httpPort", spec.engine.http_port), ("masterPort", spec.engine.master_port),
+                       ("membershipPort", spec.engine.membership_port)):
         if base <= port <= last:
             problems.append(("spec.transport.basePort",
                              f"the connectors' ports {base}..{last} hold spec.engine.{name} {port}; move basePort off it"))

@@ -148,3 +148,16 @@ def operator_allowed_host_paths(environ: Mapping[str, str] = os.environ) -> tupl
 def host_path_allowed(path: str, allowed: tuple[str, ...]) -> bool:
     path = path.rstrip("/") or "/"
     return any(p == "/" or path == p or path.startswith(p + "/") for p in allowed)
+
+
+# ---- the operator's namespace ---------------------------------------------------------------------
+# The one namespace besides an OmniStage's own pods whose pods the NetworkPolicy lets reach the head's
+# membership port: where the operator runs (its Deployment's downward API, POD_NAMESPACE), else the
+# install's default. A namespace the operator does not run in would cut it off its heads only where a
+# NetworkPolicy is enforced: the Deployment always sets the variable.
+OPERATOR_NAMESPACE_ENV = "POD_NAMESPACE"
+DEFAULT_OPERATOR_NAMESPACE = "omnistage-system"
+
+
+def operator_namespace(environ: Mapping[str, str] = os.environ) -> str:
+    return (environ.get(OPERATOR_NAMESPACE_ENV) or "").strip() or DEFAULT_OPERATOR_NAMESPACE

@@ -136,7 +136,14 @@ class EngineSpec(_Model):
     max_model_len: int | None = Field(None, ge=1, description="Maximum model context length.")
     enable_prefix_caching: bool | None = Field(None, description="Enable vLLM prefix caching (unset: vLLM default).")
     log_stats: bool = Field(True, description="Record engine statistics (per-replica Prometheus series on the head).")
-    http_port: int = Field(8000, ge=1, le=65535, description="Port of the head's OpenAI API and membership endpoint.")
+    http_port: int = Field(8000, ge=1, le=65535, description="Port of the head's OpenAI API (open to every client).")
+    membership_port: int = Field(
+        contract.DEFAULT_MEMBERSHIP_PORT, ge=1, le=65535,
+        description=(
+            "Port of the head's membership endpoint (join, leave, the listing and the engine report; bearer "
+            "tokens): the operator and the OmniStage's own pods reach it, nobody else (NetworkPolicy)."
+        ),
+    )
     master_port: int = Field(
         25000, ge=1, le=65535, description="Port of the head's replica registration socket (--omni-master-port)."
     )

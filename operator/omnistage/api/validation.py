@@ -146,6 +146,12 @@ SPEC_RULES = [
         _unless(lambda s: s.engine.http_port != s.engine.master_port),
     ),
     Rule(
+        ".engine.membershipPort",
+        "self.engine.membershipPort != self.engine.httpPort && self.engine.membershipPort != self.engine.masterPort",
+        "spec.engine.membershipPort must differ from spec.engine.httpPort and spec.engine.masterPort",
+        _unless(lambda s: s.engine.membership_port not in (s.engine.http_port, s.engine.master_port)),
+    ),
+    Rule(
         ".engine.extraArgs",
         owned_flags_cel(),
         "spec.engine.extraArgs must not set flags the operator manages (" + ", ".join(OPERATOR_OWNED_FLAGS)

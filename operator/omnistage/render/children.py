@@ -13,6 +13,7 @@ from .network import (
     render_disruption_budget,
     render_master_service,
     render_network_policy,
+    render_pod_credential,
     render_secret,
 )
 from .pods import render_head_pod, render_pool_pod, render_replica_pod
@@ -29,10 +30,11 @@ class ChildSet:
     head: dict[str, Any]
     replicas: list[dict[str, Any]] = field(default_factory=list)
     pool_pods: list[dict[str, Any]] = field(default_factory=list)
+    credentials: list[dict[str, Any]] = field(default_factory=list)  # each replica and pool pod's, in their order
 
     def all(self) -> list[dict[str, Any]]:
         return [self.configmap, self.secret, self.api_service, self.master_service, self.network_policy,
-                *self.disruption_budgets, self.head, *self.replicas, *self.pool_pods]
+                *self.disruption_budgets, self.head, *self.credentials, *self.replicas, *self.pool_pods]
 
 
 def render_children(t: Target, token: str, head_ip: str, head_uid: str, pools: Sequence[Pool] = ()) -> ChildSet:
@@ -53,4 +55,5 @@ def render_children(t: Target, token: str, head_ip: str, head_uid: str, pools: S
         head=render_head_pod(t),
         replicas=replicas,
         pool_pods=pool_pods,
+        credentials=[render_pod_credential(pod, token) for pod in (*replicas, *pool_pods)],
     )

@@ -10,6 +10,7 @@ from typing import Any
 from .. import api
 from ..api import OmniStagePoolSpec, OmniStageSpec
 from ..api.cachemode import CacheDecision, membership_can_change
+from ..api.security import DEFAULT_OPERATOR_NAMESPACE
 from ..names import (
     APP_NAME,
     COMPONENT_ENGINE,
@@ -49,6 +50,8 @@ class Target:
     spec: OmniStageSpec
     cache: CacheDecision
     engine_image: str  # spec.engine.image, else the operator's default
+    #: Where the operator runs: the NetworkPolicy lets its pods reach the head's membership port.
+    operator_namespace: str = DEFAULT_OPERATOR_NAMESPACE
 
     @property
     def distributed(self) -> bool:

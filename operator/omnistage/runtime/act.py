@@ -23,7 +23,7 @@ from ..api.conditions import EventReason, PodReason, Reason
 from ..control import actions
 from ..control.actions import DRAIN_DONE, DRAIN_FAILED, DRAIN_RUNNING, Action
 from ..names import C_JOINED, L_ROLE
-from . import head_client, kube
+from . import credentials, head_client, kube
 from .head_client import HeadClient, HeadRefused, HeadUnreachable
 from .informer import STATE
 
@@ -124,11 +124,13 @@ def namespace_going(err: ApiException) -> bool:
 
 
 def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: EmitFn, owner: str,
-        drains: Drains = DRAINS, other: HeadClient | None = None) -> Acted:
+        drains: Drains = DRAINS, other: HeadClient | None = None, token: str | None = None) -> Acted:
     """Execute in order; return what could not be done that status should say. A child the API server
     refuses (a 422 Invalid, a quota's 403, a 404, a 409) is said in a Warning Event and in the result,
     and the actions after it still run: one refused child does not stop the others.
-    `other`: the client of a head change's other head, for the actions it decided (OnOtherHead)."""
+    `other`: the client of a head change's other head, for the actions it decided (OnOtherHead).
+    `token`: the OmniStage's membership token, which each replica or pool pod's credential is
+    derived from (written before the pod: credentials.py)."""
     problems: list[str] = []
     children: list[str] = []  # refused by the API server
     refused: set[str] = set()  # pods whose join failed in this run: not marked joined
@@ -156,6 +158,10 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
                      + _differed(done.left, "") + ": the API server, a mutating webhook or another controller "
                      "writes it; the operator leaves it until it changes again")
         elif isinstance(a, actions.CreatePod):
+            why = credentials.ensure(a.obj, token, emit)
+            if why is not None:
+                problems.append(why)
+                continue
             try:
                 pod, created = kube.create(a.obj)
             except ApiException as err:
@@ -179,7 +185,7 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
         elif isinstance(a, actions.Annotate):
             STATE.wrote(kube.patch_pod_annotations(namespace, a.name, a.annotations))
         elif isinstance(a, actions.OnOtherHead):
-            theirs = act(namespace, list(a.actions), other, emit, owner, drains)
+            theirs = act(namespace, list(a.actions), other, emit, owner, drains, token=token)
             problems += theirs.problems
             children += theirs.refused
         elif isinstance(a, actions.SetRole):

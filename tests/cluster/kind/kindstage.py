@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omnistage_engine_patches import contract
+
 from tests.cluster.real.realstage import CPU_VENV, RealOmniStage, tiny_omnistage
 from tests.cpu_engine import client
 from tests.standin.harness import PortForward
@@ -65,6 +67,8 @@ class KindOmniStage(RealOmniStage):
     _forwards: dict[str, PortForward] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _chosen: tuple[float, str] | None = field(default=None, repr=False)  # (when, head pod uid) of the last choice
+    # Head pod uid -> (its name, the forward to its membership port): the head's own listing.
+    _membership: dict[str, tuple[str, PortForward | None]] = field(default_factory=dict, repr=False)
 
     def head_name(self) -> str:
         """The head the Services select (NAME-head, or NAME-head-<hash> after a head change)."""
@@ -104,6 +108,7 @@ class KindOmniStage(RealOmniStage):
         with self._lock:
             for old in [u for u, f in self._forwards.items() if not f.alive()]:
                 self._forwards.pop(old).close()
+            self._membership.setdefault(uid, (name, None))
             if uid not in self._forwards:
                 forward = PortForward(self.kubectl, self.namespace, f"pod/{name}", 8000)
                 assert forward.port, f"kubectl port-forward to {name} did not start"
@@ -114,11 +119,25 @@ class KindOmniStage(RealOmniStage):
     def service_base(self) -> str:
         return self.base()
 
+    def membership_base(self) -> str:
+        """http://127.0.0.1:PORT forwarded to the membership port of the head base() chose (the
+        listing is not on the OpenAI port: contract.MEMBERSHIP_PORT_NAME)."""
+        self.base()
+        with self._lock:
+            uid = self._chosen[1]
+            name, forward = self._membership[uid]
+            if forward is None or not forward.alive():
+                forward = PortForward(self.kubectl, self.namespace, f"pod/{name}", contract.DEFAULT_MEMBERSHIP_PORT)
+                assert forward.port, f"kubectl port-forward to {name}'s membership port did not start"
+                self._membership[uid] = (name, forward)
+            return f"http://127.0.0.1:{forward.port}"
+
     def close_forward(self) -> None:
         with self._lock:
-            for f in self._forwards.values():
+            for f in [*self._forwards.values(), *(f for _, f in self._membership.values() if f is not None)]:
                 f.close()
             self._forwards.clear()
+            self._membership.clear()
 
     def logs(self, pod: str, previous: bool = False) -> str:
         args = ["logs", pod, "-n", self.namespace, "-c", "engine", "--tail=60"] + (["--previous"] if previous else [])

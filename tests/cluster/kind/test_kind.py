@@ -199,7 +199,7 @@ def test_node_drain_evicts_through_the_budget_and_loses_nothing(stage, kubectl):
 
         def sample() -> None:  # the head's own listing: what it routes to, not what the operator says
             while not stop.is_set():
-                body = http_get(stage.base() + MEMBERSHIP_PATH, token=token, timeout=5)
+                body = http_get(stage.membership_base() + MEMBERSHIP_PATH, token=token, timeout=5)
                 if body:
                     floor.append(1 + len([m for m in remote_members(json.loads(body)) if m.get("pod")
                                           and m.get("state") == contract.ATTACHED and not m.get("draining")]))
