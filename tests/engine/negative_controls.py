@@ -2,6 +2,7 @@
 
     python -m tests.engine.negative_controls            every control (make test-negative; make test runs it)
     python -m tests.engine.negative_controls membership  only the named patches' controls
+    OMNISTAGE_NEGATIVE_JOBS=1 python -m ...             one control at a time (default: 2 side by side)
 
 A regression test of a patch passes with the patch on (the normal run) and must fail with it off,
 or it tests nothing. Each control runs its modules in a pytest process of its own with
@@ -24,7 +25,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,16 +139,28 @@ def judge(control: Control, outcomes: dict[str, dict[str, object]], seconds: flo
     return v
 
 
+# Controls side by side: their time is mostly waiting (heartbeat timeouts, polls), so two on the
+# 2-core machine take about half as long as one after the other (measured: see README's time table).
+JOBS = max(1, int(os.environ.get("OMNISTAGE_NEGATIVE_JOBS", "2")))
+_print_lock = threading.Lock()
+
+
 def run(control: Control) -> Verdict:
+    """One control's pytest process; its output is printed whole once it ends (never interleaved)."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "outcomes.json"
+        out, log = Path(tmp) / "outcomes.json", Path(tmp) / "output.txt"
         env = {**os.environ, "OMNISTAGE_DISABLE_PATCHES": control.patch, OUTCOMES_ENV: str(out)}
         argv = [sys.executable, "-m", "pytest", "-q", "-p", "tests.engine.negative_controls", "-p", "no:cacheprovider",
                 "--no-header", "-rN", *(str(HERE / m) for m in control.modules)]
-        print(f"\n[negative control] OMNISTAGE_DISABLE_PATCHES={control.patch} {' '.join(control.modules)}", flush=True)
+        header = f"[negative control] OMNISTAGE_DISABLE_PATCHES={control.patch} {' '.join(control.modules)}"
+        with _print_lock:
+            print(f"{header}: started", flush=True)
         start = time.monotonic()
-        subprocess.run(argv, cwd=ROOT, env=env, check=False)
+        with open(log, "w") as f:
+            subprocess.run(argv, cwd=ROOT, env=env, check=False, stdout=f, stderr=subprocess.STDOUT)
         seconds = time.monotonic() - start
+        with _print_lock:
+            print(f"\n{header}: ended after {seconds:.0f} s\n{log.read_text(errors='replace')}", flush=True)
         outcomes = json.loads(out.read_text()) if out.exists() else {}
     return judge(control, outcomes, seconds)
 
@@ -156,7 +171,10 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"no negative control for {sorted(unknown)}; known: {[c.patch for c in CONTROLS]}", file=sys.stderr)
         return 2
-    verdicts = [run(c) for c in CONTROLS if not wanted or c.patch in wanted]
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=JOBS) as pool:
+        verdicts = list(pool.map(run, [c for c in CONTROLS if not wanted or c.patch in wanted]))
+    print(f"\n[negative controls] {len(verdicts)} controls, {JOBS} at a time: {time.monotonic() - start:.0f} s")
     print("\n[negative controls] patch switched off: regression tests failed / passed anyway, other failures")
     for v in verdicts:
         reg = [o for o in v.outcomes.values() if o["regression"]]
