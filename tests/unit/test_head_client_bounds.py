@@ -28,6 +28,7 @@ class HostileHead:
         self.sock.listen(8)
         self.port = self.sock.getsockname()[1]
         self.stop = threading.Event()
+        self.hung = threading.Event()  # a request reached a "hang" head
         threading.Thread(target=self.serve, daemon=True).start()
 
     def serve(self) -> None:
@@ -58,6 +59,13 @@ class HostileHead:
                     while not self.stop.is_set():
                         conn.sendall(b" ")
                         time.sleep(0.5)
+                elif self.mode == "hang":  # takes the request and never answers
+                    self.hung.set()
+                    self.stop.wait()
+                elif self.mode == "ok":  # a head that answers at once (a leave that drained)
+                    body = b'{"drained": true}'
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             except OSError:
                 return
 

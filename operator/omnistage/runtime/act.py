@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -26,6 +27,7 @@ from ..names import C_JOINED, L_ROLE
 from . import credentials, head_client, kube
 from .head_client import HeadClient, HeadRefused, HeadUnreachable
 from .informer import STATE
+from .workqueue import FairPool
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +35,29 @@ log = logging.getLogger(__name__)
 EmitFn = Callable[[str, str, str], None]
 
 
-class Drains:
-    """Draining leaves, off the reconcile workers: a bounded pool, and the state of each by pod uid
-    (in memory only: after an operator restart the plan sees no record for a pod that carries the
-    `leaving` annotation and simply starts the leave again; the head's leave is idempotent)."""
+# A drain mostly waits on its head. One OmniStage drains at most DRAINS_PER_OMNISTAGE pods at once (a
+# scale-down by 4 side by side, as before): a tenant whose head hangs its leaves holds a quarter of the
+# workers, never all of them, and its other leaves wait in its own line.
+DRAIN_WORKERS = 16
+DRAINS_PER_OMNISTAGE = 4
 
-    def __init__(self, workers: int = 4):
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="omnistage-drain")
+
+def drain_deadline(drain_seconds: int) -> float:
+    """How long one pod's leaves may hold a drain worker: head_client.leave's own bound (3 attempts of
+    connect + drain + read, and the backoff between them; a pool pod's stages leave side by side),
+    and room for a busy machine. Past it the worker is stuck (workqueue.Progress)."""
+    return 3 * (head_client.CONNECT_SECONDS + drain_seconds + head_client.READ_SECONDS) + 60.0
+
+
+class Drains:
+    """Draining leaves, off the reconcile workers: a bounded pool, fair between OmniStages, and the
+    state of each by pod uid (in memory only: after an operator restart the plan sees no record for a
+    pod that carries the `leaving` annotation and simply starts the leave again; the head's leave is
+    idempotent)."""
+
+    def __init__(self, workers: int = DRAIN_WORKERS, per_omnistage: int = DRAINS_PER_OMNISTAGE):
+        self._pool = FairPool("drain", workers, per_omnistage)
+        self.progress = self._pool.progress
         self._lock = threading.Lock()
         self._state: dict[tuple[str, str], dict[str, str]] = {}  # (namespace, name) -> pod uid -> DRAIN_*
         self.on_done: Callable[[str, str], None] = lambda namespace, name: None  # set by handlers: enqueue
@@ -93,7 +111,8 @@ class Drains:
             self._set(key, a.uid, DRAIN_FAILED if DRAIN_FAILED in states else DRAIN_DONE)
             self.on_done(namespace, name)
 
-        self._pool.submit(run)
+        self._pool.submit(key, run, drain_deadline(a.drain_seconds),
+                          f"the leave of pod {a.pod} ({namespace}/{name})")
 
 
 DRAINS = Drains()
@@ -123,6 +142,36 @@ def namespace_going(err: ApiException) -> bool:
     return err.status == 403 and "being terminated" in (err.body or "")
 
 
+# One act step spends at most this long on its head's joins and leaves, and dials no head again that
+# did not answer: the rest waits for the next pass (its status says so). So a head that hangs or
+# answers each call just within its timeout holds a reconcile worker for a bounded time whatever
+# the number of replicas (before: a timeout per join), within the pass's deadline (handlers.QUEUE).
+HEAD_SECONDS_PER_PASS = 30.0
+
+
+class HeadTime:
+    """One act step's time on one head: `with head_time:` around each call."""
+
+    def __init__(self) -> None:
+        self.spent, self.silent = 0.0, None
+
+    def later(self) -> str | None:
+        """Why the next call waits for the next pass, else None."""
+        if self.silent is not None:
+            return f"the head did not answer earlier in this pass ({self.silent})"
+        if self.spent >= HEAD_SECONDS_PER_PASS:
+            return f"this pass spent its {HEAD_SECONDS_PER_PASS:.0f} s for head calls"
+        return None
+
+    def __enter__(self) -> None:
+        self._start = time.monotonic()
+
+    def __exit__(self, kind, err, tb) -> None:
+        self.spent += time.monotonic() - self._start
+        if isinstance(err, HeadUnreachable):
+            self.silent = str(err)
+
+
 def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: EmitFn, owner: str,
         drains: Drains = DRAINS, other: HeadClient | None = None, token: str | None = None) -> Acted:
     """Execute in order; return what could not be done that status should say. A child the API server
@@ -134,6 +183,7 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
     problems: list[str] = []
     children: list[str] = []  # refused by the API server
     refused: set[str] = set()  # pods whose join failed in this run: not marked joined
+    head_time = HeadTime()  # this head's calls in this run (an OnOtherHead's head has its own)
     for a in planned:
         if isinstance(a, actions.PostEvent):
             emit(a.type, a.reason, a.message)
@@ -195,14 +245,23 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
                 drains.start(namespace, owner, client, a, emit)
         elif isinstance(a, actions.LeaveDeparted):
             who = f"replica {a.replica_id}" + (f" of stage {a.stage}" if a.stage else "")
+            if (later := head_time.later()) is not None:
+                problems.append(f"leave for departed {who} waits for the next pass: {later}")
+                continue
             try:
-                head_client.leave(client, a.replica_id, 0, a.stage)
+                with head_time:
+                    head_client.leave(client, a.replica_id, 0, a.stage)
                 emit("Normal", EventReason.LEFT, f"{who} ({a.who}) left: its pod is gone")
             except (HeadUnreachable, HeadRefused) as err:
                 problems.append(f"leave for departed {who} failed: {err}")
         elif isinstance(a, actions.Join):
+            if (later := head_time.later()) is not None:
+                refused.add(a.pod)
+                problems.append(f"join for {a.pod} waits for the next pass: {later}")
+                continue
             try:
-                ack = head_client.join(client, a.pod, a.ip, a.stage)
+                with head_time:
+                    ack = head_client.join(client, a.pod, a.ip, a.stage)
                 kind = f"pool pod {a.pod} joined stage {a.stage}" if a.stage else f"replica pod {a.pod} joined the engine"
                 emit("Normal", EventReason.JOINED, f"{kind} as replica {ack.get('replicaId')}")
             except HeadRefused as err:

@@ -67,7 +67,11 @@ def _work(namespace: str, name: str) -> None:
 # 16: a pass mostly waits (API writes, a head's answer); after a start, every hanging head holds
 # one worker for a read timeout once, and at 1,000 OmniStages with 10% hanging 8 workers made the
 # restart take 90 s (bench_fleet).
-QUEUE = WorkQueue(_work, workers=16)
+# A pass's deadline (its liveness bound, workqueue.Progress): its head calls are bounded (observe: two
+# heads' conditional GETs, act: HEAD_SECONDS_PER_PASS per head and one call past it), and its API
+# writes take milliseconds; a pass still running after 5 minutes is stuck, not slow.
+PASS_SECONDS = 300.0
+QUEUE = WorkQueue(_work, workers=16, name="reconcile", deadline=PASS_SECONDS)
 DRAINS.on_done = QUEUE.enqueue  # a finished drain is deleted by the next pass, now
 
 
@@ -80,7 +84,8 @@ def _probe(namespace: str, name: str) -> None:
 
 # Probes have workers of their own: a head that hangs (up to the read timeout) holds a prober,
 # never a reconcile worker, so a scale waits on no dead head.
-PROBES = WorkQueue(_probe, workers=8)
+# A probe is one conditional GET per answer (report, listing), each bounded by head_client's timeouts.
+PROBES = WorkQueue(_probe, workers=8, name="probe", deadline=60.0)
 
 
 def _run(namespace: str, name: str) -> None:
@@ -106,6 +111,7 @@ def start_resync(**_) -> None:
     resync = threading.Thread(target=_resync_forever, name="omnistage-resync", daemon=True)
     resync.start()
     probes.watch_thread(resync)
+    probes.watch_pools(QUEUE.progress, PROBES.progress, DRAINS.progress)
 
 
 @kopf.on.startup()

@@ -4,6 +4,7 @@ one that did not. The answers are kept per head incarnation (memory.HEADS) betwe
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class HeadView:
     failures: int = 0  # dials in a row without an answer
     answered: bool = False  # this head incarnation answered at least once
     retry_at: float = 0.0
+    asked: int = 0  # ask_head calls on this view: a probe's answer is kept only if none came between
 
 
 def view_for(key: memory.Key, head_uid: str | None, head_rv: str | None) -> HeadView:
@@ -68,7 +70,7 @@ def ask_head(client: HeadClient, view: HeadView, distributed: bool) -> tuple[
     # - after an operator restart, a hanging head then holds a worker 3 s, not 6.
     attempts = 2 if view.answered and view.unreachable is None else 1
     report_problem = listing_problem = None
-    view.token_refused = False
+    view.token_refused, view.asked = False, view.asked + 1
     try:
         if distributed:
             try:
@@ -113,7 +115,13 @@ def said(view: HeadView | None, report: Any, listing: Any, report_problem: str |
 def probe(namespace: str, name: str) -> bool:
     """For the resync: True when the OmniStage needs a full pass. One the last pass found at rest
     only has its head asked (one conditional GET, 304 at rest), off the reconcile workers: its pods,
-    children and spec changes arrive as watch events, which queue a pass themselves."""
+    children and spec changes arrive as watch events, which queue a pass themselves.
+
+    No lock is held while the head is asked (a hanging head would hold it for a read timeout, and
+    the OmniStage's next pass, on a reconcile worker, would wait for it): the view is copied under
+    the lock, the copy asked, and the answer kept under the lock again only if nothing asked the
+    head in between and the head is the same (else a pass read it, or its new head's events queue
+    one): dropped, and no pass queued for it."""
     key = (namespace, name)
     rest, view = memory.RESTING.get(key), memory.HEADS.get(key)
     if rest is None:
@@ -124,7 +132,17 @@ def probe(namespace: str, name: str) -> bool:
     if not lock.acquire(blocking=False):
         return False  # a pass is running: it asks the head itself
     try:
-        answers = ask_head(rest.client, view, rest.distributed)
-        return said(view, *answers) != rest.fingerprint[-1]
+        mine = copy.copy(view)  # ask_head replaces the answers it holds, never edits them
     finally:
         lock.release()
+    answers = ask_head(rest.client, mine, rest.distributed)
+    if not lock.acquire(blocking=False):
+        return False  # a pass runs now: it asks the head itself
+    try:
+        if (memory.HEADS.get(key) is not view or view.asked + 1 != mine.asked
+                or memory.RESTING.get(key) is not rest):
+            return False
+        memory.HEADS[key] = mine
+    finally:
+        lock.release()
+    return said(mine, *answers) != rest.fingerprint[-1]

@@ -4,7 +4,9 @@ kopf's liveness endpoint answered both before, so a replica counted Ready the mo
 leader before its informers had listed anything. Now:
 
 * /healthz, liveness: this process still works. kopf's event loop answers (it runs the startup
-  handlers, the signal handling and a clean stop's Lease release) and the resync thread runs. It
+  handlers, the signal handling and a clean stop's Lease release), the resync thread runs, and the
+  worker pools make progress (workqueue.Progress: no pass, probe or drain past its deadline, no
+  queue waiting while a worker is free; the answer names the pool and the task). It
   never looks at the API server or the Lease: a restart does not bring a cut-off API server back, it
   only costs a warm follower.
 * /readyz, readiness: "leading and synced" (this replica holds the Lease, or no election runs, and
@@ -24,6 +26,8 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from .workqueue import Progress
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,7 @@ class Checks:
     omnistages: Callable[[], int]  # OmniStages with a status this replica observed (the old kopf probe's figure)
     loop: asyncio.AbstractEventLoop | None = None  # kopf's, once its startup handlers ran (handlers.py)
     threads: tuple[threading.Thread, ...] = ()  # threads the operator cannot work without
+    pools: tuple[Progress, ...] = ()  # the worker pools' progress (handlers.py: passes, probes, drains)
 
 
 def liveness(c: Checks) -> tuple[bool, str]:
@@ -58,6 +63,9 @@ def liveness(c: Checks) -> tuple[bool, str]:
     dead = [t.name for t in c.threads if not t.is_alive()]
     if dead:
         return False, f"thread {', '.join(dead)} died"
+    stuck = [why for pool in c.pools if (why := pool.stuck()) is not None]
+    if stuck:
+        return False, "; ".join(stuck)
     try:
         asyncio.run_coroutine_threadsafe(asyncio.sleep(0), c.loop).result(LOOP_TIMEOUT)
     except Exception as err:  # noqa: BLE001 -- a closed or stuck loop: either way not alive
@@ -76,6 +84,11 @@ def watch_loop(loop: asyncio.AbstractEventLoop) -> None:
 def watch_thread(thread: threading.Thread) -> None:
     if CHECKS is not None:
         CHECKS.threads += (thread,)
+
+
+def watch_pools(*pools: Progress) -> None:
+    if CHECKS is not None:
+        CHECKS.pools += pools
 
 
 def _answer(path: str) -> tuple[int, dict]:
