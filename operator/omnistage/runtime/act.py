@@ -129,12 +129,13 @@ class Acted(NamedTuple):
 API_MESSAGE_LIMIT = 300
 
 
+def bounded(text: str, most: int = API_MESSAGE_LIMIT) -> str:
+    return text if len(text) <= most else text[:most - 3] + "..."
+
+
 def refusal(kind: str, name: str, err: ApiException) -> str:
     """One child the API server refused: which, the status code and the API's message (bounded)."""
-    words = kube.reason_of(err)
-    if len(words) > API_MESSAGE_LIMIT:
-        words = words[:API_MESSAGE_LIMIT - 3] + "..."
-    return f"{kind} {name}: {err.status} {words}"
+    return f"{kind} {name}: {err.status} {bounded(kube.reason_of(err))}"
 
 
 def namespace_going(err: ApiException) -> bool:

@@ -78,16 +78,12 @@ def reconcile(namespace: str, name: str, emit: Emit | None,
         return status
 
 
-# What a condition or an Event quotes of a failed pass's exception.
-FAILURE_MESSAGE_LIMIT = 300
-
-
 def _failed(obj: dict[str, Any], emit: Emit, why: str) -> None:
     """A pass that raised still says why: ReplicaFailure=True reason PassFailed and a Warning Event
     (repeats aggregated); the queue logs the traceback and the resync tries again. Never raises: the
     API server may be what failed."""
     meta = obj["metadata"]
-    why = why if len(why) <= FAILURE_MESSAGE_LIMIT else why[:FAILURE_MESSAGE_LIMIT - 3] + "..."
+    why = act_step.bounded(why)
     emit("Warning", Reason.PASS_FAILED, f"the operator's pass failed: {why}")
     status = failed_status(obj.get("status") or {}, meta.get("generation"), why, timestamp())
     if status == obj.get("status"):
