@@ -3,13 +3,17 @@ The list + watch loop itself runs against the real API server in the cluster tie
 
 from __future__ import annotations
 
-from omnistage.names import L_OMNISTAGE
+from omnistage.names import GROUP, L_OMNISTAGE
 from omnistage.runtime.informer import Informer
 
 
 def pod(name: str, rv: int, owner: str = "s1", **extra) -> dict:
+    """A pod the OmniStage `owner` controls (the pods' store keeps no other)."""
     return {"kind": "Pod", "metadata": {"name": name, "namespace": "ns", "resourceVersion": str(rv),
                                         "labels": {L_OMNISTAGE: owner}, "managedFields": [{"manager": "x"}],
+                                        "ownerReferences": [{"apiVersion": f"{GROUP}/v1alpha1", "kind": "OmniStage",
+                                                             "name": owner, "uid": f"{owner}-uid",
+                                                             "controller": True}],
                                         **extra}}
 
 

@@ -129,6 +129,8 @@ class EventReason(StrEnum):
     CREATE_REFUSED = "CreateRefused"  # the API server refused a pod (admission, quota): message has its words
     ENGINE_SILENT = "EngineSilent"  # a joined engine's heartbeats stopped: unroutable, kept (engine_liveness)
     ENGINE_RESUMED = "EngineResumed"  # its heartbeats resumed: serving again
+    LABELS_RESTORED = "LabelsRestored"  # an engine pod's operator labels were changed: written back
+    STRAY_POD = "StrayPod"  # a pod owned by the OmniStage that the operator did not make as it is: deleted
 
 
 class PodReason(StrEnum):

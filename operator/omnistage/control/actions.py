@@ -97,17 +97,35 @@ class MarkJoined:
 
 
 @dataclass(frozen=True)
+class RestoreLabels:
+    """Write back the operator's labels on one of its pods (control/identity.py); None removes a key."""
+    name: str
+    uid: str
+    labels: Mapping[str, str | None]
+
+
+@dataclass(frozen=True)
 class OnOtherHead:
     """A head change's other set (Observed.other) decided these: its own head answers their
     membership calls (joins at the successor, leaves at the old head)."""
     actions: tuple[Action, ...]
 
 
-Action = (PostEvent | EnsureChild | CreatePod | DeletePod | Annotate | SetRole | StartLeave | LeaveDeparted | Join
-          | MarkJoined | OnOtherHead)
+Action = (PostEvent | EnsureChild | CreatePod | DeletePod | Annotate | SetRole | RestoreLabels | StartLeave
+          | LeaveDeparted | Join | MarkJoined | OnOtherHead)
 
 
 # ---- observation ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Stray:
+    """An engine pod the OmniStage owns whose operator labels someone changed (`labels`: the keys to
+    write back, None to remove one), or that cannot be trusted (`labels` None: it is deleted)
+    (control/identity.py)."""
+    pod: dict[str, Any]
+    labels: Mapping[str, str | None] | None
+    why: str
+
 
 @dataclass(frozen=True)
 class Observed:
@@ -131,6 +149,9 @@ class Observed:
     # Why the membership Secret is not used (reconcile.ensure_token: a Secret of its name that the
     # OmniStage does not own): nothing is created or deleted until it is fixed.
     secret_refused: str | None = None
+    # Its own pods whose labels were changed or that cannot be trusted (control/identity.py): the
+    # pods above carry the labels the operator wrote already.
+    strays: tuple[Stray, ...] = ()
 
 
 HEAD_NOT_READY = "head pod is not ready"  # why a pass read nothing from the head

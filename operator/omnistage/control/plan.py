@@ -33,7 +33,7 @@ from ..render import (
 )
 from ..render.common import Pool, Target
 from ..render.pods import SHUTDOWN_SECONDS, render_pool_pod
-from . import engine_truth, headswap, liveness, pods, pools, rollout, status
+from . import engine_truth, headswap, identity, liveness, pods, pools, rollout, status
 from .actions import (
     HEAD_NOT_READY,
     Action,
@@ -75,6 +75,7 @@ def plan(t: Target | InvalidSpec, o: Observed, at: str | None = None) -> Plan:
 def decide(t: Target, o: Observed, at: str | None = None) -> Pass:
     p = Pass(t, o, at or timestamp())
     p.children()
+    identity.restore(p)
     headswap.begin(p)
     p.head_pod()
     p.engine_report()

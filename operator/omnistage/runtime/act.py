@@ -241,6 +241,8 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
             children += theirs.refused
         elif isinstance(a, actions.SetRole):
             STATE.wrote(kube.patch_pod_labels(namespace, a.name, a.uid, {L_ROLE: a.role}))
+        elif isinstance(a, actions.RestoreLabels):
+            STATE.wrote(kube.patch_pod_labels(namespace, a.name, a.uid, dict(a.labels)))
         elif isinstance(a, actions.StartLeave):
             if client is not None:
                 drains.start(namespace, owner, client, a, emit)

@@ -28,13 +28,14 @@ from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
 from .. import api
-from ..names import ENGINE_COMPONENTS, L_COMPONENT, L_MANAGED_BY, L_OMNISTAGE, MANAGED_BY
+from ..names import L_MANAGED_BY, L_OMNISTAGE, MANAGED_BY
 from . import kube, leader
 
 log = logging.getLogger(__name__)
 
 WATCH_SECONDS = 300  # server-side watch timeout: a resumed watch is one request per kind per 5 min
 TOMBSTONE_SECONDS = 120.0  # how long a deletion outranks a late write-through of the same object
+LIST_PAGE = 500  # objects per list request
 
 Key = tuple[str, str]  # (namespace, name)
 OnChange = Callable[[str, str], None]  # (namespace, OmniStage name)
@@ -73,10 +74,14 @@ class Informer:
     def __init__(self, kind: str, list_call: Callable[..., Any], selector: str | None,
                  owner: Callable[[dict[str, Any]], str | None], on_change: OnChange | None = None,
                  significant: Callable[[dict[str, Any] | None, dict[str, Any]], bool] = lambda old, new: True,
-                 trim: Callable[[dict[str, Any]], dict[str, Any]] = _trim, notify_listed: bool = False):
+                 trim: Callable[[dict[str, Any]], dict[str, Any]] = _trim, notify_listed: bool = False,
+                 owned_only: bool = False):
         self.kind, self._list_call, self.selector, self._owner = kind, list_call, selector, owner
         self.on_change, self._significant, self._trim = on_change, significant, trim
         self._notify_listed = notify_listed
+        # Keep only objects with an owner (the pods: a watch without a selector sees every pod of the
+        # scope; the others are dropped as they arrive, never stored).
+        self._owned_only = owned_only
         self._lock = threading.Lock()
         self._items: dict[Key, dict[str, Any]] = {}
         self._by_owner: dict[Key, dict[str, dict[str, Any]]] = {}
@@ -129,7 +134,7 @@ class Informer:
     def wrote(self, obj: dict[str, Any] | None) -> None:
         """What one of the operator's own writes returned: newer than the store, unless the watch
         already delivered something newer (or the deletion)."""
-        if not obj or not obj.get("metadata"):
+        if not obj or not obj.get("metadata") or not self._keeps(obj):
             return
         obj = self._trim(obj)
         key, rv = (obj["metadata"].get("namespace") or "", obj["metadata"]["name"]), _rv(obj)
@@ -141,9 +146,19 @@ class Informer:
                 return
             self._put(obj)
 
+    def _keeps(self, obj: dict[str, Any]) -> bool:
+        return not self._owned_only or self._owner(obj) is not None
+
     def _event(self, etype: str, obj: dict[str, Any]) -> None:
-        obj = self._trim(obj)
         key = (obj["metadata"].get("namespace") or "", obj["metadata"]["name"])
+        if not self._keeps(obj):
+            with self._lock:
+                had = self._items.get(key)
+            if had is None:
+                return  # never one of ours: not stored, nobody told
+            etype, obj = "DELETED", {**obj, "metadata": {**obj["metadata"], "ownerReferences":
+                                                         had["metadata"].get("ownerReferences")}}
+        obj = self._trim(obj)
         with self._lock:
             have = self._items.get(key)
             notify = etype == "DELETED" or self._significant(have, obj)
@@ -164,7 +179,8 @@ class Informer:
             for key in [k for k in self._items if scope is None or k[0] == scope]:
                 self._unindex(key, self._items.pop(key))
             for obj in items:
-                self._put(self._trim(obj))
+                if self._keeps(obj):
+                    self._put(self._trim(obj))
 
     # -- the list + watch loop
     def start(self, scopes: list[str | None]) -> None:
@@ -179,10 +195,17 @@ class Informer:
         return fn, args, ({"label_selector": self.selector} if self.selector else {})
 
     def _list(self, scope: str | None) -> str:
+        """One consistent list, in pages (a scope's every pod need not fit in memory at once: only the
+        kept ones are)."""
         fn, args, kw = self._call(scope)
-        resp = fn(*args, **kw, _preload_content=False)
-        data = json.loads(resp.data)
-        items = [{**o, "kind": o.get("kind") or self.kind} for o in data.get("items") or []]
+        items, more = [], None
+        while True:
+            resp = fn(*args, **kw, limit=LIST_PAGE, _continue=more, _preload_content=False)
+            data = json.loads(resp.data)
+            items += [{**o, "kind": o.get("kind") or self.kind} for o in data.get("items") or [] if self._keeps(o)]
+            more = data["metadata"].get("continue")
+            if not more:
+                break
         self._replace(scope, items)
         if self._notify_listed and self.on_change is not None:
             for obj in items:  # what kopf's resume did: every listed object gets a pass now
@@ -270,6 +293,15 @@ def _pdb_lister(scope: str | None):
 OWNED = f"{L_MANAGED_BY}={MANAGED_BY}"
 
 
+def _omnistage_controller(obj: dict[str, Any]) -> str | None:
+    """The name of the OmniStage that is the object's controller (its uid is the pass's to check)."""
+    for ref in obj["metadata"].get("ownerReferences") or []:
+        if ref.get("controller") and ref.get("kind") == api.KIND and \
+                (ref.get("apiVersion") or "").split("/")[0] == api.GROUP:
+            return ref.get("name")
+    return None
+
+
 class ClusterState:
     """Every informer the reconcile loop reads."""
 
@@ -284,9 +316,12 @@ class ClusterState:
         # Pools are indexed by the OmniStage they name: its pass decides for their pods and status.
         self.pools = Informer(api.POOL_KIND, _custom_lister(api.POOL_PLURAL), None,
                               lambda o: (o.get("spec") or {}).get("omniStage"), significant=_new_generation)
-        self.pods = Informer("Pod", _core_lister("list_namespaced_pod", "list_pod_for_all_namespaces"),
-                             f"{L_COMPONENT} in ({','.join(ENGINE_COMPONENTS)}),{L_OMNISTAGE}", _label(L_OMNISTAGE),
-                             trim=_trim_pod)
+        # Engine pods by their controller ownerReference, not by label (issue 27 item 5): a pod whose
+        # labels someone removed is still the OmniStage's (observe restores them), and one that carries
+        # them without the reference is not. No selector can say that, so every pod of the scope is
+        # watched and only those an OmniStage controls are kept.
+        self.pods = Informer("Pod", _core_lister("list_namespaced_pod", "list_pod_for_all_namespaces"), None,
+                             _omnistage_controller, trim=_trim_pod, owned_only=True)
         self.children = {
             "ConfigMap": Informer("ConfigMap", _core_lister("list_namespaced_config_map",
                                                             "list_config_map_for_all_namespaces"),

@@ -166,7 +166,10 @@ def read(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
 
 
 def create(obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """Create, or return the existing object of that name: (object, created)."""
+    """Create, or return the existing object of that name: (object, created). A pod of that name that
+    the same controller does not own is not taken for the one asked for: the 409 is raised, saying
+    whose it is (act says it in an Event and a condition; the operator adopts no pod it did not make).
+    A Secret's callers judge its owner themselves (reconcile.ensure_token, credentials.ensure)."""
     meta = obj["metadata"]
     try:
         made = _creator(obj["kind"])(meta["namespace"], obj)
@@ -174,10 +177,25 @@ def create(obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     except ApiException as e:
         if e.status != 409:
             raise
+        conflict = e
     existing = read(obj["kind"], meta["namespace"], meta["name"])
     if existing is None:  # deleted in between; the next reconcile creates it
         raise RuntimeError(f"{obj['kind']} {meta['name']} vanished right after a conflict")
+    owner, mine = _controller(existing), _controller(obj) or {}
+    if obj["kind"] == "Pod" and (owner or {}).get("uid") != mine.get("uid"):
+        whose = (f"its controller is {owner.get('kind')} {owner.get('name')} (uid {owner.get('uid')})" if owner
+                 else "it has no controller")
+        conflict.body = json.dumps({"message": (
+            f"pod {meta['name']} already exists and is not {mine.get('kind')} {mine.get('name')}'s: "
+            f"{whose}. The operator does not adopt a pod it did not make (it would count it, and send its "
+            f"head the membership token); delete or rename pod {meta['name']} and the operator creates its own")})
+        raise conflict
     return _with_kind(existing, obj["kind"]), False
+
+
+def _controller(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The object's controller ownerReference, if any."""
+    return next((r for r in obj["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
 
 
 def _with_kind(obj: dict[str, Any], kind: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from kubernetes.client.exceptions import ApiException
 from .. import api
 from ..api.conditions import EventReason, Reason, timestamp
 from ..api.validation import InvalidSpec
-from ..control import pods, pools
+from ..control import identity, pods, pools
 from ..control.actions import Action, EnsureChild, Observed, PostEvent
 from ..control.plan import mounts_membership_secret, plan
 from ..control.status import failed_status, pool_status
@@ -202,7 +202,11 @@ def observe(obj: dict[str, Any], t: Target, token: str | None, problems: tuple[s
     """The pods from the watches, and what a Ready head runs and who its members are (tight timeouts).
     During a head change, the second head and its replicas too (Observed.other), with its client.
     No token (ensure_token refused the Secret and holds none): no head is asked."""
-    owned = STATE.pods.owned(t.namespace, t.name)
+    # Its pods are those whose controller ownerReference names its uid, whatever their labels say;
+    # their labels as the operator wrote them, and the strays to restore or delete (control/identity.py).
+    owned, strays = identity.sort_out(t, [p for p in STATE.pods.owned(t.namespace, t.name)
+                                          if identity.owner_uid(p) == t.uid],
+                                      {pool["metadata"]["name"] for pool in STATE.pools.owned(t.namespace, t.name)})
     head, second = pods.heads([p for p in owned if pods.role(p) in HEAD_ROLES])
     engines = tuple(p for p in owned if pods.role(p) in (ROLE_REPLICA, ROLE_POOL))
     theirs = tuple(r for r in engines if second is not None and pods.head_uid(r) == pods.uid(second))
@@ -214,7 +218,8 @@ def observe(obj: dict[str, Any], t: Target, token: str | None, problems: tuple[s
     observed, client = _observe_set(obj, t, token, head, tuple(r for r in engines if r not in theirs),
                                     (t.namespace, t.name), drains)
     return replace(observed, problems=problems, refused=children,
-                   pools=tuple(STATE.pools.owned(t.namespace, t.name)), other=other, secret_refused=refused), (client, other_client)
+                   pools=tuple(STATE.pools.owned(t.namespace, t.name)),
+                   other=other, secret_refused=refused, strays=strays), (client, other_client)
 
 
 def _observe_set(obj: dict[str, Any], t: Target, token: str | None, head: dict[str, Any] | None,
