@@ -234,6 +234,8 @@ INVALID = [
      ["spec.gpu.count", "must be at least spec.engine.tensorParallelSize"]),
     ("ports-collide", {"engine": {"httpPort": 9000, "masterPort": 9000}},
      ["spec.engine.masterPort", "must differ"]),
+    ("membership-port-collides", {"engine": {"httpPort": 9000, "membershipPort": 9000}},
+     ["spec.engine.membershipPort", "must differ from spec.engine.httpPort"]),
     ("multi-stage-pipeline", {"pipeline": "qwen2_5_omni"}, ["spec.pipeline", "multi-stage vllm-omni pipeline"]),
     ("operator-owned-flag", {"engine": {"extraArgs": ["--omni-master-address=127.0.0.9"]}},
      ["spec.engine.extraArgs", "must not set flags the operator manages"]),

@@ -61,8 +61,10 @@ TAMPERS = [
      ["--type=merge", "-p", '{"spec":{"podSelector":{"matchLabels":{"tamper":"selects-nothing"}}}}'],
      lambda o: o["spec"]["podSelector"]["matchLabels"]["tamper"] == "selects-nothing"),
     ("networkpolicy-peer-every-namespace", "networkpolicy", f"{NAME}-head-engine",
-     ["--type=json", "-p", '[{"op":"add","path":"/spec/ingress/0/from/0/namespaceSelector","value":{}}]'],
-     lambda o: o["spec"]["ingress"][0]["from"][0].get("namespaceSelector") == {}),
+     # The last rule (the OmniStage's own engine pods, every port): its peer then admits those labels
+     # from every namespace.
+     ["--type=json", "-p", '[{"op":"add","path":"/spec/ingress/2/from/0/namespaceSelector","value":{}}]'],
+     lambda o: o["spec"]["ingress"][2]["from"][0].get("namespaceSelector") == {}),
     ("pdb-selector-gains-a-key", "poddisruptionbudget", f"{NAME}-replicas",
      ["--type=merge", "-p", '{"spec":{"selector":{"matchLabels":{"tamper":"x"}}}}'],
      lambda o: o["spec"]["selector"]["matchLabels"]["tamper"] == "x"),

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.cluster.conftest import _container_env
 from tests.standin.harness import OperatorProcess, converged
 from tests.standin.runtime import StandinRuntime
 
@@ -70,7 +71,7 @@ def test_two_namespaced_tenants_coexist_and_one_uninstalls_alone(
                         input=_as_list(objs))
                 dep = next(d for d in objs if d["kind"] == "Deployment")
                 pod = dep["spec"]["template"]["spec"]
-                env = {e["name"]: e["value"] for e in pod["containers"][0].get("env") or [] if "value" in e}
+                env = _container_env(pod["containers"][0])  # as the kubelet would: $(POD_IP) is loopback here
                 sa = pod["serviceAccountName"]
                 wait_for(f"ServiceAccount {ns}/{sa}", lambda ns=ns, sa=sa: kubectl(
                     "get", "serviceaccount", sa, "-n", ns, check=False).returncode == 0, timeout=60)

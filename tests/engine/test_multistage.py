@@ -103,7 +103,20 @@ def pipeline(model_dir):
 
 
 def live(engine) -> LiveHead:
-    return LiveHead.locate(StandinEngineClient(engine))
+    """The head's membership operations once its orchestrator runs: on a busy machine it starts a
+    moment after the fixture returns (503 EngineNotReady until then; CI saw it)."""
+    found: list[LiveHead] = []
+
+    def located() -> bool:
+        try:
+            found.append(LiveHead.locate(StandinEngineClient(engine)))
+        except MembershipError as err:
+            if err.code != "EngineNotReady":
+                raise
+        return bool(found)
+
+    wait_for(located, 30, what="the head's orchestrator running")
+    return found[-1]
 
 
 def listing(engine, **kwargs) -> dict[str, dict[int, dict[str, Any]]]:
