@@ -68,6 +68,10 @@ class Floor:
         before a leave and sets it after a join, so one of the two listings agrees with an honest
         pod). Not counted: terminating pods (Kubernetes counts none as ready), and pods before the
         runtime took back kwok's start-up True."""
+        # The uids the runtime took back, read before the pods: read after, a pod read with kwok's
+        # start-up True would count as taken back once the runtime's patch lands a moment later.
+        taken_back = {e["uid"] for e in list(self.standin.events) if e["action"] in ("ready", "notready")} \
+            if self.standin else None
         first = self.head.listing()
         pods = engine_pods(self.kubectl, self.namespace, role="replica", include_terminating=True)
         last = self.head.listing()
@@ -77,10 +81,9 @@ class Floor:
             return None
         for p in pods:
             name, uid = p["metadata"]["name"], p["metadata"]["uid"]
-            taken_back = any(e["uid"] == uid and e["action"] in ("ready", "notready") for e in list(self.standin.events)) \
-                if self.standin else True
-            if taken_back and not p["metadata"].get("deletionTimestamp") and _cond(p, JOINED) == "True" \
-                    and _cond(p, "Ready") == "True" and name not in before and name not in after:
+            counted = (taken_back is None or uid in taken_back) and not p["metadata"].get("deletionTimestamp")
+            if counted and _cond(p, JOINED) == "True" and _cond(p, "Ready") == "True" \
+                    and name not in before and name not in after:
                 seen = [(m.get("replicaId"), m.get("pod"), m.get("state"), m.get("coordinatorStatus"))
                         for lst in (first, last) for m in stage0(lst)]
                 self.lies.append(f"{name} Ready (joined condition True) but not joined at the head; the head "
