@@ -11,11 +11,17 @@ own work: requests, assertions, kubectl. The slowest modules are listed beneath,
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import defaultdict
 
 import pytest
+
+from tests.standin import NO_CUDA_ENV
+
+# Before any test imports vllm-omni, for this process and every one it starts (tests/standin says why).
+os.environ.update(NO_CUDA_ENV)
 
 # Seconds per tier; their sum is make test's goal (20 minutes). The path under tests/ names the tier.
 BUDGETS = {

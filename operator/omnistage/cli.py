@@ -90,7 +90,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     return run(namespaces=args.namespace, metrics_port=args.metrics_port, probe_port=args.probe_port,
                bind=args.bind_address, engine_image=args.engine_image, allowed_host_paths=args.allowed_host_paths,
-               lease_namespace=args.leader_election_namespace, lease_name=args.leader_election_id)
+               lease_namespace=args.leader_election_namespace, lease_name=args.leader_election_id,
+               probe_heads_every=args.probe_heads_every)
+
+
+def _probe_period(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0.5 <= seconds <= 60:
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds from 0.5 to 60")
+    return seconds
 
 
 def _host_paths(text: str) -> str:
@@ -132,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--engine-image", help=f"engine image of OmniStages that leave spec.engine.image unset "
                      f"(default: ${api.ENGINE_IMAGE_ENV}, else {api.DEFAULT_ENGINE_IMAGE})")
     _add_allowed_host_paths(run)
+    run.add_argument("--probe-heads-every", type=_probe_period, default=5.0, metavar="SECONDS",
+                     help="probe every head this often (default 5; 0.5 to 60): how soon a registration or a "
+                     "restarted head engine is noticed, at one conditional GET per head each time")
     run.add_argument("--leader-election-namespace", help="namespace of the leader-election Lease (default: "
                      "$POD_NAMESPACE, else the in-cluster ServiceAccount's; neither: no election, one replica only)")
     run.add_argument("--leader-election-id", default=LEASE_NAME, help="name of the leader-election Lease")

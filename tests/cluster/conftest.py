@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 
-from tests.standin.harness import OperatorProcess
+from tests.standin.harness import TESTS_PROBE_HEADS_EVERY, OperatorProcess
 from tests.standin.runtime import StandinRuntime
 from tests.support.kubectl import Kubectl, cached_binary, k8s_bin_dir
 
@@ -538,7 +538,7 @@ def operator(kubeconfig, kubectl, omnistage_crd, standin, state_dir, wait_for,
     # environment, never as the admin; a verb the manifests lack fails these tests.
     identity = operator_identity("base")
     op = OperatorProcess(identity.kubeconfig, state_dir / "operator.log", namespaces=operator_namespaces,
-                         env=identity.env)
+                         env=identity.env, probe_heads_every=TESTS_PROBE_HEADS_EVERY)
     op.start()
     yield op
     # The operator must never hold a deleted namespace: OmniStages carry no finalizer (the resync

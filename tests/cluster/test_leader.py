@@ -27,6 +27,7 @@ from omnistage.runtime import leader
 
 from tests.standin.harness import (
     L_ROLE,
+    TESTS_PROBE_HEADS_EVERY,
     HeadEndpoint,
     OperatorProcess,
     converged,
@@ -92,7 +93,8 @@ def test_sigkill_the_leader_during_a_scale(kubectl, kubeconfig, wait_for, operat
             for who in ("a", "b"):
                 ident_name = f"omnistage-operator-{who}-{suffix}"  # as the downward API names a pod
                 ops[ident_name] = OperatorProcess(ident.kubeconfig, state / f"operator-{who}.log", namespaces=[ns],
-                                                  env={**ident.env, "POD_NAMESPACE": home, "POD_NAME": ident_name})
+                                                  env={**ident.env, "POD_NAMESPACE": home, "POD_NAME": ident_name},
+                                                  probe_heads_every=TESTS_PROBE_HEADS_EVERY)
                 ops[ident_name].start()
             first = wait_for("one replica to hold the Lease", lambda: holder() in ops and holder(), timeout=60)
             follower = next(n for n in ops if n != first)

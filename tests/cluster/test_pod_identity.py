@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.cluster.test_operator import H200, NAME, apply, engine_pods, events, get_stage, wait_ready
-from tests.standin.harness import condition, service_addresses
+from tests.standin.harness import TESTS_PROBE_HEADS_EVERY, condition, service_addresses
 
 RESTORE_TIMEOUT = 20.0
 ROLE = "serving.omnistage.io/role"
@@ -132,7 +132,7 @@ def test_a_look_alike_head_is_never_sent_the_token(kubectl, wait_for, namespace,
         kubectl("scale", "omnistage", NAME, "-n", namespace, "--replicas=3")
         wait_for("the scale to 3 served", lambda: (st := (get_stage(kubectl, namespace) or {}).get("status") or {})
                  .get("readyReplicas") == 3 and st.get("registeredReplicas") == 3, timeout=120, interval=1.0)
-        time.sleep(12)  # two more resync periods of probes
+        time.sleep(4 * TESTS_PROBE_HEADS_EVERY)  # four more probe periods of the operator
     finally:
         listener.close()
     tokens = [(path, auth) for path, auth in listener.seen if auth]
@@ -161,7 +161,7 @@ def test_a_foreign_pod_holding_the_head_s_name_is_said_and_not_adopted(kubectl, 
         warned = wait_for("the CreateRefused Event", lambda: [e["message"] for e in events(kubectl, namespace)
                                                               if e["reason"] == "CreateRefused"], timeout=10)
         print("[identity] Event:", warned[0])
-        time.sleep(6)  # a resync period: nothing dials it
+        time.sleep(4 * TESTS_PROBE_HEADS_EVERY)  # four probe periods: nothing dials it
     finally:
         listener.close()
     assert [auth for _, auth in listener.seen if auth] == [], "the operator sent its token to a pod it did not make"

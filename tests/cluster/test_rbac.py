@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.standin.harness import OperatorProcess, converged
+from tests.standin.harness import TESTS_PROBE_HEADS_EVERY, OperatorProcess, converged
 from tests.standin.runtime import StandinRuntime
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -250,7 +250,8 @@ def test_namespaced_operator_reconciles_its_namespace_and_cannot_reach_another(
             # With the Deployment's downward-API environment, so it also elects itself leader through
             # the namespaced Lease grant (a refusal would show in its log, checked below).
             op = OperatorProcess(ident.kubeconfig, tmp_path / "operator.log", namespaces=[home],
-                                 env={**ident.env, "POD_NAMESPACE": home, "POD_NAME": "omnistage-operator-0"})
+                                 env={**ident.env, "POD_NAMESPACE": home, "POD_NAME": "omnistage-operator-0"},
+                                 probe_heads_every=TESTS_PROBE_HEADS_EVERY)
             op.start()
             try:
                 for ns in (home, other):
@@ -333,7 +334,8 @@ def test_chart_watch_namespaces_bind_the_operator_where_it_watches(kubectl, kube
                    if local_cluster else contextlib.nullcontext())
         with standin:
             op = OperatorProcess(as_operator.kubeconfig, tmp_path / "operator.log", namespaces=[watched],
-                                 env={"POD_NAMESPACE": home, "POD_NAME": f"{release}-0"})
+                                 env={"POD_NAMESPACE": home, "POD_NAME": f"{release}-0"},
+                                 probe_heads_every=TESTS_PROBE_HEADS_EVERY)
             op.start()
             try:
                 for ns in (watched, other):

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests.cluster.conftest import _container_env
-from tests.standin.harness import OperatorProcess, converged
+from tests.standin.harness import TESTS_PROBE_HEADS_EVERY, OperatorProcess, converged
 from tests.standin.runtime import StandinRuntime
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +77,8 @@ def test_two_namespaced_tenants_coexist_and_one_uninstalls_alone(
                     "get", "serviceaccount", sa, "-n", ns, check=False).returncode == 0, timeout=60)
                 # The watched namespace is what the Deployment's --namespace=$(POD_NAMESPACE) expands to.
                 operators[ns] = OperatorProcess(service_account_kubeconfig(sa, ns), tmp_path / f"operator-{ns}.log",
-                                                namespaces=[ns], env={**env, "POD_NAMESPACE": ns, "POD_NAME": f"op-{ns}"})
+                                                namespaces=[ns], env={**env, "POD_NAMESPACE": ns, "POD_NAME": f"op-{ns}"},
+                                                probe_heads_every=TESTS_PROBE_HEADS_EVERY)
                 operators[ns].start()
             for ns in tenants:
                 kubectl("apply", "-n", ns, "-f", "-", input=_sample(replicas=1))

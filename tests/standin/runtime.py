@@ -94,7 +94,7 @@ from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 from omnistage_engine_patches import contract
 
-from tests.standin import realpod, zygote
+from tests.standin import NO_CUDA_ENV, realpod, zygote
 from tests.standin.realpod import EngineImage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -282,6 +282,7 @@ def _container_env(pod: dict[str, Any]) -> dict[str, str]:
 def _base_env() -> dict[str, str]:
     """The runtime's environment as its stand-ins get it: no proxy variables, this tree importable."""
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env.update(NO_CUDA_ENV)
     env.update({"PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
     return env
@@ -411,8 +412,8 @@ class StandinRuntime:
             (self.state_dir / sub).mkdir(exist_ok=True)
         self._reap_stale()
         if self.image is None and zygote.enabled():
-            # Imports torch and vLLM once for every stand-in this runtime starts (zygote.py says why).
-            self._zygote = zygote.Zygote(self.python, _base_env(), str(ROOT), self.state_dir / "logs" / "zygote.log")
+            # Imports torch and vLLM once for every stand-in of this process (zygote.py says why).
+            self._zygote = zygote.shared(self.python, _base_env(), str(ROOT), self.state_dir / "logs" / "zygote.log")
         scopes = self._scopes()
         for ns in scopes:
             t = threading.Thread(target=self._watch_loop, args=(ns,), name=f"watch-{ns or 'all'}", daemon=True)
@@ -455,9 +456,7 @@ class StandinRuntime:
             # A watch thread sits in a long poll until the next event; it is a daemon and only
             # reads, so do not wait for it long.
             t.join(5 if t.name == "supervisor" else 0.5)
-        if self._zygote is not None:
-            self._zygote.close()
-        self.log("stopped")
+        self.log("stopped")  # the fork server is the process's, closed at its exit (zygote.shared)
 
     def __enter__(self) -> Self:
         return self.start()

@@ -26,6 +26,7 @@ runtime's Popen children would: the runtime's pid files find them).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import json
@@ -252,6 +253,33 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait(5)
+
+
+_SHARED: dict[tuple[str, str, tuple[tuple[str, str], ...]], Zygote] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared(python: str, env: dict[str, str], cwd: str, log_path: str | os.PathLike) -> Zygote:
+    """The fork server every runtime of this process uses (one per interpreter, environment and working
+    directory; a new one if the last exited), closed at exit. The cluster tier starts a runtime per test
+    module: each with its own server would import for 10-35 s again while its first OmniStage's
+    processes start plain, on the same two cores."""
+    key = (python, cwd, tuple(sorted(env.items())))
+    with _SHARED_LOCK:
+        server = _SHARED.get(key)
+        if server is None or not server.alive():
+            if not _SHARED:
+                atexit.register(_close_shared)
+            server = _SHARED[key] = Zygote(python, env, cwd, log_path)
+        return server
+
+
+def _close_shared() -> None:
+    with _SHARED_LOCK:
+        servers = list(_SHARED.values())
+        _SHARED.clear()
+    for server in servers:
+        server.close()
 
 
 if __name__ == "__main__":

@@ -39,3 +39,10 @@ def test_render_invalid_file_names_field_and_fix():
 def test_render_wrong_kind():
     out = omnistage("render", "-f", "-", stdin="apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
     assert out.returncode == 2 and "holds no OmniStage" in out.stderr
+
+
+def test_run_refuses_a_head_probe_period_out_of_range_before_it_starts():
+    for bad in ("0.1", "61", "soon"):
+        out = omnistage("run", "--probe-heads-every", bad)
+        assert out.returncode == 2, (bad, out.stderr)
+        assert "--probe-heads-every" in out.stderr and "give seconds from 0.5 to 60" in out.stderr, out.stderr

@@ -38,6 +38,14 @@ def watch(namespaces: list[str]) -> None:
     WATCHED_NAMESPACES[:] = namespaces
 
 
+def probe_every(seconds: float) -> None:
+    """How often every head is probed (operator_main.run, from `omnistage run --probe-heads-every`);
+    before kopf starts. A shorter period notices a registration or a restarted head engine sooner, at
+    one conditional GET per head per period."""
+    global RESYNC_SECONDS
+    RESYNC_SECONDS = seconds
+
+
 def _emitter(body):
     ref = {"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND,
            "metadata": {"name": body["metadata"]["name"], "namespace": body["metadata"]["namespace"],
