@@ -91,6 +91,9 @@ def bookkeeping(engine: Any) -> dict[str, Any]:
 def join(engine: Any, ip: str, *, seen_up: bool = False) -> SimulatedReplica:
     replica = SimulatedReplica(engine._omni_master_address, engine._omni_master_port, ip).start()
     wait_for(lambda: replica.replica_id in engine.attached_replica_ids(), 10, what=f"replica {replica.replica_id}")
+    # The pool lists the replica in the middle of the attach's step on the orchestrator's loop (the
+    # patch registers its series right after, in the same step): a no-op on that loop waits it out.
+    engine.on_loop(lambda: None)
     if seen_up:
         # vllm-omni's watcher detaches an attached replica only once it has seen it UP in the
         # coordinator's list (0.5 s ticks); a replica that vanishes before that stays attached
