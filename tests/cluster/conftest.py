@@ -280,16 +280,22 @@ def _wait_for_garbage_collector(kubectl: Kubectl) -> None:
         kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found")
 
 
-@pytest.fixture
-def namespace(request: pytest.FixtureRequest, kubectl: Kubectl) -> Iterator[str]:
-    """A fresh namespace per test; deleted afterwards (the namespace controller removes its contents)."""
-    stem = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+def create_test_namespace(kubectl: Kubectl, title: str) -> str:
+    """A new namespace named after `title` (t-..., what the tests' operators watch), ready for pods."""
+    stem = re.sub(r"[^a-z0-9-]+", "-", title.lower()).strip("-")[:40].strip("-")
     name = f"t-{stem}-{uuid.uuid4().hex[:5]}"
     kubectl("create", "namespace", name)
     kubectl("label", "namespace", name, "omnistage.io/test=true")
     # Pods are refused until the controller manager has created the namespace's default ServiceAccount.
     _wait_for(f"default ServiceAccount in {name}", lambda: kubectl(
         "get", "serviceaccount", "default", "-n", name, check=False).returncode == 0, timeout=60)
+    return name
+
+
+@pytest.fixture
+def namespace(request: pytest.FixtureRequest, kubectl: Kubectl) -> Iterator[str]:
+    """A fresh namespace per test; deleted afterwards (the namespace controller removes its contents)."""
+    name = create_test_namespace(kubectl, request.node.name)
     yield name
     kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found")
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from tests.cluster.conftest import create_test_namespace
 from tests.standin.harness import (
     A_HEAD_UID,
     L_COMPONENT,
@@ -134,6 +136,43 @@ def wait_left(wait_for, head: HeadEndpoint, member: dict[str, Any]) -> dict[str,
                    lambda: left_at_head(head.listing(include_all=True), member["replicaId"]), timeout=60)
     print("leave record:", rec)
     return rec
+
+
+class Serving:
+    """One OmniStage of `replicas` serving, for the tests that disrupt it and end by waiting until it
+    serves as many again: each starts from a serving OmniStage without paying for one more head and
+    its replicas (on 2 cores a start costs 10-30 s). `get` hands it over only once it serves; one a
+    test left otherwise (it failed) is replaced, so a failure stays in its own test."""
+
+    def __init__(self, kubectl, wait_for, tmp_path: Path, replicas: int):
+        self.kubectl, self.wait_for, self.tmp_path, self.replicas = kubectl, wait_for, tmp_path, replicas
+        self.namespace: str | None = None
+
+    def get(self) -> str:
+        if self.namespace is not None:
+            try:
+                wait_ready(self.kubectl, self.wait_for, self.namespace, self.replicas, timeout=60)
+                print(f"[shared] {self.namespace}/{NAME}: serving {self.replicas}, handed to the next test")
+                return self.namespace
+            except TimeoutError as err:
+                print(f"[shared] {self.namespace}/{NAME} left not serving ({err}); a fresh one")
+                self.close()
+        self.namespace = create_test_namespace(self.kubectl, "shared-serving")
+        apply(self.kubectl, self.namespace, self.tmp_path, sample(replicas=self.replicas))
+        wait_ready(self.kubectl, self.wait_for, self.namespace, self.replicas)
+        return self.namespace
+
+    def close(self) -> None:
+        if self.namespace is not None:
+            self.kubectl("delete", "namespace", self.namespace, "--wait=false", "--ignore-not-found")
+            self.namespace = None
+
+
+@pytest.fixture(scope="module")
+def serving3(kubectl, wait_for, operator, tmp_path_factory) -> Iterator[Serving]:
+    shared = Serving(kubectl, wait_for, tmp_path_factory.mktemp("serving3"), replicas=3)
+    yield shared
+    shared.close()
 
 
 # ----- tests ---------------------------------------------------------------------------------------
@@ -255,8 +294,8 @@ def test_scale_2_4_1_3_membership_and_metrics_follow(kubectl, wait_for, namespac
     assert {m.get("pod"): m.get("replicaId") for m in remote_members(listing)} == rejoined
 
 
-def test_replica_pod_deleted_leave_and_replacement(kubectl, wait_for, namespace, operator, standin, tmp_path):
-    apply(kubectl, namespace, tmp_path, sample(replicas=3))
+def test_replica_pod_deleted_leave_and_replacement(kubectl, wait_for, serving3, operator, standin):
+    namespace = serving3.get()
     obj = wait_ready(kubectl, wait_for, namespace, 3)
     head = HeadEndpoint(kubectl, namespace, NAME)
     victim = min(obj["status"]["members"], key=lambda m: m["pod"])
@@ -282,13 +321,12 @@ def test_replica_pod_deleted_leave_and_replacement(kubectl, wait_for, namespace,
     assert victim["replicaId"] not in {m.get("replicaId") for m in remote_members(listing)}
 
 
-def test_replica_hard_killed_leave_before_heartbeat_timeout(kubectl, wait_for, namespace, operator, standin,
-                                                            tmp_path):
+def test_replica_hard_killed_leave_before_heartbeat_timeout(kubectl, wait_for, serving3, operator, standin):
     """kill -9 of a replica engine: no DOWN reaches the head; the operator's leave must detach it (the engine
     alone would wait out its 30 s heartbeat timeout) and the Failed pod is replaced."""
     if standin is None:
         pytest.skip("needs the stand-in runtime to kill an engine process")
-    apply(kubectl, namespace, tmp_path, sample(replicas=3))
+    namespace = serving3.get()
     obj = wait_ready(kubectl, wait_for, namespace, 3)
     victim = max(obj["status"]["members"], key=lambda m: m["pod"])
     victim_uid = kubectl.json("get", "pod", victim["pod"], "-n", namespace)["metadata"]["uid"]
@@ -331,11 +369,12 @@ def _rolled(kubectl, wait_for, namespace: str, old_replica_uids: set[str], old_b
                     interval=1.0)
 
 
-def test_head_pod_deleted_replicas_rolled_membership_replayed(kubectl, wait_for, namespace, operator, tmp_path):
-    apply(kubectl, namespace, tmp_path, sample(replicas=3))
+def test_head_pod_deleted_replicas_rolled_membership_replayed(kubectl, wait_for, serving3, operator):
+    namespace = serving3.get()
     obj = wait_ready(kubectl, wait_for, namespace, 3)
     old_head = obj["status"]["head"]
     old_replicas = uids(engine_pods(kubectl, namespace, role="replica"))
+    restarts_before = [e for e in events(kubectl, namespace) if e["reason"] == "HeadRestarted"]
 
     kubectl("delete", "pod", f"{NAME}-head", "-n", namespace, "--wait=false")
     _rolled(kubectl, wait_for, namespace, old_replicas, old_head["bootId"])
@@ -344,15 +383,15 @@ def test_head_pod_deleted_replicas_rolled_membership_replayed(kubectl, wait_for,
     assert obj["status"]["head"]["bootId"] != old_head["bootId"]
     assert len(engine_pods(kubectl, namespace, role="replica")) == 2
     # Rolled once, for the new head: a replaced pod is not an engine restart of the new one.
-    assert [e["message"] for e in events(kubectl, namespace) if e["reason"] == "HeadRestarted"] == []
+    assert [e for e in events(kubectl, namespace) if e["reason"] == "HeadRestarted"] == restarts_before
 
 
-def test_head_engine_restarted_in_place_replicas_rolled(kubectl, wait_for, namespace, operator, standin, tmp_path):
+def test_head_engine_restarted_in_place_replicas_rolled(kubectl, wait_for, serving3, operator, standin):
     """The head container restarts (same pod, new boot id): replicas never re-register with a new head,
     so the operator must roll every replica and replay membership."""
     if standin is None:
         pytest.skip("needs the stand-in runtime to kill the head engine process")
-    apply(kubectl, namespace, tmp_path, sample(replicas=3))
+    namespace = serving3.get()
     obj = wait_ready(kubectl, wait_for, namespace, 3)
     old_head = obj["status"]["head"]
     old_replicas = uids(engine_pods(kubectl, namespace, role="replica"))
@@ -416,7 +455,7 @@ def _gpu_pods_elsewhere(kubectl, namespace: str) -> list[str]:
 
 
 def test_no_h200_capacity_replica_failure_then_unscheduled_victim(kubectl, wait_for, namespace, operator, tmp_path,
-                                                                  kwok_nodes):
+                                                                  kwok_nodes, serving3):
     """Eight GPUs per engine pod on two 8-GPU H200 nodes: the third pod cannot be placed. ReplicaFailure says
     so with the scheduler's reason; scaling down removes the unscheduled replica first."""
     if not kwok_nodes:
@@ -425,7 +464,8 @@ def test_no_h200_capacity_replica_failure_then_unscheduled_victim(kubectl, wait_
             kubectl.json("get", "nodes", "-l", f"nvidia.com/gpu.product={H200}")["items"]}
     if sorted(gpus.values()) != [8, 8]:
         pytest.skip(f"sized for two 8-GPU H200 nodes, found {gpus}")
-    # Earlier tests' namespaces are deleted asynchronously; their pods would hold GPUs.
+    # Earlier tests' namespaces are deleted asynchronously, the shared OmniStage's too; their pods would hold GPUs.
+    serving3.close()
     wait_for("no engine pods of other tests on the nodes", lambda: not _gpu_pods_elsewhere(kubectl, namespace),
              timeout=120)
     apply(kubectl, namespace, tmp_path, sample(replicas=3, **{"gpu.count": 8}))
