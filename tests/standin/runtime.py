@@ -283,6 +283,9 @@ def _base_env() -> dict[str, str]:
     """The runtime's environment as its stand-ins get it: no proxy variables, this tree importable."""
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
     env.update(NO_CUDA_ENV)
+    # Offline from the first import: huggingface_hub reads HF_HUB_OFFLINE once, at import, which for
+    # a child of the fork server happened in the server, before head.py's own setting.
+    env.update(realpod.OFFLINE_ENV)
     env.update({"PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
     return env
@@ -391,8 +394,13 @@ class StandinRuntime:
     # ----- logging -----------------------------------------------------------------------------
 
     def log(self, msg: str) -> None:
+        line = f"[runtime {_now()}] {msg}"
         if not self.quiet:
-            print(f"[runtime {_now()}] {msg}", flush=True)
+            print(line, flush=True)
+        # Also in the state dir, beside the stand-ins' logs: a passing test's output is not kept, and
+        # a later failure (or a slow run) is read from here.
+        with contextlib.suppress(OSError), open(self.state_dir / "runtime.log", "a") as f:
+            f.write(line + "\n")
 
     def _event(self, action: str, p: Proc, **extra: Any) -> None:
         ev = {"time": time.time(), "action": action, "namespace": p.namespace, "pod": p.pod, "uid": p.uid,
@@ -644,6 +652,8 @@ class StandinRuntime:
                 p.restart_at = None
                 self._spawn(p, pod, restart=True)
         # 4. running pods without a process -> start
+        stale_ips = {p.ip for key, p in procs.items()
+                     if p.alive() and (key not in pods or pods[key]["metadata"]["uid"] != p.uid)}
         for key, pod in pods.items():
             if key in procs and procs[key].uid == pod["metadata"]["uid"]:
                 continue
@@ -654,6 +664,13 @@ class StandinRuntime:
             if ip and any(p.ip == ip and p.alive() for p in procs.values()):
                 # pod IPs are reused: wait until the previous holder released the address
                 self._not_started_yet(pod, "the previous holder of its IP is still stopping")
+                continue
+            master = stale_ips and _expand(_arg(_engine_container(pod).get("args") or [], "--omni-master-address"), pod)
+            if master in stale_ips:
+                # kwok gave a deleted head's IP to its successor while the old process still stops; a
+                # kubelet's CNI would not have (the IP is freed with the sandbox). Dialled now, the old
+                # head would take the registration.
+                self._not_started_yet(pod, f"its head's address {master} is still held by a stopping process")
                 continue
             if now < self._next_start_try.get(key, 0):
                 continue
@@ -899,6 +916,9 @@ class StandinRuntime:
             self.log(f"fork server ready after {z.startup_seconds}s: stand-ins start from its imports")
         try:
             return z.spawn(p.argv[2], p.argv[3:], _child_env(p.ip, pod), str(ROOT), p.log_path)
+        except zygote.Refused as why:
+            self.log(f"plain    {p.role:<7} {p.namespace}/{p.pod}: the fork server refused it ({why})")
+            return None
         except (OSError, RuntimeError) as err:
             self.log(f"fork server failed ({err}): plain processes from now on")
             self._zygote = None

@@ -39,7 +39,8 @@ def server(tmp_path_factory):
         assert z.alive(), (d / "zygote.log").read_text()[-2000:]
         assert time.monotonic() < deadline, "the fork server was not ready in 300s"
         time.sleep(0.2)
-    yield z, d
+    # A child's environment agrees with the server's on what the imports read (zygote.py's guard).
+    yield z, d, {k: v for k, v in env.items() if k != "ONLY_IN_BASE"}
     z.close()
     assert not z.alive()
 
@@ -50,9 +51,9 @@ def _record(log):
 
 
 def test_a_child_runs_the_module_with_its_own_argv_env_cwd_log_and_exit_code(server, tmp_path):
-    z, d = server
+    z, _, env = server
     log = tmp_path / "child.log"
-    child = z.spawn("zygote_probe", ["7", "x"], {"PROBE_VALUE": "mine", "PYTHONPATH": str(d)}, str(tmp_path), log)
+    child = z.spawn("zygote_probe", ["7", "x"], {**env, "PROBE_VALUE": "mine"}, str(tmp_path), log)
     assert child.wait(60) == 7
     rec = _record(log)
     assert rec["argv"] == ["7", "x"] and rec["env"] == "mine" and rec["cwd"] == str(tmp_path)
@@ -62,9 +63,9 @@ def test_a_child_runs_the_module_with_its_own_argv_env_cwd_log_and_exit_code(ser
 
 
 def test_a_signal_to_the_child_s_group_is_its_exit_code(server, tmp_path):
-    z, d = server
+    z, _, env = server
     log = tmp_path / "child.log"
-    child = z.spawn("zygote_probe", ["sleep"], {"PYTHONPATH": str(d)}, str(tmp_path), log)
+    child = z.spawn("zygote_probe", ["sleep"], env, str(tmp_path), log)
     deadline = time.monotonic() + 60
     while not log.exists() or not log.read_text().strip():
         assert time.monotonic() < deadline
@@ -74,3 +75,16 @@ def test_a_signal_to_the_child_s_group_is_its_exit_code(server, tmp_path):
         child.wait(0.5)
     os.killpg(child.pid, signal.SIGTERM)
     assert child.wait(30) == -signal.SIGTERM
+
+
+def test_a_child_whose_environment_differs_on_what_the_imports_read_is_refused(server, tmp_path):
+    """vllm-omni reads some variables once, at import (e.g. its abort timeout): a child forked with
+    another value would run with the server's. It is refused (the runtime starts it plain), and the
+    server goes on serving the others."""
+    z, _, env = server
+    assert "VLLM_OMNI_INPUT_WAIT_TIMEOUT_S" in z.reads_at_import, z.reads_at_import
+    with pytest.raises(zygote.Refused, match="VLLM_OMNI_INPUT_WAIT_TIMEOUT_S"):
+        z.spawn("zygote_probe", ["0"], {**env, "VLLM_OMNI_INPUT_WAIT_TIMEOUT_S": "9"}, str(tmp_path), tmp_path / "no.log")
+    assert not (tmp_path / "no.log").exists()
+    child = z.spawn("zygote_probe", ["0"], {**env, "NOT_READ_AT_IMPORT": "1"}, str(tmp_path), tmp_path / "yes.log")
+    assert child.wait(60) == 0

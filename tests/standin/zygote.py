@@ -8,15 +8,20 @@ would (its own session, argv, environment, working directory and log file) and i
 itself: vllm-omni and this project's plugin (loaded by vLLM's plugin loader in the child, as in a
 fresh process, so the patches see the environment the pod sets).
 
-What the child inherits that a fresh process would not have: the imported modules (the same ones a
-fresh process imports first, before anything reads the pod's environment: the child gets it before
-its module runs) and the environment variables those imports set (vllm.env_override's), unless the
-pod sets them. The server refuses to serve when the imports started a Python thread: a forked child
-would lack it.
+What the child inherits that a fresh process would not have: the imported modules (torch, vLLM and
+the vllm-omni modules the stand-ins and the plugin's patches import: PRELOAD) and the environment
+variables those imports set (vllm.env_override's), unless the pod sets them. Two guards keep a forked
+child what a fresh one would be:
+* the server records every environment variable the imports read (module-level constants such as
+  vllm-omni's timeouts) and refuses a child whose environment differs on one of them: the runtime
+  starts that one as a plain process, which reads its own;
+* it refuses to serve at all when the imports started a Python thread: a forked child would lack it.
+The plugin is not among the imports: vLLM's plugin loader runs in the child, as in a fresh process,
+so the patches see the environment the pod sets.
 
 Protocol (JSON lines on the server's stdin/stdout, which it moves off fds 0 and 1):
   -> {"id": N, "module": M, "args": [...], "env": {...}, "cwd": D, "log": PATH}
-  <- {"id": N, "pid": P}  or  {"id": N, "error": "..."}
+  <- {"id": N, "pid": P}  or  {"id": N, "error": "..."}  or  {"id": N, "refused": "..."} (environment)
   <- {"exit": P, "code": C}       (C as subprocess.Popen.returncode: -signal when killed)
 The server reaps its children; it exits when its stdin closes (its children keep running, as a
 runtime's Popen children would: the runtime's pid files find them).
@@ -39,7 +44,14 @@ import threading
 import time
 from typing import Any
 
-PRELOAD = ("torch", "transformers", "vllm", "vllm.config", "vllm.engine.arg_utils")
+# torch and vLLM, then what tests/standin and the plugin's patches import from vllm-omni (about 5 s of
+# each stand-in's start on an idle machine: diffusers and vLLM's rotary embeddings come with them).
+PRELOAD = ("torch", "transformers", "vllm", "vllm.config", "vllm.engine.arg_utils",
+           "vllm.multimodal.cache", "vllm.v1.engine", "vllm_omni", "vllm_omni.engine.async_omni_engine",
+           "vllm_omni.engine.orchestrator", "vllm_omni.engine.omni_engine_base", "vllm_omni.engine.stage_pool",
+           "vllm_omni.engine.stage_runtime", "vllm_omni.engine.stage_engine_startup",
+           "vllm_omni.engine.membership_controller", "vllm_omni.entrypoints.omni_base",
+           "vllm_omni.distributed.omni_coordinator")
 READY = "zygote-ready"
 ENABLED_ENV = "OMNISTAGE_STANDIN_ZYGOTE"
 
@@ -57,8 +69,9 @@ def serve() -> int:
     os.dup2(2, 1)  # what the imports print goes to the server's log, never into the protocol
     base = dict(os.environ)
     started = time.monotonic()
-    for name in PRELOAD:
-        importlib.import_module(name)
+    with _reads_recorded() as reads:
+        for name in PRELOAD:
+            importlib.import_module(name)
     if threading.active_count() != 1:
         print(f"zygote: the preloaded imports started {threading.active_count() - 1} Python thread(s); "
               "a forked child would lack them: not serving", file=sys.stderr, flush=True)
@@ -68,7 +81,11 @@ def serve() -> int:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    _send(proto_out, {"ready": READY, "seconds": round(time.monotonic() - started, 1), "preload": list(PRELOAD)})
+    # What the imports saw: the server's environment before them (a variable they set themselves, as
+    # torch does LD_LIBRARY_PATH, is in `added`, which a child gets too unless the pod sets it).
+    read_by_imports = {k: base.get(k) for k in reads}
+    _send(proto_out, {"ready": READY, "seconds": round(time.monotonic() - started, 1), "preload": list(PRELOAD),
+                      "reads": sorted(reads)})
     sel = selectors.DefaultSelector()
     sel.register(proto_in, selectors.EVENT_READ, "proto")
     sel.register(wake_r, selectors.EVENT_READ, "wake")
@@ -87,6 +104,14 @@ def serve() -> int:
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
                 req = json.loads(line)
+                child_env = {**added, **req["env"]}
+                differ = sorted(k for k, v in read_by_imports.items()
+                                if child_env.get(k) not in (v, added.get(k, v)))
+                if differ:
+                    why = f"its environment differs on variables the preloaded imports read: {', '.join(differ)}"
+                    print(f"zygote: refused {req['module']} {req['log']}: {why}", file=sys.stderr, flush=True)
+                    _send(proto_out, {"id": req["id"], "refused": why})
+                    continue
                 try:
                     pid = os.fork()
                 except OSError as err:
@@ -99,6 +124,38 @@ def serve() -> int:
                     return _child(req, added)
                 _send(proto_out, {"id": req["id"], "pid": pid})
         _reap(proto_out)  # also after requests: a SIGCHLD whose wake-up byte was dropped (pipe full)
+
+
+@contextlib.contextmanager
+def _reads_recorded():
+    """The names of the environment variables read by name inside (os.environ[...], .get, os.getenv,
+    `in`). A scan of the whole environment is not a read of each name: os.environ.copy(), dict(...)
+    and .items() (platform's, wsgiref's snapshots; tqdm's and networkx's prefixes, which no pod sets)
+    read each key right after iterating it, and those reads are left out."""
+    reads: set[str] = set()
+    scanned: set[str] = set()  # keys the latest iteration yielded and nobody has read since
+    getitem, iterate = os._Environ.__getitem__, os._Environ.__iter__
+
+    def recorded(self, key):
+        if isinstance(key, str):  # os.environb shares the class
+            if key in scanned:
+                scanned.discard(key)
+            else:
+                reads.add(key)
+        return getitem(self, key)
+
+    def iterated(self):
+        scanned.clear()
+        for key in iterate(self):
+            if isinstance(key, str):
+                scanned.add(key)
+            yield key
+
+    os._Environ.__getitem__, os._Environ.__iter__ = recorded, iterated
+    try:
+        yield reads
+    finally:
+        os._Environ.__getitem__, os._Environ.__iter__ = getitem, iterate
 
 
 def _reap(proto_out: int) -> None:
@@ -151,6 +208,11 @@ def _child(req: dict[str, Any], added: dict[str, str]) -> int:
 
 # ----- the client (StandinRuntime) ----------------------------------------------------------------
 
+class Refused(Exception):
+    """The server will not fork this child (its environment differs on what the imports read): start it
+    as a plain process; the server serves the others."""
+
+
 class ZygoteChild:
     """What the runtime needs of a subprocess.Popen: pid, returncode, poll(), wait(timeout)."""
 
@@ -194,6 +256,7 @@ class Zygote:
         self.ready = False
         self.failure: str | None = None
         self.startup_seconds: float | None = None
+        self.reads_at_import: list[str] = []  # the environment variables the server's imports read
         with open(log_path, "ab") as log:
             self._proc = subprocess.Popen([python, "-m", "tests.standin.zygote"], cwd=cwd, env=env,
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
@@ -210,6 +273,7 @@ class Zygote:
             with self._cv:
                 if msg.get("ready") == READY:
                     self.ready, self.startup_seconds = True, msg.get("seconds")
+                    self.reads_at_import = msg.get("reads", [])
                 elif "exit" in msg:
                     child = self._children.pop(msg["exit"], None)
                     if child is not None:
@@ -242,6 +306,8 @@ class Zygote:
                 raise RuntimeError(self.failure or "the fork server went away")
             if "error" in reply:
                 raise OSError(reply["error"])
+            if "refused" in reply:
+                raise Refused(reply["refused"])
             return reply["child"]
 
     def close(self) -> None:
