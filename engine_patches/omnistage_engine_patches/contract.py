@@ -54,9 +54,19 @@ HEAD_URL_ENV = "OMNISTAGE_HEAD_URL"
 API_URL_ENV = "OMNISTAGE_API_URL"
 DRAIN_SECONDS_ENV = "OMNISTAGE_DRAIN_SECONDS"
 #: Every name the operator owns in an engine container's environment.
-OPERATOR_OWNED_ENV = (TOKEN_FILE_ENV, TOKEN_ENV, FRONTEND_CACHE_ENV, DISABLE_PATCHES_ENV, ROUTE_JOINED_ONLY_ENV,
-                      CONNECTOR_PORTS_ENV, VLLM_PLUGINS_ENV, HEAD_URL_ENV, DRAIN_SECONDS_ENV, MEMBERSHIP_PORT_ENV,
-                      API_URL_ENV)
+OPERATOR_OWNED_ENV = (
+    TOKEN_FILE_ENV,
+    TOKEN_ENV,
+    FRONTEND_CACHE_ENV,
+    DISABLE_PATCHES_ENV,
+    ROUTE_JOINED_ONLY_ENV,
+    CONNECTOR_PORTS_ENV,
+    VLLM_PLUGINS_ENV,
+    HEAD_URL_ENV,
+    DRAIN_SECONDS_ENV,
+    MEMBERSHIP_PORT_ENV,
+    API_URL_ENV,
+)
 
 # ---- credentials --------------------------------------------------------------------------------
 #: Two kinds of bearer token. The OmniStage's MASTER token (Secret NAME-membership, mounted in its
@@ -70,7 +80,9 @@ POD_CREDENTIAL_PREFIX = "pod:"
 
 def pod_credential(master_token: str, pod: str) -> str:
     """The bearer token of pod `pod` (its preStop hook's): bound to its name by the master token."""
-    digest = hmac.new(master_token.encode(), (POD_CREDENTIAL_PREFIX + pod).encode(), hashlib.sha256).hexdigest()
+    digest = hmac.new(
+        master_token.encode(), (POD_CREDENTIAL_PREFIX + pod).encode(), hashlib.sha256
+    ).hexdigest()
     return f"{POD_CREDENTIAL_PREFIX}{pod}:{digest}"
 
 
@@ -81,7 +93,10 @@ def credential_pod(master_token: str, presented: str) -> str | None:
     pod = presented[len(POD_CREDENTIAL_PREFIX):].rpartition(":")[0]
     if not pod or len(pod) > 253:
         return None
-    return pod if hmac.compare_digest(pod_credential(master_token, pod).encode(), presented.encode()) else None
+    return (
+        pod if hmac.compare_digest(pod_credential(master_token, pod).encode(), presented.encode()) else None
+    )
+
 
 # ---- patches ------------------------------------------------------------------------------------
 FRONTEND_CACHE = "frontend_cache"
@@ -168,7 +183,8 @@ class PatchReport(TypedDict):
 
 class FrontendCacheReport(TypedDict):
     cacheClass: str | None  # vLLM's class name, None when no cache was built
-    mode: str  # CACHE_CLASS_MODES value, CACHE_REPLICA_AWARE, CACHE_NONE, or "unknown" for a class we do not know
+    # CACHE_CLASS_MODES value, CACHE_REPLICA_AWARE, CACHE_NONE, or "unknown" for a class we do not know
+    mode: str
     requested: str | None  # FRONTEND_CACHE_ENV as the plugin read it (None: no operator)
 
 

@@ -45,7 +45,9 @@ class HostileHead:
             try:
                 conn.recv(65536)
                 if self.mode == "huge":  # 150 MB of JSON-ish bytes, no Content-Length
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n")
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+                    )
                     block = b"[" + b"1," * 32767 + b"1"
                     for _ in range(150 * 1024 * 1024 // len(block)):
                         if self.stop.is_set():
@@ -55,7 +57,9 @@ class HostileHead:
                     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 157286400\r\n\r\n{")
                     time.sleep(5)
                 elif self.mode == "drip":  # a byte every 0.5 s, for ever
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n")
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+                    )
                     while not self.stop.is_set():
                         conn.sendall(b" ")
                         time.sleep(0.5)

@@ -50,7 +50,9 @@ def at_rest() -> Iterator:
         key = ("ns", name)
         keys.append(key)
         view = memory.HEADS[key] = HeadView("head-uid", listing={"bootId": "b"}, listing_etag="e1")
-        memory.RESTING[key] = memory.Resting(("fingerprint", headview.said(view, None, {}, None, None)), client, True)
+        memory.RESTING[key] = memory.Resting(
+            ("fingerprint", headview.said(view, None, {}, None, None)), client, True
+        )
         return view
     yield make
     for key in keys:
@@ -89,7 +91,9 @@ def test_a_probe_answer_is_dropped_when_a_pass_read_the_head_meanwhile(heads, at
         headview.ask_head(answers, view, True)
     prober.join(15)
     kept = memory.HEADS[("ns", "hostile")]
-    assert kept.listing == {"drained": True} and kept.unreachable is None, "the probe's late answer overwrote it"
+    assert kept.listing == {"drained": True} and kept.unreachable is None, (
+        "the probe's late answer overwrote it"
+    )
     assert result == [False]
 
 
@@ -116,7 +120,9 @@ def test_a_hung_head_s_drains_leave_drain_workers_for_another_omnistage(heads, m
     finished = wait(lambda: "other" in done, timeout=10)
     took = time.monotonic() - t0
     print(f"\n[hung head] the other OmniStage's drain finished after {took:.2f}s")
-    assert finished and took < 1.5, f"another OmniStage's drain waited {took:.1f}s behind a hung head's leaves"
+    assert finished and took < 1.5, (
+        f"another OmniStage's drain waited {took:.1f}s behind a hung head's leaves"
+    )
     assert drains.states("ns", "other") == {"uid-o1": DRAIN_DONE}
     assert drains._pool.held(("ns", "hostile")) == 8 - act_module.DRAINS_PER_OMNISTAGE
 
@@ -128,7 +134,9 @@ def test_a_pass_dials_a_silent_head_once(heads, monkeypatch):
     monkeypatch.setattr(act_module.kube, "patch_pod_condition", lambda *a, **k: None)
     _, hung = heads("hang")
     t0 = time.monotonic()
-    acted = act_module.act("ns", [Join(f"r-{i}", f"10.0.0.{i}") for i in range(10)], hung, lambda *e: None, "s")
+    acted = act_module.act(
+        "ns", [Join(f"r-{i}", f"10.0.0.{i}") for i in range(10)], hung, lambda *e: None, "s"
+    )
     took = time.monotonic() - t0
     print(f"\n[hung head] 10 joins against a hung head took {took:.1f}s")
     assert took < 2 * (head_client.CONNECT_SECONDS + 0.5) + 1.5

@@ -26,14 +26,18 @@ def _modules(layer: str) -> list[str]:
     return found
 
 
-PURE = [m for layer in PURE_LAYERS for m in _modules(layer)] + ["omnistage.names", "omnistage.known_pipelines"]
+PURE = [m for layer in PURE_LAYERS for m in _modules(layer)] + [
+    "omnistage.names",
+    "omnistage.known_pipelines",
+]
 
 
 def _loaded_after_import(module: str) -> list[str]:
-    code = (f"import json, sys, {module}\n"
-            f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {sorted(IO_LIBRARIES)!r}"
-            " or m.startswith('omnistage.runtime'))))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    code = (f"import json, sys, {module}\nprint(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] "
+            f"in {sorted(IO_LIBRARIES)!r} or m.startswith('omnistage.runtime'))))")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 

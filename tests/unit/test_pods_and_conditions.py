@@ -10,7 +10,12 @@ def pod(name, index, created, *, node="h200-0", ready_=True, leaving=False):
     if leaving:
         annotations[A_LEAVING] = "ScaledDown"
     return {
-        "metadata": {"name": name, "uid": f"uid-{name}", "creationTimestamp": created, "annotations": annotations},
+        "metadata": {
+            "name": name,
+            "uid": f"uid-{name}",
+            "creationTimestamp": created,
+            "annotations": annotations,
+        },
         "spec": {"nodeName": node} if node else {},
         "status": {"conditions": [{"type": "Ready", "status": "True" if ready_ else "False"}]},
     }

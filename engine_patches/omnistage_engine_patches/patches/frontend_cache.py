@@ -30,7 +30,8 @@ The operator's decision is the authority: when `contract.FRONTEND_CACHE_ENV` nam
 operator resolved (`status.effectiveCacheMode`), that mode is built, so the OmniStage can never
 promise one cache while the engine runs another. `processor-only` is built even for a static
 single replica; `replica-aware` builds processor-only too and switches on the per-replica dispatch
-of `replica_aware_cache` (which omits tensors per replica after the replica is chosen); `disabled` and `not-applicable` build no cache (as vLLM does for size 0); a
+of `replica_aware_cache` (which omits tensors per replica after the replica is chosen); `disabled`
+and `not-applicable` build no cache (as vLLM does for size 0); a
 sender mode (`lru`, `shm`) keeps vLLM's choice only while this process's own detection agrees
 that membership cannot change, and otherwise falls back to processor-only (fail closed). Without
 the variable (no operator) the detection above decides.
@@ -111,7 +112,9 @@ _NO_CACHE = (contract.CACHE_DISABLED, contract.CACHE_NOT_APPLICABLE)
 _PROCESSOR_ONLY_FRONTENDS = (contract.CACHE_PROCESSOR_ONLY, contract.CACHE_REPLICA_AWARE)
 
 
-def choose_cache_type(vllm_choice: str | None, requested: str | None, needs_processor_only: bool) -> str | None:
+def choose_cache_type(
+    vllm_choice: str | None, requested: str | None, needs_processor_only: bool
+) -> str | None:
     """The stage-0 frontend cache type to build: vLLM's type name, or None for no cache.
 
     `vllm_choice` is `_get_cache_type` (None: text-only model or size 0), `requested` the
@@ -186,7 +189,9 @@ def install() -> str | None:
         return "BaseRenderer no longer takes its cache from processor_cache_from_config"
     for marker in _UPSTREAM_FIX_MARKERS:
         if marker in init_src or marker in builder_src or marker in engine_module_src:
-            return UpstreamFixed(f"upstream already chooses the stage-0 frontend cache ({marker!r} found in vllm_omni)")
+            return UpstreamFixed(
+                f"upstream already chooses the stage-0 frontend cache ({marker!r} found in vllm_omni)"
+            )
 
     original_init_stages = init_stages
     original_cache_ctor = cache_ctor

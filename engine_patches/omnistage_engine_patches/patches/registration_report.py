@@ -83,7 +83,9 @@ def reported(stage_config: Any) -> dict[str, str] | None:
     if not isinstance(stage_config, Mapping):
         return None
     value = stage_config.get(KEY)
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
         return None
     return dict(value)
 
@@ -122,7 +124,9 @@ def install() -> str | None:
                 kwargs["omni_stage_config"] = with_report(kwargs.get("omni_stage_config"),
                                                           getattr(module, SERIALIZER, None))
             except Exception as err:  # noqa: BLE001  (the registration goes out whatever the report does)
-                logger.warning("patch %s: registering without the report (%s: %s)", NAME, type(err).__name__, err)
+                logger.warning(
+                    "patch %s: registering without the report (%s: %s)", NAME, type(err).__name__, err
+                )
                 demote(NAME, f"building the report failed ({type(err).__name__}: {err})")
         return original(*args, **kwargs)
 

@@ -168,7 +168,10 @@ _SHAPE = (
     ("submit_initial", ("self._pick_or_select(", "add_request_async(")),
     ("_pick_or_select", ("self.pick(", "self.select_replica_id(")),
     ("pick", ("self._hub is None or self._lb is None", "self._affinity.get(request_id)", "self._lb.select(")),
-    ("select_replica_id", ("self.get_bound_replica_id(request_id)", "self._request_bindings[request_id] = chosen")),
+    (
+        "select_replica_id",
+        ("self.get_bound_replica_id(request_id)", "self._request_bindings[request_id] = chosen"),
+    ),
     ("get_bound_replica_id", ("self._request_bindings.get(request_id)", "self._affinity.get(request_id)")),
     ("bind", ("self._affinity[request_id] = input_addr",)),
 )
@@ -180,7 +183,10 @@ def _shape_problem(stage_pool: type, submit: Any) -> str | None:
     if submit is None or not inspect.iscoroutinefunction(submit):
         return "StagePool.submit_initial is missing or not a coroutine function"
     params = inspect.signature(submit).parameters
-    if list(params)[:4] != ["self", "request_id", "req_state", "request"] or "affinity_request_id" not in params:
+    if (
+        list(params)[:4] != ["self", "request_id", "req_state", "request"]
+        or "affinity_request_id" not in params
+    ):
         return f"StagePool.submit_initial has an unexpected signature {inspect.signature(submit)}"
     for method, needles in _SHAPE:
         fn = getattr(stage_pool, method, None)

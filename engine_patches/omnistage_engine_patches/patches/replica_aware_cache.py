@@ -294,7 +294,10 @@ def install() -> str | None:
     if add is None or not inspect.iscoroutinefunction(add):
         return "StageEngineCoreClientBase.add_request_async is missing or not a coroutine function"
     if list(inspect.signature(add).parameters) != ["self", "request"]:
-        return f"StageEngineCoreClientBase.add_request_async has an unexpected signature {inspect.signature(add)}"
+        return (
+            "StageEngineCoreClientBase.add_request_async has an unexpected signature "
+            f"{inspect.signature(add)}"
+        )
     for attr in _WRAPPED_INHERITED:
         if not callable(getattr(AsyncMPClient, attr, None)):
             return f"AsyncMPClient.{attr} is missing"

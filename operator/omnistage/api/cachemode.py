@@ -48,7 +48,9 @@ def resolve_cache_mode(requested: str, membership: str, replicas: int, model_kin
     if requested in (CacheMode.LRU, CacheMode.SHM) and dynamic:
         raise CacheModeRejected(SENDER_CACHE_WITH_DYNAMIC_MEMBERSHIP)
     if model_kind == ModelKind.TEXT_ONLY:
-        return CacheDecision(EffectiveCacheMode.NOT_APPLICABLE, "text-only model: no multimodal processor cache")
+        return CacheDecision(
+            EffectiveCacheMode.NOT_APPLICABLE, "text-only model: no multimodal processor cache"
+        )
     if requested == CacheMode.DISABLED:
         return CacheDecision(EffectiveCacheMode.DISABLED, "cache disabled in spec")
     if size_gib == 0:
@@ -61,6 +63,8 @@ def resolve_cache_mode(requested: str, membership: str, replicas: int, model_kin
     if requested == CacheMode.AUTO:
         if dynamic:
             why = "membership is dynamic" if membership == Membership.DYNAMIC else f"{replicas} replicas"
-            return CacheDecision(EffectiveCacheMode.PROCESSOR_ONLY, f"auto: {why}, replicas can join or leave")
+            return CacheDecision(
+                EffectiveCacheMode.PROCESSOR_ONLY, f"auto: {why}, replicas can join or leave"
+            )
         return CacheDecision(EffectiveCacheMode.LRU, "auto: static single replica keeps the sender cache")
     return CacheDecision(EffectiveCacheMode(requested), f"{requested} requested for a static single replica")

@@ -17,8 +17,10 @@ from ..api.conditions import Reason
 
 # What to run when the report disagrees (said in the Warning Event and the condition).
 SUPPORTED_ENGINE = "vllm 0.30.0 and vllm-omni 0.30.0 with this operator's omnistage-engine-patches plugin"
-PLUGIN_ADVICE = (f"use an engine image with {SUPPORTED_ENGINE} installed, and keep {contract.GENERAL_PLUGIN} and "
-                 f"{contract.ENDPOINT_PLUGIN} in {contract.VLLM_PLUGINS_ENV}")
+PLUGIN_ADVICE = (
+    f"use an engine image with {SUPPORTED_ENGINE} installed, and keep {contract.GENERAL_PLUGIN} and "
+    f"{contract.ENDPOINT_PLUGIN} in {contract.VLLM_PLUGINS_ENV}"
+)
 
 # The mode the report names for each effective cache mode the operator resolves.
 _EXPECTED_FRONTEND = {
@@ -89,10 +91,13 @@ def check(effective_mode: str, distributed: bool, report: dict[str, Any] | None,
     expected = _EXPECTED_FRONTEND.get(effective_mode)
     actual = frontend.get("mode")
     if actual != expected:
-        return Verdict(False, Reason.CACHE_MISMATCH,
-                       f"status.effectiveCacheMode is {effective_mode} but the head's stage-0 frontend built "
-                       f"{frontend.get('cacheClass') or 'no cache'} ({actual}); the head runs {_engine(report)}. "
-                       f"{PLUGIN_ADVICE}")
+        return Verdict(
+            False,
+            Reason.CACHE_MISMATCH,
+            f"status.effectiveCacheMode is {effective_mode} but the head's stage-0 frontend built "
+            f"{frontend.get('cacheClass') or 'no cache'} ({actual}); the head runs {_engine(report)}. "
+            f"{PLUGIN_ADVICE}",
+        )
     built = frontend.get("cacheClass") or "no multimodal cache"
     return Verdict(True, Reason.CONSISTENT, f"the head's stage-0 frontend runs {built} ({effective_mode}); "
                                        f"{_engine(report)}")
@@ -111,6 +116,8 @@ def summary(report: dict[str, Any] | None) -> dict[str, Any] | None:
         "distributed": report.get("distributed"),
         "frontendCacheClass": frontend.get("cacheClass"),
         "frontendCacheMode": frontend.get("mode"),
-        "patches": {name: str((p or {}).get("outcome")) for name, p in sorted((report.get("patches") or {}).items())},
+        "patches": {
+            name: str((p or {}).get("outcome")) for name, p in sorted((report.get("patches") or {}).items())
+        },
     }
     return {k: v for k, v in out.items() if v is not None}

@@ -78,11 +78,19 @@ def begin(p: Pass) -> None:
             _in_place(p, why, Reason.HEAD_IN_PLACE)
             return
         name = head_pod_name(t, pods.template_hash(p.want_head))
-        p.actions.append(CreatePod(render_head_pod(t, name, ROLE_NEXT_HEAD), EventReason.CREATED_HEAD,
-                                   f"created head pod {{pod}} beside {pods.name(head)}: the Services move to it "
-                                   "once it serves"))
-        p.emit("Normal", Progress.SURGING_HEAD, f"head pod {pods.name(head)}'s template changed: starting {name} "
-               f"beside it (spec.rollout.maxSurge {t.spec.rollout.max_surge})")
+        p.actions.append(
+            CreatePod(
+                render_head_pod(t, name, ROLE_NEXT_HEAD),
+                EventReason.CREATED_HEAD,
+                f"created head pod {{pod}} beside {pods.name(head)}: the Services move to it once it serves",
+            )
+        )
+        p.emit(
+            "Normal",
+            Progress.SURGING_HEAD,
+            f"head pod {pods.name(head)}'s template changed: starting {name} "
+            f"beside it (spec.rollout.maxSurge {t.spec.rollout.max_surge})",
+        )
         p.progressing.append(Progress.SURGING_HEAD)
         p.keep_head = True
         return
@@ -126,8 +134,12 @@ def _in_place(p: Pass, why: str, reason: Reason) -> None:
     p.in_place = (reason, why)
     before = condition(p.previous, Type.ROLLOUT_SURGE)
     if before.get("reason") != reason or before.get("status") != "False":
-        p.emit("Warning", reason, f"replacing head pod {pods.name(p.head)} in place: {why}. Serving stops until "
-               "the new head and its replicas are up")
+        p.emit(
+            "Warning",
+            reason,
+            f"replacing head pod {pods.name(p.head)} in place: {why}. Serving stops until "
+            "the new head and its replicas are up",
+        )
         p.keep_head = True
 
 
@@ -169,8 +181,12 @@ def run(p: Pass) -> None:
                f"{len(p.live(None))} replicas")
         p.progressing.append(Progress.MOVED_SERVICE)
     elif p.swap.phase == Phase.DRAINING and not q.o.replicas and not pods.terminating(q.head):
-        p.delete(q.head, Progress.RETIRED_HEAD, f"deleted head pod {pods.name(q.head)}: the Services moved to "
-                 f"{pods.name(p.head) if p.head else 'its successor'} and its replicas left")
+        p.delete(
+            q.head,
+            Progress.RETIRED_HEAD,
+            f"deleted head pod {pods.name(q.head)}: the Services moved to "
+            f"{pods.name(p.head) if p.head else 'its successor'} and its replicas left",
+        )
 
 
 def serves(q: Pass, first: int) -> bool:
@@ -185,21 +201,34 @@ def describe(p: Pass) -> Cond | None:
     bounds = f"maxSurge {p.t.spec.rollout.max_surge}"
     if p.in_place is not None:
         reason, why = p.in_place
-        return Cond(Type.ROLLOUT_SURGE, False, reason, f"head pod {pods.name(p.head)} is replaced in place: {why}; "
-                    "serving stops until the new head and its replicas are up")
+        return Cond(
+            Type.ROLLOUT_SURGE,
+            False,
+            reason,
+            f"head pod {pods.name(p.head)} is replaced in place: {why}; "
+            "serving stops until the new head and its replicas are up",
+        )
     if p.swap is None:
         if p.keep_head and outdated(p):
-            return Cond(Type.ROLLOUT_SURGE, True, Reason.SURGING, f"head change: starting a successor beside "
+            return Cond(Type.ROLLOUT_SURGE, True, Reason.SURGING, "head change: starting a successor beside "
                         f"{pods.name(p.head)}; the Services move to it once it serves ({bounds})")
         return None
     q = p.swap.other
     if p.swap.phase == Phase.SURGING:
         joined = sum(1 for r in q.live(None) if q.serves(r))
-        return Cond(Type.ROLLOUT_SURGE, True, Reason.SURGING,
-                    f"head change: {pods.name(q.head)} starts beside {pods.name(p.head)} "
-                    f"(Ready: {pods.ready(q.head)}, {joined}/{p.swap.first} of its first replicas joined); the "
-                    f"Services move to it once it serves ({bounds})")
-    return Cond(Type.ROLLOUT_SURGE, True, Reason.SURGING,
-                f"head change: the Services moved to {pods.name(p.head) if p.head else '?'}; the previous head "
-                f"{pods.name(q.head)} drains ({len(q.o.replicas)} replicas left), the new set grows into their "
-                f"GPUs ({bounds})")
+        return Cond(
+            Type.ROLLOUT_SURGE,
+            True,
+            Reason.SURGING,
+            f"head change: {pods.name(q.head)} starts beside {pods.name(p.head)} "
+            f"(Ready: {pods.ready(q.head)}, {joined}/{p.swap.first} of its first replicas joined); the "
+            f"Services move to it once it serves ({bounds})",
+        )
+    return Cond(
+        Type.ROLLOUT_SURGE,
+        True,
+        Reason.SURGING,
+        f"head change: the Services moved to {pods.name(p.head) if p.head else '?'}; the previous head "
+        f"{pods.name(q.head)} drains ({len(q.o.replicas)} replicas left), the new set grows into their "
+        f"GPUs ({bounds})",
+    )

@@ -100,7 +100,9 @@ def _invalid(err: InvalidSpec, o: Observed, generation: int | None, at: str) -> 
         actions.append(PostEvent("Warning", err.reason, message))
     conds = [Cond(Type.CONFIG_RENDERED, False, err.reason, message),
              Cond(Type.READY, False, err.reason, message)]
-    return Plan(actions, {**previous, "conditions": merge(previous.get("conditions", []), conds, generation, at)}, {})
+    return Plan(
+        actions, {**previous, "conditions": merge(previous.get("conditions", []), conds, generation, at)}, {}
+    )
 
 
 def _secret_refused(t: Target, o: Observed, generation: int | None, at: str) -> Plan:
@@ -114,8 +116,11 @@ def _secret_refused(t: Target, o: Observed, generation: int | None, at: str) -> 
         p.emit("Warning", Reason.NOT_SYNCED, message)
     conds = [Cond(Type.MEMBERSHIP_SYNCED, False, Reason.NOT_SYNCED, message),
              Cond(Type.READY, False, Reason.WAITING, f"waiting for {Type.MEMBERSHIP_SYNCED}: {message}")]
-    return Plan(p.actions, {**p.previous, "conditions": merge(p.previous.get("conditions", []), conds, generation,
-                                                               at)}, {})
+    return Plan(
+        p.actions,
+        {**p.previous, "conditions": merge(p.previous.get("conditions", []), conds, generation, at)},
+        {},
+    )
 
 
 def mounts_membership_secret(actions: list[Action], o: Observed) -> bool:
@@ -124,7 +129,9 @@ def mounts_membership_secret(actions: list[Action], o: Observed) -> bool:
     watch on Secrets, and a read every pass would cost a request at rest): a deleted Secret is
     re-created before a pod needs it, and running pods keep the copy their kubelet mounted."""
     def creates(acts: list[Action] | tuple[Action, ...]) -> bool:
-        return any(isinstance(a, CreatePod) or (isinstance(a, OnOtherHead) and creates(a.actions)) for a in acts)
+        return any(
+            isinstance(a, CreatePod) or (isinstance(a, OnOtherHead) and creates(a.actions)) for a in acts
+        )
 
     seen = [o.head, *o.replicas, *((o.other.head, *o.other.replicas) if o.other is not None else ())]
     return creates(actions) or any(pod is not None and pods.mounting(pod) for pod in seen)
@@ -184,13 +191,19 @@ class Pass:
         if pods.pool(pod) is None:
             return self.want_replica(pods.index(pod))
         fitted = self.pool_of.get(pods.pool(pod))
-        return self.want_pool_pod(fitted.pool, pods.index(pod)) if fitted is not None and fitted.runs else None
+        return (
+            self.want_pool_pod(fitted.pool, pods.index(pod)) if fitted is not None and fitted.runs else None
+        )
 
     def drain_of(self, pod: dict[str, Any]) -> int:
         if pods.pool(pod) is None:
             return self.t.spec.engine.drain_timeout_seconds
         fitted = self.pool_of.get(pods.pool(pod))
-        return fitted.pool.spec.drain_timeout_seconds if fitted is not None and fitted.pool else DEFAULT_POOL_DRAIN
+        return (
+            fitted.pool.spec.drain_timeout_seconds
+            if fitted is not None and fitted.pool
+            else DEFAULT_POOL_DRAIN
+        )
 
     def head_staying(self) -> bool:
         """A head pod that is not on its way out (by an earlier delete or by this pass)."""
@@ -282,11 +295,18 @@ class Pass:
     # -- steps
     def children(self) -> None:
         t = self.t
-        budgets = [render_disruption_budget(t), *(render_disruption_budget(t, f.pool) for f in self.pools if f.runs)]
+        budgets = [
+            render_disruption_budget(t),
+            *(render_disruption_budget(t, f.pool) for f in self.pools if f.runs),
+        ]
         # Compared whole (runtime/kube.drifted): a key someone added to a spec is drift too.
-        for child, compare in ((render_configmap(t), ("data", "binaryData")), (render_api_service(t), ("spec",)),
-                               (render_master_service(t), ("spec",)), (render_network_policy(t), ("spec",)),
-                               *((b, ("spec",)) for b in budgets)):
+        for child, compare in (
+            (render_configmap(t), ("data", "binaryData")),
+            (render_api_service(t), ("spec",)),
+            (render_master_service(t), ("spec",)),
+            (render_network_policy(t), ("spec",)),
+            *((b, ("spec",)) for b in budgets),
+        ):
             self.actions.append(EnsureChild(child, compare))
 
     def head_pod(self) -> None:
@@ -339,7 +359,8 @@ class Pass:
             self.membership_problem = f"head unreachable: {self.o.listing_problem}"
 
     def staying(self, pool: str | None) -> list[dict[str, Any]]:
-        """Live pods of a pool (None: stage-0 replicas) not on their way out: what its replicas is compared with."""
+        """Live pods of a pool (None: stage-0 replicas) not on their way out: what its replicas is
+        compared with."""
         return [r for r in self.live(pool) if pods.uid(r) not in self.handled]
 
     def sync_membership(self) -> None:
@@ -356,7 +377,9 @@ class Pass:
                     continue
                 pod = live.get(mm.get("pod")) or next((r for r in runs if pods.ip(r) == mm.get("host")), None)
                 if pod is None and self.disrupted(mm) is None:
-                    self.actions.append(LeaveDeparted(mm["replicaId"], str(mm.get("pod") or mm.get("host")), stage))
+                    self.actions.append(
+                        LeaveDeparted(mm["replicaId"], str(mm.get("pod") or mm.get("host")), stage)
+                    )
         self.drain_disrupted()
         for name, pod in live.items():
             if not pods.containers_ready(pod) or pods.annotation(pod, A_LEAVING) is not None \
@@ -369,7 +392,9 @@ class Pass:
                 if stage == 0 and not self.verdict.consistent:
                     # The head holds an unjoined replica unroutable (contract.ROUTE_JOINED_ONLY_ENV); the
                     # multimodal cache guarantee is stage 0's (later stages take no frontend media).
-                    self.membership_problem = f"{name} is not joined: {Type.CACHE_CONSISTENT} is False ({self.verdict.reason})"
+                    self.membership_problem = (
+                        f"{name} is not joined: {Type.CACHE_CONSISTENT} is False ({self.verdict.reason})"
+                    )
                     joins = None
                     break
                 joins.append(Join(name, pods.ip(pod), stage))
@@ -386,7 +411,9 @@ class Pass:
         """The terminating pod, not deleted by this plan, that a joined member of the head runs in:
         someone else (an eviction, a node drain, kubectl delete) is deleting it, or an earlier pass did
         after its drain."""
-        return next((r for r in self.o.replicas if pods.terminating(r) and mm.get("pod") == pods.name(r)), None)
+        return next(
+            (r for r in self.o.replicas if pods.terminating(r) and mm.get("pod") == pods.name(r)), None
+        )
 
     def drain_disrupted(self) -> None:
         """A replica pod someone else deletes keeps its engine running for its grace period (its
@@ -406,8 +433,12 @@ class Pass:
             kind = "pool pod" if pods.pool(r) else "replica pod"
             if pods.gated(r) and pods.joined_condition(r):
                 self.actions.append(MarkJoined(pods.name(r), pods.uid(r), False))
-            self.emit("Normal", EventReason.DISRUPTED, f"{kind} {pods.name(r)} is being deleted by someone else "
-                      f"(eviction, node drain, kubectl delete): draining it for up to {drain}s")
+            self.emit(
+                "Normal",
+                EventReason.DISRUPTED,
+                f"{kind} {pods.name(r)} is being deleted by someone else "
+                f"(eviction, node drain, kubectl delete): draining it for up to {drain}s",
+            )
             self.actions.append(StartLeave(pods.name(r), pods.uid(r), leaves, drain))
 
     def mark_joined(self) -> None:
@@ -433,7 +464,9 @@ class Pass:
         if not self.t.spec.stages:
             return
         covered, stages_ready = status.stage_conditions(self, status.stage_rows(self))
-        if not covered.status and covered.message != condition(self.previous, Type.STAGES_COVERED).get("message"):
+        if not covered.status and covered.message != condition(self.previous, Type.STAGES_COVERED).get(
+            "message"
+        ):
             self.emit("Warning", Reason.UNCOVERED, covered.message)
         if stages_ready.reason == Reason.PATCH_NOT_APPLIED \
                 and stages_ready.message != condition(self.previous, Type.STAGES_READY).get("message"):

@@ -30,14 +30,17 @@ class ChildSet:
     head: dict[str, Any]
     replicas: list[dict[str, Any]] = field(default_factory=list)
     pool_pods: list[dict[str, Any]] = field(default_factory=list)
-    credentials: list[dict[str, Any]] = field(default_factory=list)  # each replica and pool pod's, in their order
+    # each replica and pool pod's, in their order
+    credentials: list[dict[str, Any]] = field(default_factory=list)
 
     def all(self) -> list[dict[str, Any]]:
         return [self.configmap, self.secret, self.api_service, self.master_service, self.network_policy,
                 *self.disruption_budgets, self.head, *self.credentials, *self.replicas, *self.pool_pods]
 
 
-def render_children(t: Target, token: str, head_ip: str, head_uid: str, pools: Sequence[Pool] = ()) -> ChildSet:
+def render_children(
+    t: Target, token: str, head_ip: str, head_uid: str, pools: Sequence[Pool] = ()
+) -> ChildSet:
     """Replica and pool pods need the head's IP and UID, which exist only once the head pod does; the
     reconcile loop renders them later, `omnistage render` passes placeholders. `pools`: the
     OmniStagePools that run stages 1..n-1 (pools.fit has checked them)."""
@@ -51,7 +54,10 @@ def render_children(t: Target, token: str, head_ip: str, head_uid: str, pools: S
         api_service=render_api_service(t),
         master_service=render_master_service(t),
         network_policy=render_network_policy(t),
-        disruption_budgets=[render_disruption_budget(t), *(render_disruption_budget(t, pool) for pool in pools)],
+        disruption_budgets=[
+            render_disruption_budget(t),
+            *(render_disruption_budget(t, pool) for pool in pools),
+        ],
         head=render_head_pod(t),
         replicas=replicas,
         pool_pods=pool_pods,

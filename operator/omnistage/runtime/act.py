@@ -77,7 +77,9 @@ class Drains:
         with self._lock:
             self._state.setdefault(key, {})[uid] = state
 
-    def start(self, namespace: str, name: str, client: HeadClient, a: actions.StartLeave, emit: EmitFn) -> None:
+    def start(
+        self, namespace: str, name: str, client: HeadClient, a: actions.StartLeave, emit: EmitFn
+    ) -> None:
         key = (namespace, name)
         with self._lock:
             if self._state.get(key, {}).get(a.uid) == DRAIN_RUNNING:
@@ -89,14 +91,25 @@ class Drains:
             try:
                 ack = head_client.leave(client, replica_id, a.drain_seconds, stage)
                 drained = ack.get("drained", True)
-                emit("Normal" if drained else "Warning", EventReason.LEFT if drained else EventReason.DRAIN_TIMEOUT,
-                     f"{who} ({a.pod}) left the engine"
-                     + ("" if drained else f" after the {a.drain_seconds}s drain timeout with requests in flight"))
+                emit(
+                    "Normal" if drained else "Warning",
+                    EventReason.LEFT if drained else EventReason.DRAIN_TIMEOUT,
+                    f"{who} ({a.pod}) left the engine"
+                    + (
+                        ""
+                        if drained
+                        else f" after the {a.drain_seconds}s drain timeout with requests in flight"
+                    ),
+                )
                 return DRAIN_DONE
             except (HeadUnreachable, HeadRefused) as err:
                 # The head cannot route to a replica it cannot reach either; its heartbeat timeout
                 # detaches the replica. Deleting keeps the scale-down moving.
-                emit("Warning", EventReason.LEAVE_FAILED, f"leave for {who} ({a.pod}) failed ({err}); deleting anyway")
+                emit(
+                    "Warning",
+                    EventReason.LEAVE_FAILED,
+                    f"leave for {who} ({a.pod}) failed ({err}); deleting anyway",
+                )
             except Exception:  # never lose the record: a stuck RUNNING would hold the pod forever
                 log.exception("leave for %s/%s failed", namespace, a.pod)
             return DRAIN_FAILED
@@ -106,7 +119,9 @@ class Drains:
             if len(a.leaves) == 1:
                 states = [leave(*a.leaves[0])]
             else:
-                with ThreadPoolExecutor(max_workers=len(a.leaves), thread_name_prefix="omnistage-leave") as each:
+                with ThreadPoolExecutor(
+                    max_workers=len(a.leaves), thread_name_prefix="omnistage-leave"
+                ) as each:
                     states = list(each.map(lambda sr: leave(*sr), a.leaves))
             self._set(key, a.uid, DRAIN_FAILED if DRAIN_FAILED in states else DRAIN_DONE)
             self.on_done(namespace, name)
@@ -201,13 +216,20 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
                 continue
             if done.result != "unchanged":
                 STATE.wrote(done.obj)
-                emit("Normal", EventReason.CONFIG_RENDERED if kind == "ConfigMap" else EventReason.CHILD_SYNCED,
-                     f"{kind} {meta['name']} {done.result}" + _differed(done.drift, "it had "))
+                emit(
+                    "Normal",
+                    EventReason.CONFIG_RENDERED if kind == "ConfigMap" else EventReason.CHILD_SYNCED,
+                    f"{kind} {meta['name']} {done.result}" + _differed(done.drift, "it had "),
+                )
             if done.left:
-                emit("Warning", EventReason.CHILD_SYNCED,
-                     f"{kind} {meta['name']} still differs from what the operator renders after a restore"
-                     + _differed(done.left, "") + ": the API server, a mutating webhook or another controller "
-                     "writes it; the operator leaves it until it changes again")
+                emit(
+                    "Warning",
+                    EventReason.CHILD_SYNCED,
+                    f"{kind} {meta['name']} still differs from what the operator renders after a restore"
+                    + _differed(done.left, "")
+                    + ": the API server, a mutating webhook or another controller "
+                    "writes it; the operator leaves it until it changes again",
+                )
         elif isinstance(a, actions.CreatePod):
             why = credentials.ensure(a.obj, token, emit)
             if why is not None:
@@ -265,7 +287,11 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
             try:
                 with head_time:
                     ack = head_client.join(client, a.pod, a.ip, a.stage)
-                kind = f"pool pod {a.pod} joined stage {a.stage}" if a.stage else f"replica pod {a.pod} joined the engine"
+                kind = (
+                    f"pool pod {a.pod} joined stage {a.stage}"
+                    if a.stage
+                    else f"replica pod {a.pod} joined the engine"
+                )
                 emit("Normal", EventReason.JOINED, f"{kind} as replica {ack.get('replicaId')}")
             except HeadRefused as err:
                 refused.add(a.pod)
@@ -279,9 +305,15 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
         elif isinstance(a, actions.MarkJoined):
             if a.joined and a.pod in refused:
                 continue
-            pod = kube.patch_pod_condition(namespace, a.pod, a.uid, C_JOINED, a.joined,
-                                           PodReason.JOINED if a.joined else PodReason.NOT_JOINED,
-                                           "the head routes to it" if a.joined else "the head does not route to it")
+            pod = kube.patch_pod_condition(
+                namespace,
+                a.pod,
+                a.uid,
+                C_JOINED,
+                a.joined,
+                PodReason.JOINED if a.joined else PodReason.NOT_JOINED,
+                "the head routes to it" if a.joined else "the head does not route to it",
+            )
             if pod is not None:
                 STATE.wrote(pod)
         else:  # pragma: no cover - a new action type without an executor is a programming error
@@ -294,7 +326,9 @@ def write_pool_statuses(namespace: str, statuses: dict[str, dict[str, Any]]) -> 
     for name, status in statuses.items():
         pool = STATE.pools.get(namespace, name)
         try:
-            STATE.wrote(kube.patch_status(namespace, name, status, (pool or {}).get("status"), api.POOL_PLURAL))
+            STATE.wrote(
+                kube.patch_status(namespace, name, status, (pool or {}).get("status"), api.POOL_PLURAL)
+            )
         except ApiException as err:
             if err.status != 404:  # deleted since the watch delivered it: nothing to describe
                 raise

@@ -96,8 +96,16 @@ def _call(op: str, method: str, head: HeadClient, path: str, body: dict[str, Any
     return data
 
 
-def _conditional_call(op: str, method: str, head: HeadClient, path: str, body: dict[str, Any] | None,
-                      timeout: float, attempts: int, etag: str | None) -> tuple[dict[str, Any] | None, str | None]:
+def _conditional_call(
+    op: str,
+    method: str,
+    head: HeadClient,
+    path: str,
+    body: dict[str, Any] | None,
+    timeout: float,
+    attempts: int,
+    etag: str | None,
+) -> tuple[dict[str, Any] | None, str | None]:
     """(answer, its ETag); (None, etag) when the head answered 304 to If-None-Match: etag."""
     delay, last = 0.2, None
     headers = {"Authorization": f"Bearer {head.token}", "Content-Type": "application/json"}
@@ -162,7 +170,9 @@ def listing(head: HeadClient, attempts: int = 2) -> dict[str, Any]:
                  attempts=attempts)
 
 
-def report_if_changed(head: HeadClient, etag: str | None, attempts: int = 2) -> tuple[dict[str, Any] | None, str | None]:
+def report_if_changed(
+    head: HeadClient, etag: str | None, attempts: int = 2
+) -> tuple[dict[str, Any] | None, str | None]:
     """The report and its ETag; (None, etag) while the report behind `etag` still stands."""
     return _conditional_call("report", "GET", head, contract.ENGINE_PATH, None, READ_SECONDS, attempts, etag)
 
@@ -171,7 +181,9 @@ def listing_if_changed(head: HeadClient, etag: str | None,
                        attempts: int = 2) -> tuple[dict[str, Any] | None, str | None]:
     """The listing and its ETag; (None, etag) while the head's boot id and membership epoch are
     those behind `etag`: the cheap probe a pass at rest makes instead of a listing."""
-    return _conditional_call("list", "GET", head, contract.MEMBERSHIP_PATH, None, READ_SECONDS, attempts, etag)
+    return _conditional_call(
+        "list", "GET", head, contract.MEMBERSHIP_PATH, None, READ_SECONDS, attempts, etag
+    )
 
 
 def join(head: HeadClient, pod: str, ip: str, stage: int = 0) -> dict[str, Any]:
@@ -182,6 +194,10 @@ def join(head: HeadClient, pod: str, ip: str, stage: int = 0) -> dict[str, Any]:
 def leave(head: HeadClient, replica_id: int, drain_seconds: int, stage: int = 0) -> dict[str, Any]:
     """Stop routing to the replica, drain it up to `drain_seconds`, detach it, drop its metrics.
     The head answers when drained, so a draining leave (drain_seconds > 0) belongs on act.DRAINS."""
-    body: contract.LeaveRequest = {"stage": stage, "replicaId": replica_id, "drainTimeoutSeconds": drain_seconds}
+    body: contract.LeaveRequest = {
+        "stage": stage,
+        "replicaId": replica_id,
+        "drainTimeoutSeconds": drain_seconds,
+    }
     return _call("leave", "POST", head, contract.LEAVE_PATH, body, timeout=drain_seconds + READ_SECONDS,
                  attempts=3 if drain_seconds else 2)

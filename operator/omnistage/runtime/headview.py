@@ -52,7 +52,11 @@ def view_for(key: memory.Key, head_uid: str | None, head_rv: str | None) -> Head
 
 def settled(report: dict[str, Any] | None) -> bool:
     """A report that no longer changes within this boot (the engine and its frontend are built)."""
-    return report is not None and report.get("distributed") is not None and report.get("frontendCache") is not None
+    return (
+        report is not None
+        and report.get("distributed") is not None
+        and report.get("frontendCache") is not None
+    )
 
 
 def ask_head(client: HeadClient, view: HeadView, distributed: bool) -> tuple[

@@ -202,7 +202,9 @@ class Informer:
         while True:
             resp = fn(*args, **kw, limit=LIST_PAGE, _continue=more, _preload_content=False)
             data = json.loads(resp.data)
-            items += [{**o, "kind": o.get("kind") or self.kind} for o in data.get("items") or [] if self._keeps(o)]
+            items += [
+                {**o, "kind": o.get("kind") or self.kind} for o in data.get("items") or [] if self._keeps(o)
+            ]
             more = data["metadata"].get("continue")
             if not more:
                 break
@@ -232,7 +234,9 @@ class Informer:
                 if isinstance(err, ApiException) and err.status == 410:
                     log.info("%s watch (%s): resourceVersion too old; relisting", self.kind, scope or "all")
                     continue
-                log.warning("%s watch (%s) failed: %s; relisting in %.0fs", self.kind, scope or "all", err, backoff)
+                log.warning(
+                    "%s watch (%s) failed: %s; relisting in %.0fs", self.kind, scope or "all", err, backoff
+                )
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)
 
@@ -311,8 +315,14 @@ class ClusterState:
         # event reached it.
         # Every OmniStage listed (at a start, on becoming leader) is queued at once, as kopf's resume
         # handler did, rather than at the resync's first tick.
-        self.omnistages = Informer(api.KIND, _custom_lister(api.PLURAL), None, lambda o: o["metadata"]["name"],
-                                   significant=_new_generation, notify_listed=True)
+        self.omnistages = Informer(
+            api.KIND,
+            _custom_lister(api.PLURAL),
+            None,
+            lambda o: o["metadata"]["name"],
+            significant=_new_generation,
+            notify_listed=True,
+        )
         # Pools are indexed by the OmniStage they name: its pass decides for their pods and status.
         self.pools = Informer(api.POOL_KIND, _custom_lister(api.POOL_PLURAL), None,
                               lambda o: (o.get("spec") or {}).get("omniStage"), significant=_new_generation)
@@ -323,11 +333,18 @@ class ClusterState:
         self.pods = Informer("Pod", _core_lister("list_namespaced_pod", "list_pod_for_all_namespaces"), None,
                              _omnistage_controller, trim=_trim_pod, owned_only=True)
         self.children = {
-            "ConfigMap": Informer("ConfigMap", _core_lister("list_namespaced_config_map",
-                                                            "list_config_map_for_all_namespaces"),
-                                  OWNED, _label(L_OMNISTAGE)),
-            "Service": Informer("Service", _core_lister("list_namespaced_service", "list_service_for_all_namespaces"),
-                                OWNED, _label(L_OMNISTAGE)),
+            "ConfigMap": Informer(
+                "ConfigMap",
+                _core_lister("list_namespaced_config_map", "list_config_map_for_all_namespaces"),
+                OWNED,
+                _label(L_OMNISTAGE),
+            ),
+            "Service": Informer(
+                "Service",
+                _core_lister("list_namespaced_service", "list_service_for_all_namespaces"),
+                OWNED,
+                _label(L_OMNISTAGE),
+            ),
             "NetworkPolicy": Informer("NetworkPolicy", _net_lister, OWNED, _label(L_OMNISTAGE)),
             "PodDisruptionBudget": Informer("PodDisruptionBudget", _pdb_lister, OWNED, _label(L_OMNISTAGE)),
         }
