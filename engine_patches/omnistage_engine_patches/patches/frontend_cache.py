@@ -44,14 +44,13 @@ report must never say "applied" for a frontend it did not touch.
 from __future__ import annotations
 
 import contextvars
-import functools
 import inspect
 import logging
 import os
 from typing import Any
 
 from .. import contract
-from .._patching import STAGE0_CACHE_DECIDED, UpstreamFixed, demote, is_ours, mark
+from .._patching import STAGE0_CACHE_DECIDED, Target, UpstreamFixed, demote, is_ours, shape_problem, wrap
 from . import replica_aware_cache
 
 NAME = contract.FRONTEND_CACHE
@@ -154,28 +153,20 @@ def install() -> str | None:
     except ImportError as e:  # not an engine image (or a layout we do not know): nothing to fix
         return f"target not importable ({e})"
 
-    init_stages = OmniEngineBase.__dict__.get("_initialize_stages")
-    cache_ctor = MultiModalRegistry.__dict__.get("processor_cache_from_config")
-    if is_ours(init_stages, NAME) and is_ours(cache_ctor, NAME):
+    targets = (
+        Target(OmniEngineBase, "_initialize_stages", ("self", "stage_init_timeout")),
+        Target(MultiModalRegistry, "processor_cache_from_config", ("self", "vllm_config")),
+    )
+    wrapped = [is_ours(t.get(), NAME) for t in targets]
+    if all(wrapped):
         return None  # already in place (e.g. this module was reloaded)
-    if is_ours(init_stages, NAME) or is_ours(cache_ctor, NAME):
+    if any(wrapped):
         return "only one of the two wrappers is in place: refusing to stack a second copy"
-    if init_stages is None or cache_ctor is None:
-        return (
-            "OmniEngineBase._initialize_stages or MultiModalRegistry.processor_cache_from_config is missing"
-        )
-    for attr in ("processor_only_cache_from_config", "_get_cache_type"):
-        if not callable(getattr(MultiModalRegistry, attr, None)):
-            return f"MultiModalRegistry.{attr} is missing"
-    if list(inspect.signature(init_stages).parameters) != ["self", "stage_init_timeout"]:
-        return (
-            f"OmniEngineBase._initialize_stages has an unexpected signature {inspect.signature(init_stages)}"
-        )
-    if list(inspect.signature(cache_ctor).parameters) != ["self", "vllm_config"]:
-        return (
-            "MultiModalRegistry.processor_cache_from_config has an unexpected signature "
-            f"{inspect.signature(cache_ctor)}"
-        )
+    problem = shape_problem(*targets, Target(MultiModalRegistry, "processor_only_cache_from_config"),
+                            Target(MultiModalRegistry, "_get_cache_type"))
+    if problem:
+        return problem
+    init_stages = targets[0].get()
     try:
         init_src = inspect.getsource(init_stages)
         builder_src = inspect.getsource(stage_init_utils.build_stage0_input_processor)
@@ -193,11 +184,8 @@ def install() -> str | None:
                 f"upstream already chooses the stage-0 frontend cache ({marker!r} found in vllm_omni)"
             )
 
-    original_init_stages = init_stages
-    original_cache_ctor = cache_ctor
-
-    @functools.wraps(original_init_stages)
-    def _initialize_stages(self: Any, stage_init_timeout: int) -> None:
+    @wrap(OmniEngineBase, "_initialize_stages", NAME)
+    def _initialize_stages(original_init_stages: Any, self: Any, stage_init_timeout: int) -> None:
         token = _INITIALIZING_ENGINE.set(self)
         setattr(self, STAGE0_CACHE_DECIDED, False)
         replica_aware_cache.activate(None)  # until this engine's stage-0 frontend asks for it
@@ -211,8 +199,8 @@ def install() -> str | None:
                          "processor_cache_from_config (upstream changed how it builds the frontend)")
         return result
 
-    @functools.wraps(original_cache_ctor)
-    def processor_cache_from_config(self: Any, vllm_config: Any) -> Any:
+    @wrap(MultiModalRegistry, "processor_cache_from_config", NAME)
+    def processor_cache_from_config(original_cache_ctor: Any, self: Any, vllm_config: Any) -> Any:
         engine = _INITIALIZING_ENGINE.get()
         if engine is None or not _is_stage0_frontend_config(engine, vllm_config):
             return original_cache_ctor(self, vllm_config)
@@ -231,7 +219,5 @@ def install() -> str | None:
             return None  # what vLLM itself returns for a disabled cache
         return self.processor_only_cache_from_config(vllm_config)
 
-    OmniEngineBase._initialize_stages = mark(_initialize_stages, NAME)
-    MultiModalRegistry.processor_cache_from_config = mark(processor_cache_from_config, NAME)
     return None
 

@@ -41,14 +41,13 @@ dict they use, so the wrapper is really what they call. A module that bound the 
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 from .. import contract
-from .._patching import demote, is_ours, mark, outcomes
+from .._patching import Target, demote, ours, outcomes, shape_problem, wrap
 
 NAME = contract.REGISTRATION_REPORT
 KEY = contract.REGISTRATION_PATCHES_KEY
@@ -93,11 +92,13 @@ def reported(stage_config: Any) -> dict[str, str] | None:
 def install() -> str | None:
     from vllm_omni.engine import stage_engine_startup as module
 
-    original = getattr(module, FUNCTION, None)
-    if not callable(original):
-        return f"stage_engine_startup.{FUNCTION} is gone"
-    if is_ours(original, NAME):
+    target = Target(module, FUNCTION)
+    problem = shape_problem(target)
+    if problem:
+        return problem
+    if ours(NAME, target):
         return None
+    original = target.get()
     try:
         params = inspect.signature(original).parameters
     except (TypeError, ValueError) as e:
@@ -116,8 +117,8 @@ def install() -> str | None:
         if not any(namespace is b for b in bindings):
             bindings.append(namespace)
 
-    @functools.wraps(original)
-    def register_stage_with_omni_master(*args: Any, **kwargs: Any) -> Any:
+    @wrap(module, FUNCTION, NAME)
+    def register_stage_with_omni_master(original: Any, *args: Any, **kwargs: Any) -> Any:
         # replica_id=None: a headless launcher asking the master for an id (module docstring).
         if not args and "replica_id" in kwargs and kwargs["replica_id"] is None:
             try:
@@ -130,8 +131,7 @@ def install() -> str | None:
                 demote(NAME, f"building the report failed ({type(err).__name__}: {err})")
         return original(*args, **kwargs)
 
-    mark(register_stage_with_omni_master, NAME)
-    for namespace in bindings:
-        namespace[FUNCTION] = register_stage_with_omni_master
+    for namespace in bindings[1:]:  # the module's own is wrapped already
+        namespace[FUNCTION] = vars(module)[FUNCTION]
     return None
 
