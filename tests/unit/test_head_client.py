@@ -21,7 +21,7 @@ def test_unreachable_head_message_is_stable():
     messages = set()
     for _ in range(2):
         with pytest.raises(HeadUnreachable) as err:
-            head_client.report(head, attempts=1)
+            head_client.report_if_changed(head, None, attempts=1)
         messages.add(str(err.value))
     assert len(messages) == 1, messages
     (message,) = messages

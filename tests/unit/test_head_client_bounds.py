@@ -101,7 +101,7 @@ def test_an_answer_over_the_bound_is_no_answer_and_is_not_held(hostile, mode):
     before = _max_rss_mib()
     t0 = time.monotonic()
     with pytest.raises(HeadUnreachable, match="answer"):
-        head_client.listing(head, attempts=1)
+        head_client.listing_if_changed(head, None, attempts=1)
     grew = _max_rss_mib() - before
     print(f"\n[bounds] {mode}: refused after {time.monotonic() - t0:.2f}s, peak RSS grew {grew:.0f} MiB")
     assert grew < 64, f"RSS grew {grew:.0f} MiB reading a hostile answer"
@@ -111,7 +111,7 @@ def test_a_dripped_answer_is_cut_at_the_call_s_timeout(hostile):
     head = hostile("drip")
     t0 = time.monotonic()
     with pytest.raises(HeadUnreachable, match="not complete within"):
-        head_client.listing(head, attempts=1)
+        head_client.listing_if_changed(head, None, attempts=1)
     took = time.monotonic() - t0
     print(f"\n[bounds] drip: cut after {took:.1f}s (connect {head_client.CONNECT_SECONDS}s + read "
           f"{head_client.READ_SECONDS}s)")

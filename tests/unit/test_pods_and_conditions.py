@@ -78,8 +78,7 @@ def test_merge_keeps_other_types():
 
 
 def test_ready_needs_every_condition():
-    assert ready(True, True, True, True, True).status
-    assert ready(True, True, False, True, True).message == "waiting for MembershipSynced"
-    assert ready(True, True, True, True, False).message == "waiting for CacheConsistent"
-    assert not ready(True, True, True, True, False).status
-    assert ready(True, True, True, False, True).reason == "InvalidSpec"
+    assert ready(True, True, True, True).status
+    assert ready(True, True, False, True).message == "waiting for MembershipSynced"
+    assert ready(True, True, True, False).message == "waiting for CacheConsistent"
+    assert not ready(True, True, True, False).status

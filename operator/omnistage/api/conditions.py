@@ -195,10 +195,9 @@ def merge(
     return sorted(out, key=lambda c: TYPES.index(c["type"]) if c["type"] in TYPES else len(TYPES))
 
 
-def ready(head_ready: bool, replicas_available: bool, membership_synced: bool, config_ok: bool,
-          cache_consistent: bool, stages_ready: bool = True) -> Cond:
-    if not config_ok:
-        return Cond(Type.READY, False, Reason.INVALID_SPEC, "the spec is invalid; see ConfigRendered")
+def ready(head_ready: bool, replicas_available: bool, membership_synced: bool, cache_consistent: bool,
+          stages_ready: bool = True) -> Cond:
+    """Ready of a valid spec (an invalid one gets Ready False with its reason from the plan)."""
     missing = [
         n
         for n, ok in (

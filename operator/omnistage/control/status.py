@@ -207,7 +207,7 @@ def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dic
             + "".join(f"; stage {row['id']}: {row['ready']}/{row['desired']} pods ready" for row in stages),
         )
     )
-    conds.append(ready(head_ready, replicas_available, synced, True, verdict.consistent, stages_ready))
+    conds.append(ready(head_ready, replicas_available, synced, verdict.consistent, stages_ready))
     return conds
 
 

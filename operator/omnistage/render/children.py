@@ -1,4 +1,5 @@
-"""Every child of an OmniStage at once, for `omnistage render` and the reconcile loop."""
+"""Every child of an OmniStage at once, for `omnistage render` (and the golden files). The reconcile
+renders each child where the step that owns it decides (control/plan.py), not through this set."""
 
 from __future__ import annotations
 

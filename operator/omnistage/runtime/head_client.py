@@ -160,16 +160,6 @@ def _conditional_call(
     raise HeadUnreachable(f"{op} at {head.url(path)}: no answer ({reason})")
 
 
-def report(head: HeadClient, attempts: int = 2) -> dict[str, Any]:
-    """What the head process really runs (contract.EngineReport)."""
-    return _call("report", "GET", head, contract.ENGINE_PATH, None, timeout=READ_SECONDS, attempts=attempts)
-
-
-def listing(head: HeadClient, attempts: int = 2) -> dict[str, Any]:
-    return _call("list", "GET", head, contract.MEMBERSHIP_PATH, None, timeout=READ_SECONDS,
-                 attempts=attempts)
-
-
 def report_if_changed(
     head: HeadClient, etag: str | None, attempts: int = 2
 ) -> tuple[dict[str, Any] | None, str | None]:

@@ -380,14 +380,10 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def delete_pod(namespace: str, name: str, uid: str | None = None,
-               grace_seconds: int | None = None) -> dict[str, Any] | None:
-    """Delete a pod (only the incarnation `uid`, when given): the pod as the deletion left it
-    (deletionTimestamp set), or None when it was already gone."""
-    body = client.V1DeleteOptions(
-        preconditions=client.V1Preconditions(uid=uid) if uid else None,
-        grace_period_seconds=grace_seconds,
-    )
+def delete_pod(namespace: str, name: str, uid: str | None = None) -> dict[str, Any] | None:
+    """Delete a pod (only the incarnation `uid`, when given) with its own grace period: the pod as
+    the deletion left it (deletionTimestamp set), or None when it was already gone."""
+    body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid) if uid else None)
     try:
         gone = core().delete_namespaced_pod(name, namespace, body=body)
     except ApiException as e:
