@@ -123,7 +123,7 @@ def begin(p: Pass) -> None:
         p.delete(successor, Progress.SURGING_HEAD, f"deleted head pod {pods.name(successor)}: the template "
                  "changed again before it served")
         return
-    desired = t.spec.replicas - 1 if t.distributed else 0
+    desired = t.replica_pods
     q.replica_target = min(desired, t.spec.rollout.max_surge - 1)
     p.swap = Swap(Phase.SURGING, q, q.replica_target)
     p.progressing.append(Progress.SURGING_HEAD)
@@ -148,7 +148,7 @@ def _draining(p: Pass, q: Pass) -> None:
     q.replica_target = 0
     p.keep_head = True  # the next head change waits until this one is done
     old_pods = (0 if pods.terminating(q.head) else 1) + len(q.o.replicas)
-    desired = t.spec.replicas - 1 if t.distributed else 0
+    desired = t.replica_pods
     # The new set grows into the GPUs the old one frees: never more than replicas + maxSurge pods.
     p.replica_target = max(0, min(desired, desired + t.spec.rollout.max_surge - old_pods))
     p.swap = Swap(Phase.DRAINING, q)

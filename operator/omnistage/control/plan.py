@@ -159,7 +159,7 @@ class Pass:
         # Set by headswap.begin while a head change runs (or is said before it runs in place):
         self.keep_head = False  # an outdated head is not deleted by head_pod()
         self.create_head = True  # a missing head is created by head_pod()
-        self.replica_target: int | None = None  # stage-0 replicas this set gets (None: spec.replicas - 1)
+        self.replica_target: int | None = None  # stage-0 replicas this set gets (None: t.replica_pods)
         self.neighbours: tuple[dict[str, Any], ...] = ()  # the other set's replicas (their names are taken)
         self.swap: headswap.Swap | None = None
         self.in_place: tuple[str, str] | None = None  # (reason, why) a head change cannot surge
@@ -279,7 +279,7 @@ class Pass:
         """Stage-0 replicas this set is scaled to."""
         if self.replica_target is not None:
             return self.replica_target
-        return self.t.spec.replicas - 1 if self.t.distributed else 0
+        return self.t.replica_pods
 
     def holds_outdated_head(self) -> bool:
         """A head change runs (or waits to run in place): the head stays, its replicas are not rolled."""

@@ -127,7 +127,7 @@ def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dic
               and mm.get("state") != contract.LEFT] if t.distributed else []
     problem = p.membership_problem or p.scale_held or (p.o.problems[0] if p.o.problems else None)
     desired = t.spec.replicas
-    replica_desired = t.spec.replicas - 1 if t.distributed else 0
+    replica_desired = t.replica_pods
     replicas_ready = sum(1 for r in live if p.serves(r, unread=True))  # a replica pod is Ready once joined
     # Synced: every replica whose engine runs is joined (their Ready follows the join).
     running = sum(1 for r in live if pods.containers_ready(r) and not pods.annotation(r, A_LEAVING)

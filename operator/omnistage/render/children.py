@@ -45,8 +45,7 @@ def render_children(
     """Replica and pool pods need the head's IP and UID, which exist only once the head pod does; the
     reconcile loop renders them later, `omnistage render` passes placeholders. `pools`: the
     OmniStagePools that run stages 1..n-1 (pools.fit has checked them)."""
-    replicas = [render_replica_pod(t, i, head_ip, head_uid) for i in range(1, t.spec.replicas)] \
-        if t.distributed else []
+    replicas = [render_replica_pod(t, i, head_ip, head_uid) for i in range(1, t.replica_pods + 1)]
     pool_pods = [render_pool_pod(t, pool, i, head_ip, head_uid) for pool in pools
                  for i in range(1, pool.spec.replicas + 1)]
     return ChildSet(

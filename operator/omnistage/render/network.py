@@ -136,7 +136,7 @@ def render_disruption_budget(t: Target, pool: Pool | None = None) -> dict[str, A
     which counts the head too (and is not a pool's count at all); a number needs no scale. The head
     is left out: a budget over one pod blocks every drain of its node (its drain is an outage until a
     new head and its replicas are up, whatever a budget says)."""
-    desired = pool.spec.replicas if pool else (t.spec.replicas - 1 if t.distributed else 0)
+    desired = pool.spec.replicas if pool else t.replica_pods
     budget = pool.spec.disruption_budget if pool else t.spec.disruption_budget
     return {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
