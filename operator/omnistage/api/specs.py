@@ -228,8 +228,7 @@ class GpuSpec(_Model):
         max_length=MAX_RESOURCE_NAME_LENGTH,
         json_schema_extra=GPU_RESOURCE.schema(),
         description="Extended resource name of the GPU: DOMAIN/gpu of a GPU vendor (nvidia.com/gpu, "
-                    "amd.com/gpu), "
-        "nvidia.com/gpu.shared or an NVIDIA MIG slice (nvidia.com/mig-3g.71gb).",
+        "amd.com/gpu), nvidia.com/gpu.shared or an NVIDIA MIG slice (nvidia.com/mig-3g.71gb).",
     )
     count: int = Field(1, ge=1, description="GPUs per engine pod; at least engine.tensorParallelSize.")
     product: str = Field("NVIDIA-H200", min_length=1, description="GPU product the pods must run on.")
@@ -273,9 +272,8 @@ class HostPathSource(_Model):
         max_length=MAX_PATH_LENGTH,
         pattern="^/",
         json_schema_extra=HOST_PATH.schema(),
-        description="Absolute directory on the node with the weights, mounted read-only. The operator mounts "
-                    "only "
-        f"directories its administrator allows ({ALLOWED_HOST_PATHS_ENV}, none by default; "
+        description="Absolute directory on the node with the weights, mounted read-only. The operator "
+        f"mounts only directories its administrator allows ({ALLOWED_HOST_PATHS_ENV}, none by default; "
         "docs/security.md).",
     )
 
@@ -309,8 +307,7 @@ class StageEngineSpec(_Model):
     stage_overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra keys merged into this stage of the rendered deploy config (as "
-                    "spec.engine.stageOverrides "
-        "for stage 0; the same keys are refused).",
+        "spec.engine.stageOverrides for stage 0; the same keys are refused).",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
 
@@ -355,15 +352,14 @@ class TransportSpec(_Model):
     mode: TransportMode = Field(
         TransportMode.NETWORK,
         description="network: NixlConnector (UCX) on every edge, engine pods on any nodes. sameNode: the "
-                    "pipeline's "
-        "shipped SharedMemoryConnector; every engine pod on the head's node, sharing a host directory as "
-        "/dev/shm (needs a namespace that allows hostPath volumes).",
+        "pipeline's shipped SharedMemoryConnector; every engine pod on the head's node, sharing a host "
+        "directory as /dev/shm (needs a namespace that allows hostPath volumes).",
     )
     protocol: TransportProtocol = Field(
         TransportProtocol.TCP,
         description="tcp or rdma (network only). tcp sets UCX_TLS=tcp,sm,self unless env sets UCX_TLS; rdma "
-                    "leaves "
-        "UCX to pick the RDMA device (give the pods the NIC resource and IPC_LOCK through spec.template).",
+        "leaves UCX to pick the RDMA device (give the pods the NIC resource and IPC_LOCK through "
+        "spec.template).",
     )
     base_port: int = Field(
         30000,
@@ -385,18 +381,16 @@ class RolloutSpec(_Model):
         ge=0,
         le=256,
         description="Replacement pods a roll may create beyond the desired count before an outdated pod "
-                    "leaves: each "
-        "outdated pod is drained only once enough others are joined. When no GPU is free for a surge pod "
-        "(it stays unschedulable), condition RolloutSurge says so and the roll goes one pod at a time. "
-        "0: no surge, one pod at a time (as with maxUnavailable 1).",
+        "leaves: each outdated pod is drained only once enough others are joined. When no GPU is free for a "
+        "surge pod (it stays unschedulable), condition RolloutSurge says so and the roll goes one pod at a "
+        "time. 0: no surge, one pod at a time (as with maxUnavailable 1).",
     )
     max_unavailable: int = Field(
         0,
         ge=0,
         le=256,
         description="How many fewer replicas than desired may serve during a roll. 0: never fewer than "
-                    "spec.replicas "
-        "while a surge pod fits.",
+        "spec.replicas while a surge pod fits.",
     )
 
 
@@ -408,9 +402,8 @@ class DisruptionBudgetSpec(_Model):
         ge=1,
         le=256,
         description="How many replica pods voluntary disruptions (the eviction API: kubectl drain, the "
-                    "cluster "
-        "autoscaler) may take out of serving at once. Not the head: one head cannot be protected without "
-        "blocking every drain of its node.",
+        "cluster autoscaler) may take out of serving at once. Not the head: one head cannot be protected "
+        "without blocking every drain of its node.",
     )
 
 
@@ -421,23 +414,20 @@ class OmniStageSpec(_Model):
         min_length=1,
         pattern=MODEL_PATTERN,
         description="Model name or path served by `vllm serve` (e.g. Qwen/Qwen3-Omni-30B-A3B-Instruct, "
-                    "/models/...): "
-        "its first argument, so no leading '-', no '$', whitespace or control characters.",
+        "/models/...): its first argument, so no leading '-', no '$', whitespace or control characters.",
     )
     pipeline: str | None = Field(
         None,
         max_length=128,
         description="vllm-omni pipeline registry key written into the deploy config (e.g. "
-                    "qwen3_omni_moe_thinker_only). "
-        "A multi-stage pipeline (e.g. qwen3_omni_moe) needs spec.stages and OmniStagePools for stages "
-        "1..n-1.",
+        "qwen3_omni_moe_thinker_only). A multi-stage pipeline (e.g. qwen3_omni_moe) needs spec.stages and "
+        "OmniStagePools for stages 1..n-1.",
     )
     stages: list[StageSpec] = Field(
         default_factory=list,
         max_length=15,
         description="Every stage after stage 0 of a multi-stage spec.pipeline, ids 1..n-1 in order. Their "
-                    "replicas "
-        "run in OmniStagePool pods; the head waits at startup for one replica of each.",
+        "replicas run in OmniStagePool pods; the head waits at startup for one replica of each.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["id"]},
     )
     transport: TransportSpec | None = Field(
@@ -534,8 +524,7 @@ class OmniStagePoolSpec(_Model):
         min_length=1,
         max_length=15,
         description="Stages each pod runs, one process per stage, sharing the pod's GPUs (numbered from 0 "
-                    "for every "
-        "stage). Every stage >= 1 of the OmniStage belongs to exactly one pool.",
+        "for every stage). Every stage >= 1 of the OmniStage belongs to exactly one pool.",
         json_schema_extra={"x-kubernetes-list-type": "set"},
     )
     replicas: int = Field(
@@ -543,8 +532,7 @@ class OmniStagePoolSpec(_Model):
         ge=1,
         le=256,
         description="Pods (one replica of each stage per pod); at least 1: the head waits for one replica of "
-                    "each "
-        "remote stage. Change with `kubectl scale omnistagepool`.",
+        "each remote stage. Change with `kubectl scale omnistagepool`.",
     )
     gpu: GpuSpec = Field(
         default_factory=GpuSpec, json_schema_extra={"default": {}}, description="GPUs per pod."
@@ -553,16 +541,15 @@ class OmniStagePoolSpec(_Model):
         default_factory=PlacementSpec,
         json_schema_extra={"default": {}},
         description="Extra scheduling constraints of the pool's pods (instead of the OmniStage's placement; "
-                    "the "
-        "OmniStage's spec.template applies to them too).",
+        "the OmniStage's spec.template applies to them too).",
     )
     drain_timeout_seconds: int = Field(
         300,
         ge=0,
         le=3600,
         description="How long a leaving pod's replicas may finish in-flight requests. A downstream replica "
-                    "is bound "
-        "to a request for its whole answer (a full audio reply), hence longer than stage 0's default.",
+        "is bound to a request for its whole answer (a full audio reply), hence longer than stage 0's "
+        "default.",
     )
     disruption_budget: DisruptionBudgetSpec = Field(
         default_factory=DisruptionBudgetSpec, json_schema_extra={"default": {}},

@@ -104,8 +104,7 @@ class StageStatus(_Status):
     patches: dict[str, str] = Field(
         default_factory=dict,
         description="Each engine patch's outcome in the stage's replicas, as they sent it when they "
-                    "registered "
-        "(the first not in effect when they differ); connector_ports must be applied.",
+        "registered (the first not in effect when they differ); connector_ports must be applied.",
     )
 
 
@@ -125,8 +124,7 @@ class OmniStageStatus(_Status):
     engine_image: str | None = Field(
         None,
         description="Engine image of the current pod template: spec.engine.image, else the operator's "
-                    "default "
-        "(pods not rolled yet may still run an older one; see updatedReplicas).",
+        "default (pods not rolled yet may still run an older one; see updatedReplicas).",
     )
     head: HeadStatus | None = Field(None, description="The head pod.")
     engine: EngineStatus | None = Field(None, description="What the head's engine reported it runs.")

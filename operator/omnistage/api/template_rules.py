@@ -136,22 +136,19 @@ UNSET_POD_FIELDS = {
     "restartPolicy": "is the operator's: the head restarts in place (Always), a replica must not (Never: a "
     "restarted replica never registers with the head again and is replaced instead)",
     "terminationGracePeriodSeconds": "is the operator's: the engine pods' lifecycle is, and their grace "
-                                     "period is "
-    "the drain (spec.engine.drainTimeoutSeconds, an OmniStagePool's drainTimeoutSeconds) plus vLLM's "
-    "shutdown, so a pod deleted or evicted finishes its requests first; set the drain timeout instead",
+    "period is the drain (spec.engine.drainTimeoutSeconds, an OmniStagePool's drainTimeoutSeconds) plus "
+    "vLLM's shutdown, so a pod deleted or evicted finishes its requests first; set the drain timeout instead",
     "activeDeadlineSeconds": "is the operator's: the engine pods' lifecycle is, and a deadline would kill a "
     "serving engine pod without a drain; spec.replicas and spec.rollout decide when engine pods end",
     "nodeName": "must not be set: it puts the pod on a node past the scheduler (the GPU capacity, taints, "
-                "the GPU "
-    "product selector); use spec.placement.nodeSelector or affinity",
+    "the GPU product selector); use spec.placement.nodeSelector or affinity",
 }
 
 # Host namespaces, each refused when true, and why.
 HOST_NAMESPACES = {
     "hostNetwork": "every engine pod listens on the same ports (spec.engine.httpPort, "
-                   "spec.engine.masterPort, the "
-    "connectors' from spec.transport.basePort), so two engine pods on one node would collide on the node's "
-    "network, and the engine NetworkPolicy does not apply to host-network pods",
+    "spec.engine.masterPort, the connectors' from spec.transport.basePort), so two engine pods on one node "
+    "would collide on the node's network, and the engine NetworkPolicy does not apply to host-network pods",
     "hostPID": "the pod would see every process of the node (the kubelet's, other tenants' engines), signal "
     "them and read their environment through /proc",
     "hostIPC": "the pod would share the node's System V IPC and POSIX shared memory with every process on it",
