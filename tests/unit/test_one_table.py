@@ -21,3 +21,18 @@ def test_replica_pods_are_worked_out_once():
     found = [path for path, text in _sources().items()
              if again.search(text) and path != "operator/omnistage/render/common.py"]
     assert found == []
+
+
+def test_the_cache_modes_are_the_contracts_table():
+    """contract.CACHE_MODES is the one table of cache modes: the operator's enums name exactly its rows
+    (spec.cache.mode adds auto and leaves out not-applicable, which only text-only models get), and the
+    CRD's CEL rule lists exactly its sender modes."""
+    from omnistage.api import CacheMode, EffectiveCacheMode
+    from omnistage.api.validation import SPEC_RULES
+    from omnistage_engine_patches import contract
+
+    assert [str(m) for m in EffectiveCacheMode] == list(contract.CACHE_MODES)
+    assert {str(m) for m in CacheMode} == {"auto", *contract.CACHE_MODES} - {contract.CACHE_NOT_APPLICABLE}
+    assert contract.SENDER_CACHE_MODES == (contract.CACHE_LRU, contract.CACHE_SHM)
+    (rule,) = [r for r in SPEC_RULES if r.field == ".cache.mode"]
+    assert "self.cache.mode in ['lru', 'shm']" in rule.cel

@@ -103,12 +103,10 @@ def stage0_needs_processor_only(engine: Any) -> bool:
     return max(counts) > 1
 
 
-# vLLM's cache type names (`MultiModalRegistry._get_cache_type`) for the modes the operator names.
-_PROCESSOR_ONLY = "processor_only"
-_NO_CACHE = (contract.CACHE_DISABLED, contract.CACHE_NOT_APPLICABLE)
-# replica-aware keeps the processed items on a processor-only frontend; `replica_aware_cache`
-# omits tensors per replica at dispatch.
-_PROCESSOR_ONLY_FRONTENDS = (contract.CACHE_PROCESSOR_ONLY, contract.CACHE_REPLICA_AWARE)
+# vLLM's cache type name (`MultiModalRegistry._get_cache_type`) of the frontend that always sends full
+# tensors; contract.CACHE_MODES says which modes build it (replica-aware too: `replica_aware_cache`
+# omits tensors per replica at dispatch) and which build none.
+_PROCESSOR_ONLY = contract.VLLM_PROCESSOR_ONLY
 
 
 def choose_cache_type(
@@ -119,9 +117,10 @@ def choose_cache_type(
     `vllm_choice` is `_get_cache_type` (None: text-only model or size 0), `requested` the
     operator's resolved mode (None: no operator), `needs_processor_only` this process's detection.
     """
-    if vllm_choice is None or requested in _NO_CACHE:
+    record = contract.CACHE_MODES.get(requested) if requested is not None else None
+    if vllm_choice is None or (record is not None and record.vllm_cache_type is None):
         return None
-    if requested in _PROCESSOR_ONLY_FRONTENDS or needs_processor_only:
+    if (record is not None and record.vllm_cache_type == _PROCESSOR_ONLY) or needs_processor_only:
         return _PROCESSOR_ONLY
     return vllm_choice  # a sender cache on one fixed replica (the operator asked, detection agrees)
 
@@ -129,8 +128,7 @@ def choose_cache_type(
 def requested_mode() -> str | None:
     """The operator's resolved mode from the head's environment; an unknown value counts as none."""
     value = os.environ.get(contract.FRONTEND_CACHE_ENV, "").strip() or None
-    known = (*contract.CACHE_CLASS_MODES.values(), contract.CACHE_REPLICA_AWARE, *_NO_CACHE)
-    if value is not None and value not in known:
+    if value is not None and value not in contract.CACHE_MODES:
         logger.warning("%s=%r is not a cache mode this plugin knows; deciding by detection",
                        contract.FRONTEND_CACHE_ENV, value)
         return None

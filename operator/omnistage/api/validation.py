@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from omnistage_engine_patches import contract
 from pydantic import ValidationError
 
 from .. import names
@@ -137,11 +138,11 @@ SPEC_RULES = [
     ),
     Rule(
         ".cache.mode",
-        "!(self.cache.mode in ['lru', 'shm'] && (self.membership == 'dynamic' || self.replicas > 1))",
+        f"!(self.cache.mode in [{', '.join(repr(m) for m in contract.SENDER_CACHE_MODES)}] "
+        "&& (self.membership == 'dynamic' || self.replicas > 1))",
         SENDER_CACHE_WITH_DYNAMIC_MEMBERSHIP,
-        _unless(
-            lambda s: not (s.cache.mode in ("lru", "shm") and membership_can_change(s.membership, s.replicas))
-        ),
+        _unless(lambda s: not (s.cache.mode in contract.SENDER_CACHE_MODES
+                               and membership_can_change(s.membership, s.replicas))),
     ),
     Rule(
         ".gpu.count",
@@ -193,9 +194,8 @@ SPEC_RULES = [
         "spec.engine.env must not set variables the operator manages ("
         + ", ".join(OWNED_ENV_NAMES)
         + f", {OWNED_ENV_PREFIX}*; the test stand-in's {STANDIN_ENV_PREFIX}* excepted): they switch the "
-          "engine "
-        "plugin off or on, set the frontend cache, carry the membership token and the engine's address; use "
-        "spec.cache for the cache",
+        "engine plugin off or on, set the frontend cache, carry the membership token and the engine's "
+        "address; use spec.cache for the cache",
         owned_env_items,
     ),
     Rule(

@@ -22,17 +22,6 @@ PLUGIN_ADVICE = (
     f"{contract.ENDPOINT_PLUGIN} in {contract.VLLM_PLUGINS_ENV}"
 )
 
-# The mode the report names for each effective cache mode the operator resolves.
-_EXPECTED_FRONTEND = {
-    contract.CACHE_PROCESSOR_ONLY: contract.CACHE_PROCESSOR_ONLY,
-    contract.CACHE_REPLICA_AWARE: contract.CACHE_REPLICA_AWARE,
-    contract.CACHE_LRU: contract.CACHE_LRU,
-    contract.CACHE_SHM: contract.CACHE_SHM,
-    contract.CACHE_DISABLED: contract.CACHE_NONE,
-    contract.CACHE_NOT_APPLICABLE: contract.CACHE_NONE,
-}
-
-
 @dataclass(frozen=True)
 class Verdict:
     consistent: bool
@@ -48,11 +37,8 @@ def required_patches(effective_mode: str, distributed: bool) -> list[str]:
     scoping must not write replica keys into callers' prompts (defect 2), and the membership
     hooks hold unjoined replicas unroutable and serve join/leave.
     """
-    needed = {
-        contract.CACHE_PROCESSOR_ONLY: [contract.FRONTEND_CACHE],
-        # the processor-only frontend, plus the per-replica dispatch on top of it
-        contract.CACHE_REPLICA_AWARE: [contract.FRONTEND_CACHE, contract.REPLICA_AWARE_CACHE],
-    }.get(effective_mode, [])
+    record = contract.CACHE_MODES.get(effective_mode)
+    needed = list(record.patches) if record is not None else []
     if distributed:
         needed += [contract.UUID_SCOPE, contract.MEMBERSHIP]
     return needed
@@ -88,7 +74,8 @@ def check(effective_mode: str, distributed: bool, report: dict[str, Any] | None,
         return Verdict(False, Reason.PATCH_NOT_APPLIED,
                        f"engine patches not in effect: {'; '.join(broken)}. The head runs {_engine(report)}; "
                        f"{PLUGIN_ADVICE}")
-    expected = _EXPECTED_FRONTEND.get(effective_mode)
+    record = contract.CACHE_MODES.get(effective_mode)
+    expected = record.reports if record is not None else None
     actual = frontend.get("mode")
     if actual != expected:
         return Verdict(
