@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from omnistage_engine_patches import contract
 
 from ..api import OmniStagePoolSpec
+from ..api.child_kinds import BY_KIND
 from ..api.conditions import Cond, EventReason, Progress, Reason, Type, merge, timestamp
 from ..api.conditions import get as condition
 from ..api.validation import InvalidSpec
@@ -299,15 +300,9 @@ class Pass:
             render_disruption_budget(t),
             *(render_disruption_budget(t, f.pool) for f in self.pools if f.runs),
         ]
-        # Compared whole (runtime/kube.drifted): a key someone added to a spec is drift too.
-        for child, compare in (
-            (render_configmap(t), ("data", "binaryData")),
-            (render_api_service(t), ("spec",)),
-            (render_master_service(t), ("spec",)),
-            (render_network_policy(t), ("spec",)),
-            *((b, ("spec",)) for b in budgets),
-        ):
-            self.actions.append(EnsureChild(child, compare))
+        for child in (render_configmap(t), render_api_service(t), render_master_service(t),
+                      render_network_policy(t), *budgets):
+            self.actions.append(EnsureChild(child, BY_KIND[child["kind"]].owned_fields))
 
     def head_pod(self) -> None:
         head, want = self.head, self.want_head

@@ -28,6 +28,7 @@ from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
 from .. import api
+from ..api.child_kinds import CHILD_KINDS, ChildKind
 from ..names import L_MANAGED_BY, L_OMNISTAGE, MANAGED_BY
 from . import kube, leader
 
@@ -280,18 +281,13 @@ def _core_lister(namespaced: str, cluster: str):
     return pick
 
 
-def _net_lister(scope: str | None):
-    c = kube.networking()
-    if scope is None:
-        return c.list_network_policy_for_all_namespaces, ()
-    return c.list_namespaced_network_policy, (scope,)
-
-
-def _pdb_lister(scope: str | None):
-    c = kube.policy()
-    if scope is None:
-        return c.list_pod_disruption_budget_for_all_namespaces, ()
-    return c.list_namespaced_pod_disruption_budget, (scope,)
+def _child_lister(c: ChildKind):
+    def pick(scope: str | None):
+        group = kube.group_api(c.group)
+        if scope is None:
+            return getattr(group, f"list_{c.client_name}_for_all_namespaces"), ()
+        return getattr(group, f"list_namespaced_{c.client_name}"), (scope,)
+    return pick
 
 
 OWNED = f"{L_MANAGED_BY}={MANAGED_BY}"
@@ -332,22 +328,8 @@ class ClusterState:
         # watched and only those an OmniStage controls are kept.
         self.pods = Informer("Pod", _core_lister("list_namespaced_pod", "list_pod_for_all_namespaces"), None,
                              _omnistage_controller, trim=_trim_pod, owned_only=True)
-        self.children = {
-            "ConfigMap": Informer(
-                "ConfigMap",
-                _core_lister("list_namespaced_config_map", "list_config_map_for_all_namespaces"),
-                OWNED,
-                _label(L_OMNISTAGE),
-            ),
-            "Service": Informer(
-                "Service",
-                _core_lister("list_namespaced_service", "list_service_for_all_namespaces"),
-                OWNED,
-                _label(L_OMNISTAGE),
-            ),
-            "NetworkPolicy": Informer("NetworkPolicy", _net_lister, OWNED, _label(L_OMNISTAGE)),
-            "PodDisruptionBudget": Informer("PodDisruptionBudget", _pdb_lister, OWNED, _label(L_OMNISTAGE)),
-        }
+        self.children = {c.kind: Informer(c.kind, _child_lister(c), OWNED, _label(L_OMNISTAGE))
+                         for c in CHILD_KINDS}
         self.started = False
 
     def informers(self) -> list[Informer]:

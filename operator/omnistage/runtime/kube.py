@@ -14,6 +14,7 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
 from .. import api
+from ..api.child_kinds import BY_KIND
 from ..api.conditions import timestamp
 from ..names import EVENT_SOURCE, FIELD_MANAGER
 from . import metrics
@@ -157,13 +158,12 @@ def _creator(kind: str):
     }[kind]
 
 
+def group_api(group: str) -> Any:  # the client's API object of a child kind's group (api/child_kinds.py)
+    return {"": core, "networking.k8s.io": networking, "policy": policy}[group]()
+
+
 def _applier(kind: str):
-    return {
-        "ConfigMap": core().patch_namespaced_config_map,
-        "Service": core().patch_namespaced_service,
-        "NetworkPolicy": networking().patch_namespaced_network_policy,
-        "PodDisruptionBudget": policy().patch_namespaced_pod_disruption_budget,
-    }[kind]
+    return getattr(group_api(BY_KIND[kind].group), f"patch_namespaced_{BY_KIND[kind].client_name}")
 
 
 def read(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
