@@ -12,14 +12,13 @@ from .conftest import ROOT
 
 CEILING = 400
 PRODUCT = (ROOT / "operator" / "omnistage", ROOT / "engine_patches" / "omnistage_engine_patches")
-# Over the ceiling when this test came (after the rewrap to 110 columns); generated modules are not
-# written by hand and are not counted.
+# Over the ceiling when this test came (after the rewrap to 110 columns; control/plan.py, at 473 then,
+# left with the straight decision); generated modules are not written by hand and are not counted.
 OVER = {
     "engine_patches/omnistage_engine_patches/membership_api.py": 592,
-    "operator/omnistage/api/specs.py": 569,
-    "operator/omnistage/runtime/kube.py": 496,
+    "operator/omnistage/api/specs.py": 556,
+    "operator/omnistage/runtime/kube.py": 492,
     "operator/omnistage/api/validation.py": 478,
-    "operator/omnistage/control/plan.py": 473,
     "operator/omnistage/render/pods.py": 442,
 }
 GENERATED = {"operator/omnistage/known_pipelines.py"}

@@ -11,8 +11,8 @@ import pytest
 from omnistage import names
 from omnistage.api.conditions import Reason, Type
 from omnistage.api.validation import InvalidSpec
-from omnistage.control import plan as plan_module
 from omnistage.control import pods
+from omnistage.control import state as state_module
 from omnistage.control.actions import (
     DRAIN_DONE,
     DRAIN_FAILED,
@@ -476,7 +476,7 @@ def test_plan_is_pure_same_input_same_output_input_untouched():
 
 def test_each_pass_renders_the_desired_pods_once(monkeypatch):
     calls = {"head": 0, "replica": []}
-    real_head, real_replica = plan_module.render_head_pod, plan_module.render_replica_pod
+    real_head, real_replica = state_module.render_head_pod, state_module.render_replica_pod
 
     def count_head(t):
         calls["head"] += 1
@@ -486,8 +486,8 @@ def test_each_pass_renders_the_desired_pods_once(monkeypatch):
         calls["replica"].append(i)
         return real_replica(t, i, ip, uid, restarts)
 
-    monkeypatch.setattr(plan_module, "render_head_pod", count_head)
-    monkeypatch.setattr(plan_module, "render_replica_pod", count_replica)
+    monkeypatch.setattr(state_module, "render_head_pod", count_head)
+    monkeypatch.setattr(state_module, "render_replica_pod", count_replica)
     t, o = situation(5, pods_=lambda t: [replica(t, 1), replica(t, 2, template="old")])
     plan(t, o, AT)
     assert calls["head"] == 1

@@ -13,7 +13,7 @@ and a new head serves only once it has loaded the model. So, when spec.rollout a
      the new set grows into the GPUs they free (never more than replicas + maxSurge pods in all),
      and the old head is deleted once they are gone; its preStop hook waits for what it accepted.
 
-Each set is a plan.Pass of its own (its head, its replicas, what its head said), so every rule of
+Each set is a state.Pass of its own (its head, its replicas, what its head said), so every rule of
 a pass holds in both; this module only says how many replicas each gets and when the labels move.
 Without a surge (maxSurge 0, a multi-stage pipeline, a head that serves nothing anyway) or when
 the successor finds no node (no GPU free for a second head), the head is replaced in place as
@@ -22,10 +22,6 @@ before, and RolloutSurge says so one pass before the old head is deleted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import StrEnum
-from typing import TYPE_CHECKING
-
 from ..api.conditions import Cond, EventReason, Progress, Reason, Type
 from ..api.conditions import get as condition
 from ..names import ROLE_HEAD, ROLE_NEXT_HEAD, ROLE_OLD_HEAD
@@ -33,25 +29,7 @@ from ..render import render_head_pod
 from ..render.pods import head_pod_name
 from . import pods
 from .actions import CreatePod, OnOtherHead, SetRole
-
-if TYPE_CHECKING:
-    from .plan import Pass
-
-
-class Phase(StrEnum):
-    SURGING = "surging"  # the successor starts beside the serving head
-    DRAINING = "draining"  # the Services moved; the old head's set drains
-
-
-@dataclass
-class Swap:
-    phase: Phase
-    other: Pass  # the successor's set while surging, the old head's while draining
-    first: int = 0  # replicas the successor gets before the Services move
-
-
-def outdated(p: Pass) -> bool:
-    return p.head is not None and pods.template_hash(p.head) != pods.template_hash(p.want_head)
+from .state import Pass, Phase, Swap, outdated
 
 
 def in_place_why(p: Pass) -> str | None:
@@ -95,7 +73,7 @@ def begin(p: Pass) -> None:
         p.keep_head = True
         return
     # The other set is a pass of its own; its head is compared with the same rendered template.
-    q = type(p)(t, other, p.at, want_head=p.want_head)
+    q = Pass(t, other, p.at, want_head=p.want_head)
     q.neighbours, p.neighbours = p.o.replicas, other.replicas  # replica names are shared
     if pods.role(successor) in (ROLE_OLD_HEAD, ROLE_HEAD):
         if pods.role(successor) == ROLE_HEAD:  # the move was cut off between its two patches: finish it
@@ -155,20 +133,10 @@ def _draining(p: Pass, q: Pass) -> None:
     p.progressing.append(Progress.MOVED_SERVICE)
 
 
-def run(p: Pass) -> None:
-    """After the active set's steps: the other set's own (its membership, its replicas), then the
+def finish(p: Pass) -> None:
+    """After both sets' steps (plan.py runs the other set's): its actions wrapped for act, then the
     Services' move (surging) or the old head's deletion (draining)."""
-    from . import rollout
-
-    if p.swap is None:
-        return
     q = p.swap.other
-    q.engine_report()
-    q.membership_read()
-    rollout.retire_stale(q)
-    rollout.scale(q)
-    q.sync_membership()
-    q.mark_joined()
     if q.actions:
         p.actions.append(OnOtherHead(tuple(q.actions)))
         q.actions = []

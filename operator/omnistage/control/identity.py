@@ -44,7 +44,7 @@ from . import pods
 from .actions import DeletePod, RestoreLabels, Stray
 
 if TYPE_CHECKING:
-    from .plan import Pass
+    from .state import Pass
 
 # Every label the operator writes on an engine pod (render/common.labels); the others are the template's.
 OPERATOR_POD_LABELS = (*OPERATOR_LABELS, L_OMNISTAGE, L_COMPONENT, L_ROLE, L_POOL)

@@ -21,7 +21,7 @@ from ..api.statuses import MemberState
 from . import pods
 
 if TYPE_CHECKING:
-    from .plan import Pass
+    from .state import Pass
 
 
 def head_engine_problem(p: Pass) -> tuple[str, str] | None:

@@ -21,7 +21,7 @@ from . import liveness, pods
 from .actions import DRAIN_DONE, DRAIN_FAILED, Annotate, CreatePod, MarkJoined, StartLeave
 
 if TYPE_CHECKING:
-    from .plan import Pass
+    from .state import Pass
 
 # Why a replica leaves, by the reason its `leaving` annotation records (the delete's Event says it).
 _WHY = {

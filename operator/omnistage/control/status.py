@@ -1,4 +1,4 @@
-"""What status says after a pass: built from the pass's decision (plan.Pass) through the API's
+"""What status says after a pass: built from the pass's decision (state.Pass) through the API's
 status models, so that status holds only keys the CRD schema has (the API server would prune any
 other without a word). Pure, like the plan: it reads the decision and writes nothing.
 
@@ -23,7 +23,7 @@ from ..render.common import Target, pool_selector
 from . import engine_truth, headswap, liveness, pods, pools, rollout
 
 if TYPE_CHECKING:
-    from .plan import Pass
+    from .state import Pass
 
 # The patches a stage pod's replica needs in effect: connector ports without the replica term, which
 # the head also assumes when it advertises a replica's sender endpoint (each pod binds its own).
@@ -289,7 +289,7 @@ def stage_rows(p: Pass) -> list[dict[str, Any]]:
 
 
 def stage_conditions(p: Pass, rows: list[dict[str, Any]]) -> list[Cond]:
-    """StagesCovered and StagesReady (the plan announces them when they turn bad: plan.Pass.announce)."""
+    """StagesCovered and StagesReady (the plan announces them when they turn bad: stages.announce)."""
     uncovered = [row["id"] for row in rows if "pool" not in row]
     refused = "".join(f"; pool {f.name}: {f.problem[1]}" for f in p.pools if f.problem)
     if uncovered:

@@ -66,7 +66,7 @@ VLLM_PLUGINS = f"vllm_omni_register_models,{contract.GENERAL_PLUGIN},{contract.E
 STAGE_SUPERVISOR = ["python3", "-m", "omnistage_engine_patches.stages"]
 PRESTOP = ["python3", "-m", "omnistage_engine_patches.prestop"]
 # What an engine pod's grace period leaves after the drain for vLLM's own shutdown; a pod deleted by
-# someone else is drained for what remains of its grace minus this (plan.Pass.sync_membership).
+# someone else is drained for what remains of its grace minus this (control/membership.sync).
 SHUTDOWN_SECONDS = 30
 # UCX over TCP unless the transport's env says otherwise: sm and self for the stages sharing a pod.
 UCX_TLS_TCP = "tcp,sm,self"
