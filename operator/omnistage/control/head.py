@@ -13,7 +13,7 @@ from .state import Pass
 def head_pod(p: Pass) -> None:
     head, want = p.head, p.want_head
     if head is not None and not pods.terminating(head):
-        outdated = pods.template_hash(head) != pods.template_hash(want) and not p.keep_head
+        outdated = pods.template_hash(head) != pods.template_hash(want) and not p.change.keep_head
         if outdated or pods.terminal(head):
             # Replicas are bound to one head incarnation (they never re-register), so the head
             # rolls first and its replicas follow; rolling them first would restart them twice.
@@ -26,7 +26,7 @@ def head_pod(p: Pass) -> None:
             p.head_going = True
             p.listing, p.report = None, None
             return
-    if head is None and p.create_head:
+    if head is None and p.change.create_head:
         p.actions.append(CreatePod(want, EventReason.CREATED_HEAD, "created head pod {pod}"))
         p.progressing.append(Progress.CREATING_HEAD)
 

@@ -76,9 +76,9 @@ def decide(t: Target, o: Observed, at: str | None = None) -> Pass:
     p = Pass(t, o, at or timestamp())
     for step in SERVING_STEPS:
         step(p)
-    if p.swap is not None:
+    if p.change.swap is not None:
         for step in OTHER_SET_STEPS:
-            step(p.swap.other)
+            step(p.change.swap.beside)
         headswap.finish(p)
     return p
 

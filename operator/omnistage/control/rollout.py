@@ -140,7 +140,7 @@ def outdated(p: Pass, pool: Pool | None) -> list[dict[str, Any]]:
 
 def surge(p: Pass, pool: Pool | None) -> int:
     """Pods a roll of the group may run beyond its desired count (its replacements, made first)."""
-    if pool is None and p.replica_target == 0:
+    if pool is None and p.change.replica_target == 0:
         return 0  # a head change's old set is emptied, not rolled
     return min(p.t.spec.rollout.max_surge, len(outdated(p, pool)))
 
@@ -203,7 +203,7 @@ def _scale(p: Pass, pool: Pool | None, desired: int, why: str) -> None:
     # Pool pods too are created once the head has an IP, not once it is Ready: the head turns Ready
     # only after one replica of each remote stage registered.
     if len(staying) < desired + extra and p.head_live():
-        every = [r for r in p.o.replicas + p.neighbours if pods.pool(r) == name]
+        every = [r for r in p.o.replicas + p.change.neighbours if pods.pool(r) == name]
         for i in pods.free_indices(every, desired + extra - len(staying)):
             want = p.want_pool_pod(pool, i) if pool else p.want_replica(i)
             kind = "pool pod" if pool else "replica pod"

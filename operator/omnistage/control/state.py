@@ -29,9 +29,34 @@ class Phase(StrEnum):
 
 @dataclass
 class Swap:
+    """The two sets of a running head change, named by their heads' roles: the pass's own set is the
+    serving one; beside it runs the successor's (surging: ROLE_NEXT_HEAD, outside the Services) or the
+    predecessor's (draining: ROLE_OLD_HEAD, the Services moved away from it)."""
+
     phase: Phase
-    other: Pass  # the successor's set while surging, the old head's while draining
+    successor: Pass | None = None  # surging: the successor head's set
+    predecessor: Pass | None = None  # draining: the old head's set
     first: int = 0  # replicas the successor gets before the Services move
+
+    @property
+    def beside(self) -> Pass:
+        """The set beside the serving one: the successor's while surging, the predecessor's while draining."""
+        beside = self.successor if self.phase == Phase.SURGING else self.predecessor
+        assert beside is not None
+        return beside
+
+
+@dataclass
+class HeadChange:
+    """What headswap.begin decided for one set while a head change runs (or is said before it runs in
+    place); the head and rollout steps and the status read it."""
+
+    keep_head: bool = False  # an outdated head is not deleted by head.head_pod
+    create_head: bool = True  # a missing head is created by head.head_pod
+    replica_target: int | None = None  # stage-0 replicas this set gets (None: t.replica_pods)
+    neighbours: tuple[dict[str, Any], ...] = ()  # the other set's replicas (their names are taken)
+    swap: Swap | None = None  # the two sets, while both run
+    in_place: tuple[str, str] | None = None  # (reason, why) a head change cannot surge
 
 
 def outdated(p: Pass) -> bool:
@@ -57,13 +82,7 @@ class Pass:
         self.head_restarted = False  # this pass rolls replicas of an earlier engine of this head pod
         self.verdict: engine_truth.Verdict | None = None
         self.want_head = want_head or render_head_pod(t)  # rendered once per pass
-        # Set by headswap.begin while a head change runs (or is said before it runs in place):
-        self.keep_head = False  # an outdated head is not deleted by head_pod()
-        self.create_head = True  # a missing head is created by head_pod()
-        self.replica_target: int | None = None  # stage-0 replicas this set gets (None: t.replica_pods)
-        self.neighbours: tuple[dict[str, Any], ...] = ()  # the other set's replicas (their names are taken)
-        self.swap: Swap | None = None
-        self.in_place: tuple[str, str] | None = None  # (reason, why) a head change cannot surge
+        self.change = HeadChange()  # set by headswap.begin
         self.scale_held: str | None = None  # why a stage-0 scale-down keeps a pod (liveness.keep_one_live)
         self._want_replica: dict[int, dict[str, Any]] = {}
         self._want_pool_pod: dict[tuple[str, int], dict[str, Any]] = {}
@@ -178,13 +197,13 @@ class Pass:
 
     def replica_desired(self) -> int:
         """Stage-0 replicas this set is scaled to."""
-        if self.replica_target is not None:
-            return self.replica_target
+        if self.change.replica_target is not None:
+            return self.change.replica_target
         return self.t.replica_pods
 
     def holds_outdated_head(self) -> bool:
         """A head change runs (or waits to run in place): the head stays, its replicas are not rolled."""
-        return self.keep_head and outdated(self)
+        return self.change.keep_head and outdated(self)
 
     def stage_ids(self) -> list[int]:
         return [0, *(s.id for s in self.t.spec.stages)]
