@@ -170,7 +170,7 @@ def test_only_a_head_that_answered_before_gets_a_retry(monkeypatch, fake_head):
 
 def test_the_resync_probe_queues_a_pass_only_when_the_head_said_something_new(fake_head):
     key = ("ns", "probe-test")
-    view = memory.HEADS[key] = headview.HeadView("head-uid")
+    view = headview.HEADS[key] = headview.HeadView("head-uid")
     answers = headview.ask_head(fake_head.client, view, distributed=True)
     memory.RESTING[key] = memory.Resting(("...", headview.said(view, *answers)), fake_head.client, True)
     try:

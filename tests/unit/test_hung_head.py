@@ -49,7 +49,7 @@ def at_rest() -> Iterator:
     def make(name: str, client: HeadClient) -> HeadView:
         key = ("ns", name)
         keys.append(key)
-        view = memory.HEADS[key] = HeadView("head-uid", listing={"bootId": "b"}, listing_etag="e1")
+        view = headview.HEADS[key] = HeadView("head-uid", listing={"bootId": "b"}, listing_etag="e1")
         memory.RESTING[key] = memory.Resting(
             ("fingerprint", headview.said(view, None, {}, None, None)), client, True
         )
@@ -90,7 +90,7 @@ def test_a_probe_answer_is_dropped_when_a_pass_read_the_head_meanwhile(heads, at
     with memory.lock("ns", "hostile"):  # a pass asks the head and reads a new listing
         headview.ask_head(answers, view, True)
     prober.join(15)
-    kept = memory.HEADS[("ns", "hostile")]
+    kept = headview.HEADS[("ns", "hostile")]
     assert kept.listing == {"drained": True} and kept.unreachable is None, (
         "the probe's late answer overwrote it"
     )
@@ -101,7 +101,7 @@ def test_a_probe_answer_is_kept_when_nothing_came_between(heads, at_rest):
     _, client = heads("hang")
     at_rest("hostile", client)
     assert headview.probe("ns", "hostile") is True  # the head said something new: unreachable
-    assert memory.HEADS[("ns", "hostile")].unreachable is not None
+    assert headview.HEADS[("ns", "hostile")].unreachable is not None
 
 
 def test_a_hung_head_s_drains_leave_drain_workers_for_another_omnistage(heads, monkeypatch):

@@ -191,8 +191,6 @@ def test_the_plugin_has_no_import_circle():
     assert circles(import_graph(PLUGIN)) == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 31: runtime/headview <-> memory import each other (memory "
-                   "types HEADS by HeadView; headview reads and writes memory); the straight pass removes it")
 def test_the_operator_has_no_import_circle():
     assert circles(import_graph(OPERATOR)) == []
 

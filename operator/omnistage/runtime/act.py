@@ -24,7 +24,7 @@ from ..api.conditions import EventReason, PodReason, Reason
 from ..control import actions
 from ..control.actions import DRAIN_DONE, DRAIN_FAILED, DRAIN_RUNNING, Action
 from ..names import C_JOINED, L_ROLE
-from . import credentials, head_client, kube
+from . import credentials, head_client, kube, memory
 from .head_client import HeadClient, HeadRefused, HeadUnreachable
 from .informer import STATE
 from .workqueue import FairPool
@@ -131,6 +131,7 @@ class Drains:
 
 
 DRAINS = Drains()
+memory.register(DRAINS.forget)
 
 
 class Acted(NamedTuple):

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..api.conditions import timestamp
-from . import kube
+from . import kube, memory
 
 REPOST_SECONDS = 1800.0
 QUIET_SECONDS = 600.0  # client-go's defaultAggregateIntervalInSeconds: both windows are this one
@@ -143,3 +143,4 @@ class Correlator:
 
 
 EVENTS = Correlator()
+memory.register(EVENTS.forget)

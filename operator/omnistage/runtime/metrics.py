@@ -11,6 +11,8 @@ from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from . import memory
+
 RECONCILE_SECONDS = Histogram(
     "omnistage_reconcile_duration_seconds", "Time one reconcile of an OmniStage took.", ["namespace", "name"])
 RECONCILE_ERRORS = Counter(
@@ -55,6 +57,9 @@ def forget(namespace: str, name: str) -> None:
     except KeyError:
         pass
     STATUS.observe(namespace, name, None)
+
+
+memory.register(forget)
 
 
 class StatusCollector(Collector):

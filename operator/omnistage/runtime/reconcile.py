@@ -31,7 +31,7 @@ from ..render import render_secret, target_from
 from ..render.common import Target
 from ..render.pods import TOKEN_KEY
 from . import act as act_step
-from . import credentials, kube, memory
+from . import credentials, headview, kube, memory
 from .act import EmitFn as Emit
 from .head_client import HeadClient
 from .headview import ask_head, said, view_for
@@ -229,7 +229,7 @@ def observe(obj: dict[str, Any], t: Target, token: str | None, problems: tuple[s
     other = other_client = None
     if second is not None:
         other, other_client = _observe_set(
-            obj, t, token, second, theirs, memory.second_head(t.namespace, t.name), drains
+            obj, t, token, second, theirs, headview.second_head(t.namespace, t.name), drains
         )
     observed, client = _observe_set(obj, t, token, head, tuple(r for r in engines if r not in theirs),
                                     (t.namespace, t.name), drains)
@@ -271,7 +271,7 @@ def _rv(obj: dict[str, Any] | None) -> str | None:
 def _fingerprint(o: Observed, t: Target) -> tuple[Any, ...]:
     children = tuple(sorted((c["kind"], c["metadata"]["name"], _rv(c)) for inf in STATE.children.values()
                             for c in inf.owned(t.namespace, t.name)))
-    view = memory.HEADS.get((t.namespace, t.name))
+    view = headview.HEADS.get((t.namespace, t.name))
     return (_rv(o.obj), _rv(o.head), tuple(sorted(_rv(r) or "" for r in o.replicas)),
             tuple(sorted(_rv(p) or "" for p in o.pools)), children,
             o.head_addressable, tuple(sorted(o.drains.items())), o.problems,
