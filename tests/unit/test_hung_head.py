@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 from omnistage.control.actions import DRAIN_DONE, Join, StartLeave
 from omnistage.runtime import act as act_module
+from omnistage.runtime import drains as drains_module
 from omnistage.runtime import head_client, headview, memory, probes, workqueue
 from omnistage.runtime.head_client import HeadClient
 from omnistage.runtime.headview import HeadView
@@ -110,7 +111,7 @@ def test_a_hung_head_s_drains_leave_drain_workers_for_another_omnistage(heads, m
     the hostile head's leaves (2 attempts of 2.5 s each), and the other leave waited behind them."""
     _, hung = heads("hang")
     _, ok = heads("ok")
-    drains = act_module.Drains()  # the operator's own sizes
+    drains = drains_module.Drains()  # the operator's own sizes
     done: list[str] = []
     drains.on_done = lambda ns, name: done.append(name)
     for i in range(8):
@@ -124,7 +125,7 @@ def test_a_hung_head_s_drains_leave_drain_workers_for_another_omnistage(heads, m
         f"another OmniStage's drain waited {took:.1f}s behind a hung head's leaves"
     )
     assert drains.states("ns", "other") == {"uid-o1": DRAIN_DONE}
-    assert drains._pool.held(("ns", "hostile")) == 8 - act_module.DRAINS_PER_OMNISTAGE
+    assert drains._pool.held(("ns", "hostile")) == 8 - drains_module.DRAINS_PER_OMNISTAGE
 
 
 def test_a_pass_dials_a_silent_head_once(heads, monkeypatch):
@@ -198,7 +199,7 @@ def test_healthz_fails_when_a_queue_does_not_drain(served, monkeypatch):
 def test_a_head_that_hangs_within_its_timeouts_keeps_the_operator_alive(served, heads):
     """A tenant's hung head must not make the kubelet restart the operator for everyone."""
     _, hung = heads("hang")
-    drains = act_module.Drains()
+    drains = drains_module.Drains()
     probes.watch_pools(drains.progress)
     drains.start("ns", "hostile", hung, StartLeave("h-0", "uid-h0", ((0, 0),), 0), lambda *e: None)
     time.sleep(0.5)

@@ -12,7 +12,8 @@ import time
 from omnistage.control.actions import DRAIN_DONE, DRAIN_FAILED, DRAIN_RUNNING, Annotate, StartLeave
 from omnistage.runtime import act as act_module
 from omnistage.runtime import metrics
-from omnistage.runtime.act import Drains, act
+from omnistage.runtime.act import act
+from omnistage.runtime.drains import Drains
 from omnistage.runtime.head_client import HeadClient, HeadUnreachable
 from omnistage.runtime.workqueue import WorkQueue
 from prometheus_client import REGISTRY

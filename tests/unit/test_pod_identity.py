@@ -232,7 +232,7 @@ def test_observe_never_takes_a_look_alike_for_the_head(stored, monkeypatch):
     fake["status"]["podIP"] = "127.77.9.2"
     stored(ours)
     stored(fake)
-    monkeypatch.setattr(reconcile.act_step.DRAINS, "states", lambda *a: {})
+    monkeypatch.setattr(reconcile.drains_step.DRAINS, "states", lambda *a: {})
     observed, (client, _) = reconcile.observe(obj, t, "the-token")
     memory.forget(t.namespace, t.name)
     assert pods.name(observed.head) == pods.name(ours) and client is not None and client.ip == "127.77.9.1"

@@ -44,6 +44,9 @@ from typing import Any, TypeVar
 from ..api.conditions import timestamp
 from . import kube, memory
 
+# Emits a Kubernetes Event on the OmniStage: (type "Normal"|"Warning", reason, message).
+EmitFn = Callable[[str, str, str], None]
+
 REPOST_SECONDS = 1800.0
 QUIET_SECONDS = 600.0  # client-go's defaultAggregateIntervalInSeconds: both windows are this one
 MAX_KEYS = 4096  # client-go's maxLruCacheEntries

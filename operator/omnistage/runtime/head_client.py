@@ -5,7 +5,7 @@ contract module, so the two sides cannot drift apart.
 Calls are idempotent on the engine side, so transient failures (head still starting, connection
 refused, 5xx) are retried with backoff; a 4xx is an answer and is returned to the caller.
 
-Timeouts are tight: these calls run on the reconcile workers (a draining leave runs on act.DRAINS),
+Timeouts are tight: these calls run on the reconcile workers (a draining leave runs on drains.DRAINS),
 and a head that does not answer within them is reported unreachable rather than waited for. An
 unreachable head costs at most about CONNECT_SECONDS x attempts + the backoff per call.
 
@@ -183,7 +183,7 @@ def join(head: HeadClient, pod: str, ip: str, stage: int = 0) -> dict[str, Any]:
 
 def leave(head: HeadClient, replica_id: int, drain_seconds: int, stage: int = 0) -> dict[str, Any]:
     """Stop routing to the replica, drain it up to `drain_seconds`, detach it, drop its metrics.
-    The head answers when drained, so a draining leave (drain_seconds > 0) belongs on act.DRAINS."""
+    The head answers when drained, so a draining leave (drain_seconds > 0) belongs on drains.DRAINS."""
     body: contract.LeaveRequest = {
         "stage": stage,
         "replicaId": replica_id,

@@ -32,6 +32,7 @@ from ..render.common import Target
 from ..render.pods import TOKEN_KEY
 from . import act as act_step
 from . import credentials, headview, kube, memory
+from . import drains as drains_step
 from .act import EmitFn as Emit
 from .head_client import HeadClient
 from .headview import ask_head, said, view_for
@@ -55,7 +56,7 @@ def reconcile(namespace: str, name: str, emit: Emit | None,
         # A miss is read once: the OmniStage may be newer than its watch event (kopf saw it first).
         obj = STATE.omnistages.get(namespace, name) or kube.get_omnistage(namespace, name)
         if obj is None or obj["metadata"].get("deletionTimestamp"):
-            act_step.DRAINS.forget(namespace, name)
+            drains_step.DRAINS.forget(namespace, name)
             STATUS.observe(namespace, name, None)
             _orphaned_pools(namespace, name)
             return None  # children go with it through their ownerReferences
@@ -225,7 +226,7 @@ def observe(obj: dict[str, Any], t: Target, token: str | None, problems: tuple[s
     head, second = pods.heads([p for p in owned if pods.role(p) in HEAD_ROLES])
     engines = tuple(p for p in owned if pods.role(p) in (ROLE_REPLICA, ROLE_POOL))
     theirs = tuple(r for r in engines if second is not None and pods.head_uid(r) == pods.uid(second))
-    drains = act_step.DRAINS.states(t.namespace, t.name)
+    drains = drains_step.DRAINS.states(t.namespace, t.name)
     other = other_client = None
     if second is not None:
         other, other_client = _observe_set(
