@@ -10,11 +10,11 @@ from omnistage import names
 from omnistage.api.conditions import Reason, Type
 from omnistage.control import pods
 from omnistage.control.actions import (
+    BesideServing,
     CreatePod,
     DeletePod,
     Join,
     Observed,
-    OnOtherHead,
     PostEvent,
     SetRole,
     StartLeave,
@@ -77,7 +77,7 @@ def old_set(t, n=3):
 
 
 def inner(actions, kind):
-    return [a for o in of(actions, OnOtherHead) for a in o.actions if isinstance(a, kind)]
+    return [a for o in of(actions, BesideServing) for a in o.actions if isinstance(a, kind)]
 
 
 def test_a_head_change_starts_a_successor_and_keeps_the_head():

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 from omnistage.api.conditions import Reason, Type
-from omnistage.control.actions import CreatePod, DeletePod, EnsureChild, OnOtherHead, PostEvent
+from omnistage.control.actions import BesideServing, CreatePod, DeletePod, EnsureChild, OnSuccessor, PostEvent
 from omnistage.control.plan import mounts_membership_secret, plan
 from omnistage.render import render_secret, target_from
 from omnistage.runtime import memory, reconcile
@@ -130,7 +130,7 @@ def test_the_secret_is_read_only_when_a_pod_is_about_to_mount_it():
     unscheduled = {**starting, "spec": {}}
     t, o = situation(3, pods_=lambda t: [replica(t, 1), unscheduled])
     assert not mounts_membership_secret([], o)
-    assert mounts_membership_secret([OnOtherHead((CreatePod({}, "r", "m"),))], o)
+    assert mounts_membership_secret([OnSuccessor((CreatePod({}, "r", "m"),))], o)
 
 
 def test_a_refused_secret_creates_and_deletes_nothing_and_says_so_once():
@@ -142,7 +142,7 @@ def test_a_refused_secret_creates_and_deletes_nothing_and_says_so_once():
         secret_refused=why,
     )
     actions, status, _ = plan(t, o, AT)
-    assert not [a for a in actions if isinstance(a, CreatePod | DeletePod | OnOtherHead)]
+    assert not [a for a in actions if isinstance(a, CreatePod | DeletePod | BesideServing)]
     assert [a.obj["kind"] for a in actions if isinstance(a, EnsureChild)] == [
         "ConfigMap",
         "Service",

@@ -28,7 +28,7 @@ from ..names import ROLE_HEAD, ROLE_NEXT_HEAD, ROLE_OLD_HEAD
 from ..render import render_head_pod
 from ..render.pods import head_pod_name
 from . import pods
-from .actions import CreatePod, OnOtherHead, SetRole
+from .actions import CreatePod, OnPredecessor, OnSuccessor, SetRole
 from .state import Pass, Phase, Swap, outdated
 
 
@@ -139,7 +139,8 @@ def finish(p: Pass) -> None:
     swap = p.change.swap
     beside = swap.beside
     if beside.actions:
-        p.actions.append(OnOtherHead(tuple(beside.actions)))
+        wrap = OnSuccessor if swap.phase == Phase.SURGING else OnPredecessor
+        p.actions.append(wrap(tuple(beside.actions)))
         beside.actions = []
     successor, predecessor = swap.successor, swap.predecessor
     if successor is not None and serves(successor, swap.first):

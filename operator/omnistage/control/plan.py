@@ -22,7 +22,7 @@ from ..api.conditions import get as condition
 from ..api.validation import InvalidSpec
 from ..render.common import Target
 from . import children, head, headswap, identity, liveness, membership, pods, rollout, stages, status
-from .actions import Action, CreatePod, Observed, OnOtherHead, PostEvent
+from .actions import Action, BesideServing, CreatePod, Observed, PostEvent
 from .state import Pass
 
 
@@ -122,7 +122,7 @@ def mounts_membership_secret(actions: list[Action], o: Observed) -> bool:
     re-created before a pod needs it, and running pods keep the copy their kubelet mounted."""
     def creates(acts: list[Action] | tuple[Action, ...]) -> bool:
         return any(
-            isinstance(a, CreatePod) or (isinstance(a, OnOtherHead) and creates(a.actions)) for a in acts
+            isinstance(a, CreatePod) or (isinstance(a, BesideServing) and creates(a.actions)) for a in acts
         )
 
     seen = [o.head, *o.replicas, *((o.other.head, *o.other.replicas) if o.other is not None else ())]

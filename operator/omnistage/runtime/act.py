@@ -93,13 +93,14 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
     """Execute in order; return what could not be done that status should say. A child the API server
     refuses (a 422 Invalid, a quota's 403, a 404, a 409) is said in a Warning Event and in the result,
     and the actions after it still run: one refused child does not stop the others.
-    `other`: the client of a head change's other head, for the actions it decided (OnOtherHead).
+    `other`: the client of a head change's second head, for the actions its set decided (OnSuccessor,
+    OnPredecessor).
     `token`: the OmniStage's membership token, which each replica or pool pod's credential is
     derived from (written before the pod: credentials.py)."""
     problems: list[str] = []
     children: list[str] = []  # refused by the API server
     refused: set[str] = set()  # pods whose join failed in this run: not marked joined
-    head_time = HeadTime()  # this head's calls in this run (an OnOtherHead's head has its own)
+    head_time = HeadTime()  # this head's calls in this run (the second head's actions have their own)
     for a in planned:
         if isinstance(a, actions.PostEvent):
             emit(a.type, a.reason, a.message)
@@ -157,7 +158,7 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
                 emit("Normal", a.reason, a.message)
         elif isinstance(a, actions.Annotate):
             STATE.wrote(kube.patch_pod_annotations(namespace, a.name, a.annotations))
-        elif isinstance(a, actions.OnOtherHead):
+        elif isinstance(a, actions.BesideServing):
             theirs = act(namespace, list(a.actions), other, emit, owner, drains, token=token)
             problems += theirs.problems
             children += theirs.refused
