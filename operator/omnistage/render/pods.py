@@ -38,14 +38,7 @@ from ..names import (
     ROLE_POOL,
     ROLE_REPLICA,
 )
-from .common import (
-    Pool,
-    Target,
-    config_hash,
-    content_hash,
-    labels,
-    metadata,
-)
+from .common import Pool, Target, config_hash, content_hash, labels, metadata
 from .config import CONFIG_PATH, deploy_yaml
 from .stages import transport
 
@@ -169,52 +162,20 @@ def _head_args(t: Target) -> list[str]:
 
 def _replica_args(t: Target, head_ip: str) -> list[str]:
     e = t.spec.engine
-    return [
-        "serve",
-        t.spec.model,
-        "--omni",
-        "--headless",
-        "--deploy-config",
-        CONFIG_PATH,
-        "--stage-id",
-        "0",
-        "--omni-master-address",
-        head_ip,
-        "--omni-master-port",
-        str(e.master_port),
-        "--omni-replica-address",
-        f"$({POD_IP_ENV})",
-        "--worker-backend",
-        "multi_process",
-    ] + list(e.extra_args)
+    return ["serve", t.spec.model, "--omni", "--headless", "--deploy-config", CONFIG_PATH,
+            "--stage-id", "0", "--omni-master-address", head_ip, "--omni-master-port", str(e.master_port),
+            "--omni-replica-address", f"$({POD_IP_ENV})", "--worker-backend", "multi_process",
+            ] + list(e.extra_args)
 
 
 def _pool_args(t: Target, pool: Pool, head_ip: str) -> list[str]:
     """The supervisor's: the stage ids, then the command it runs once per stage with --stage-id K."""
     e = t.spec.engine
     ids = [a for k in pool.spec.stage_ids for a in ("--stage-id", str(k))]
-    return (
-        ids
-        + [
-            "--",
-            "vllm",
-            "serve",
-            t.spec.model,
-            "--omni",
-            "--headless",
-            "--deploy-config",
-            CONFIG_PATH,
-            "--omni-master-address",
-            head_ip,
-            "--omni-master-port",
-            str(e.master_port),
-            "--omni-replica-address",
-            f"$({POD_IP_ENV})",
-            "--worker-backend",
-            "multi_process",
-        ]
-        + list(e.extra_args)
-    )
+    return ids + ["--", "vllm", "serve", t.spec.model, "--omni", "--headless", "--deploy-config", CONFIG_PATH,
+                  "--omni-master-address", head_ip, "--omni-master-port", str(e.master_port),
+                  "--omni-replica-address", f"$({POD_IP_ENV})", "--worker-backend", "multi_process",
+                  ] + list(e.extra_args)
 
 
 def _cache_volume(t: Target) -> dict[str, Any]:
@@ -314,11 +275,8 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, h
         container["ports"] = [
             {"name": "http", "containerPort": port, "protocol": "TCP"},
             {"name": "master", "containerPort": s.engine.master_port, "protocol": "TCP"},
-            {
-                "name": contract.MEMBERSHIP_PORT_NAME,
-                "containerPort": s.engine.membership_port,
-                "protocol": "TCP",
-            },
+            {"name": contract.MEMBERSHIP_PORT_NAME, "containerPort": s.engine.membership_port,
+             "protocol": "TCP"},
         ]
         # /health is 503 while any stage has no live engine (engine_liveness leaves a silent one out):
         # readiness means "this head can route a request", and the operator still reads a head that
@@ -330,12 +288,8 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, h
                                      "failureThreshold": max(1, s.engine.startup_timeout_seconds // 10)}
         container["readinessProbe"] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
                                        "failureThreshold": 3}
-        container["livenessProbe"] = {
-            "httpGet": {"path": contract.LIVE_PATH, "port": "http"},
-            "periodSeconds": 10,
-            "timeoutSeconds": 10,
-            "failureThreshold": 3,
-        }
+        container["livenessProbe"] = {"httpGet": {"path": contract.LIVE_PATH, "port": "http"},
+                                      "periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 3}
     tolerations = [_gpu_toleration(gpu), *placement.tolerations]
     spec: dict[str, Any] = {
         "restartPolicy": "Always" if role == ROLE_HEAD else "Never",
