@@ -227,9 +227,19 @@ ORCHESTRATOR = "_omnistage_orchestrator"
 DRAINING = "_omnistage_draining"  # StagePool.__dict__: replica ids that get no fresh picks (a leave)
 HELD = "_omnistage_held"  # StagePool.__dict__: replica ids unroutable until joined
 STAGE0_CACHE_DECIDED = "_omnistage_stage0_cache_decided"  # engine: frontend_cache decided stage 0's cache
-SILENT = "_omnistage_silent"  # MembershipController.__dict__: (stage, addr) -> when it went silent (engine_liveness)
-STASHED = (MEMBERSHIP_STATE, LOOP, NEXT_ENGINE_IDX, ENGINE_REF, ORCHESTRATOR, DRAINING, HELD, STAGE0_CACHE_DECIDED,
-           SILENT)
+# MembershipController.__dict__: (stage, addr) -> when it went silent (engine_liveness)
+SILENT = "_omnistage_silent"
+STASHED = (
+    MEMBERSHIP_STATE,
+    LOOP,
+    NEXT_ENGINE_IDX,
+    ENGINE_REF,
+    ORCHESTRATOR,
+    DRAINING,
+    HELD,
+    STAGE0_CACHE_DECIDED,
+    SILENT,
+)
 
 
 def referent(obj: Any, key: str) -> Any | None:

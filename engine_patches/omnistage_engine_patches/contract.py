@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from dataclasses import dataclass
 from typing import TypedDict
 
 # ---- the head's membership port -----------------------------------------------------------------
@@ -54,9 +55,19 @@ HEAD_URL_ENV = "OMNISTAGE_HEAD_URL"
 API_URL_ENV = "OMNISTAGE_API_URL"
 DRAIN_SECONDS_ENV = "OMNISTAGE_DRAIN_SECONDS"
 #: Every name the operator owns in an engine container's environment.
-OPERATOR_OWNED_ENV = (TOKEN_FILE_ENV, TOKEN_ENV, FRONTEND_CACHE_ENV, DISABLE_PATCHES_ENV, ROUTE_JOINED_ONLY_ENV,
-                      CONNECTOR_PORTS_ENV, VLLM_PLUGINS_ENV, HEAD_URL_ENV, DRAIN_SECONDS_ENV, MEMBERSHIP_PORT_ENV,
-                      API_URL_ENV)
+OPERATOR_OWNED_ENV = (
+    TOKEN_FILE_ENV,
+    TOKEN_ENV,
+    FRONTEND_CACHE_ENV,
+    DISABLE_PATCHES_ENV,
+    ROUTE_JOINED_ONLY_ENV,
+    CONNECTOR_PORTS_ENV,
+    VLLM_PLUGINS_ENV,
+    HEAD_URL_ENV,
+    DRAIN_SECONDS_ENV,
+    MEMBERSHIP_PORT_ENV,
+    API_URL_ENV,
+)
 
 # ---- credentials --------------------------------------------------------------------------------
 #: Two kinds of bearer token. The OmniStage's MASTER token (Secret NAME-membership, mounted in its
@@ -70,7 +81,9 @@ POD_CREDENTIAL_PREFIX = "pod:"
 
 def pod_credential(master_token: str, pod: str) -> str:
     """The bearer token of pod `pod` (its preStop hook's): bound to its name by the master token."""
-    digest = hmac.new(master_token.encode(), (POD_CREDENTIAL_PREFIX + pod).encode(), hashlib.sha256).hexdigest()
+    digest = hmac.new(
+        master_token.encode(), (POD_CREDENTIAL_PREFIX + pod).encode(), hashlib.sha256
+    ).hexdigest()
     return f"{POD_CREDENTIAL_PREFIX}{pod}:{digest}"
 
 
@@ -81,7 +94,10 @@ def credential_pod(master_token: str, presented: str) -> str | None:
     pod = presented[len(POD_CREDENTIAL_PREFIX):].rpartition(":")[0]
     if not pod or len(pod) > 253:
         return None
-    return pod if hmac.compare_digest(pod_credential(master_token, pod).encode(), presented.encode()) else None
+    return (
+        pod if hmac.compare_digest(pod_credential(master_token, pod).encode(), presented.encode()) else None
+    )
+
 
 # ---- patches ------------------------------------------------------------------------------------
 FRONTEND_CACHE = "frontend_cache"
@@ -131,7 +147,41 @@ CACHE_CLASS_MODES = {
     "MultiModalProcessorSenderCache": CACHE_LRU,
     "ShmObjectStoreSenderCache": CACHE_SHM,
 }
-SENDER_CACHE_MODES = frozenset({CACHE_LRU, CACHE_SHM})
+#: vLLM's `_get_cache_type` for the frontend cache that always sends full tensors.
+VLLM_PROCESSOR_ONLY = "processor_only"
+
+
+@dataclass(frozen=True)
+class CacheModeRecord:
+    """One effective cache mode, as each reader needs it: the operator's rendering, validation and
+    engine truth, and the plugin's frontend."""
+
+    mode: str
+    #: A vLLM sender cache: the frontend omits tensors it believes the one fixed replica holds.
+    sender: bool
+    #: The frontend cache type (vLLM's `_get_cache_type` spelling; None: no cache is built).
+    vllm_cache_type: str | None
+    #: What the head's engine report names (`FrontendCache.mode`) when the frontend runs this mode.
+    reports: str
+    #: The patches the mode depends on (distributed ones come on top: the operator's engine_truth).
+    patches: tuple[str, ...] = ()
+
+
+#: Every effective cache mode, once. A new mode is a row here (and a member of the operator's
+#: EffectiveCacheMode, which a unit test holds to this table).
+CACHE_MODES = {r.mode: r for r in (
+    CacheModeRecord(CACHE_PROCESSOR_ONLY, False, VLLM_PROCESSOR_ONLY, CACHE_PROCESSOR_ONLY,
+                    (FRONTEND_CACHE,)),
+    # the processor-only frontend, plus the per-replica dispatch on top of it
+    CacheModeRecord(CACHE_REPLICA_AWARE, False, VLLM_PROCESSOR_ONLY, CACHE_REPLICA_AWARE,
+                    (FRONTEND_CACHE, REPLICA_AWARE_CACHE)),
+    CacheModeRecord(CACHE_LRU, True, "lru", CACHE_LRU),
+    CacheModeRecord(CACHE_SHM, True, "shm", CACHE_SHM),
+    CacheModeRecord(CACHE_DISABLED, False, None, CACHE_NONE),
+    CacheModeRecord(CACHE_NOT_APPLICABLE, False, None, CACHE_NONE),  # text-only: no multimodal cache
+)}
+#: The sender modes, in the table's order (the CRD's CEL rule lists them so).
+SENDER_CACHE_MODES = tuple(m for m, r in CACHE_MODES.items() if r.sender)
 
 # ---- replica states in the listing --------------------------------------------------------------
 PENDING = "pending"  # slot pre-allocated by the head, nobody registered yet
@@ -168,7 +218,8 @@ class PatchReport(TypedDict):
 
 class FrontendCacheReport(TypedDict):
     cacheClass: str | None  # vLLM's class name, None when no cache was built
-    mode: str  # CACHE_CLASS_MODES value, CACHE_REPLICA_AWARE, CACHE_NONE, or "unknown" for a class we do not know
+    # CACHE_CLASS_MODES value, CACHE_REPLICA_AWARE, CACHE_NONE, or "unknown" for a class we do not know
+    mode: str
     requested: str | None  # FRONTEND_CACHE_ENV as the plugin read it (None: no operator)
 
 

@@ -267,7 +267,9 @@ async def _parse(request: Request, model: type[_Body]) -> Any:
     try:
         value = json.loads(raw)
     except RecursionError as err:  # deep nesting exhausts the C parser's recursion limit
-        raise MembershipError(400, "BadRequest", f"body is nested deeper than {MAX_JSON_DEPTH} levels") from err
+        raise MembershipError(
+            400, "BadRequest", f"body is nested deeper than {MAX_JSON_DEPTH} levels"
+        ) from err
     except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
         raise MembershipError(400, "BadRequest", f"body is not UTF-8 JSON: {err}") from err
     if not isinstance(value, dict):
@@ -297,7 +299,9 @@ def _page_query(request: Request) -> tuple[bool, int, str | None]:
             limit = 0
         if not 1 <= limit <= MAX_PAGE:
             message = f"limit must be an integer from 1 to {MAX_PAGE}"
-            raise MembershipError(422, "InvalidQuery", message, fields=[{"field": "limit", "message": message}])
+            raise MembershipError(
+                422, "InvalidQuery", message, fields=[{"field": "limit", "message": message}]
+            )
     return include_all, limit, params.get("after") or None
 
 
@@ -391,7 +395,9 @@ async def live(request: Request) -> Response:
     client = _engine_client_or_none(request)
     engine = getattr(client, "engine", client)
     pools = getattr(engine, "stage_pools", None)
-    orch = next((o for o in membership.running_orchestrators() if pools is not None and o.stage_pools is pools), None)
+    orch = next(
+        (o for o in membership.running_orchestrators() if pools is not None and o.stage_pools is pools), None
+    )
     if not applied(contract.ENGINE_LIVENESS):
         why = f"patch {contract.ENGINE_LIVENESS!r} is not active: liveness is not judged here"
     elif orch is not None:
@@ -484,8 +490,10 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as err:
         sock.close()
-        raise RuntimeError(f"the membership port {host}:{port} cannot be bound ({err}): set "
-                           f"{contract.MEMBERSHIP_PORT_ENV} (spec.engine.membershipPort) to a free port") from err
+        raise RuntimeError(
+            f"the membership port {host}:{port} cannot be bound ({err}): set "
+            f"{contract.MEMBERSHIP_PORT_ENV} (spec.engine.membershipPort) to a free port"
+        ) from err
     return sock
 
 
@@ -524,8 +532,14 @@ async def serve_membership(state: Any, host: str, port: int) -> Callable[[], Awa
             sock.close()
             raise RuntimeError(f"the membership server on {host}:{port} did not start: {task.exception()!r}")
         await asyncio.sleep(0.01)
-    logger.info("membership endpoint on %s:%d (%s and %s; head boot id %s)", host, state.omnistage_membership_port,
-                contract.MEMBERSHIP_PATH, contract.ENGINE_PATH, report.BOOT_ID)
+    logger.info(
+        "membership endpoint on %s:%d (%s and %s; head boot id %s)",
+        host,
+        state.omnistage_membership_port,
+        contract.MEMBERSHIP_PATH,
+        contract.ENGINE_PATH,
+        report.BOOT_ID,
+    )
 
     async def stop() -> None:
         server.should_exit = True

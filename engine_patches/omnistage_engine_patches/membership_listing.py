@@ -216,12 +216,14 @@ class HeadReads:
             "bootId": report.BOOT_ID,
             "epoch": self.state.epoch,
             "distributed": True,
-            "metricsEnabled": getattr(self.orch, "_stat_logger", None) is not None and metric_series.enabled(),
+            "metricsEnabled": getattr(self.orch, "_stat_logger", None) is not None
+            and metric_series.enabled(),
         }
 
     def _listed_candidates(self) -> set[Key]:
         """Keys that can be in the default listing: head-local, attached, registered but not
-        departed, and detached by the head on its own (until a leave). Built from sets that hold only those, so the work does not grow with the
+        departed, and detached by the head on its own (until a leave). Built from sets that hold only
+        those, so the work does not grow with the
         departed replicas' routes (only ``live_replica_ids`` walks the pool's slots, in C)."""
         with self._locked():
             local = set(self.master._head_local_slots)

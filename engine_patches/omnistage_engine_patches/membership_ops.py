@@ -64,7 +64,9 @@ class LiveHead(HeadReads):
         orch = next((o for o in membership.running_orchestrators()
                      if pools is not None and o.stage_pools is pools), None)
         if orch is None:
-            raise MembershipError(503, "EngineNotReady", "the head's orchestrator is not running (starting or stopped)")
+            raise MembershipError(
+                503, "EngineNotReady", "the head's orchestrator is not running (starting or stopped)"
+            )
         loop = getattr(orch, LOOP, None)
         if loop is None or loop.is_closed():
             raise MembershipError(503, "EngineNotReady", "the head's orchestrator loop is not running")
@@ -95,8 +97,12 @@ class LiveHead(HeadReads):
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
         except TimeoutError as err:
-            raise MembershipError(503, "EngineBusy", f"the orchestrator did not answer within {timeout:.0f}s; "
-                                  "the operation continues, retry to see its result") from err
+            raise MembershipError(
+                503,
+                "EngineBusy",
+                f"the orchestrator did not answer within {timeout:.0f}s; "
+                "the operation continues, retry to see its result",
+            ) from err
 
     def _check_stage(self, stage_id: int) -> None:
         if self._pool(stage_id) is None:
@@ -133,8 +139,11 @@ class LiveHead(HeadReads):
                 routes = self._routes()  # a registration may have arrived meanwhile
             if not candidates:
                 raise MembershipError(
-                    404, contract.E_REPLICA_NOT_REGISTERED,
-                    f"no stage-{stage_id} replica has registered from {ip} yet (retry)", stage=stage_id, ip=ip,
+                    404,
+                    contract.E_REPLICA_NOT_REGISTERED,
+                    f"no stage-{stage_id} replica has registered from {ip} yet (retry)",
+                    stage=stage_id,
+                    ip=ip,
                 )
             if not attached:
                 newest = candidates[-1]
@@ -179,8 +188,14 @@ class LiveHead(HeadReads):
                                       stage=stage_id, replicaId=replica_id)
             owner = state.pods.get(key)
             if pod and owner is not None and owner != pod:
-                raise MembershipError(409, "PodMismatch", f"replica {replica_id} belongs to pod {owner!r}, not {pod!r}",
-                                      stage=stage_id, replicaId=replica_id, pod=owner)
+                raise MembershipError(
+                    409,
+                    "PodMismatch",
+                    f"replica {replica_id} belongs to pod {owner!r}, not {pod!r}",
+                    stage=stage_id,
+                    replicaId=replica_id,
+                    pod=owner,
+                )
             return key
         pool = self._pool(stage_id)
 
@@ -196,8 +211,14 @@ class LiveHead(HeadReads):
             keys = [(stage_id, rid) for rid in self._routes_from(self._routes(), stage_id, ip)]
             if keys:
                 return max(keys, key=rank)
-        raise MembershipError(404, "UnknownReplica", f"no stage-{stage_id} replica matches pod={pod!r} ip={ip!r}",
-                              stage=stage_id, pod=pod, ip=ip)
+        raise MembershipError(
+            404,
+            "UnknownReplica",
+            f"no stage-{stage_id} replica matches pod={pod!r} ip={ip!r}",
+            stage=stage_id,
+            pod=pod,
+            ip=ip,
+        )
 
     async def leave(
         self,
@@ -214,8 +235,12 @@ class LiveHead(HeadReads):
             self._check_stage(stage_id)
             key = self._resolve(stage_id, replica_id, pod, ip)
             if key in self.master._head_local_slots:
-                raise MembershipError(409, "HeadLocalReplica",
-                                      f"replica {key[1]} runs inside the head; it cannot leave", replicaId=key[1])
+                raise MembershipError(
+                    409,
+                    "HeadLocalReplica",
+                    f"replica {key[1]} runs inside the head; it cannot leave",
+                    replicaId=key[1],
+                )
             state = self.state
             lock = state.locks.setdefault(key, asyncio.Lock())
             async with lock:  # a concurrent leave for the same replica waits, then sees "left"
@@ -243,8 +268,15 @@ class LiveHead(HeadReads):
             # is routed to it and nothing is in flight there.
             if metric_series.enabled():
                 metric_series.remove_replica_series(self.orch, stage_id, replica_id)
-            return {**record, "drained": True, "timedOut": False, "detached": False, "inFlightAtDetach": 0,
-                    "waitedSeconds": 0.0, "metricsRegistered": metric_series.series_registered(self.orch, *key)}
+            return {
+                **record,
+                "drained": True,
+                "timedOut": False,
+                "detached": False,
+                "inFlightAtDetach": 0,
+                "waitedSeconds": 0.0,
+                "metricsRegistered": metric_series.series_registered(self.orch, *key),
+            }
 
         addr = client_addr(client)
         draining = draining_of(pool)
@@ -272,7 +304,9 @@ class LiveHead(HeadReads):
                 draining.discard(replica_id)
                 state.bump()
                 if isinstance(exc, Exception):
-                    logger.exception("stage %d replica %d: detach failed; routing restored", stage_id, replica_id)
+                    logger.exception(
+                        "stage %d replica %d: detach failed; routing restored", stage_id, replica_id
+                    )
                     raise MembershipError(
                         500, "DetachFailed",
                         f"detaching replica {replica_id} failed; routing restored (see the head's log)",

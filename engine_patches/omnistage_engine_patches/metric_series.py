@@ -96,7 +96,8 @@ def _drop_engine_entries(value: Any, engine_idx: int, families: dict[int, Any], 
 
     if isinstance(value, dict):
         per_engine = any(isinstance(k, int) and not isinstance(k, bool) for k in value) and all(
-            isinstance(v, _RelabelMixin) or (isinstance(v, list) and all(isinstance(i, _RelabelMixin) for i in v))
+            isinstance(v, _RelabelMixin)
+            or (isinstance(v, list) and all(isinstance(i, _RelabelMixin) for i in v))
             for v in value.values()
         )
         if per_engine and value:
@@ -176,5 +177,7 @@ def remove_replica_series(orch: Any, stage_id: int, replica_id: int) -> int:
         removed += _remove_children(family, {"from_stage": stage, "from_replica": replica})
         removed += _remove_children(family, {"to_stage": stage, "to_replica": replica})
     if idx is not None or removed:
-        logger.info("metric series removed for stage %d replica %d (%d children)", stage_id, replica_id, removed)
+        logger.info(
+            "metric series removed for stage %d replica %d (%d children)", stage_id, replica_id, removed
+        )
     return removed

@@ -9,7 +9,8 @@ node drain, `kubectl delete pod`) would stop its engine with SIGTERM at once and
 requests it runs. The kubelet runs this hook first, inside the pod's terminationGracePeriodSeconds,
 even when the operator is down: it asks the head (its membership port, contract.HEAD_URL_ENV; bearer
 token from contract.TOKEN_FILE_ENV: this pod's own credential, contract.pod_credential, which the
-head accepts for this pod's leave and nothing else) to stop routing to this pod's replica of each stage and to wait up to
+head accepts for this pod's leave and nothing else) to stop routing to this pod's replica of each
+stage and to wait up to
 contract.DRAIN_SECONDS_ENV for its requests in flight (one leave per stage, side by side; the
 head's leave is idempotent, so the operator asking too changes nothing). Then the hook returns and
 the kubelet sends SIGTERM.
@@ -21,7 +22,8 @@ master token; the static head's gauge is on its public port, contract.API_URL_EN
 it accepted are answered before SIGTERM stops vLLM (a head change hands the Service to a new head
 first, then deletes the old one). A head that answers neither (not started) is not waited for.
 
-It always exits 0: a hook that fails only loses the drain, the pod goes anyway. Standard library only (it runs in the engine image before anything else is imported).
+It always exits 0: a hook that fails only loses the drain, the pod goes anyway. Standard library
+only (it runs in the engine image before anything else is imported).
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def in_flight(base: str, token: str, api: str | None = None) -> int | None:
 
 def wait_idle(base: str, token: str, drain_seconds: float, clock=time.monotonic, sleep=time.sleep,
               api: str | None = None) -> str:
-    """A head's hook: wait until nothing is in flight IDLE_POLLS times in a row; what happened, in one line."""
+    """A head's hook: wait until nothing is in flight IDLE_POLLS times in a row; what happened, in one
+    line."""
     deadline, idle, most = clock() + drain_seconds, 0, 0
     while True:
         n = in_flight(base, token, api)
@@ -134,11 +137,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prestop: cannot leave: {err}", file=sys.stderr)
         return 0
     if not (base and pod and token):
-        print(f"prestop: cannot leave: {contract.HEAD_URL_ENV}, POD_NAME and a token are needed", file=sys.stderr)
+        print(
+            f"prestop: cannot leave: {contract.HEAD_URL_ENV}, POD_NAME and a token are needed",
+            file=sys.stderr,
+        )
         return 0
     if args.head:
-        print(f"prestop: head {pod} {wait_idle(base, token, drain, api=os.environ.get(contract.API_URL_ENV))}",
-              flush=True)
+        print(
+            f"prestop: head {pod} {wait_idle(base, token, drain, api=os.environ.get(contract.API_URL_ENV))}",
+            flush=True,
+        )
         return 0
     results: list[str] = []
     threads = [threading.Thread(target=lambda k=k: results.append(leave(base, token, pod, k, drain)))

@@ -79,7 +79,11 @@ def frontend_cache(engine_client: Any) -> contract.FrontendCacheReport | None:
     # replica-aware is processor-only plus the per-replica dispatch: live only when the patch is in
     # and this process's stage-0 frontend switched it on.
     dispatch = replica_aware_cache.dispatch()
-    out = {"cacheClass": name, "mode": contract.frontend_mode(name, dispatch is not None), "requested": requested_mode()}
+    out = {
+        "cacheClass": name,
+        "mode": contract.frontend_mode(name, dispatch is not None),
+        "requested": requested_mode(),
+    }
     if dispatch is not None:
         # What the per-replica decision did since the head started (items sent in full / omitted,
         # mirrors dropped, misses reported / re-sent / passed on): how a GPU run judges the mode.
@@ -107,7 +111,9 @@ def build(engine_client: Any) -> contract.EngineReport:
         "vllmOmniVersion": _version("vllm-omni"),
         "distributed": distributed,
         "frontendCache": frontend,
-        "patches": {name: {"outcome": o.outcome, "reason": o.reason} for name, o in sorted(outcomes().items())},
+        "patches": {
+            name: {"outcome": o.outcome, "reason": o.reason} for name, o in sorted(outcomes().items())
+        },
     }
 
 
@@ -118,5 +124,7 @@ def frontend_cache_unsafe(engine_client: Any) -> str | None:
     frontend = frontend_cache(engine_client)
     if frontend is None or frontend["mode"] not in contract.SENDER_CACHE_MODES:
         return None
-    return (f"the head's stage-0 frontend runs {frontend['cacheClass']} ({frontend['mode']}): a replica joined to "
-            "it would miss tensors the frontend omits; the head must run the processor-only cache")
+    return (
+        f"the head's stage-0 frontend runs {frontend['cacheClass']} ({frontend['mode']}): a replica joined "
+        "to it would miss tensors the frontend omits; the head must run the processor-only cache"
+    )

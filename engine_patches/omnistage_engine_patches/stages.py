@@ -1,6 +1,7 @@
 """The supervisor of an OmniStagePool pod: one headless `vllm serve ... --stage-id K` per stage.
 
-  python3 -m omnistage_engine_patches.stages --stage-id 1 --stage-id 2 -- vllm serve MODEL --omni --headless ...
+  python3 -m omnistage_engine_patches.stages --stage-id 1 --stage-id 2 \\
+      -- vllm serve MODEL --omni --headless ...
 
 Stages that share a pod (and its GPUs: the device plugin cannot give one GPU to two pods) run as
 one process each, the command after `--` with `--stage-id K` appended. The pod is one unit for the
@@ -28,10 +29,14 @@ def parse(argv: Sequence[str]) -> tuple[list[int], list[str]]:
     """(stage ids, the command) from `--stage-id K ... -- command...`."""
     argv = list(argv)
     if "--" not in argv:
-        raise SystemExit("usage: python3 -m omnistage_engine_patches.stages --stage-id K [--stage-id K ...] -- COMMAND...")
+        raise SystemExit(
+            "usage: python3 -m omnistage_engine_patches.stages --stage-id K [--stage-id K ...] -- COMMAND..."
+        )
     cut = argv.index("--")
     ap = argparse.ArgumentParser(prog="omnistage_engine_patches.stages")
-    ap.add_argument("--stage-id", type=int, action="append", required=True, help="a stage this pod runs (repeat)")
+    ap.add_argument(
+        "--stage-id", type=int, action="append", required=True, help="a stage this pod runs (repeat)"
+    )
     ids = ap.parse_args(argv[:cut]).stage_id
     command = argv[cut + 1:]
     if not command:
@@ -64,7 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, _frame: stopping.append(signum))
     signal.signal(signal.SIGINT, lambda signum, _frame: stopping.append(signum))
     procs = {k: subprocess.Popen(stage_command(command, k)) for k in ids}
-    print(f"omnistage stages: started stage {', '.join(f'{k} (pid {p.pid})' for k, p in procs.items())}", flush=True)
+    print(
+        f"omnistage stages: started stage {', '.join(f'{k} (pid {p.pid})' for k, p in procs.items())}",
+        flush=True,
+    )
     while True:
         if stopping:
             print(f"omnistage stages: signal {stopping[0]}: stopping every stage", flush=True)

@@ -34,7 +34,9 @@ def _load_omnistages(path: str) -> tuple[list[dict], list[dict]]:
     pool_objs = [d for d in docs if d.get("kind") == api.POOL_KIND]
     for d in found + pool_objs:
         if d.get("apiVersion") != f"{api.GROUP}/{api.VERSION}":
-            raise InvalidSpec([("apiVersion", f"is {d.get('apiVersion')!r}; expected {api.GROUP}/{api.VERSION}")])
+            raise InvalidSpec(
+                [("apiVersion", f"is {d.get('apiVersion')!r}; expected {api.GROUP}/{api.VERSION}")]
+            )
     return found, pool_objs
 
 
@@ -88,10 +90,17 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from .operator_main import run  # kopf is imported only when the operator runs
 
-    return run(namespaces=args.namespace, metrics_port=args.metrics_port, probe_port=args.probe_port,
-               bind=args.bind_address, engine_image=args.engine_image, allowed_host_paths=args.allowed_host_paths,
-               lease_namespace=args.leader_election_namespace, lease_name=args.leader_election_id,
-               probe_heads_every=args.probe_heads_every)
+    return run(
+        namespaces=args.namespace,
+        metrics_port=args.metrics_port,
+        probe_port=args.probe_port,
+        bind=args.bind_address,
+        engine_image=args.engine_image,
+        allowed_host_paths=args.allowed_host_paths,
+        lease_namespace=args.leader_election_namespace,
+        lease_name=args.leader_election_id,
+        probe_heads_every=args.probe_heads_every,
+    )
 
 
 def _probe_period(text: str) -> float:
@@ -113,20 +122,28 @@ def _host_paths(text: str) -> str:
 
 
 def _add_allowed_host_paths(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--allowed-host-paths", type=_host_paths, metavar="DIR[,DIR...]",
-                   help="host directories (comma-separated absolute prefixes) an OmniStage's spec.modelVolume.hostPath "
-                   f"may name (default: ${security.ALLOWED_HOST_PATHS_ENV}, else none)")
+    p.add_argument(
+        "--allowed-host-paths",
+        type=_host_paths,
+        metavar="DIR[,DIR...]",
+        help="host directories (comma-separated absolute prefixes) an OmniStage's spec.modelVolume.hostPath "
+        f"may name (default: ${security.ALLOWED_HOST_PATHS_ENV}, else none)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omnistage", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("crd", help="print the OmniStage CustomResourceDefinition").set_defaults(func=cmd_crd)
-    sub.add_parser("docs", help="print the OmniStage API reference (docs/reference.md)").set_defaults(func=cmd_docs)
+    sub.add_parser("docs", help="print the OmniStage API reference (docs/reference.md)").set_defaults(
+        func=cmd_docs
+    )
     r = sub.add_parser("render", help="print every child manifest of an OmniStage (like helm template)")
     r.add_argument("-f", "--filename", required=True, help="OmniStage YAML file, or - for stdin")
     r.add_argument("--head-ip", default=PLACEHOLDER_HEAD_IP, help="head pod IP to render into replica pods")
-    r.add_argument("--head-uid", default=PLACEHOLDER_HEAD_UID, help="head pod UID to render into replica pods")
+    r.add_argument(
+        "--head-uid", default=PLACEHOLDER_HEAD_UID, help="head pod UID to render into replica pods"
+    )
     r.add_argument("--token", help="membership token (default: a random one)")
     r.add_argument("--engine-image", help=f"engine image where spec.engine.image is unset (default: "
                    f"${api.ENGINE_IMAGE_ENV}, else {api.DEFAULT_ENGINE_IMAGE})")
@@ -137,7 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="watch only this namespace (repeatable); default: all namespaces (namespaced "
                      "installs pass their own, --namespace=$(POD_NAMESPACE) from the downward API)")
     run.add_argument("--metrics-port", type=int, default=8080, help="Prometheus /metrics port (0: off)")
-    run.add_argument("--probe-port", type=int, default=8081, help="probe port: /healthz liveness, /readyz readiness (0: off)")
+    run.add_argument(
+        "--probe-port",
+        type=int,
+        default=8081,
+        help="probe port: /healthz liveness, /readyz readiness (0: off)",
+    )
     run.add_argument("--bind-address", help="address /metrics and the probes bind (default: "
                      "$OMNISTAGE_BIND_ADDRESS, else 127.0.0.1; the install manifests: the pod's IP)")
     run.add_argument("--engine-image", help=f"engine image of OmniStages that leave spec.engine.image unset "
@@ -146,8 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--probe-heads-every", type=_probe_period, default=5.0, metavar="SECONDS",
                      help="probe every head this often (default 5; 0.5 to 60): how soon a registration or a "
                      "restarted head engine is noticed, at one conditional GET per head each time")
-    run.add_argument("--leader-election-namespace", help="namespace of the leader-election Lease (default: "
-                     "$POD_NAMESPACE, else the in-cluster ServiceAccount's; neither: no election, one replica only)")
+    run.add_argument(
+        "--leader-election-namespace",
+        help="namespace of the leader-election Lease (default: "
+        "$POD_NAMESPACE, else the in-cluster ServiceAccount's; neither: no election, one replica only)",
+    )
     run.add_argument("--leader-election-id", default=LEASE_NAME, help="name of the leader-election Lease")
     run.set_defaults(func=cmd_run)
     return p

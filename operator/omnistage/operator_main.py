@@ -59,14 +59,17 @@ def run(namespaces: list[str], metrics_port: int, probe_port: int, bind: str | N
             "run exactly one replica")
     leader.configure(elector)
     bind = bind_address(bind)
-    logging.getLogger(__name__).info("metrics on %s:%s, probes on %s:%s", bind, metrics_port, bind, probe_port)
+    logging.getLogger(__name__).info(
+        "metrics on %s:%s, probes on %s:%s", bind, metrics_port, bind, probe_port
+    )
     serve(metrics_port, bind)
     probes.serve(probe_port, bind, probes.Checks(leading=leader.is_leading, synced=lambda: STATE.synced(0),
                                                  omnistages=STATUS.count, threads=threads))
     try:
         kopf.run(
             clusterwide=not namespaces,
-            namespaces=namespaces,  # empty with clusterwide (kopf iterates it: None crashed its namespace observer)
+            # empty with clusterwide (kopf iterates it: None crashed its namespace observer)
+            namespaces=namespaces,
             # No KopfPeering: with equal priorities kopf's peering freezes every replica; the Lease
             # (leader.py) decides who acts, and kopf runs in every replica so a follower is warm.
             standalone=True,

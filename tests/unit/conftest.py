@@ -26,7 +26,9 @@ def refused_exactly(obj: dict, field: str, words: str) -> None:
 def hack_script(filename: str) -> ModuleType:
     """A script of hack/ imported as a module (its name has dashes), registered in sys.modules
     because dataclasses look their module up by name."""
-    spec = importlib.util.spec_from_file_location(filename.removesuffix(".py").replace("-", "_"), ROOT / "hack" / filename)
+    spec = importlib.util.spec_from_file_location(
+        filename.removesuffix(".py").replace("-", "_"), ROOT / "hack" / filename
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

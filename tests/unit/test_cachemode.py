@@ -6,25 +6,56 @@ import pytest
 from omnistage.api.cachemode import CacheModeRejected, resolve_cache_mode
 
 REJECT = "rejected"
-MEMBERSHIP_REPLICAS = [("static", 1), ("static", 2), ("static", 8), ("dynamic", 1), ("dynamic", 2), ("dynamic", 8)]
+MEMBERSHIP_REPLICAS = [
+    ("static", 1),
+    ("static", 2),
+    ("static", 8),
+    ("dynamic", 1),
+    ("dynamic", 2),
+    ("dynamic", 8),
+]
 MODES = ["auto", "processor-only", "replica-aware", "lru", "shm", "disabled"]
 KINDS = ["multimodal", "text-only"]
 
 # Only a static single replica keeps a fixed membership: there a sender cache is safe.
 STATIC_SINGLE = {
-    "multimodal": {"auto": "lru", "processor-only": "processor-only", "replica-aware": "replica-aware",
-                   "lru": "lru", "shm": "shm", "disabled": "disabled"},
-    "text-only": {"auto": "not-applicable", "processor-only": "not-applicable", "replica-aware": "not-applicable",
-                  "lru": "not-applicable", "shm": "not-applicable", "disabled": "not-applicable"},
+    "multimodal": {
+        "auto": "lru",
+        "processor-only": "processor-only",
+        "replica-aware": "replica-aware",
+        "lru": "lru",
+        "shm": "shm",
+        "disabled": "disabled",
+    },
+    "text-only": {
+        "auto": "not-applicable",
+        "processor-only": "not-applicable",
+        "replica-aware": "not-applicable",
+        "lru": "not-applicable",
+        "shm": "not-applicable",
+        "disabled": "not-applicable",
+    },
 }
 # Everything else can gain or lose replicas: auto means processor-only (replica-aware stays opt-in
 # until it has run on GPUs), replica-aware is allowed, sender caches are refused (for text-only
 # models too: the spec is invalid whatever the model).
 CHANGING = {
-    "multimodal": {"auto": "processor-only", "processor-only": "processor-only", "replica-aware": "replica-aware",
-                   "lru": REJECT, "shm": REJECT, "disabled": "disabled"},
-    "text-only": {"auto": "not-applicable", "processor-only": "not-applicable", "replica-aware": "not-applicable",
-                  "lru": REJECT, "shm": REJECT, "disabled": "not-applicable"},
+    "multimodal": {
+        "auto": "processor-only",
+        "processor-only": "processor-only",
+        "replica-aware": "replica-aware",
+        "lru": REJECT,
+        "shm": REJECT,
+        "disabled": "disabled",
+    },
+    "text-only": {
+        "auto": "not-applicable",
+        "processor-only": "not-applicable",
+        "replica-aware": "not-applicable",
+        "lru": REJECT,
+        "shm": REJECT,
+        "disabled": "not-applicable",
+    },
 }
 
 
@@ -40,7 +71,9 @@ def test_table_covers_every_combination():
     assert len(CASES) == 2 * 3 * 6 * 2
 
 
-@pytest.mark.parametrize(("mr", "mode", "kind"), CASES, ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else v)
+@pytest.mark.parametrize(
+    ("mr", "mode", "kind"), CASES, ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else v
+)
 def test_cache_mode(mr, mode, kind):
     membership, replicas = mr
     want = expected(membership, replicas, mode, kind)

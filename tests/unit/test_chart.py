@@ -137,11 +137,18 @@ def test_names_follow_the_release(render):
     objs = render(None, "--set", "namespaced=true", release="team-a")
     fullname = "team-a-omnistage-operator"
     names = {(o["kind"], o["metadata"]["name"]) for o in objs}
-    assert names == {("ServiceAccount", fullname), ("ClusterRole", fullname),
-                     ("ClusterRole", f"{fullname}-discovery"), ("ClusterRoleBinding", f"{fullname}-discovery"),
-                     ("Role", f"{fullname}-leader-election"), ("RoleBinding", f"{fullname}-leader-election"),
-                     ("RoleBinding", fullname), ("Service", f"{fullname}-metrics"), ("Deployment", fullname),
-                     ("PodDisruptionBudget", fullname)}
+    assert names == {
+        ("ServiceAccount", fullname),
+        ("ClusterRole", fullname),
+        ("ClusterRole", f"{fullname}-discovery"),
+        ("ClusterRoleBinding", f"{fullname}-discovery"),
+        ("Role", f"{fullname}-leader-election"),
+        ("RoleBinding", f"{fullname}-leader-election"),
+        ("RoleBinding", fullname),
+        ("Service", f"{fullname}-metrics"),
+        ("Deployment", fullname),
+        ("PodDisruptionBudget", fullname),
+    }
     assert {o["roleRef"]["name"] for o in objs if "roleRef" in o} == {
         fullname, f"{fullname}-discovery", f"{fullname}-leader-election"}
     assert subjects(objs) == {fullname}
@@ -163,12 +170,16 @@ def _check_pull_secrets(objs):
 
 
 def _check_engine_image(objs):
-    assert {"name": "OMNISTAGE_ENGINE_IMAGE", "value": "registry.example/ml/engine:9.9.9"} in container(objs)["env"]
+    assert {"name": "OMNISTAGE_ENGINE_IMAGE", "value": "registry.example/ml/engine:9.9.9"} in container(objs)[
+        "env"
+    ]
 
 
 def _check_allowed_host_paths(objs):
     """The operator reads the allow-list from this variable (api/security.py), comma-separated."""
-    assert {"name": "OMNISTAGE_ALLOWED_HOST_PATHS", "value": "/mnt/models,/data/weights"} in container(objs)["env"]
+    assert {"name": "OMNISTAGE_ALLOWED_HOST_PATHS", "value": "/mnt/models,/data/weights"} in container(objs)[
+        "env"
+    ]
 
 
 def _check_bind_address(objs):
@@ -183,7 +194,8 @@ def _check_bind_address_default(objs):
     names = [e["name"] for e in env]
     assert {"name": "OMNISTAGE_BIND_ADDRESS", "value": "$(POD_IP)"} in env
     assert env[names.index("POD_IP")]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-    assert names.index("POD_IP") < names.index("OMNISTAGE_BIND_ADDRESS")  # $(VAR) expands earlier variables only
+    # $(VAR) expands earlier variables only
+    assert names.index("POD_IP") < names.index("OMNISTAGE_BIND_ADDRESS")
 
 
 def _check_namespaced(objs):
@@ -302,7 +314,9 @@ def _check_name_override(objs):
     assert dep["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "osto"}
     assert dep["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "osto"
     assert one(objs, "Service")["spec"]["selector"] == {"app.kubernetes.io/name": "osto"}
-    assert one(objs, "PodDisruptionBudget")["spec"]["selector"] == {"matchLabels": {"app.kubernetes.io/name": "osto"}}
+    assert one(objs, "PodDisruptionBudget")["spec"]["selector"] == {
+        "matchLabels": {"app.kubernetes.io/name": "osto"}
+    }
 
 
 def _check_fullname_override(objs):
@@ -325,8 +339,10 @@ def _check_monitoring(objs):
 
 
 CASES = [
-    ({"image": {"repository": "registry.example/ml/operator", "tag": "9.9.9", "pullPolicy": "Always"}},
-     _check_image),
+    (
+        {"image": {"repository": "registry.example/ml/operator", "tag": "9.9.9", "pullPolicy": "Always"}},
+        _check_image,
+    ),
     ({"imagePullSecrets": [{"name": "regcred"}]}, _check_pull_secrets),
     ({"engineImage": "registry.example/ml/engine:9.9.9"}, _check_engine_image),
     ({"allowedHostPaths": ["/mnt/models", "/data/weights"]}, _check_allowed_host_paths),
@@ -345,17 +361,32 @@ CASES = [
     ({"priorityClassName": "system-cluster-critical"}, _check_priority_class),
     ({"podSecurityContext": {"runAsUser": 1000, "fsGroup": 1000}}, _check_pod_security_context),
     ({"securityContext": {"readOnlyRootFilesystem": False}}, _check_security_context),
-    ({"podAnnotations": {"example.com/owner": "ml-platform"}, "podLabels": {"team": "ml"}}, _check_pod_metadata),
+    (
+        {"podAnnotations": {"example.com/owner": "ml-platform"}, "podLabels": {"team": "ml"}},
+        _check_pod_metadata,
+    ),
     ({"serviceAccount": {"create": False, "name": "ops-operator"}}, _check_existing_service_account),
     ({"serviceAccount": {"create": False}}, _check_default_service_account),
-    ({"serviceAccount": {"name": "ops-operator", "annotations": {"iam.example.com/role": "omnistage"}}},
-     _check_named_service_account),
+    (
+        {"serviceAccount": {"name": "ops-operator", "annotations": {"iam.example.com/role": "omnistage"}}},
+        _check_named_service_account,
+    ),
     ({"rbac": {"create": False}}, _check_no_rbac),
     ({"rbac": {"create": False}, "namespaced": True}, _check_no_rbac),
     ({"nameOverride": "osto"}, _check_name_override),
     ({"fullnameOverride": "osto"}, _check_fullname_override),
-    ({"monitoring": {"enabled": True, "namespace": "monitoring", "labels": {"release": "kps"},
-                     "operatorInterval": "1m", "engineInterval": "5s"}}, _check_monitoring),
+    (
+        {
+            "monitoring": {
+                "enabled": True,
+                "namespace": "monitoring",
+                "labels": {"release": "kps"},
+                "operatorInterval": "1m",
+                "engineInterval": "5s",
+            }
+        },
+        _check_monitoring,
+    ),
 ]
 
 

@@ -62,14 +62,21 @@ def _problems(kind: str, name: str, labels: dict[str, str]) -> list[str]:
         out.append(f"pod {name!r}: its hostname would be cut")
     if not (len(name) <= 253 and DNS_SUBDOMAIN.fullmatch(name)):
         out.append(f"{kind} name {name!r} is not a DNS subdomain")
-    out += [f"{kind} {name}: label {k}={v!r}" for k, v in labels.items() if len(v) > 63 or not LABEL_VALUE.fullmatch(v)]
+    out += [
+        f"{kind} {name}: label {k}={v!r}"
+        for k, v in labels.items()
+        if len(v) > 63 or not LABEL_VALUE.fullmatch(v)
+    ]
     return out
 
 
 def _checked(obj: dict) -> list[str]:
     meta = obj["metadata"]
     selector = ((obj.get("spec") or {}).get("selector") or {})
-    labels = {**meta.get("labels", {}), **selector.get("matchLabels", selector if obj["kind"] == "Service" else {})}
+    labels = {
+        **meta.get("labels", {}),
+        **selector.get("matchLabels", selector if obj["kind"] == "Service" else {}),
+    }
     return _problems(obj["kind"], meta["name"], labels)
 
 

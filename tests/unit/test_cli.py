@@ -24,8 +24,17 @@ def test_render_sample():
     assert out.returncode == 0, out.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all(out.stdout)]
     # The master token's Secret; after the head, the replica pod's own credential (NAME-replica-1-membership).
-    assert kinds == ["ConfigMap", "Secret", "Service", "Service", "NetworkPolicy", "PodDisruptionBudget", "Pod",
-                     "Secret", "Pod"]
+    assert kinds == [
+        "ConfigMap",
+        "Secret",
+        "Service",
+        "Service",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+        "Pod",
+        "Secret",
+        "Pod",
+    ]
     assert "effective stage-0 cache mode processor-only" in out.stderr
 
 

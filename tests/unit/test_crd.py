@@ -36,7 +36,10 @@ def test_printer_columns_and_short_name():
 def test_conditions_are_a_map_keyed_by_type(build):
     status = build()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
     conditions = status["properties"]["conditions"]
-    assert (conditions["x-kubernetes-list-type"], conditions["x-kubernetes-list-map-keys"]) == ("map", ["type"])
+    assert (conditions["x-kubernetes-list-type"], conditions["x-kubernetes-list-map-keys"]) == (
+        "map",
+        ["type"],
+    )
     assert "type" in conditions["items"]["required"]  # a map key must be required
 
 
@@ -44,7 +47,10 @@ def test_pool_printer_columns_and_short_name():
     crd = build_pool_crd()
     cols = [c["name"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]
     assert cols == ["OmniStage", "Stages", "Desired", "Ready", "Registered", "Status", "Reason", "Age"]
-    assert crd["spec"]["names"]["shortNames"] == ["osp"] and crd["metadata"]["name"] == "omnistagepools.serving.omnistage.io"
+    assert (
+        crd["spec"]["names"]["shortNames"] == ["osp"]
+        and crd["metadata"]["name"] == "omnistagepools.serving.omnistage.io"
+    )
 
 
 def test_pool_replicas_and_stage_ids_are_bounded_by_the_schema():
@@ -56,7 +62,9 @@ def test_pool_replicas_and_stage_ids_are_bounded_by_the_schema():
 
 
 def test_stage_ids_of_an_omnistage_are_a_map_keyed_by_id():
-    stages = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["stages"]
+    stages = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"
+    ]["stages"]
     assert stages["x-kubernetes-list-type"] == "map" and stages["x-kubernetes-list-map-keys"] == ["id"]
 
 

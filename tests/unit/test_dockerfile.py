@@ -56,7 +56,9 @@ def test_hadolint_passes_with_every_rule_and_the_oci_labels(tmp_path):
     findings = json.loads(proc.stdout or "[]")
     for f in findings:
         print(f"Dockerfile:{f['line']} {f['code']} {f['level']}: {f['message']}")
-    version = subprocess.run([_hadolint(), "--version"], capture_output=True, text=True, check=False).stdout.strip()
+    version = subprocess.run(
+        [_hadolint(), "--version"], capture_output=True, text=True, check=False
+    ).stdout.strip()
     print(f"{version}: {len(findings)} finding(s), exit {proc.returncode}")
     assert findings == [] and proc.returncode == 0, proc.stderr
 

@@ -50,8 +50,14 @@ def test_a_changed_model_changes_the_reference():
 
 
 def test_cli_prints_the_reference():
-    out = subprocess.run([sys.executable, "-m", "omnistage", "docs"], capture_output=True, text=True, cwd=ROOT,
-                         timeout=60, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "omnistage", "docs"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout == reference_markdown()
 
@@ -79,7 +85,9 @@ def test_reference_has_a_row_for_every_field_and_rule():
     for top in ("spec", "status"):
         for parent, name in _fields(root[top], top):
             assert parent in sections, f"no section for {parent}"
-            assert re.search(rf"^\| \[?`{re.escape(name)}`", sections[parent], flags=re.MULTILINE), f"{parent}.{name}"
+            assert re.search(rf"^\| \[?`{re.escape(name)}`", sections[parent], flags=re.MULTILINE), (
+                f"{parent}.{name}"
+            )
     text = reference_markdown()
     for path in KUBERNETES_TYPES:  # a renamed embedded type must not silently drop out of the reference
         parent, name = path.rsplit(".", 1)
@@ -96,7 +104,8 @@ def test_reference_has_a_row_for_every_field_and_rule():
 
 # ----- troubleshooting: every reason the operator sets --------------------------------------------------
 # Every condition type, reason, Progressing action, Event reason and member state is a member of an enum
-# (api/conditions.py, api/statuses.MemberState). The tests below hold the enums to the code both ways: each member is
+# (api/conditions.py, api/statuses.MemberState). The tests below hold the enums to the code both ways: each
+# member is
 # named somewhere in the operator package (so nothing is promised that no code sets), and no call that
 # sets a reason passes a string literal (so nothing is set that the enums, and so the docs, miss).
 
@@ -162,8 +171,10 @@ def test_the_readers_see_what_they_should():
     """Negative controls for the tests below: the syntax-tree readers find a known member and a literal."""
     assert {"HEAD_PENDING", "UNSCHEDULABLE", "GPU_MEMORY_OVERCOMMITTED"} <= referenced(Reason)
     assert {"LEAVING", "PENDING"} <= referenced(MemberState)
-    snippet = ast.parse('Cond(Type.READY, ok, Reason.WAITING if ok else "Stuck")\nself.progressing.append("Busy")\n'
-                        'self.emit("Normal", EventReason.JOINED, "joined")')
+    snippet = ast.parse(
+        'Cond(Type.READY, ok, Reason.WAITING if ok else "Stuck")\nself.progressing.append("Busy")\n'
+        'self.emit("Normal", EventReason.JOINED, "joined")'
+    )
     assert literal_reasons([(OPERATOR / "x.py", snippet)]) == ["x.py:1 'Stuck'", "x.py:2 'Busy'"]
 
 
@@ -185,7 +196,9 @@ def _troubleshooting() -> str:
 def test_troubleshooting_has_a_section_per_condition_type():
     text = _troubleshooting()
     for ctype in conditions.TYPES:
-        assert re.search(rf"^## {ctype}$", text, flags=re.MULTILINE), f"docs/troubleshooting.md has no section {ctype}"
+        assert re.search(rf"^## {ctype}$", text, flags=re.MULTILINE), (
+            f"docs/troubleshooting.md has no section {ctype}"
+        )
 
 
 @pytest.mark.parametrize("kind, enum", DOCUMENTED, ids=[kind for kind, _ in DOCUMENTED])
@@ -233,7 +246,9 @@ def _makefile_test_gpu_block() -> str:
 def test_gpu_variables_are_documented_in_docs_and_makefile():
     read = _variables_read()
     assert {"OMNISTAGE_GPU_CLUSTER", "OMNISTAGE_KUBECTL", "OMNISTAGE_GPU_PRODUCT"} <= read
-    assert read <= set(SETTINGS), f"read but not in tests/gpu/support.SETTINGS: {sorted(read - set(SETTINGS))}"
+    assert read <= set(SETTINGS), (
+        f"read but not in tests/gpu/support.SETTINGS: {sorted(read - set(SETTINGS))}"
+    )
     docs, make = (DOCS / "gpu-tests.md").read_text(), _makefile_test_gpu_block()
     for name in [*SETTINGS, "PYTEST_ARGS"]:
         assert f"`{name}`" in docs, f"docs/gpu-tests.md does not document {name}"

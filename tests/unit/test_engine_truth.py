@@ -12,12 +12,20 @@ from omnistage_engine_patches import contract
 ALL_APPLIED = {name: {"outcome": contract.APPLIED, "reason": "applied"} for name in contract.PATCHES}
 
 
-def report(cache_class: str | None, patches: dict | None = None, replica_aware: bool = False, **extra) -> dict:
+def report(
+    cache_class: str | None, patches: dict | None = None, replica_aware: bool = False, **extra
+) -> dict:
     return {
-        "bootId": "b1", "pluginVersion": "0.2.0", "vllmVersion": "0.30.0", "vllmOmniVersion": "0.30.0",
+        "bootId": "b1",
+        "pluginVersion": "0.2.0",
+        "vllmVersion": "0.30.0",
+        "vllmOmniVersion": "0.30.0",
         "distributed": True,
-        "frontendCache": {"cacheClass": cache_class, "mode": contract.frontend_mode(cache_class, replica_aware),
-                          "requested": None},
+        "frontendCache": {
+            "cacheClass": cache_class,
+            "mode": contract.frontend_mode(cache_class, replica_aware),
+            "requested": None,
+        },
         "patches": copy.deepcopy(patches if patches is not None else ALL_APPLIED),
         **extra,
     }
@@ -36,24 +44,70 @@ def with_outcome(patch: str, outcome: str, reason: str = "target changed shape")
         ("processor-only", True, "MultiModalProcessorSenderCache", ALL_APPLIED, Reason.CACHE_MISMATCH),
         ("processor-only", True, "ShmObjectStoreSenderCache", ALL_APPLIED, Reason.CACHE_MISMATCH),
         ("processor-only", True, None, ALL_APPLIED, Reason.CACHE_MISMATCH),
-        ("processor-only", True, "MultiModalProcessorOnlyCache",
-         with_outcome("frontend_cache", contract.UPSTREAM_FIXED, "upstream has it"), Reason.CONSISTENT),
-        ("processor-only", True, "MultiModalProcessorOnlyCache",
-         with_outcome("frontend_cache", contract.SKIPPED), Reason.PATCH_NOT_APPLIED),
-        ("processor-only", True, "MultiModalProcessorOnlyCache",
-         with_outcome("frontend_cache", contract.DISABLED, "disabled by switch"), Reason.PATCH_NOT_APPLIED),
-        ("processor-only", True, "MultiModalProcessorOnlyCache",
-         with_outcome("uuid_scope", contract.SKIPPED), Reason.PATCH_NOT_APPLIED),
-        ("processor-only", True, "MultiModalProcessorOnlyCache",
-         with_outcome("membership", contract.SKIPPED), Reason.PATCH_NOT_APPLIED),
+        (
+            "processor-only",
+            True,
+            "MultiModalProcessorOnlyCache",
+            with_outcome("frontend_cache", contract.UPSTREAM_FIXED, "upstream has it"),
+            Reason.CONSISTENT,
+        ),
+        (
+            "processor-only",
+            True,
+            "MultiModalProcessorOnlyCache",
+            with_outcome("frontend_cache", contract.SKIPPED),
+            Reason.PATCH_NOT_APPLIED,
+        ),
+        (
+            "processor-only",
+            True,
+            "MultiModalProcessorOnlyCache",
+            with_outcome("frontend_cache", contract.DISABLED, "disabled by switch"),
+            Reason.PATCH_NOT_APPLIED,
+        ),
+        (
+            "processor-only",
+            True,
+            "MultiModalProcessorOnlyCache",
+            with_outcome("uuid_scope", contract.SKIPPED),
+            Reason.PATCH_NOT_APPLIED,
+        ),
+        (
+            "processor-only",
+            True,
+            "MultiModalProcessorOnlyCache",
+            with_outcome("membership", contract.SKIPPED),
+            Reason.PATCH_NOT_APPLIED,
+        ),
         # Metrics patches are not part of the cache guarantee.
-        ("processor-only", True, "MultiModalProcessorOnlyCache",
-         with_outcome("replica_metrics", contract.SKIPPED), Reason.CONSISTENT),
-        ("processor-only", False, "MultiModalProcessorOnlyCache",
-         with_outcome("uuid_scope", contract.SKIPPED), Reason.CONSISTENT),
-        ("processor-only", True, "MultiModalProcessorOnlyCache",
-         {k: v for k, v in ALL_APPLIED.items() if k != "frontend_cache"}, Reason.PATCH_NOT_APPLIED),
-        ("lru", False, "MultiModalProcessorSenderCache", with_outcome("frontend_cache", contract.SKIPPED), Reason.CONSISTENT),
+        (
+            "processor-only",
+            True,
+            "MultiModalProcessorOnlyCache",
+            with_outcome("replica_metrics", contract.SKIPPED),
+            Reason.CONSISTENT,
+        ),
+        (
+            "processor-only",
+            False,
+            "MultiModalProcessorOnlyCache",
+            with_outcome("uuid_scope", contract.SKIPPED),
+            Reason.CONSISTENT,
+        ),
+        (
+            "processor-only",
+            True,
+            "MultiModalProcessorOnlyCache",
+            {k: v for k, v in ALL_APPLIED.items() if k != "frontend_cache"},
+            Reason.PATCH_NOT_APPLIED,
+        ),
+        (
+            "lru",
+            False,
+            "MultiModalProcessorSenderCache",
+            with_outcome("frontend_cache", contract.SKIPPED),
+            Reason.CONSISTENT,
+        ),
         ("lru", False, "MultiModalProcessorOnlyCache", ALL_APPLIED, Reason.CACHE_MISMATCH),
         ("shm", False, "ShmObjectStoreSenderCache", ALL_APPLIED, Reason.CONSISTENT),
         ("disabled", True, None, ALL_APPLIED, Reason.CONSISTENT),
@@ -79,15 +133,42 @@ PO = "MultiModalProcessorOnlyCache"
         # The frontend is processor-only but the per-replica dispatch is not live: a mismatch
         # (safe, every tensor is sent, but not what the OmniStage promises).
         ("replica-aware", True, PO, False, ALL_APPLIED, Reason.CACHE_MISMATCH),
-        ("replica-aware", True, PO, False, with_outcome("replica_aware_cache", contract.SKIPPED), Reason.PATCH_NOT_APPLIED),
-        ("replica-aware", True, PO, False, with_outcome("replica_aware_cache", contract.DISABLED),
-         Reason.PATCH_NOT_APPLIED),
-        ("replica-aware", True, PO, True, with_outcome("frontend_cache", contract.SKIPPED), Reason.PATCH_NOT_APPLIED),
+        (
+            "replica-aware",
+            True,
+            PO,
+            False,
+            with_outcome("replica_aware_cache", contract.SKIPPED),
+            Reason.PATCH_NOT_APPLIED,
+        ),
+        (
+            "replica-aware",
+            True,
+            PO,
+            False,
+            with_outcome("replica_aware_cache", contract.DISABLED),
+            Reason.PATCH_NOT_APPLIED,
+        ),
+        (
+            "replica-aware",
+            True,
+            PO,
+            True,
+            with_outcome("frontend_cache", contract.SKIPPED),
+            Reason.PATCH_NOT_APPLIED,
+        ),
         ("replica-aware", True, "MultiModalProcessorSenderCache", False, ALL_APPLIED, Reason.CACHE_MISMATCH),
         # A head that strips per replica while the OmniStage promises processor-only.
         ("processor-only", True, PO, True, ALL_APPLIED, Reason.CACHE_MISMATCH),
         # processor-only never needs the replica-aware patch.
-        ("processor-only", True, PO, False, with_outcome("replica_aware_cache", contract.SKIPPED), Reason.CONSISTENT),
+        (
+            "processor-only",
+            True,
+            PO,
+            False,
+            with_outcome("replica_aware_cache", contract.SKIPPED),
+            Reason.CONSISTENT,
+        ),
     ],
 )
 def test_verdict_table_replica_aware(mode, distributed, cache_class, replica_aware, patches, reason):
@@ -117,7 +198,9 @@ def test_messages_name_what_to_do():
 
 
 def test_summary_for_status():
-    s = engine_truth.summary(report("MultiModalProcessorOnlyCache", with_outcome("uuid_scope", contract.DISABLED)))
+    s = engine_truth.summary(
+        report("MultiModalProcessorOnlyCache", with_outcome("uuid_scope", contract.DISABLED))
+    )
     assert s["frontendCacheClass"] == "MultiModalProcessorOnlyCache"
     assert s["frontendCacheMode"] == "processor-only"
     assert s["patches"]["uuid_scope"] == "disabled" and s["patches"]["frontend_cache"] == "applied"
@@ -127,5 +210,8 @@ def test_summary_for_status():
 def test_summary_shows_replica_aware():
     """status.engine names the mode the head really runs: replica-aware only while its dispatch is live."""
     s = engine_truth.summary(report("MultiModalProcessorOnlyCache", replica_aware=True))
-    assert (s["frontendCacheClass"], s["frontendCacheMode"]) == ("MultiModalProcessorOnlyCache", "replica-aware")
+    assert (s["frontendCacheClass"], s["frontendCacheMode"]) == (
+        "MultiModalProcessorOnlyCache",
+        "replica-aware",
+    )
     assert s["patches"]["replica_aware_cache"] == "applied"

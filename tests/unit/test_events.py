@@ -45,7 +45,9 @@ def test_an_hour_of_one_refusal_every_pass_is_a_handful_of_events(correlator, po
         correlator.emit(OBJ, *REFUSED)
         clock.now += 5
     assert [p["count"] for p in posted] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-    assert {p["first"] for p in posted} == {"wall-1000"}, "every Event dates the series from its first occurrence"
+    assert {p["first"] for p in posted} == {"wall-1000"}, (
+        "every Event dates the series from its first occurrence"
+    )
     assert {(p["type"], p["reason"], p["message"]) for p in posted} == {REFUSED}
 
 
@@ -90,8 +92,11 @@ def test_thirty_different_refusals_in_ten_minutes_are_combined(correlator, poste
     combined = posted[alone:]
     assert [p["count"] for p in combined] == [1, 2, 4, 8, 16]  # 21 combined occurrences
     assert [p["message"] for p in combined] == [
-        events.COMBINED_PREFIX + refusal(alone + c)[2] for c in (1, 2, 4, 8, 16)], "the newest message each time"
-    assert {p["first"] for p in combined} == {f"wall-{1000 + 20 * alone:.0f}"}, "dated from the first combined one"
+        events.COMBINED_PREFIX + refusal(alone + c)[2] for c in (1, 2, 4, 8, 16)
+    ], "the newest message each time"
+    assert {p["first"] for p in combined} == {f"wall-{1000 + 20 * alone:.0f}"}, (
+        "dated from the first combined one"
+    )
     assert len(posted) == alone + 5
 
 

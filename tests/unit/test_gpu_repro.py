@@ -122,7 +122,8 @@ FAKE_KUBECTL = textwrap.dedent('''\
 
 @pytest.fixture
 def fake_kubectl(tmp_path, monkeypatch):
-    """(state file, write(**changes)): the stand-in kubectl on OMNISTAGE_KUBECTL for the script and the tests."""
+    """(state file, write(**changes)): the stand-in kubectl on OMNISTAGE_KUBECTL for the script and the
+    tests."""
     exe = tmp_path / "kubectl"
     exe.write_text(f"#!{sys.executable}\n{FAKE_KUBECTL}")
     exe.chmod(0o755)
@@ -147,8 +148,14 @@ def fake_kubectl(tmp_path, monkeypatch):
 
 def run_script(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-    return subprocess.run([sys.executable, str(SCRIPT), "--namespace", "serving", "--name", "qwen3-omni", *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--namespace", "serving", "--name", "qwen3-omni", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
 
 
 def state_of(path: Path) -> dict:
@@ -188,7 +195,11 @@ def test_the_defect_fails_the_run(fake_kubectl):
     write(chat="defect")
     proc = run_script()
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "FAIL" in proc.stdout and "same audio three times" in proc.stdout and "64 concurrent repeats" in proc.stdout
+    assert (
+        "FAIL" in proc.stdout
+        and "same audio three times" in proc.stdout
+        and "64 concurrent repeats" in proc.stdout
+    )
     assert state_of(state)["replicas"] == 1
 
 
@@ -237,9 +248,14 @@ def test_port_and_model_are_read_from_the_spec():
     obj = {"spec": {"model": "m", "engine": {"httpPort": 9000}}}
     assert repro.http_port(obj) == 9000 and repro.served_model(obj) == "m"
     assert repro.http_port({"spec": {"model": "m"}}) == repro.DEFAULT_HTTP_PORT
-    assert repro.served_model({"spec": {"model": "m", "engine": {"extraArgs": ["--served-model-name", "omni"]}}}) \
+    assert (
+        repro.served_model({"spec": {"model": "m", "engine": {"extraArgs": ["--served-model-name", "omni"]}}})
         == "omni"
-    assert repro.served_model({"spec": {"model": "m", "engine": {"extraArgs": ["--served-model-name=o2"]}}}) == "o2"
+    )
+    assert (
+        repro.served_model({"spec": {"model": "m", "engine": {"extraArgs": ["--served-model-name=o2"]}}})
+        == "o2"
+    )
 
 
 def test_replica_series_reads_stage_zero_replicas_only():
@@ -275,7 +291,13 @@ class FakeStage:
     namespace, name = "serving", "qwen3-omni"
 
     def __init__(self, replicas: int, converge_after: int = 0):
-        self.replicas, self.generation, self.converge_after, self.gets, self.scales = replicas, 1, converge_after, 0, []
+        self.replicas, self.generation, self.converge_after, self.gets, self.scales = (
+            replicas,
+            1,
+            converge_after,
+            0,
+            [],
+        )
 
     def get(self):
         self.gets += 1
@@ -283,8 +305,11 @@ class FakeStage:
         st = {"observedGeneration": self.generation if done else self.generation - 1,
               "readyReplicas": self.replicas, "registeredReplicas": self.replicas,
               "conditions": [{"type": "Ready", "status": "True" if done else "False"}]}
-        return {"metadata": {"generation": self.generation}, "spec": {"model": "m", "replicas": self.replicas},
-                "status": st}
+        return {
+            "metadata": {"generation": self.generation},
+            "spec": {"model": "m", "replicas": self.replicas},
+            "status": st,
+        }
 
     def scale(self, n):
         self.scales.append(n)
@@ -298,11 +323,15 @@ def test_wait_converged_needs_the_current_generation_ready_and_registered():
         sleeps.append(s)
         now[0] += s
 
-    repro.wait_converged(stage, 2, timeout=100, interval=10, log=lambda m: None, clock=lambda: now[0], sleep=sleep)
+    repro.wait_converged(
+        stage, 2, timeout=100, interval=10, log=lambda m: None, clock=lambda: now[0], sleep=sleep
+    )
     assert stage.gets == 4 and sleeps == [10, 10, 10]
     stage = FakeStage(2, converge_after=100)
     with pytest.raises(TimeoutError):
-        repro.wait_converged(stage, 2, timeout=25, interval=10, log=lambda m: None, clock=lambda: now[0], sleep=sleep)
+        repro.wait_converged(
+            stage, 2, timeout=25, interval=10, log=lambda m: None, clock=lambda: now[0], sleep=sleep
+        )
 
 
 def test_replicas_restored_on_interrupt():

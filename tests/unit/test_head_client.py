@@ -21,7 +21,7 @@ def test_unreachable_head_message_is_stable():
     messages = set()
     for _ in range(2):
         with pytest.raises(HeadUnreachable) as err:
-            head_client.report(head, attempts=1)
+            head_client.report_if_changed(head, None, attempts=1)
         messages.add(str(err.value))
     assert len(messages) == 1, messages
     (message,) = messages
@@ -170,7 +170,7 @@ def test_only_a_head_that_answered_before_gets_a_retry(monkeypatch, fake_head):
 
 def test_the_resync_probe_queues_a_pass_only_when_the_head_said_something_new(fake_head):
     key = ("ns", "probe-test")
-    view = memory.HEADS[key] = headview.HeadView("head-uid")
+    view = headview.HEADS[key] = headview.HeadView("head-uid")
     answers = headview.ask_head(fake_head.client, view, distributed=True)
     memory.RESTING[key] = memory.Resting(("...", headview.said(view, *answers)), fake_head.client, True)
     try:

@@ -45,7 +45,9 @@ class HostileHead:
             try:
                 conn.recv(65536)
                 if self.mode == "huge":  # 150 MB of JSON-ish bytes, no Content-Length
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n")
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+                    )
                     block = b"[" + b"1," * 32767 + b"1"
                     for _ in range(150 * 1024 * 1024 // len(block)):
                         if self.stop.is_set():
@@ -55,7 +57,9 @@ class HostileHead:
                     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 157286400\r\n\r\n{")
                     time.sleep(5)
                 elif self.mode == "drip":  # a byte every 0.5 s, for ever
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n")
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+                    )
                     while not self.stop.is_set():
                         conn.sendall(b" ")
                         time.sleep(0.5)
@@ -97,7 +101,7 @@ def test_an_answer_over_the_bound_is_no_answer_and_is_not_held(hostile, mode):
     before = _max_rss_mib()
     t0 = time.monotonic()
     with pytest.raises(HeadUnreachable, match="answer"):
-        head_client.listing(head, attempts=1)
+        head_client.listing_if_changed(head, None, attempts=1)
     grew = _max_rss_mib() - before
     print(f"\n[bounds] {mode}: refused after {time.monotonic() - t0:.2f}s, peak RSS grew {grew:.0f} MiB")
     assert grew < 64, f"RSS grew {grew:.0f} MiB reading a hostile answer"
@@ -107,7 +111,7 @@ def test_a_dripped_answer_is_cut_at_the_call_s_timeout(hostile):
     head = hostile("drip")
     t0 = time.monotonic()
     with pytest.raises(HeadUnreachable, match="not complete within"):
-        head_client.listing(head, attempts=1)
+        head_client.listing_if_changed(head, None, attempts=1)
     took = time.monotonic() - t0
     print(f"\n[bounds] drip: cut after {took:.1f}s (connect {head_client.CONNECT_SECONDS}s + read "
           f"{head_client.READ_SECONDS}s)")

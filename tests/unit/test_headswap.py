@@ -10,11 +10,11 @@ from omnistage import names
 from omnistage.api.conditions import Reason, Type
 from omnistage.control import pods
 from omnistage.control.actions import (
+    BesideServing,
     CreatePod,
     DeletePod,
     Join,
     Observed,
-    OnOtherHead,
     PostEvent,
     SetRole,
     StartLeave,
@@ -77,16 +77,20 @@ def old_set(t, n=3):
 
 
 def inner(actions, kind):
-    return [a for o in of(actions, OnOtherHead) for a in o.actions if isinstance(a, kind)]
+    return [a for o in of(actions, BesideServing) for a in o.actions if isinstance(a, kind)]
 
 
 def test_a_head_change_starts_a_successor_and_keeps_the_head():
     obj = omnistage(3)
     t = target_from(obj)
     rs = old_set(t)
-    actions, status, _ = plan(t, observed(t, obj, old_head(t), rs, [member(r, i) for i, r in enumerate(rs, 1)]), AT)
+    actions, status, _ = plan(
+        t, observed(t, obj, old_head(t), rs, [member(r, i) for i, r in enumerate(rs, 1)]), AT
+    )
     created = of(actions, CreatePod)
-    assert [c.obj["metadata"]["name"] for c in created] == [f"qwen3-omni-head-{pods.template_hash(created[0].obj)[:6]}"]
+    assert [c.obj["metadata"]["name"] for c in created] == [
+        f"qwen3-omni-head-{pods.template_hash(created[0].obj)[:6]}"
+    ]
     assert created[0].obj["metadata"]["labels"][names.L_ROLE] == names.ROLE_NEXT_HEAD
     # The serving set is untouched: no head deleted, no replica drained or rolled.
     assert of(actions, DeletePod) == [] and of(actions, StartLeave) == []
@@ -183,7 +187,9 @@ def test_max_surge_zero_replaces_the_head_in_place_after_saying_so():
     actions, status, _ = plan(t, observed(t, obj, old_head(t), rs, ms), AT)
     assert of(actions, DeletePod) == [] and of(actions, CreatePod) == []
     surge = cond(status, Type.ROLLOUT_SURGE)
-    assert (surge["status"], surge["reason"]) == ("False", Reason.HEAD_IN_PLACE) and "maxSurge is 0" in surge["message"]
+    assert (surge["status"], surge["reason"]) == ("False", Reason.HEAD_IN_PLACE) and "maxSurge is 0" in surge[
+        "message"
+    ]
     actions, status, _ = plan(t, observed(t, {**obj, "status": status}, old_head(t), rs, ms), AT)
     assert [a.name for a in of(actions, DeletePod)] == ["qwen3-omni-head"]
     assert "RollingHead" in cond(status, Type.PROGRESSING)["reason"]

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 from omnistage.control.actions import DRAIN_DONE, Join, StartLeave
 from omnistage.runtime import act as act_module
+from omnistage.runtime import drains as drains_module
 from omnistage.runtime import head_client, headview, memory, probes, workqueue
 from omnistage.runtime.head_client import HeadClient
 from omnistage.runtime.headview import HeadView
@@ -49,8 +50,10 @@ def at_rest() -> Iterator:
     def make(name: str, client: HeadClient) -> HeadView:
         key = ("ns", name)
         keys.append(key)
-        view = memory.HEADS[key] = HeadView("head-uid", listing={"bootId": "b"}, listing_etag="e1")
-        memory.RESTING[key] = memory.Resting(("fingerprint", headview.said(view, None, {}, None, None)), client, True)
+        view = headview.HEADS[key] = HeadView("head-uid", listing={"bootId": "b"}, listing_etag="e1")
+        memory.RESTING[key] = memory.Resting(
+            ("fingerprint", headview.said(view, None, {}, None, None)), client, True
+        )
         return view
     yield make
     for key in keys:
@@ -88,8 +91,10 @@ def test_a_probe_answer_is_dropped_when_a_pass_read_the_head_meanwhile(heads, at
     with memory.lock("ns", "hostile"):  # a pass asks the head and reads a new listing
         headview.ask_head(answers, view, True)
     prober.join(15)
-    kept = memory.HEADS[("ns", "hostile")]
-    assert kept.listing == {"drained": True} and kept.unreachable is None, "the probe's late answer overwrote it"
+    kept = headview.HEADS[("ns", "hostile")]
+    assert kept.listing == {"drained": True} and kept.unreachable is None, (
+        "the probe's late answer overwrote it"
+    )
     assert result == [False]
 
 
@@ -97,7 +102,7 @@ def test_a_probe_answer_is_kept_when_nothing_came_between(heads, at_rest):
     _, client = heads("hang")
     at_rest("hostile", client)
     assert headview.probe("ns", "hostile") is True  # the head said something new: unreachable
-    assert memory.HEADS[("ns", "hostile")].unreachable is not None
+    assert headview.HEADS[("ns", "hostile")].unreachable is not None
 
 
 def test_a_hung_head_s_drains_leave_drain_workers_for_another_omnistage(heads, monkeypatch):
@@ -106,7 +111,7 @@ def test_a_hung_head_s_drains_leave_drain_workers_for_another_omnistage(heads, m
     the hostile head's leaves (2 attempts of 2.5 s each), and the other leave waited behind them."""
     _, hung = heads("hang")
     _, ok = heads("ok")
-    drains = act_module.Drains()  # the operator's own sizes
+    drains = drains_module.Drains()  # the operator's own sizes
     done: list[str] = []
     drains.on_done = lambda ns, name: done.append(name)
     for i in range(8):
@@ -116,9 +121,11 @@ def test_a_hung_head_s_drains_leave_drain_workers_for_another_omnistage(heads, m
     finished = wait(lambda: "other" in done, timeout=10)
     took = time.monotonic() - t0
     print(f"\n[hung head] the other OmniStage's drain finished after {took:.2f}s")
-    assert finished and took < 1.5, f"another OmniStage's drain waited {took:.1f}s behind a hung head's leaves"
+    assert finished and took < 1.5, (
+        f"another OmniStage's drain waited {took:.1f}s behind a hung head's leaves"
+    )
     assert drains.states("ns", "other") == {"uid-o1": DRAIN_DONE}
-    assert drains._pool.held(("ns", "hostile")) == 8 - act_module.DRAINS_PER_OMNISTAGE
+    assert drains._pool.held(("ns", "hostile")) == 8 - drains_module.DRAINS_PER_OMNISTAGE
 
 
 def test_a_pass_dials_a_silent_head_once(heads, monkeypatch):
@@ -128,7 +135,9 @@ def test_a_pass_dials_a_silent_head_once(heads, monkeypatch):
     monkeypatch.setattr(act_module.kube, "patch_pod_condition", lambda *a, **k: None)
     _, hung = heads("hang")
     t0 = time.monotonic()
-    acted = act_module.act("ns", [Join(f"r-{i}", f"10.0.0.{i}") for i in range(10)], hung, lambda *e: None, "s")
+    acted = act_module.act(
+        "ns", [Join(f"r-{i}", f"10.0.0.{i}") for i in range(10)], hung, lambda *e: None, "s"
+    )
     took = time.monotonic() - t0
     print(f"\n[hung head] 10 joins against a hung head took {took:.1f}s")
     assert took < 2 * (head_client.CONNECT_SECONDS + 0.5) + 1.5
@@ -190,7 +199,7 @@ def test_healthz_fails_when_a_queue_does_not_drain(served, monkeypatch):
 def test_a_head_that_hangs_within_its_timeouts_keeps_the_operator_alive(served, heads):
     """A tenant's hung head must not make the kubelet restart the operator for everyone."""
     _, hung = heads("hang")
-    drains = act_module.Drains()
+    drains = drains_module.Drains()
     probes.watch_pools(drains.progress)
     drains.start("ns", "hostile", hung, StartLeave("h-0", "uid-h0", ((0, 0),), 0), lambda *e: None)
     time.sleep(0.5)

@@ -9,12 +9,26 @@ from omnistage.runtime.informer import Informer
 
 def pod(name: str, rv: int, owner: str = "s1", **extra) -> dict:
     """A pod the OmniStage `owner` controls (the pods' store keeps no other)."""
-    return {"kind": "Pod", "metadata": {"name": name, "namespace": "ns", "resourceVersion": str(rv),
-                                        "labels": {L_OMNISTAGE: owner}, "managedFields": [{"manager": "x"}],
-                                        "ownerReferences": [{"apiVersion": f"{GROUP}/v1alpha1", "kind": "OmniStage",
-                                                             "name": owner, "uid": f"{owner}-uid",
-                                                             "controller": True}],
-                                        **extra}}
+    return {
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": "ns",
+            "resourceVersion": str(rv),
+            "labels": {L_OMNISTAGE: owner},
+            "managedFields": [{"manager": "x"}],
+            "ownerReferences": [
+                {
+                    "apiVersion": f"{GROUP}/v1alpha1",
+                    "kind": "OmniStage",
+                    "name": owner,
+                    "uid": f"{owner}-uid",
+                    "controller": True,
+                }
+            ],
+            **extra,
+        },
+    }
 
 
 def informer(changes: list | None = None) -> Informer:
@@ -79,7 +93,10 @@ def test_a_pod_is_kept_without_its_spec_but_where_it_runs():
     """Only spec.nodeName is read back (pods.scheduled); the rest of a pod's spec is half its memory."""
     from omnistage.runtime.informer import STATE
     full = pod("a", 1)
-    full["spec"] = {"nodeName": "h200-0", "containers": [{"name": "engine", "image": "x", "env": [{"name": "A"}]}]}
+    full["spec"] = {
+        "nodeName": "h200-0",
+        "containers": [{"name": "engine", "image": "x", "env": [{"name": "A"}]}],
+    }
     STATE.pods._event("ADDED", full)
     try:
         assert STATE.pods.get("ns", "a")["spec"] == {"nodeName": "h200-0"}

@@ -24,20 +24,42 @@ from .conftest import SAMPLE
 H = "https://127.0.0.1:6443"
 
 
-@pytest.mark.parametrize("method, url, query, want", [
-    ("GET", f"{H}/api/v1/namespaces/ns/pods", None, ("list", "pods")),
-    ("GET", f"{H}/api/v1/namespaces/ns/pods", [("watch", True), ("resourceVersion", "7")], ("watch", "pods")),
-    ("GET", f"{H}/api/v1/namespaces/ns/secrets/tok", None, ("get", "secrets")),
-    ("GET", f"{H}/api/v1/pods", [("labelSelector", "a=b")], ("list", "pods")),
-    ("GET", f"{H}/api/v1/namespaces", None, ("list", "namespaces")),
-    ("GET", f"{H}/api/v1/namespaces/ns", None, ("get", "namespaces")),
-    ("PUT", f"{H}/apis/coordination.k8s.io/v1/namespaces/ns/leases/omnistage-operator", None, ("update", "leases")),
-    ("GET", f"{H}/apis/coordination.k8s.io/v1/namespaces/ns/leases?watch=true", None, ("watch", "leases")),
-    ("POST", f"{H}/apis/coordination.k8s.io/v1/namespaces/ns/leases", None, ("create", "leases")),
-    ("PATCH", f"{H}/apis/serving.omnistage.io/v1alpha1/namespaces/ns/omnistages/a/status", None,
-     ("patch", "omnistages")),
-    ("DELETE", f"{H}/api/v1/namespaces/ns/pods/a-1", None, ("delete", "pods")),
-])
+@pytest.mark.parametrize(
+    "method, url, query, want",
+    [
+        ("GET", f"{H}/api/v1/namespaces/ns/pods", None, ("list", "pods")),
+        (
+            "GET",
+            f"{H}/api/v1/namespaces/ns/pods",
+            [("watch", True), ("resourceVersion", "7")],
+            ("watch", "pods"),
+        ),
+        ("GET", f"{H}/api/v1/namespaces/ns/secrets/tok", None, ("get", "secrets")),
+        ("GET", f"{H}/api/v1/pods", [("labelSelector", "a=b")], ("list", "pods")),
+        ("GET", f"{H}/api/v1/namespaces", None, ("list", "namespaces")),
+        ("GET", f"{H}/api/v1/namespaces/ns", None, ("get", "namespaces")),
+        (
+            "PUT",
+            f"{H}/apis/coordination.k8s.io/v1/namespaces/ns/leases/omnistage-operator",
+            None,
+            ("update", "leases"),
+        ),
+        (
+            "GET",
+            f"{H}/apis/coordination.k8s.io/v1/namespaces/ns/leases?watch=true",
+            None,
+            ("watch", "leases"),
+        ),
+        ("POST", f"{H}/apis/coordination.k8s.io/v1/namespaces/ns/leases", None, ("create", "leases")),
+        (
+            "PATCH",
+            f"{H}/apis/serving.omnistage.io/v1alpha1/namespaces/ns/omnistages/a/status",
+            None,
+            ("patch", "omnistages"),
+        ),
+        ("DELETE", f"{H}/api/v1/namespaces/ns/pods/a-1", None, ("delete", "pods")),
+    ],
+)
 def test_request_kind(method, url, query, want):
     assert request_kind(method, url, query) == want
 
@@ -51,9 +73,15 @@ COMPARE = {"ConfigMap": ("data", "binaryData"), "Service": ("spec",), "NetworkPo
            "PodDisruptionBudget": ("spec",)}
 # What Kubernetes 1.36's API server added to the rendered children (server-side applied on the local
 # control plane and read back): only the Services get defaults.
-SERVICE_DEFAULTS_1_36 = {"clusterIP": "198.18.252.237", "clusterIPs": ["198.18.252.237"],
-                         "internalTrafficPolicy": "Cluster", "ipFamilies": ["IPv4"], "ipFamilyPolicy": "SingleStack",
-                         "sessionAffinity": "None", "type": "ClusterIP"}
+SERVICE_DEFAULTS_1_36 = {
+    "clusterIP": "198.18.252.237",
+    "clusterIPs": ["198.18.252.237"],
+    "internalTrafficPolicy": "Cluster",
+    "ipFamilies": ["IPv4"],
+    "ipFamilyPolicy": "SingleStack",
+    "sessionAffinity": "None",
+    "type": "ClusterIP",
+}
 HEADLESS_DEFAULTS_1_36 = {**SERVICE_DEFAULTS_1_36, "clusterIP": "None", "clusterIPs": ["None"]}
 
 
@@ -65,18 +93,27 @@ def _target():
 
 def rendered(kind: str) -> dict:
     t = _target()
-    return {"api": render_api_service, "master": render_master_service, "NetworkPolicy": render_network_policy,
-            "PodDisruptionBudget": render_disruption_budget, "ConfigMap": render_configmap}[kind](t)
+    return {
+        "api": render_api_service,
+        "master": render_master_service,
+        "NetworkPolicy": render_network_policy,
+        "PodDisruptionBudget": render_disruption_budget,
+        "ConfigMap": render_configmap,
+    }[kind](t)
 
 
 def served(obj: dict) -> dict:
     """The child as the API server holds it: its defaults, its metadata, a label someone else added."""
     out = copy.deepcopy(obj)
     out["metadata"].update(uid="child-uid", resourceVersion="41", creationTimestamp="2026-11-30T00:00:00Z")
-    out["metadata"]["labels"]["team.example.com/cost-centre"] = "42"  # another's: not the operator's to remove
+    out["metadata"]["labels"]["team.example.com/cost-centre"] = (
+        "42"  # another's: not the operator's to remove
+    )
     if obj["kind"] == "Service":
-        out["spec"] = {**(HEADLESS_DEFAULTS_1_36 if obj["spec"].get("clusterIP") == "None" else SERVICE_DEFAULTS_1_36),
-                       **out["spec"]}
+        out["spec"] = {
+            **(HEADLESS_DEFAULTS_1_36 if obj["spec"].get("clusterIP") == "None" else SERVICE_DEFAULTS_1_36),
+            **out["spec"],
+        }
     return out
 
 
@@ -109,35 +146,63 @@ def _nodeport(have):
 TAMPERS = [
     ("api", lambda h: h["spec"]["selector"].update(x="y"), 'spec.selector.x: "y", not rendered'),
     ("api", _nodeport, 'spec.type: "NodePort", not "ClusterIP"'),
-    ("NetworkPolicy", lambda h: h["spec"]["podSelector"]["matchLabels"].update(nobody="here"),
-     'spec.podSelector.matchLabels.nobody: "here", not rendered'),
+    (
+        "NetworkPolicy",
+        lambda h: h["spec"]["podSelector"]["matchLabels"].update(nobody="here"),
+        'spec.podSelector.matchLabels.nobody: "here", not rendered',
+    ),
     ("NetworkPolicy", _np_peer, "spec.ingress[2].from[0].namespaceSelector: {}, not rendered"),
     ("master", lambda h: h["spec"]["selector"].update(x="y"), "spec.selector.x"),
-    ("PodDisruptionBudget", lambda h: h["spec"]["selector"]["matchLabels"].update(x="y"),
-     "spec.selector.matchLabels.x"),
-    ("api", lambda h: h["spec"].update(sessionAffinity="ClientIP",
-                                       sessionAffinityConfig={"clientIP": {"timeoutSeconds": 10800}}),
-     'spec.sessionAffinity: "ClientIP", not "None"'),
+    (
+        "PodDisruptionBudget",
+        lambda h: h["spec"]["selector"]["matchLabels"].update(x="y"),
+        "spec.selector.matchLabels.x",
+    ),
+    (
+        "api",
+        lambda h: h["spec"].update(
+            sessionAffinity="ClientIP", sessionAffinityConfig={"clientIP": {"timeoutSeconds": 10800}}
+        ),
+        'spec.sessionAffinity: "ClientIP", not "None"',
+    ),
     ("api", lambda h: h["spec"].update(internalTrafficPolicy="Local"), "spec.internalTrafficPolicy"),
     ("api", lambda h: h["spec"].update(publishNotReadyAddresses=True), "spec.publishNotReadyAddresses"),
     ("api", lambda h: h["spec"]["ports"][0].update(targetPort=9999), "spec.ports[0].targetPort: 9999"),
-    ("api", lambda h: h["spec"]["ports"].append({"name": "x", "port": 22, "protocol": "TCP", "targetPort": 22}),
-     "spec.ports"),
+    (
+        "api",
+        lambda h: h["spec"]["ports"].append({"name": "x", "port": 22, "protocol": "TCP", "targetPort": 22}),
+        "spec.ports",
+    ),
     ("NetworkPolicy", lambda h: h["spec"].update(policyTypes=["Ingress", "Egress"]), "spec.policyTypes"),
     ("NetworkPolicy", lambda h: h["spec"]["ingress"].append({}), "spec.ingress"),
-    ("NetworkPolicy", lambda h: h["spec"]["ingress"][1]["ports"][0].update(endPort=65535),
-     "spec.ingress[1].ports[0].endPort"),
-    ("NetworkPolicy", lambda h: h["spec"]["podSelector"].pop("matchExpressions"), "spec.podSelector.matchExpressions"),
-    ("PodDisruptionBudget", lambda h: h["spec"].update(minAvailable=0, maxUnavailable="100%"),
-     "spec.maxUnavailable"),
+    (
+        "NetworkPolicy",
+        lambda h: h["spec"]["ingress"][1]["ports"][0].update(endPort=65535),
+        "spec.ingress[1].ports[0].endPort",
+    ),
+    (
+        "NetworkPolicy",
+        lambda h: h["spec"]["podSelector"].pop("matchExpressions"),
+        "spec.podSelector.matchExpressions",
+    ),
+    (
+        "PodDisruptionBudget",
+        lambda h: h["spec"].update(minAvailable=0, maxUnavailable="100%"),
+        "spec.maxUnavailable",
+    ),
     ("ConfigMap", lambda h: h["data"].update(extra="x"), 'data.extra: "x", not rendered'),
     ("ConfigMap", lambda h: h.update(binaryData={"x": "eA=="}), "binaryData"),
-    ("master", lambda h: h["metadata"]["labels"].pop("app.kubernetes.io/managed-by"),
-     "metadata.labels.app.kubernetes.io/managed-by: absent"),
+    (
+        "master",
+        lambda h: h["metadata"]["labels"].pop("app.kubernetes.io/managed-by"),
+        "metadata.labels.app.kubernetes.io/managed-by: absent",
+    ),
 ]
 
 
-@pytest.mark.parametrize("which, change, line", TAMPERS, ids=[f"{w}-{line.split(':')[0]}" for w, _, line in TAMPERS])
+@pytest.mark.parametrize(
+    "which, change, line", TAMPERS, ids=[f"{w}-{line.split(':')[0]}" for w, _, line in TAMPERS]
+)
 def test_a_tampered_child_has_drifted(which, change, line):
     obj, have = _tampered(which, change)
     drift = kube.drifted(obj, have, COMPARE[obj["kind"]])
@@ -157,7 +222,8 @@ def test_server_assigned_values_are_any_value_and_defaults_only_their_own():
     assert kube.drifted(obj, have, ("spec",)) == ["spec.ports[0].targetPort: 81, not 80"]
 
 
-# ----- kube.apply: what it costs, and the restore ------------------------------------------------------------
+# ----- kube.apply: what it costs, and the restore -----------------------------------------------------
+
 
 class FakeServer:
     """The patch calls kube.apply makes, recorded; each answers with `answer(kind of patch, body)`."""
@@ -196,7 +262,9 @@ def test_an_unchanged_child_costs_no_request(monkeypatch, which):
     assert done.result == "unchanged" and done.obj is have and server.calls == []
 
 
-@pytest.mark.parametrize("which, change, line", TAMPERS[:4], ids=["selector", "nodeport", "podselector", "peer"])
+@pytest.mark.parametrize(
+    "which, change, line", TAMPERS[:4], ids=["selector", "nodeport", "podselector", "peer"]
+)
 def test_a_tampered_spec_is_replaced_whole_keeping_what_the_server_assigned(monkeypatch, which, change, line):
     obj, have = _tampered(which, change)
 
@@ -211,13 +279,19 @@ def test_a_tampered_spec_is_replaced_whole_keeping_what_the_server_assigned(monk
     assert [kind for kind, _ in server.calls] == ["json"]  # labels held: no apply; one request
     [op] = server.calls[0][1]
     kept = {k: SERVICE_DEFAULTS_1_36[k] for k in ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy")}
-    assert op == {"op": "add", "path": "/spec", "value": {**obj["spec"], **(kept if obj["kind"] == "Service" else {})}}
+    assert op == {
+        "op": "add",
+        "path": "/spec",
+        "value": {**obj["spec"], **(kept if obj["kind"] == "Service" else {})},
+    }
     assert done.result == "updated" and any(d.startswith(line) for d in done.drift) and done.left == ()
     assert kube.drifted(obj, done.obj, ("spec",)) == []
 
 
 def test_a_configmap_loses_what_it_gained(monkeypatch):
-    obj, have = _tampered("ConfigMap", lambda h: h.update(binaryData={"x": "eA=="}) or h["data"].update(extra="x"))
+    obj, have = _tampered(
+        "ConfigMap", lambda h: h.update(binaryData={"x": "eA=="}) or h["data"].update(extra="x")
+    )
     server = FakeServer(monkeypatch, lambda kind, ops: _json_patched(have, ops))
     done = kube.apply(obj, COMPARE["ConfigMap"], have)
     assert server.calls == [("json", [{"op": "add", "path": "/data", "value": obj["data"]},

@@ -52,7 +52,11 @@ def test_an_ephemeral_storage_request_is_excused_only_where_the_weights_are_on_a
     """The production sample mounts spec.modelVolume; without it the download's request must be there."""
     r = report()
     finding = ("container-ephemeral-storage-request-and-limit", 1, "Ephemeral Storage request is not set")
-    on_volume = scored(tmp_path, "omnistage render -f manifests/samples/omnistage-production.yaml", "Pod", "h", finding)
+    on_volume = scored(
+        tmp_path, "omnistage render -f manifests/samples/omnistage-production.yaml", "Pod", "h", finding
+    )
     assert r.main(str(JUDGED), on_volume) == 0
-    downloading = scored(tmp_path, "omnistage render -f manifests/samples/omnistage.yaml", "Pod", "h", finding)
+    downloading = scored(
+        tmp_path, "omnistage render -f manifests/samples/omnistage.yaml", "Pod", "h", finding
+    )
     assert r.main(str(JUDGED), downloading) == 1

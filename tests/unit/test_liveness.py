@@ -63,8 +63,14 @@ def test_a_silent_replica_is_announced_once_and_its_return_too():
 
 def test_a_head_whose_own_engine_is_silent_is_not_a_serving_replica():
     t, o = situation(3, listing=None)
-    t, o = situation(3, listing=with_head(contract.COORD_SILENT, members=[member(r, i) for i, r in
-                                                                            enumerate(o.replicas, 1)], silentSeconds=12.5))
+    t, o = situation(
+        3,
+        listing=with_head(
+            contract.COORD_SILENT,
+            members=[member(r, i) for i, r in enumerate(o.replicas, 1)],
+            silentSeconds=12.5,
+        ),
+    )
     actions, status, _ = plan(t, o, AT)
     assert status["readyReplicas"] == 2 and status["registeredReplicas"] == 2
     head_ready = cond(status, Type.HEAD_READY)
@@ -106,7 +112,9 @@ def test_scale_down_takes_a_silent_replica_before_a_serving_one():
     lst = with_head(members=[member(rs[0], 1, coordinator=contract.COORD_SILENT), member(rs[1], 2)])
     t, o = situation(2, pods_=lambda t: list(rs), listing=lst)
     actions, _, _ = plan(t, o, AT)
-    assert [a.pod for a in of(actions, StartLeave)] == ["qwen3-omni-replica-1"]  # not the newest, the silent one
+    assert [a.pod for a in of(actions, StartLeave)] == [
+        "qwen3-omni-replica-1"
+    ]  # not the newest, the silent one
 
 
 def test_a_replica_the_head_detached_while_its_pod_lives_is_replaced():

@@ -24,7 +24,10 @@ def _refusal(monkeypatch, caplog, **env: str) -> MembershipError:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     request = SimpleNamespace(headers={"authorization": "Bearer guess"})
-    with caplog.at_level(logging.ERROR, logger=membership_api.logger.name), pytest.raises(MembershipError) as err:
+    with (
+        caplog.at_level(logging.ERROR, logger=membership_api.logger.name),
+        pytest.raises(MembershipError) as err,
+    ):
         membership_api._authorize(request)
     return err.value
 

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 from omnistage.api.conditions import Reason, Type
-from omnistage.control.actions import CreatePod, DeletePod, EnsureChild, OnOtherHead, PostEvent
+from omnistage.control.actions import BesideServing, CreatePod, DeletePod, EnsureChild, OnSuccessor, PostEvent
 from omnistage.control.plan import mounts_membership_secret, plan
 from omnistage.render import render_secret, target_from
 from omnistage.runtime import memory, reconcile
@@ -67,7 +67,8 @@ def test_no_secret_one_is_created_and_its_token_held(monkeypatch):
     token, refused = reconcile.ensure_token(target(), api.emit)
     assert refused is None and token == api.token() and api.requests == ["get", "create"]
     assert memory.TOKENS.held("serving", "qwen3-omni", UID) == token
-    assert reconcile.ensure_token(target(), api.emit) == (token, None) and len(api.requests) == 2  # held: free
+    # held: free
+    assert reconcile.ensure_token(target(), api.emit) == (token, None) and len(api.requests) == 2
 
 
 def test_its_own_secret_is_adopted(monkeypatch):
@@ -129,17 +130,26 @@ def test_the_secret_is_read_only_when_a_pod_is_about_to_mount_it():
     unscheduled = {**starting, "spec": {}}
     t, o = situation(3, pods_=lambda t: [replica(t, 1), unscheduled])
     assert not mounts_membership_secret([], o)
-    assert mounts_membership_secret([OnOtherHead((CreatePod({}, "r", "m"),))], o)
+    assert mounts_membership_secret([OnSuccessor((CreatePod({}, "r", "m"),))], o)
 
 
 def test_a_refused_secret_creates_and_deletes_nothing_and_says_so_once():
     why = f"Secret {NAME} is not this OmniStage's: delete Secret {NAME}"
-    t, o = situation(3, pods_=lambda t: [replica(t, 1), replica(t, 2, template="old")], head=lambda t: head(t),
-                     secret_refused=why)
+    t, o = situation(
+        3,
+        pods_=lambda t: [replica(t, 1), replica(t, 2, template="old")],
+        head=lambda t: head(t),
+        secret_refused=why,
+    )
     actions, status, _ = plan(t, o, AT)
-    assert not [a for a in actions if isinstance(a, CreatePod | DeletePod | OnOtherHead)]
+    assert not [a for a in actions if isinstance(a, CreatePod | DeletePod | BesideServing)]
     assert [a.obj["kind"] for a in actions if isinstance(a, EnsureChild)] == [
-        "ConfigMap", "Service", "Service", "NetworkPolicy", "PodDisruptionBudget"]  # tampered children still come back
+        "ConfigMap",
+        "Service",
+        "Service",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+    ]  # tampered children still come back
     assert [(a.type, a.reason, a.message) for a in actions if isinstance(a, PostEvent)] == [
         ("Warning", Reason.NOT_SYNCED, why)]
     synced, ready = cond(status, Type.MEMBERSHIP_SYNCED), cond(status, Type.READY)

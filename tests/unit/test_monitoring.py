@@ -27,9 +27,16 @@ DASHBOARD = json.loads((MONITORING / "dashboards" / "omnistage.json").read_text(
 # A metric name in PromQL: the project's own and vLLM's (nothing else is queried).
 METRIC = re.compile(r"(?<![\w:])(omnistage_[A-Za-z0-9_]+|vllm:[A-Za-z0-9_:]+)")
 
-SUFFIXES = {"Counter": ["_total"], "CounterMetricFamily": ["_total"], "Gauge": [""], "GaugeMetricFamily": [""],
-            "Histogram": ["_bucket", "_sum", "_count"], "HistogramMetricFamily": ["_bucket", "_sum", "_count"],
-            "Summary": ["_sum", "_count"], "SummaryMetricFamily": ["_sum", "_count"]}
+SUFFIXES = {
+    "Counter": ["_total"],
+    "CounterMetricFamily": ["_total"],
+    "Gauge": [""],
+    "GaugeMetricFamily": [""],
+    "Histogram": ["_bucket", "_sum", "_count"],
+    "HistogramMetricFamily": ["_bucket", "_sum", "_count"],
+    "Summary": ["_sum", "_count"],
+    "SummaryMetricFamily": ["_sum", "_count"],
+}
 # vLLM builds its metrics through class attributes (self._counter_cls(name=...)).
 ALIASES = {"_counter_cls": "Counter", "_gauge_cls": "Gauge", "_histogram_cls": "Histogram"}
 
@@ -86,10 +93,18 @@ def _queries() -> list[tuple[str, str]]:
 
 def test_the_code_exports_what_the_operator_documents(exported):
     # The reader's sanity check on the parser: the families docs/membership-and-metrics.md lists.
-    assert {"omnistage_replicas", "omnistage_condition", "omnistage_engine_patch", "omnistage_operator_leader",
-            "omnistage_reconcile_errors_total", "omnistage_membership_calls_total",
-            "omnistage_reconcile_duration_seconds_bucket", "vllm:num_requests_waiting",
-            "vllm:e2e_request_latency_seconds_bucket", "vllm:mm_cache_hits_total"} <= exported
+    assert {
+        "omnistage_replicas",
+        "omnistage_condition",
+        "omnistage_engine_patch",
+        "omnistage_operator_leader",
+        "omnistage_reconcile_errors_total",
+        "omnistage_membership_calls_total",
+        "omnistage_reconcile_duration_seconds_bucket",
+        "vllm:num_requests_waiting",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:mm_cache_hits_total",
+    } <= exported
 
 
 @pytest.mark.parametrize("where,query", _queries(), ids=[w for w, _ in _queries()])

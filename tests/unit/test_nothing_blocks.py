@@ -12,7 +12,8 @@ import time
 from omnistage.control.actions import DRAIN_DONE, DRAIN_FAILED, DRAIN_RUNNING, Annotate, StartLeave
 from omnistage.runtime import act as act_module
 from omnistage.runtime import metrics
-from omnistage.runtime.act import Drains, act
+from omnistage.runtime.act import act
+from omnistage.runtime.drains import Drains
 from omnistage.runtime.head_client import HeadClient, HeadUnreachable
 from omnistage.runtime.workqueue import WorkQueue
 from prometheus_client import REGISTRY
@@ -125,7 +126,14 @@ def test_a_leave_the_head_cannot_take_is_recorded_failed(monkeypatch):
         raise HeadUnreachable("leave at head: timed out")
 
     monkeypatch.setattr(act_module.head_client, "leave", unreachable)
-    act("ns", [StartLeave("r-2", "uid-r2", ((0, 2),), 30)], HEAD, lambda *e: events.append(e), "ost", drains=drains)
+    act(
+        "ns",
+        [StartLeave("r-2", "uid-r2", ((0, 2),), 30)],
+        HEAD,
+        lambda *e: events.append(e),
+        "ost",
+        drains=drains,
+    )
     assert wait(lambda: drains.states("ns", "ost") == {"uid-r2": DRAIN_FAILED})
     assert events[0][:2] == ("Warning", "LeaveFailed")
 
@@ -145,7 +153,9 @@ def test_a_pool_pods_stages_drain_side_by_side(monkeypatch):
         "ost", drains=drains)
     assert wait(lambda: drains.states("ns", "ost") == {"uid-s2": DRAIN_DONE})
     assert sorted(calls) == [(1, 4), (2, 4)]
-    assert sorted(events) == [("Normal", "Left", f"replica 4 of stage {k} (speech-2) left the engine") for k in (1, 2)]
+    assert sorted(events) == [
+        ("Normal", "Left", f"replica 4 of stage {k} (speech-2) left the engine") for k in (1, 2)
+    ]
 
 
 def test_many_slow_drains_leave_the_reconcile_workers_free(monkeypatch):
@@ -157,7 +167,14 @@ def test_many_slow_drains_leave_the_reconcile_workers_free(monkeypatch):
     passes = []
 
     def work(ns, name):
-        act(ns, [StartLeave(f"{name}-r", f"uid-{name}", ((0, 1),), 30)], HEAD, lambda *e: None, name, drains=drains)
+        act(
+            ns,
+            [StartLeave(f"{name}-r", f"uid-{name}", ((0, 1),), 30)],
+            HEAD,
+            lambda *e: None,
+            name,
+            drains=drains,
+        )
         passes.append(name)
 
     q = WorkQueue(work, workers=2)
@@ -215,11 +232,17 @@ def test_events_go_through_the_operators_client_and_a_refused_one_does_not_fail_
     emit("Normal", "Joined", "replica pod r-1 joined")
     emit("Warning", "Refused", "not posted")  # must not raise
     [(namespace, body)] = posted
-    assert namespace == "ns" and (body["type"], body["reason"], body["message"]) == ("Normal", "Joined",
-                                                                                       "replica pod r-1 joined")
+    assert namespace == "ns" and (body["type"], body["reason"], body["message"]) == (
+        "Normal",
+        "Joined",
+        "replica pod r-1 joined",
+    )
     assert body["involvedObject"] == {"apiVersion": "serving.omnistage.io/v1alpha1", "kind": "OmniStage",
                                       "name": "ost", "namespace": "ns", "uid": "u"}
-    assert body["source"] == {"component": "omnistage-operator"} and body["metadata"]["generateName"] == "ost."
+    assert (
+        body["source"] == {"component": "omnistage-operator"} and body["metadata"]["generateName"] == "ost."
+    )
+
 
 def test_watch_sets_the_namespaces_a_trigger_may_queue(monkeypatch):
     """`omnistage run -n 't-*'` reaches the handlers through watch(): a trigger elsewhere queues nothing."""

@@ -26,7 +26,9 @@ def test_plugin_entry_points_live_in_the_plugin_distribution_only():
     assert "entry-points" not in OPERATOR["project"]
     eps = PLUGIN["project"]["entry-points"]
     assert eps["vllm.general_plugins"] == {"omnistage_engine_patches": "omnistage_engine_patches:apply"}
-    assert eps["vllm.endpoint_plugins"] == {"omnistage_membership": "omnistage_engine_patches.membership_api:plugin"}
+    assert eps["vllm.endpoint_plugins"] == {
+        "omnistage_membership": "omnistage_engine_patches.membership_api:plugin"
+    }
     # As installed (hack/setup.sh installs both editable): vLLM finds them under the plugin's name.
     found = {(ep.group, ep.name): ep.dist.name for group in ("vllm.general_plugins", "vllm.endpoint_plugins")
              for ep in metadata.entry_points(group=group) if ep.name.startswith("omnistage")}
@@ -52,12 +54,15 @@ def test_operator_runs_without_vllm_as_in_its_image():
     must import with those unimportable."""
     import subprocess
 
-    code = ("import sys\n"
-            "for name in ('vllm', 'vllm_omni', 'torch', 'fastapi'):\n"
-            "    sys.modules[name] = None  # import fails, as in the operator image\n"
-            "import omnistage.cli, omnistage.runtime.handlers, omnistage.runtime.reconcile, omnistage.runtime.head_client\n"
-            "import omnistage_engine_patches.contract\n"
-            "print('ok', sorted(m for m in sys.modules if m.startswith('omnistage_engine_patches')))\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    code = (
+        "import sys\nfor name in ('vllm', 'vllm_omni', 'torch', 'fastapi'):\n    sys.modules[name] = None  # "
+        "import fails, as in the operator image\nimport omnistage.cli, omnistage.runtime.handlers, "
+        "omnistage.runtime.reconcile, omnistage.runtime.head_client\nimport "
+        "omnistage_engine_patches.contract\nprint('ok', sorted(m for m in sys.modules if "
+        "m.startswith('omnistage_engine_patches')))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("ok"), proc.stdout

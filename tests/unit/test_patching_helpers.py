@@ -99,7 +99,9 @@ def test_a_wrapper_gets_the_original_keeps_its_signature_and_is_marked(monkeypat
     assert asyncio.run(Owner().run()) == "wrapped ran"
     assert inspect.iscoroutinefunction(Owner.run)
     assert list(inspect.signature(Owner.method).parameters) == ["self", "stage_id", "replica_id"]
-    assert _patching.ours("p", _patching.Target(Owner, "method")) and not _patching.ours("q", _patching.Target(Owner, "run"))
+    assert _patching.ours("p", _patching.Target(Owner, "method")) and not _patching.ours(
+        "q", _patching.Target(Owner, "run")
+    )
 
 
 def test_the_stashed_names_are_listed_once():
@@ -119,7 +121,8 @@ def test_without_the_membership_patch_the_endpoint_says_so(monkeypatch):
 
 
 def test_the_join_and_leave_bodies_are_the_contracts_on_both_sides():
-    """The operator writes contract.JoinRequest/LeaveRequest; the endpoint's models read exactly those keys."""
+    """The operator writes contract.JoinRequest/LeaveRequest; the endpoint's models read exactly those
+    keys."""
     pytest.importorskip("fastapi", reason="the endpoint needs fastapi (it comes with vLLM)")
     import typing
 

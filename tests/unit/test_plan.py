@@ -11,8 +11,8 @@ import pytest
 from omnistage import names
 from omnistage.api.conditions import Reason, Type
 from omnistage.api.validation import InvalidSpec
-from omnistage.control import plan as plan_module
 from omnistage.control import pods
+from omnistage.control import state as state_module
 from omnistage.control.actions import (
     DRAIN_DONE,
     DRAIN_FAILED,
@@ -90,7 +90,14 @@ def member(pod, replica_id, state=contract.ATTACHED, coordinator=contract.COORD_
 
 def registered(pod, replica_id):
     """Registered with the head and held unroutable: not joined yet (the listing names no pod)."""
-    return {"replicaId": replica_id, "pod": None, "host": pods.ip(pod), "state": contract.ATTACHED, "held": True, "coordinatorStatus": contract.COORD_UP}
+    return {
+        "replicaId": replica_id,
+        "pod": None,
+        "host": pods.ip(pod),
+        "state": contract.ATTACHED,
+        "held": True,
+        "coordinatorStatus": contract.COORD_UP,
+    }
 
 
 def loading(t, i):
@@ -99,15 +106,24 @@ def loading(t, i):
 
 
 def listing(*members, boot=BOOT):
-    local = {"replicaId": 0, "local": True, "host": HEAD_IP, "state": contract.ATTACHED, "coordinatorStatus": contract.COORD_UP}
+    local = {
+        "replicaId": 0,
+        "local": True,
+        "host": HEAD_IP,
+        "state": contract.ATTACHED,
+        "coordinatorStatus": contract.COORD_UP,
+    }
     return {"bootId": boot, "epoch": 7, "stages": {"0": [local, *members]}}
 
 
 def report(t, cache_class=None):
     if cache_class is None:
         cache_class = next(c for c, mode in contract.CACHE_CLASS_MODES.items() if mode == str(t.cache.mode))
-    return {"bootId": BOOT, "frontendCache": {"cacheClass": cache_class, "mode": contract.frontend_mode(cache_class)},
-            "patches": ALL_APPLIED}
+    return {
+        "bootId": BOOT,
+        "frontendCache": {"cacheClass": cache_class, "mode": contract.frontend_mode(cache_class)},
+        "patches": ALL_APPLIED,
+    }
 
 
 def situation(replicas=3, pods_=None, members=None, **kw):
@@ -149,8 +165,15 @@ def test_at_rest_nothing_changes_and_ready():
 
 
 def test_no_head_creates_the_head_and_no_replica():
-    t, o = situation(3, pods_=lambda t: [], members=lambda rs: [], head=None, head_addressable=False, report=None,
-                     listing=None)
+    t, o = situation(
+        3,
+        pods_=lambda t: [],
+        members=lambda rs: [],
+        head=None,
+        head_addressable=False,
+        report=None,
+        listing=None,
+    )
     actions, status, _ = plan(t, o, AT)
     creates = of(actions, CreatePod)
     assert [c.obj["metadata"]["name"] for c in creates] == ["qwen3-omni-head"]
@@ -193,18 +216,27 @@ def test_victims_are_chosen_by_choose_victims_unscheduled_first():
     (DRAIN_RUNNING, "wait"), (DRAIN_DONE, "delete"), (DRAIN_FAILED, "delete"), (None, "leave again")])
 def test_a_draining_replica_is_finished_on_a_later_pass(drain, expect):
     # Its joined gate was cleared when it was chosen: NotReady, its engine still running.
-    t, o = situation(2, pods_=lambda t: [replica(t, 1), replica(t, 2, leaving="ScaledDown", ready=False, containers=True,
-                                                              joined=False)],
-                     drains={"uid-r2": drain} if drain else {})
+    t, o = situation(
+        2,
+        pods_=lambda t: [
+            replica(t, 1),
+            replica(t, 2, leaving="ScaledDown", ready=False, containers=True, joined=False),
+        ],
+        drains={"uid-r2": drain} if drain else {},
+    )
     actions, status, _ = plan(t, o, AT)
-    leaving = [a for a in changes(actions) if getattr(a, "name", getattr(a, "pod", None)) == "qwen3-omni-replica-2"]
+    leaving = [
+        a for a in changes(actions) if getattr(a, "name", getattr(a, "pod", None)) == "qwen3-omni-replica-2"
+    ]
     if expect == "wait":
         assert leaving == []
     elif expect == "delete":
         assert leaving == [DeletePod("qwen3-omni-replica-2", "uid-r2", "ScaledDown",
                                      "deleted replica pod qwen3-omni-replica-2: spec.replicas is 2")]
     else:  # an operator restarted mid-drain: the annotation says a leave was decided, tell the head again
-        assert leaving == [StartLeave("qwen3-omni-replica-2", "uid-r2", ((0, 2),), t.spec.engine.drain_timeout_seconds)]
+        assert leaving == [
+            StartLeave("qwen3-omni-replica-2", "uid-r2", ((0, 2),), t.spec.engine.drain_timeout_seconds)
+        ]
     assert of(actions, CreatePod) == []  # the leaving pod is not replaced: spec.replicas is met
     states = [m["state"] for m in status["members"]]
     assert states == (["Joined"] if expect == "delete" else ["Joined", "Leaving"])
@@ -262,7 +294,10 @@ def test_invalid_spec_deletes_nothing():
     actions, status, _ = plan(InvalidSpec([("spec.cache.mode", "lru needs a static single replica")]), o, AT)
     assert changes(actions) == []
     assert [e.reason for e in of(actions, PostEvent)] == ["InvalidSpec"]
-    assert cond(status, Type.CONFIG_RENDERED)["status"] == "False" and cond(status, Type.READY)["reason"] == "InvalidSpec"
+    assert (
+        cond(status, Type.CONFIG_RENDERED)["status"] == "False"
+        and cond(status, Type.READY)["reason"] == "InvalidSpec"
+    )
     # Said once: the same invalid spec on the next pass emits nothing.
     again, _, _ = plan(InvalidSpec([("spec.cache.mode", "lru needs a static single replica")]),
                     Observed({**o.obj, "status": status}), AT)
@@ -302,16 +337,31 @@ def test_ready_unjoined_replicas_join_once_cache_consistent():
 
 
 def test_a_member_whose_pod_is_gone_is_forgotten():
-    t, o = situation(3, members=lambda rs: [member(rs[0], 1), member(rs[1], 2),
-                                            {"replicaId": 9, "pod": "qwen3-omni-replica-9", "host": "127.77.0.99",
-                                             "state": contract.ATTACHED, "coordinatorStatus": contract.COORD_UP}])
+    t, o = situation(
+        3,
+        members=lambda rs: [
+            member(rs[0], 1),
+            member(rs[1], 2),
+            {
+                "replicaId": 9,
+                "pod": "qwen3-omni-replica-9",
+                "host": "127.77.0.99",
+                "state": contract.ATTACHED,
+                "coordinatorStatus": contract.COORD_UP,
+            },
+        ],
+    )
     actions, _, _ = plan(t, o, AT)
     assert of(actions, LeaveDeparted) == [LeaveDeparted(9, "qwen3-omni-replica-9")]
 
 
 def test_template_change_surges_first_and_drains_nothing_until_the_replacement_joined():
     """Fails on a roll that drains an outdated replica before its replacement exists."""
-    rs = lambda t: [replica(t, 1, template="old"), replica(t, 2, template="old"), replica(t, 3, template="old")]
+    rs = lambda t: [
+        replica(t, 1, template="old"),
+        replica(t, 2, template="old"),
+        replica(t, 3, template="old"),
+    ]
     t, o = situation(4, pods_=rs)
     actions, status, _ = plan(t, o, AT)
     assert of(actions, StartLeave) == [] and of(actions, DeletePod) == []
@@ -333,8 +383,13 @@ def test_template_change_surges_first_and_drains_nothing_until_the_replacement_j
 
 def test_serving_never_drops_below_spec_replicas_during_a_surge_roll():
     """While one outdated replica drains, the next waits for the next replacement to join."""
-    rs = lambda t: [replica(t, 1, template="old", leaving="RollingReplica", ready=False, containers=True, joined=False),
-                    replica(t, 2, template="old"), replica(t, 3, template="old"), replica(t, 4), loading(t, 5)]
+    rs = lambda t: [
+        replica(t, 1, template="old", leaving="RollingReplica", ready=False, containers=True, joined=False),
+        replica(t, 2, template="old"),
+        replica(t, 3, template="old"),
+        replica(t, 4),
+        loading(t, 5),
+    ]
     t, o = situation(4, pods_=rs, drains={"uid-r1": DRAIN_RUNNING})
     actions, _, _ = plan(t, o, AT)
     assert of(actions, StartLeave) == [] and of(actions, DeletePod) == [] and of(actions, CreatePod) == []
@@ -345,7 +400,9 @@ def test_outdated_replicas_that_serve_nothing_are_replaced_at_no_cost():
     rs_old = lambda t: [rs(t)[0], replica(t, 2, template="old", ready=False, containers=True, joined=False)]
     t, o = situation(3, pods_=rs_old, members=lambda rs: [member(rs[0], 1)])
     actions, _, _ = plan(t, o, AT)
-    assert [(a.name, a.reason) for a in of(actions, DeletePod)] == [("qwen3-omni-replica-2", "RollingReplica")]
+    assert [(a.name, a.reason) for a in of(actions, DeletePod)] == [
+        ("qwen3-omni-replica-2", "RollingReplica")
+    ]
 
 
 def test_no_gpu_for_a_surge_falls_back_to_one_at_a_time_and_says_so():
@@ -355,7 +412,13 @@ def test_no_gpu_for_a_surge_falls_back_to_one_at_a_time_and_says_so():
         stuck["status"] = {"phase": "Pending", "conditions": [
             {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
              "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}
-        return [replica(t, 1, template="old"), replica(t, 2, template="old"), replica(t, 3, template="old"), stuck]
+        return [
+            replica(t, 1, template="old"),
+            replica(t, 2, template="old"),
+            replica(t, 3, template="old"),
+            stuck,
+        ]
+
     t, o = situation(4, pods_=rs, members=lambda rs: [member(r, i) for i, r in enumerate(rs[:3], 1)])
     actions, status, _ = plan(t, o, AT)
     # One outdated replica drains to free its GPU for the replacement; no second one.
@@ -370,12 +433,19 @@ def test_no_gpu_for_a_surge_falls_back_to_one_at_a_time_and_says_so():
     assert of(actions, StartLeave) == [] and of(actions, DeletePod) == []
 
 
-@pytest.mark.parametrize(("rollout", "drained", "created"), [
-    ({"maxSurge": 0}, ["qwen3-omni-replica-1"], 1),  # no surge: one at a time, its replacement beside the drain
-    ({"maxSurge": 0, "maxUnavailable": 2}, ["qwen3-omni-replica-1", "qwen3-omni-replica-2"], 2),
-    ({"maxSurge": 1, "maxUnavailable": 1}, ["qwen3-omni-replica-1"], 2),
-    ({"maxSurge": 2}, [], 2),
-])
+@pytest.mark.parametrize(
+    ("rollout", "drained", "created"),
+    [
+        (
+            {"maxSurge": 0},
+            ["qwen3-omni-replica-1"],
+            1,
+        ),  # no surge: one at a time, its replacement beside the drain
+        ({"maxSurge": 0, "maxUnavailable": 2}, ["qwen3-omni-replica-1", "qwen3-omni-replica-2"], 2),
+        ({"maxSurge": 1, "maxUnavailable": 1}, ["qwen3-omni-replica-1"], 2),
+        ({"maxSurge": 2}, [], 2),
+    ],
+)
 def test_spec_rollout_bounds_what_drains_at_once(rollout, drained, created):
     obj = omnistage(4, rollout=rollout)
     t = target_from(obj)
@@ -406,7 +476,7 @@ def test_plan_is_pure_same_input_same_output_input_untouched():
 
 def test_each_pass_renders_the_desired_pods_once(monkeypatch):
     calls = {"head": 0, "replica": []}
-    real_head, real_replica = plan_module.render_head_pod, plan_module.render_replica_pod
+    real_head, real_replica = state_module.render_head_pod, state_module.render_replica_pod
 
     def count_head(t):
         calls["head"] += 1
@@ -416,8 +486,8 @@ def test_each_pass_renders_the_desired_pods_once(monkeypatch):
         calls["replica"].append(i)
         return real_replica(t, i, ip, uid, restarts)
 
-    monkeypatch.setattr(plan_module, "render_head_pod", count_head)
-    monkeypatch.setattr(plan_module, "render_replica_pod", count_replica)
+    monkeypatch.setattr(state_module, "render_head_pod", count_head)
+    monkeypatch.setattr(state_module, "render_replica_pod", count_replica)
     t, o = situation(5, pods_=lambda t: [replica(t, 1), replica(t, 2, template="old")])
     plan(t, o, AT)
     assert calls["head"] == 1
@@ -467,8 +537,13 @@ def test_a_replaced_head_never_reads_as_an_engine_restart():
                       "report": {**report(t), "bootId": "boot-2"}, "listing": listing(boot="boot-2")})
     assert not any(e.reason == "HeadRestarted" for e in of(actions, PostEvent))
     assert of(actions, DeletePod) == []
-    assert stored["head"] == {"pod": "qwen3-omni-head", "uid": "head-uid-2", "ip": HEAD_IP, "bootId": "boot-2",
-                              "restarts": 0}
+    assert stored["head"] == {
+        "pod": "qwen3-omni-head",
+        "uid": "head-uid-2",
+        "ip": HEAD_IP,
+        "bootId": "boot-2",
+        "restarts": 0,
+    }
 
 
 @pytest.mark.parametrize("forged", [{"restarts": -1}, {"bootId": "forged"}, {"restarts": 0, "bootId": "x"}])
@@ -517,7 +592,11 @@ def test_merge_patch_sends_null_for_what_the_new_status_leaves_out():
 
     old = {"head": {"uid": "a", "bootId": "b", "ip": "127.0.0.1"}, "engine": {"x": 1}, "replicas": 3}
     new = {"head": {"uid": "c"}, "replicas": 3}
-    assert merge_patch(old, new) == {"head": {"uid": "c", "bootId": None, "ip": None}, "engine": None, "replicas": 3}
+    assert merge_patch(old, new) == {
+        "head": {"uid": "c", "bootId": None, "ip": None},
+        "engine": None,
+        "replicas": 3,
+    }
     assert apply_merge_patch(old, merge_patch(old, new)) == new
 
 
@@ -633,7 +712,9 @@ def test_a_disrupted_replica_whose_pre_stop_hook_drains_it_already_is_said_and_l
 
 @pytest.mark.parametrize("drain", [DRAIN_RUNNING, DRAIN_DONE])
 def test_a_disrupted_replica_is_drained_once(drain):
-    t, o = situation(3, pods_=lambda t: [replica(t, 1), _deleted(replica(t, 2), 60)], drains={"uid-r2": drain})
+    t, o = situation(
+        3, pods_=lambda t: [replica(t, 1), _deleted(replica(t, 2), 60)], drains={"uid-r2": drain}
+    )
     actions, _, _ = plan(t, o, AT)
     assert of(actions, StartLeave) == [] and of(actions, LeaveDeparted) == []
 
@@ -650,7 +731,9 @@ def test_a_replica_pod_the_operator_deleted_after_its_leave_is_not_drained_again
 def test_a_disruption_budget_over_the_replicas_not_the_head():
     """Fails on an OmniStage rendered without a PodDisruptionBudget."""
     t, o = situation(4)
-    budget = next(a.obj for a in of(plan(t, o, AT).actions, EnsureChild) if a.obj["kind"] == "PodDisruptionBudget")
+    budget = next(
+        a.obj for a in of(plan(t, o, AT).actions, EnsureChild) if a.obj["kind"] == "PodDisruptionBudget"
+    )
     assert budget["metadata"]["name"] == "qwen3-omni-replicas"
     # A number (no scale subresource needed): 3 replica pods, one may be evicted at a time.
     assert budget["spec"]["minAvailable"] == 2 and "maxUnavailable" not in budget["spec"]

@@ -58,7 +58,9 @@ def pool_obj(name="speech", stage_ids=(1, 2), replicas=1, created="2026-11-30T00
 def pool_pod(t, pool, i, *, ready=True, head_uid=HEAD_UID, leaving=None, phase="Running", containers=None,
              joined=None):
     pod = render_pool_pod(t, parse(pool), i, "127.77.0.10", head_uid)
-    pod["metadata"].update(uid=f"uid-{pool['metadata']['name']}-{i}", creationTimestamp=f"2026-11-30T0{i}:30:00Z")
+    pod["metadata"].update(
+        uid=f"uid-{pool['metadata']['name']}-{i}", creationTimestamp=f"2026-11-30T0{i}:30:00Z"
+    )
     if leaving:
         pod["metadata"]["annotations"][names.A_LEAVING] = leaving
     pod["spec"]["nodeName"] = f"h200-{i}"
@@ -74,10 +76,18 @@ def stage_listing(stage0, by_stage):
 
 def observe(obj, t, *, replicas=(), pool_pods=(), pools=(), stage0=None, by_stage=None, **kw):
     replicas = list(replicas)
-    o = {"obj": obj, "head": head(t), "replicas": tuple(replicas + list(pool_pods)), "head_addressable": True,
-         "report": report(t), "pools": tuple(pools),
-         "listing": stage_listing(stage0 if stage0 is not None else [member(r, i) for i, r in enumerate(replicas, 1)],
-                                  by_stage or {})}
+    o = {
+        "obj": obj,
+        "head": head(t),
+        "replicas": tuple(replicas + list(pool_pods)),
+        "head_addressable": True,
+        "report": report(t),
+        "pools": tuple(pools),
+        "listing": stage_listing(
+            stage0 if stage0 is not None else [member(r, i) for i, r in enumerate(replicas, 1)],
+            by_stage or {},
+        ),
+    }
     o.update(kw)
     return Observed(**o)
 
@@ -116,7 +126,9 @@ def test_at_rest_with_a_speech_pool_is_ready_and_says_where_each_stage_runs():
 def test_pool_pods_are_created_once_the_head_has_an_ip_not_once_it_is_ready():
     obj, t = pipeline()
     pool = pool_obj(replicas=2)
-    o = observe(obj, t, pools=[pool], head=head(t, ready=False), head_addressable=True, report=None, listing=None)
+    o = observe(
+        obj, t, pools=[pool], head=head(t, ready=False), head_addressable=True, report=None, listing=None
+    )
     actions, status, _ = plan(t, o, AT)
     created = [a.obj["metadata"]["name"] for a in of(actions, CreatePod)]
     assert created == ["qwen3-omni-replica-1", "speech-1", "speech-2"]
@@ -143,8 +155,24 @@ def test_every_stage_of_a_ready_pool_pod_is_joined_and_the_initial_slot_by_its_i
     pool = pool_obj()
     pp = [pool_pod(t, pool, 1)]
     # The head registered the pod's initial talker and code2wav slots by IP (no pod name yet).
-    by_stage = {1: [{"replicaId": 0, "host": "127.77.1.1", "state": contract.ATTACHED, "coordinatorStatus": contract.COORD_UP}],
-                2: [{"replicaId": 0, "host": "127.77.1.1", "state": contract.ATTACHED, "coordinatorStatus": contract.COORD_UP}]}
+    by_stage = {
+        1: [
+            {
+                "replicaId": 0,
+                "host": "127.77.1.1",
+                "state": contract.ATTACHED,
+                "coordinatorStatus": contract.COORD_UP,
+            }
+        ],
+        2: [
+            {
+                "replicaId": 0,
+                "host": "127.77.1.1",
+                "state": contract.ATTACHED,
+                "coordinatorStatus": contract.COORD_UP,
+            }
+        ],
+    }
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=by_stage)
     actions, status, _ = plan(t, o, AT)
     assert of(actions, Join) == [Join("speech-1", "127.77.1.1", 1), Join("speech-1", "127.77.1.1", 2)]
@@ -156,7 +184,9 @@ def test_stage_joins_do_not_wait_for_the_stage0_cache_verdict():
     pool = pool_obj()
     pp = [pool_pod(t, pool, 1)]
     bad = report(t, cache_class="MultiModalProcessorSenderCache")
-    o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], stage0=[], by_stage={}, report=bad)
+    o = observe(
+        obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], stage0=[], by_stage={}, report=bad
+    )
     actions, _, _ = plan(t, o, AT)
     assert of(actions, Join) == [Join("speech-1", "127.77.1.1", 1), Join("speech-1", "127.77.1.1", 2)]
 
@@ -189,7 +219,15 @@ def test_a_pool_pod_gone_from_the_cluster_is_forgotten_for_each_stage():
     pp = [pool_pod(t, pool, 1)]
     by_stage = joined_everywhere(pp)
     for k in (1, 2):
-        by_stage[k].append({"replicaId": 4, "pod": "speech-9", "host": "127.77.1.9", "state": contract.ATTACHED, "coordinatorStatus": contract.COORD_UP})
+        by_stage[k].append(
+            {
+                "replicaId": 4,
+                "pod": "speech-9",
+                "host": "127.77.1.9",
+                "state": contract.ATTACHED,
+                "coordinatorStatus": contract.COORD_UP,
+            }
+        )
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=by_stage)
     actions, _, _ = plan(t, o, AT)
     assert of(actions, LeaveDeparted) == [LeaveDeparted(4, "speech-9", 1), LeaveDeparted(4, "speech-9", 2)]
@@ -241,15 +279,26 @@ def test_a_stage_in_two_pools_stays_with_the_older_one_and_the_newer_keeps_its_p
     assert "pool talkers: stage 1 already runs in pool speech" in cond(status, Type.STAGES_COVERED)["message"]
 
 
-@pytest.mark.parametrize("stages, pool, reason, fragment", [
-    (None, pool_obj(), Reason.NOT_MULTI_STAGE, "has no spec.stages"),
-    (STAGES, pool_obj(stage_ids=(1, 3)), Reason.UNKNOWN_STAGE, "has no stage 3 in spec.stages"),
-    ([{"id": 1, "engine": {"tensorParallelSize": 2}}, {"id": 2}], pool_obj(gpu={"count": 1}), Reason.TOO_FEW_GPUS,
-     "spec.gpu.count 1 is less than the tensorParallelSize 2"),
-    # The shipped talker (0.6) and code2wav (0.1) fit one GPU; 0.95 for the talker does not.
-    ([{"id": 1, "engine": {"gpuMemoryUtilization": 0.95}}, {"id": 2}], pool_obj(), Reason.GPU_MEMORY_OVERCOMMITTED,
-     "adds up to more than 1 (stage 1 0.95, stage 2 0.1)"),
-])
+@pytest.mark.parametrize(
+    "stages, pool, reason, fragment",
+    [
+        (None, pool_obj(), Reason.NOT_MULTI_STAGE, "has no spec.stages"),
+        (STAGES, pool_obj(stage_ids=(1, 3)), Reason.UNKNOWN_STAGE, "has no stage 3 in spec.stages"),
+        (
+            [{"id": 1, "engine": {"tensorParallelSize": 2}}, {"id": 2}],
+            pool_obj(gpu={"count": 1}),
+            Reason.TOO_FEW_GPUS,
+            "spec.gpu.count 1 is less than the tensorParallelSize 2",
+        ),
+        # The shipped talker (0.6) and code2wav (0.1) fit one GPU; 0.95 for the talker does not.
+        (
+            [{"id": 1, "engine": {"gpuMemoryUtilization": 0.95}}, {"id": 2}],
+            pool_obj(),
+            Reason.GPU_MEMORY_OVERCOMMITTED,
+            "adds up to more than 1 (stage 1 0.95, stage 2 0.1)",
+        ),
+    ],
+)
 def test_a_pool_that_cannot_run_says_what_to_change(stages, pool, reason, fragment):
     spec = {"pipeline": "qwen3_omni_moe", "stages": stages} if stages else {}
     t = target_from(omnistage(2, **spec))
@@ -320,7 +369,9 @@ def test_stage_pods_patch_outcomes_are_in_status():
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=reported(pp, applied))
     _, status, _ = plan(t, o, AT)
     assert status["stages"][0]["patches"] == dict(sorted(applied.items()))
-    assert cond(status, Type.STAGES_READY)["status"] == "True" and cond(status, Type.READY)["status"] == "True"
+    assert (
+        cond(status, Type.STAGES_READY)["status"] == "True" and cond(status, Type.READY)["status"] == "True"
+    )
 
 
 def test_a_stage_pod_without_connector_ports_holds_stages_ready_false():
@@ -329,7 +380,9 @@ def test_a_stage_pod_without_connector_ports_holds_stages_ready_false():
     obj, t = pipeline()
     pool = pool_obj()
     pp = [pool_pod(t, pool, 1)]
-    outcomes = {name: contract.APPLIED for name in contract.PATCHES} | {contract.CONNECTOR_PORTS: contract.SKIPPED}
+    outcomes = {name: contract.APPLIED for name in contract.PATCHES} | {
+        contract.CONNECTOR_PORTS: contract.SKIPPED
+    }
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=reported(pp, outcomes))
     actions, status, _ = plan(t, o, AT)
     ready = cond(status, Type.STAGES_READY)

@@ -52,15 +52,18 @@ class FakeApi:
 
 
 def create(api: FakeApi, pod, token=MASTER) -> list[str]:
-    return act_module.act("serving", [CreatePod(pod, "ScaledUp", "created {pod}")], None, api.emit, "qwen3-omni",
-                          token=token).problems
+    return act_module.act(
+        "serving", [CreatePod(pod, "ScaledUp", "created {pod}")], None, api.emit, "qwen3-omni", token=token
+    ).problems
 
 
 def test_a_replica_pod_s_credential_is_written_before_the_pod(monkeypatch):
     api, t = FakeApi(monkeypatch), target()
     assert create(api, render_replica_pod(t, 2, HEAD_IP, HEAD_UID)) == []
     assert api.requests == [("Secret", "qwen3-omni-replica-2-membership"), ("Pod", "qwen3-omni-replica-2")]
-    assert api.token("qwen3-omni-replica-2-membership") == contract.pod_credential(MASTER, "qwen3-omni-replica-2")
+    assert api.token("qwen3-omni-replica-2-membership") == contract.pod_credential(
+        MASTER, "qwen3-omni-replica-2"
+    )
     # A head mounts the master token (NAME-membership, reconcile.ensure_token): no credential of its own.
     assert create(api, render_head_pod(t)) == [] and api.requests[-1] == ("Pod", "qwen3-omni-head")
     # The same name again (a replaced pod): the Secret is kept, it holds the same credential.

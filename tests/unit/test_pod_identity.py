@@ -85,7 +85,11 @@ def test_a_successor_head_whose_hash_is_not_its_name_s_is_not_trusted():
     want = pods.template_hash(h)
     h["metadata"]["name"] = head_pod_name(t, "abcdef" + want[6:])
     placed, strays = identity.sort_out(t, [h], set())
-    assert placed == [] and strays[0].labels is None and "made for a template hash starting abcdef" in strays[0].why
+    assert (
+        placed == []
+        and strays[0].labels is None
+        and "made for a template hash starting abcdef" in strays[0].why
+    )
     h["metadata"]["name"] = head_pod_name(t, want)
     assert identity.sort_out(t, [h], set()) == ([h], ())
 
@@ -108,12 +112,18 @@ def test_a_pool_pod_is_placed_by_its_pool_s_name():
 def test_a_head_that_lost_its_role_takes_the_one_its_head_change_leaves_it(other_role, current, restored):
     t = t_()
     lost = stripped(head(t, template="same" if current else "old"), names.L_ROLE)
-    lost["metadata"]["name"] = head_pod_name(t, pods.template_hash(lost)) if current else lost["metadata"]["name"]
+    lost["metadata"]["name"] = (
+        head_pod_name(t, pods.template_hash(lost)) if current else lost["metadata"]["name"]
+    )
     heads = [lost]
     if other_role is not None:
         other = head(t, template="old" if current else "same")
-        other["metadata"].update(uid="other-uid", name=head_pod_name(t, pods.template_hash(render_head_pod(t)))
-                                 if not current else head_pod_name(t))
+        other["metadata"].update(
+            uid="other-uid",
+            name=head_pod_name(t, pods.template_hash(render_head_pod(t)))
+            if not current
+            else head_pod_name(t),
+        )
         other["metadata"]["labels"][names.L_ROLE] = other_role
         heads.append(other)
     assert identity.restore_head_roles(t, heads) == {pods.uid(lost): restored}
@@ -122,12 +132,21 @@ def test_a_head_that_lost_its_role_takes_the_one_its_head_change_leaves_it(other
 def test_the_plan_writes_the_labels_back_first_and_deletes_the_untrusted():
     t, o = situation(3)
     untrusted = replica(t, 9)
-    o = Observed(**{**o.__dict__, "strays": (Stray(o.head, {names.L_ROLE: names.ROLE_HEAD}, "its labels were changed"),
-                                             Stray(untrusted, None, "not one the operator makes"))})
+    o = Observed(
+        **{
+            **o.__dict__,
+            "strays": (
+                Stray(o.head, {names.L_ROLE: names.ROLE_HEAD}, "its labels were changed"),
+                Stray(untrusted, None, "not one the operator makes"),
+            ),
+        }
+    )
     actions, _, _ = plan(t, o, AT)
     pod_actions = [a for a in actions if not isinstance(a, PostEvent) and type(a).__name__ != "EnsureChild"]
-    assert pod_actions[:2] == [RestoreLabels(pods.name(o.head), pods.uid(o.head), {names.L_ROLE: names.ROLE_HEAD}),
-                               DeletePod(pods.name(untrusted), pods.uid(untrusted))]
+    assert pod_actions[:2] == [
+        RestoreLabels(pods.name(o.head), pods.uid(o.head), {names.L_ROLE: names.ROLE_HEAD}),
+        DeletePod(pods.name(untrusted), pods.uid(untrusted)),
+    ]
     said = {(e.type, e.reason) for e in actions_of(actions, PostEvent)}
     assert {("Warning", EventReason.LABELS_RESTORED), ("Warning", EventReason.STRAY_POD)} <= said
 
@@ -178,7 +197,9 @@ def test_a_list_is_read_in_pages_and_keeps_only_owned_pods():
         if kw.get("_continue") is None:
             return Resp({"metadata": {"continue": "page2", "resourceVersion": "5"},
                          "items": [_owned_by({"metadata": {"name": "a", "namespace": "ns"}})]})
-        return Resp({"metadata": {"resourceVersion": "5"}, "items": [{"metadata": {"name": "b", "namespace": "ns"}}]})
+        return Resp(
+            {"metadata": {"resourceVersion": "5"}, "items": [{"metadata": {"name": "b", "namespace": "ns"}}]}
+        )
 
     inf = Informer("Pod", lambda scope: (list_pods, ()), None, STATE.pods._owner, owned_only=True)
     assert inf._list("ns") == "5"
@@ -211,7 +232,7 @@ def test_observe_never_takes_a_look_alike_for_the_head(stored, monkeypatch):
     fake["status"]["podIP"] = "127.77.9.2"
     stored(ours)
     stored(fake)
-    monkeypatch.setattr(reconcile.act_step.DRAINS, "states", lambda *a: {})
+    monkeypatch.setattr(reconcile.drains_step.DRAINS, "states", lambda *a: {})
     observed, (client, _) = reconcile.observe(obj, t, "the-token")
     memory.forget(t.namespace, t.name)
     assert pods.name(observed.head) == pods.name(ours) and client is not None and client.ip == "127.77.9.1"

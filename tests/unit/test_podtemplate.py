@@ -1,4 +1,5 @@
-"""spec.template: the strategic merge, what it may not touch, its generated schema, and the engine image default."""
+"""spec.template: the strategic merge, what it may not touch, its generated schema, and the engine image
+default."""
 
 import copy
 import json
@@ -54,12 +55,20 @@ def hash_of(pod):
 def test_merge_keys_are_the_kubernetes_ones():
     spec = podtemplate.subschema("spec")["properties"]
     container = spec["containers"]["items"]["properties"]
-    marks = {name: (node.get("x-kubernetes-patch-strategy"), node.get("x-kubernetes-patch-merge-key"))
-             for name, node in [("containers", spec["containers"]), ("volumes", spec["volumes"]),
-                                ("imagePullSecrets", spec["imagePullSecrets"]), ("tolerations", spec["tolerations"]),
-                                ("topologySpreadConstraints", spec["topologySpreadConstraints"]),
-                                ("env", container["env"]), ("envFrom", container["envFrom"]),
-                                ("volumeMounts", container["volumeMounts"]), ("args", container["args"])]}
+    marks = {
+        name: (node.get("x-kubernetes-patch-strategy"), node.get("x-kubernetes-patch-merge-key"))
+        for name, node in [
+            ("containers", spec["containers"]),
+            ("volumes", spec["volumes"]),
+            ("imagePullSecrets", spec["imagePullSecrets"]),
+            ("tolerations", spec["tolerations"]),
+            ("topologySpreadConstraints", spec["topologySpreadConstraints"]),
+            ("env", container["env"]),
+            ("envFrom", container["envFrom"]),
+            ("volumeMounts", container["volumeMounts"]),
+            ("args", container["args"]),
+        ]
+    }
     assert marks == {
         "containers": ("merge", "name"), "volumes": ("merge,retainKeys", "name"),
         "imagePullSecrets": ("merge", "name"), "tolerations": (None, None),
@@ -108,11 +117,14 @@ def test_engine_container_merged_by_name_sidecar_appended():
         assert names == ["engine", "sidecar"], "the engine container stays first, a new one is appended"
         c = engine(pod)
         assert c["command"] == ["vllm"] and c["args"][0] == "serve" and c["image"]
-        # Resources merge key by key: the template's cpu and memory limit, the operator's memory request and GPU.
+        # Resources merge key by key: the template's cpu and memory limit, the operator's memory request and
+        # GPU.
         assert c["resources"] == {"limits": {GPU: "1", "memory": "300Gi"},
                                   "requests": {"cpu": "16", "memory": "64Gi", "ephemeral-storage": "100Gi"}}
         env = env_of(pod)
-        assert env["HF_HOME"] == {"name": "HF_HOME", "value": "/models/hf"}, "template beats spec.engine.env by name"
+        assert env["HF_HOME"] == {"name": "HF_HOME", "value": "/models/hf"}, (
+            "template beats spec.engine.env by name"
+        )
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert [e["name"] for e in c["env"]].count("HF_HOME") == 1
@@ -126,23 +138,37 @@ def test_engine_container_merged_by_name_sidecar_appended():
 
 def test_engine_pods_are_hardened_by_default_and_the_template_can_loosen_it():
     for pod in pods({}):
-        assert engine(pod)["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        assert engine(pod)["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        }
         assert pod["spec"]["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
-    loosened = {"spec": {"securityContext": {"seccompProfile": {"type": "Unconfined"}},
-                         "containers": [{"name": "engine", "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}}]}}
+    loosened = {
+        "spec": {
+            "securityContext": {"seccompProfile": {"type": "Unconfined"}},
+            "containers": [{"name": "engine", "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}}],
+        }
+    }
     for pod in pods(loosened):
         assert engine(pod)["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
         assert pod["spec"]["securityContext"] == {"seccompProfile": {"type": "Unconfined"}}
 
 
 def test_pod_fields_labels_and_annotations():
-    template = {"metadata": {"labels": {"team": "mm"}, "annotations": {"example.com/owner": "mm"}},
-                "spec": {"serviceAccountName": "engine", "runtimeClassName": "nvidia", "priorityClassName": "high",
-                         "imagePullSecrets": [{"name": "regcred"}],
-                         "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
-                         "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
-                                                        "whenUnsatisfiable": "ScheduleAnyway"}],
-                         "nodeSelector": {"zone": "a"}}}
+    template = {
+        "metadata": {"labels": {"team": "mm"}, "annotations": {"example.com/owner": "mm"}},
+        "spec": {
+            "serviceAccountName": "engine",
+            "runtimeClassName": "nvidia",
+            "priorityClassName": "high",
+            "imagePullSecrets": [{"name": "regcred"}],
+            "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+            "topologySpreadConstraints": [
+                {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}
+            ],
+            "nodeSelector": {"zone": "a"},
+        },
+    }
     for pod in pods(template):
         spec, meta = pod["spec"], pod["metadata"]
         assert meta["labels"]["team"] == "mm" and meta["labels"]["serving.omnistage.io/component"] == "engine"
@@ -166,7 +192,10 @@ def test_tolerations_are_replaced_and_the_gpu_toleration_put_back():
 
 def test_default_requests_scale_with_gpus():
     c = engine(pods(gpu={"count": 4})[0])
-    assert c["resources"] == {"limits": {GPU: "4"}, "requests": {"cpu": "32", "memory": "256Gi", "ephemeral-storage": "100Gi"}}
+    assert c["resources"] == {
+        "limits": {GPU: "4"},
+        "requests": {"cpu": "32", "memory": "256Gi", "ephemeral-storage": "100Gi"},
+    }
 
 
 def test_nulls_are_absent_as_at_the_api_server():
@@ -212,73 +241,250 @@ def engine_with(**fields):
     return {"spec": {"containers": [{"name": "sidecar", "image": "x"}, {"name": "engine", **fields}]}}
 
 
-# (id, object, the exact field the problem names, words of the message, CEL at the API server or the operator only)
+# (id, object, the exact field the problem names, words of the message, CEL at the API server or the
+# operator only)
 REFUSED = [
-    ("command", refused(engine_with(command=["sh"])), "spec.template.spec.containers[1].command", "spec.engine", True),
-    ("args", refused(engine_with(args=["--port=1"])), "spec.template.spec.containers[1].args", "extraArgs", True),
-    ("image", refused(engine_with(image="mine:1")), "spec.template.spec.containers[1].image", "spec.engine.image",
-     True),
-    ("ports", refused(engine_with(ports=[{"containerPort": 9}])), "spec.template.spec.containers[1].ports",
-     "httpPort", True),
-    ("readiness", refused(engine_with(readinessProbe={"tcpSocket": {"port": 1}})),
-     "spec.template.spec.containers[1].readinessProbe", "readinessProbe", True),
-    ("gpu-limit", refused(engine_with(resources={"limits": {GPU: "2"}})),
-     f"spec.template.spec.containers[1].resources.limits[{GPU}]", "spec.gpu.count", True),
-    ("gpu-request-sidecar", refused({"spec": {"containers": [{"name": "s", "resources": {"requests": {GPU: 1}}}]}}),
-     f"spec.template.spec.containers[0].resources.requests[{GPU}]", "GPU resource", True),
-    ("gpu-init", refused({"spec": {"initContainers": [{"name": "dl", "resources": {"limits": {GPU: 1}}}]}}),
-     f"spec.template.spec.initContainers[0].resources.limits[{GPU}]", "GPU resource", True),
-    ("env-plugins", refused(engine_with(env=[{"name": "HF_HOME", "value": "x"}, {"name": "VLLM_PLUGINS"}])),
-     "spec.template.spec.containers[1].env[1].name", "VLLM_PLUGINS", True),
-    ("env-cache", refused(engine_with(env=[{"name": "OMNISTAGE_FRONTEND_CACHE", "value": "lru"}])),
-     "spec.template.spec.containers[1].env[0].name", "frontend cache", True),
-    ("env-master-address", refused(engine_with(env=[{"name": "POD_IP", "value": "127.0.0.9"}])),
-     "spec.template.spec.containers[1].env[0].name", "address", True),
-    ("mount-config", refused(engine_with(volumeMounts=[{"name": "x", "mountPath": "/etc/omnistage"}])),
-     "spec.template.spec.containers[1].volumeMounts[0].mountPath", "deploy config", False),
-    ("mount-under-token", refused(engine_with(volumeMounts=[{"name": "x", "mountPath": "/var/run/secrets/omnistage/t"}])),
-     "spec.template.spec.containers[1].volumeMounts[0].mountPath", "mount elsewhere", False),
-    ("mount-shm-slash", refused(engine_with(volumeMounts=[{"name": "x", "mountPath": "/dev/shm/"}])),
-     "spec.template.spec.containers[1].volumeMounts[0].mountPath", "/dev/shm", False),
-    ("mount-model", refused(engine_with(volumeMounts=[{"name": "x", "mountPath": "/weights"}]),
-                            modelVolume={"mountPath": "/weights", "pvc": {"claimName": "w"}}),
-     "spec.template.spec.containers[1].volumeMounts[0].mountPath", "modelVolume", False),
-    ("volume-config", refused({"spec": {"volumes": [{"name": "config", "emptyDir": {}}]}}),
-     "spec.template.spec.volumes[0].name", "deploy config", True),
-    ("restart-policy", refused({"spec": {"restartPolicy": "OnFailure"}}), "spec.template.spec.restartPolicy",
-     "registers", True),
+    (
+        "command",
+        refused(engine_with(command=["sh"])),
+        "spec.template.spec.containers[1].command",
+        "spec.engine",
+        True,
+    ),
+    (
+        "args",
+        refused(engine_with(args=["--port=1"])),
+        "spec.template.spec.containers[1].args",
+        "extraArgs",
+        True,
+    ),
+    (
+        "image",
+        refused(engine_with(image="mine:1")),
+        "spec.template.spec.containers[1].image",
+        "spec.engine.image",
+        True,
+    ),
+    (
+        "ports",
+        refused(engine_with(ports=[{"containerPort": 9}])),
+        "spec.template.spec.containers[1].ports",
+        "httpPort",
+        True,
+    ),
+    (
+        "readiness",
+        refused(engine_with(readinessProbe={"tcpSocket": {"port": 1}})),
+        "spec.template.spec.containers[1].readinessProbe",
+        "readinessProbe",
+        True,
+    ),
+    (
+        "gpu-limit",
+        refused(engine_with(resources={"limits": {GPU: "2"}})),
+        f"spec.template.spec.containers[1].resources.limits[{GPU}]",
+        "spec.gpu.count",
+        True,
+    ),
+    (
+        "gpu-request-sidecar",
+        refused({"spec": {"containers": [{"name": "s", "resources": {"requests": {GPU: 1}}}]}}),
+        f"spec.template.spec.containers[0].resources.requests[{GPU}]",
+        "GPU resource",
+        True,
+    ),
+    (
+        "gpu-init",
+        refused({"spec": {"initContainers": [{"name": "dl", "resources": {"limits": {GPU: 1}}}]}}),
+        f"spec.template.spec.initContainers[0].resources.limits[{GPU}]",
+        "GPU resource",
+        True,
+    ),
+    (
+        "env-plugins",
+        refused(engine_with(env=[{"name": "HF_HOME", "value": "x"}, {"name": "VLLM_PLUGINS"}])),
+        "spec.template.spec.containers[1].env[1].name",
+        "VLLM_PLUGINS",
+        True,
+    ),
+    (
+        "env-cache",
+        refused(engine_with(env=[{"name": "OMNISTAGE_FRONTEND_CACHE", "value": "lru"}])),
+        "spec.template.spec.containers[1].env[0].name",
+        "frontend cache",
+        True,
+    ),
+    (
+        "env-master-address",
+        refused(engine_with(env=[{"name": "POD_IP", "value": "127.0.0.9"}])),
+        "spec.template.spec.containers[1].env[0].name",
+        "address",
+        True,
+    ),
+    (
+        "mount-config",
+        refused(engine_with(volumeMounts=[{"name": "x", "mountPath": "/etc/omnistage"}])),
+        "spec.template.spec.containers[1].volumeMounts[0].mountPath",
+        "deploy config",
+        False,
+    ),
+    (
+        "mount-under-token",
+        refused(engine_with(volumeMounts=[{"name": "x", "mountPath": "/var/run/secrets/omnistage/t"}])),
+        "spec.template.spec.containers[1].volumeMounts[0].mountPath",
+        "mount elsewhere",
+        False,
+    ),
+    (
+        "mount-shm-slash",
+        refused(engine_with(volumeMounts=[{"name": "x", "mountPath": "/dev/shm/"}])),
+        "spec.template.spec.containers[1].volumeMounts[0].mountPath",
+        "/dev/shm",
+        False,
+    ),
+    (
+        "mount-model",
+        refused(
+            engine_with(volumeMounts=[{"name": "x", "mountPath": "/weights"}]),
+            modelVolume={"mountPath": "/weights", "pvc": {"claimName": "w"}},
+        ),
+        "spec.template.spec.containers[1].volumeMounts[0].mountPath",
+        "modelVolume",
+        False,
+    ),
+    (
+        "volume-config",
+        refused({"spec": {"volumes": [{"name": "config", "emptyDir": {}}]}}),
+        "spec.template.spec.volumes[0].name",
+        "deploy config",
+        True,
+    ),
+    (
+        "restart-policy",
+        refused({"spec": {"restartPolicy": "OnFailure"}}),
+        "spec.template.spec.restartPolicy",
+        "registers",
+        True,
+    ),
     # Every engine pod binds the same ports: two on one node's network would collide.
-    ("host-network", refused({"spec": {"hostNetwork": True}}), "spec.template.spec.hostNetwork", "collide", True),
-    ("product-selector", refused({"spec": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-B200"}}}),
-     "spec.template.spec.nodeSelector[nvidia.com/gpu.product]", "spec.gpu.product", True),
-    ("operator-label", refused({"metadata": {"labels": {"serving.omnistage.io/role": "head"}}}),
-     "spec.template.metadata.labels[serving.omnistage.io/role]", "scale selector", True),
-    ("app-label", refused({"metadata": {"labels": {"app.kubernetes.io/name": "mine"}}}),
-     "spec.template.metadata.labels[app.kubernetes.io/name]", "app.kubernetes.io/name", True),
-    ("operator-annotation", refused({"metadata": {"annotations": {"serving.omnistage.io/template-hash": "x"}}}),
-     "spec.template.metadata.annotations[serving.omnistage.io/template-hash]", "hash", True),
-    ("placement-and-template-tolerations", refused({"spec": {"tolerations": []}}, placement={"tolerations": []}),
-     "spec.placement.tolerations", "one place", True),
-    ("placement-and-template-priority", refused({"spec": {"priorityClassName": "a"}},
-                                                placement={"priorityClassName": "b"}),
-     "spec.placement.priorityClassName", "one place", True),
-    ("env-value-and-source", refused(None, engine={"env": [{"name": "A", "value": "x", "valueFrom": {
-        "secretKeyRef": {"name": "s", "key": "k"}}}]}), "spec.engine.env[0]", "not both", True),
+    (
+        "host-network",
+        refused({"spec": {"hostNetwork": True}}),
+        "spec.template.spec.hostNetwork",
+        "collide",
+        True,
+    ),
+    (
+        "product-selector",
+        refused({"spec": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-B200"}}}),
+        "spec.template.spec.nodeSelector[nvidia.com/gpu.product]",
+        "spec.gpu.product",
+        True,
+    ),
+    (
+        "operator-label",
+        refused({"metadata": {"labels": {"serving.omnistage.io/role": "head"}}}),
+        "spec.template.metadata.labels[serving.omnistage.io/role]",
+        "scale selector",
+        True,
+    ),
+    (
+        "app-label",
+        refused({"metadata": {"labels": {"app.kubernetes.io/name": "mine"}}}),
+        "spec.template.metadata.labels[app.kubernetes.io/name]",
+        "app.kubernetes.io/name",
+        True,
+    ),
+    (
+        "operator-annotation",
+        refused({"metadata": {"annotations": {"serving.omnistage.io/template-hash": "x"}}}),
+        "spec.template.metadata.annotations[serving.omnistage.io/template-hash]",
+        "hash",
+        True,
+    ),
+    (
+        "placement-and-template-tolerations",
+        refused({"spec": {"tolerations": []}}, placement={"tolerations": []}),
+        "spec.placement.tolerations",
+        "one place",
+        True,
+    ),
+    (
+        "placement-and-template-priority",
+        refused({"spec": {"priorityClassName": "a"}}, placement={"priorityClassName": "b"}),
+        "spec.placement.priorityClassName",
+        "one place",
+        True,
+    ),
+    (
+        "env-value-and-source",
+        refused(
+            None,
+            engine={
+                "env": [{"name": "A", "value": "x", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]
+            },
+        ),
+        "spec.engine.env[0]",
+        "not both",
+        True,
+    ),
     # The schema, where no API server checked it (omnistage render): types, unknown and required fields.
-    ("type", refused({"spec": {"priorityClassName": 5}}), "spec.template.spec.priorityClassName", "type string",
-     None),
-    ("quantity", refused(engine_with(resources={"requests": {"cpu": "lots"}})),
-     "spec.template.spec.containers[1].resources.requests[cpu]", "quantity", None),
-    ("unknown-field", refused(engine_with(resource={})), "spec.template.spec.containers[1].resource",
-     "unknown field", None),
-    ("container-name", refused({"spec": {"containers": [{"image": "x"}]}}), "spec.template.spec.containers[0].name",
-     "required", None),
-    ("boolean", refused(engine_with(stdin="yes")), "spec.template.spec.containers[1].stdin", "type boolean", None),
-    ("duplicate-env", refused(engine_with(env=[{"name": "A"}, {"name": "A"}])),
-     "spec.template.spec.containers[1].env[1]", "duplicate", None),
-    ("metadata-name", refused({"metadata": {"name": "mine"}}), "spec.template.metadata.name", "unknown field", None),
-    ("value-from-unknown", refused(None, engine={"env": [{"name": "A", "valueFrom": {"secretRef": {"name": "s"}}}]}),
-     "spec.engine.env[0].valueFrom.secretRef", "unknown field", None),
+    (
+        "type",
+        refused({"spec": {"priorityClassName": 5}}),
+        "spec.template.spec.priorityClassName",
+        "type string",
+        None,
+    ),
+    (
+        "quantity",
+        refused(engine_with(resources={"requests": {"cpu": "lots"}})),
+        "spec.template.spec.containers[1].resources.requests[cpu]",
+        "quantity",
+        None,
+    ),
+    (
+        "unknown-field",
+        refused(engine_with(resource={})),
+        "spec.template.spec.containers[1].resource",
+        "unknown field",
+        None,
+    ),
+    (
+        "container-name",
+        refused({"spec": {"containers": [{"image": "x"}]}}),
+        "spec.template.spec.containers[0].name",
+        "required",
+        None,
+    ),
+    (
+        "boolean",
+        refused(engine_with(stdin="yes")),
+        "spec.template.spec.containers[1].stdin",
+        "type boolean",
+        None,
+    ),
+    (
+        "duplicate-env",
+        refused(engine_with(env=[{"name": "A"}, {"name": "A"}])),
+        "spec.template.spec.containers[1].env[1]",
+        "duplicate",
+        None,
+    ),
+    (
+        "metadata-name",
+        refused({"metadata": {"name": "mine"}}),
+        "spec.template.metadata.name",
+        "unknown field",
+        None,
+    ),
+    (
+        "value-from-unknown",
+        refused(None, engine={"env": [{"name": "A", "valueFrom": {"secretRef": {"name": "s"}}}]}),
+        "spec.engine.env[0].valueFrom.secretRef",
+        "unknown field",
+        None,
+    ),
 ]
 
 
@@ -291,15 +497,33 @@ def test_refused_template_path_is_named_exactly(case, obj, field, words, cel):
 
 
 ACCEPTED = [
-    ("sidecar-ports-and-probes", {"spec": {"containers": [{"name": "proxy", "image": "envoy",
-                                                           "ports": [{"containerPort": 9901}],
-                                                           "readinessProbe": {"tcpSocket": {"port": 9901}}}]}}),
-    ("hf-cache-below-the-cache-dir", engine_with(volumeMounts=[{"name": "hf", "mountPath": "/root/.cache/hf"}])),
+    (
+        "sidecar-ports-and-probes",
+        {
+            "spec": {
+                "containers": [
+                    {
+                        "name": "proxy",
+                        "image": "envoy",
+                        "ports": [{"containerPort": 9901}],
+                        "readinessProbe": {"tcpSocket": {"port": 9901}},
+                    }
+                ]
+            }
+        },
+    ),
+    (
+        "hf-cache-below-the-cache-dir",
+        engine_with(volumeMounts=[{"name": "hf", "mountPath": "/root/.cache/hf"}]),
+    ),
     ("standin-knob", engine_with(env=[{"name": "OMNISTAGE_STANDIN_FRONTEND_CACHE", "value": "lru"}])),
     ("integer-quantity", engine_with(resources={"requests": {"cpu": 16, "memory": "200Gi"}})),
     ("other-extended-resource", engine_with(resources={"limits": {"rdma/hca": 1}})),
     ("label-like-ours", {"metadata": {"labels": {"example.com/role": "head", "omnistage": "x"}}}),
-    ("operator-volume-name-as-mount-name", engine_with(volumeMounts=[{"name": "config", "mountPath": "/srv"}])),
+    (
+        "operator-volume-name-as-mount-name",
+        engine_with(volumeMounts=[{"name": "config", "mountPath": "/srv"}]),
+    ),
     ("imagePullPolicy", engine_with(imagePullPolicy="Always")),
     ("host-network-false", {"spec": {"hostNetwork": False}}),
 ]
@@ -332,9 +556,12 @@ def _generator():
 
 def test_schema_is_from_the_kubernetes_version_the_project_builds():
     gen = _generator()
-    assert podtemplate.source() == {"module": f"k8s.io/kubernetes@{gen.k8s_version()}", "file": gen.DOC_IN_MODULE,
-                                    "definition": "io.k8s.api.core.v1.PodTemplateSpec",
-                                    "generator": "hack/gen-podtemplate-schema.py"}
+    assert podtemplate.source() == {
+        "module": f"k8s.io/kubernetes@{gen.k8s_version()}",
+        "file": gen.DOC_IN_MODULE,
+        "definition": "io.k8s.api.core.v1.PodTemplateSpec",
+        "generator": "hack/gen-podtemplate-schema.py",
+    }
 
 
 def test_committed_schema_matches_a_regeneration():
@@ -350,7 +577,9 @@ def test_committed_schema_matches_a_regeneration():
 
 def test_schema_file_ships_in_the_package():
     """The operator reads the schema at run time (merge rules, CRD): the wheel must carry it."""
-    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["omnistage"]
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "omnistage"
+    ]
     name = podtemplate.SCHEMA_FILE.name
     assert any(re.fullmatch(p.replace(".", r"\.").replace("*", ".*"), name) for p in patterns), \
         f"add {name!r} (or '*.json') to [tool.setuptools.package-data] omnistage in pyproject.toml"
@@ -366,7 +595,9 @@ def test_crd_embeds_the_real_schema_without_patch_markers():
     text = json.dumps(template)
     assert "x-kubernetes-patch" not in text and "x-kubernetes-preserve-unknown-fields" not in text
     containers = template["properties"]["spec"]["properties"]["containers"]
-    assert containers["x-kubernetes-list-type"] == "map" and containers["x-kubernetes-list-map-keys"] == ["name"]
+    assert containers["x-kubernetes-list-type"] == "map" and containers["x-kubernetes-list-map-keys"] == [
+        "name"
+    ]
     resources = containers["items"]["properties"]["resources"]
     assert resources["properties"]["requests"]["additionalProperties"]["x-kubernetes-int-or-string"] is True
     assert set(template["properties"]["metadata"]["properties"]) == {"labels", "annotations"}
@@ -449,5 +680,8 @@ def test_production_sample_renders_secret_env_pull_secret_pvc_and_resources():
     assert head["spec"]["imagePullSecrets"] == [{"name": "registry-credentials"}]
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "qwen3-omni-weights", "readOnly": True}} \
         in head["spec"]["volumes"]
-    assert c["resources"]["requests"] == {"cpu": "16", "memory": "128Gi"} and c["resources"]["limits"][GPU] == "1"
+    assert (
+        c["resources"]["requests"] == {"cpu": "16", "memory": "128Gi"}
+        and c["resources"]["limits"][GPU] == "1"
+    )
     assert c["image"] == "registry.example.com/ml/omnistage-engine:0.1.0"

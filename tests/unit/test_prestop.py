@@ -95,7 +95,10 @@ def test_replica_and_pool_pods_leave_on_stop_and_the_head_waits_for_its_requests
     assert contract.TOKEN_FILE_ENV in env
     secrets = [v["secret"]["secretName"] for v in replica["spec"]["volumes"] if "secret" in v]
     assert secrets == ["qwen3-omni-replica-1-membership"]
-    assert replica["spec"]["terminationGracePeriodSeconds"] == t.spec.engine.drain_timeout_seconds + SHUTDOWN_SECONDS
+    assert (
+        replica["spec"]["terminationGracePeriodSeconds"]
+        == t.spec.engine.drain_timeout_seconds + SHUTDOWN_SECONDS
+    )
     # The head's own hook waits for its requests in flight (a head change deletes the old head).
     head_pod = _engine(render_head_pod(t))
     assert head_pod["lifecycle"]["preStop"]["exec"]["command"][-1] == "--head"
@@ -138,7 +141,10 @@ def test_a_head_s_hook_gives_up_at_the_drain_timeout_and_without_a_listing(monke
     assert "4 requests still in flight after the 30s" in prestop.wait_idle(
         "http://127.0.0.1:9", "t", 30, clock=lambda: next(now), sleep=lambda s: None)
     monkeypatch.setattr(prestop, "in_flight", lambda base, token, api=None: None)
-    assert prestop.wait_idle("http://127.0.0.1:9", "t", 30, sleep=lambda s: None) == "no membership listing and no num_requests_running: not waiting"
+    assert (
+        prestop.wait_idle("http://127.0.0.1:9", "t", 30, sleep=lambda s: None)
+        == "no membership listing and no num_requests_running: not waiting"
+    )
 
 
 def test_a_static_head_s_requests_in_flight_come_from_vllm_s_gauge():

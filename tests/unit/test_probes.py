@@ -84,11 +84,20 @@ def test_liveness_and_readiness_answer_apart(loop, monkeypatch):
         assert _get(port, "/healthz") == (503, {"state": "starting: kopf's startup handlers have not run"})
         probes.watch_loop(loop)
         assert _get(port, "/healthz") == (200, {"state": "alive"})
-        assert _get(port, "/readyz") == (503, {"state": probes.LEADING_SYNCING, "leading": True, "omnistages": 3})
+        assert _get(port, "/readyz") == (
+            503,
+            {"state": probes.LEADING_SYNCING, "leading": True, "omnistages": 3},
+        )
         state["synced"] = True
-        assert _get(port, "/readyz") == (200, {"state": probes.LEADING_AND_SYNCED, "leading": True, "omnistages": 3})
+        assert _get(port, "/readyz") == (
+            200,
+            {"state": probes.LEADING_AND_SYNCED, "leading": True, "omnistages": 3},
+        )
         state["leading"] = False
-        assert _get(port, "/readyz") == (200, {"state": probes.STANDING_BY, "leading": False, "omnistages": 3})
+        assert _get(port, "/readyz") == (
+            200,
+            {"state": probes.STANDING_BY, "leading": False, "omnistages": 3},
+        )
         assert _get(port, "/healthz")[0] == 200
         assert _get(port, "/metrics")[0] == 404
     finally:

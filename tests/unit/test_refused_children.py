@@ -87,7 +87,11 @@ def test_a_refused_pod_is_a_refused_child_too(monkeypatch, cluster):
     monkeypatch.setattr(act_module.kube, "create", create)
     acted = act("ns", [CreatePod(child("Pod", "o-head"), "CreatedHead", "created {pod}"),
                        EnsureChild(CHILDREN[0], ("data",))], None, lambda *e: None, "o")
-    assert acted.refused == acted.problems == ['Pod o-head: 409 object is being deleted: pods "o-head" already exists']
+    assert (
+        acted.refused
+        == acted.problems
+        == ['Pod o-head: 409 object is being deleted: pods "o-head" already exists']
+    )
     assert cluster["applied"] == ["o-config"]
 
 

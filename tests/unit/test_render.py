@@ -50,7 +50,10 @@ def test_weights_downloaded_into_the_pod_are_bounded_and_requested():
     t = target(replicas=2)
     for pod in [render_head_pod(t), render_replica_pod(t, 1, HEAD_IP, HEAD_UID)]:
         assert _cache_and_storage(pod) == ({"sizeLimit": "100Gi"}, "100Gi")
-    assert _cache_and_storage(render_head_pod(target(downloadVolumeSize="200Gi"))) == ({"sizeLimit": "200Gi"}, "200Gi")
+    assert _cache_and_storage(render_head_pod(target(downloadVolumeSize="200Gi"))) == (
+        {"sizeLimit": "200Gi"},
+        "200Gi",
+    )
     mounted = target(modelVolume={"pvc": {"claimName": "weights"}}, downloadVolumeSize="200Gi")
     assert _cache_and_storage(render_head_pod(mounted)) == ({}, None)
 
@@ -159,7 +162,9 @@ def test_replica_aware_is_rendered_for_the_engine_plugin(membership, replicas):
     replicas' receiver capacity from mm_processor_cache_gb) and the mode in the head's env."""
     t = target(replicas=replicas, membership=membership, cache={"mode": "replica-aware", "sizeGiB": 2})
     assert str(t.cache.mode) == "replica-aware" and "replica-aware requested" in t.cache.reason
-    stage0 = yaml.safe_load(render_children(t, "tok", HEAD_IP, HEAD_UID).configmap["data"]["deploy.yaml"])["stages"][0]
+    stage0 = yaml.safe_load(render_children(t, "tok", HEAD_IP, HEAD_UID).configmap["data"]["deploy.yaml"])[
+        "stages"
+    ][0]
     assert (stage0["mm_processor_cache_gb"], stage0["mm_processor_cache_type"]) == (2, "lru")
     env = {e["name"]: e.get("value") for e in render_head_pod(t)["spec"]["containers"][0]["env"]}
     assert env["OMNISTAGE_FRONTEND_CACHE"] == "replica-aware"

@@ -36,7 +36,11 @@ def target(**spec):
 
 
 def render(mode=TransportMode.NETWORK, stages=STAGES, pipeline=PIPELINE, engine=None, **transport):
-    spec = {"pipeline": pipeline, "stages": stages, "transport": {"mode": str(mode), "basePort": BASE_PORT, **transport}}
+    spec = {
+        "pipeline": pipeline,
+        "stages": stages,
+        "transport": {"mode": str(mode), "basePort": BASE_PORT, **transport},
+    }
     if engine is not None:
         spec["engine"] = engine
     return render_deploy_config(target(**spec))
@@ -73,7 +77,11 @@ def test_every_stage_once_remote_ones_waited_for_once(mode):
 
 
 def test_stage0_is_todays_stage0_over_the_shipped_one():
-    engine = {"gpuMemoryUtilization": 0.85, "maxNumSeqs": 16, "stageOverrides": {"max_num_batched_tokens": 8192}}
+    engine = {
+        "gpuMemoryUtilization": 0.85,
+        "maxNumSeqs": 16,
+        "stageOverrides": {"max_num_batched_tokens": 8192},
+    }
     today = render_deploy_config(target(engine=engine))["stages"][0]
     stage0 = by_id(render(engine=engine))[0]
     assert today.items() <= stage0.items()
@@ -157,7 +165,10 @@ def test_a_multi_stage_pipeline_needs_its_stages():
     with pytest.raises(InvalidSpec) as err:
         target(pipeline=PIPELINE)
     [(field, message)] = err.value.problems
-    assert field == "spec.pipeline" and "list stages 1..n-1 in spec.stages and run them with OmniStagePools" in message
+    assert (
+        field == "spec.pipeline"
+        and "list stages 1..n-1 in spec.stages and run them with OmniStagePools" in message
+    )
 
 
 def test_a_multi_stage_pipeline_without_a_shipped_table_entry_is_refused():
@@ -191,21 +202,34 @@ def test_a_stage_name_must_be_the_pipelines():
 
 
 def test_a_stage_override_may_not_set_the_operators_keys():
-    [(field, message)] = problems(stages=[stage(1, stageOverrides={"runtime": {"num_replicas": 4}}), stage(2)])
+    [(field, message)] = problems(
+        stages=[stage(1, stageOverrides={"runtime": {"num_replicas": 4}}), stage(2)]
+    )
     assert field == "spec.stages[0].engine.stageOverrides.runtime.num_replicas" and "num_replicas" in message
 
 
-@pytest.mark.parametrize("transport, field, fragment", [
-    ({"mode": "cluster"}, "spec.transport.mode", "Input should be 'network' or 'sameNode'"),
-    ({"protocol": "udp"}, "spec.transport.protocol", "Input should be 'tcp' or 'rdma'"),
-    ({"mode": "sameNode", "protocol": "rdma"}, "spec.transport.protocol", "set mode network or protocol tcp"),
-    ({"basePort": 80}, "spec.transport.basePort", "greater than or equal to 1024"),
-    ({"basePort": 65000}, "spec.transport.basePort", "less than or equal to 64512"),
-    ({"basePort": 7000}, "spec.transport.basePort", "7000..8023 hold spec.engine.httpPort 8000"),
-    ({"basePort": 8050}, "spec.transport.basePort", "8050..9073 hold spec.engine.membershipPort 8090"),
-    ({"basePort": 24500}, "spec.transport.basePort", "hold spec.engine.masterPort 25000"),
-    ({"env": [{"name": "OMNISTAGE_CONNECTOR_PORTS", "value": "x"}]}, "spec.transport.env[0].name", "is the operator's"),
-])
+@pytest.mark.parametrize(
+    "transport, field, fragment",
+    [
+        ({"mode": "cluster"}, "spec.transport.mode", "Input should be 'network' or 'sameNode'"),
+        ({"protocol": "udp"}, "spec.transport.protocol", "Input should be 'tcp' or 'rdma'"),
+        (
+            {"mode": "sameNode", "protocol": "rdma"},
+            "spec.transport.protocol",
+            "set mode network or protocol tcp",
+        ),
+        ({"basePort": 80}, "spec.transport.basePort", "greater than or equal to 1024"),
+        ({"basePort": 65000}, "spec.transport.basePort", "less than or equal to 64512"),
+        ({"basePort": 7000}, "spec.transport.basePort", "7000..8023 hold spec.engine.httpPort 8000"),
+        ({"basePort": 8050}, "spec.transport.basePort", "8050..9073 hold spec.engine.membershipPort 8090"),
+        ({"basePort": 24500}, "spec.transport.basePort", "hold spec.engine.masterPort 25000"),
+        (
+            {"env": [{"name": "OMNISTAGE_CONNECTOR_PORTS", "value": "x"}]},
+            "spec.transport.env[0].name",
+            "is the operator's",
+        ),
+    ],
+)
 def test_an_invalid_transport_is_refused(transport, field, fragment):
     [(got_field, message)] = problems(**transport)
     assert got_field == field and fragment in message

@@ -36,9 +36,18 @@ def pod(**pod_spec):
 
 def container(field="containers", **fields):
     """A sidecar first, so the refused container is at index 1 of `field`."""
-    return pod(**{field: [{"name": "sidecar", "image": "x"}, {"name": "engine" if field == "containers" else "init",
-                                                              **({} if field == "containers" else {"image": "x"}),
-                                                              **fields}]})
+    return pod(
+        **{
+            field: [
+                {"name": "sidecar", "image": "x"},
+                {
+                    "name": "engine" if field == "containers" else "init",
+                    **({} if field == "containers" else {"image": "x"}),
+                    **fields,
+                },
+            ]
+        }
+    )
 
 
 def security_context(field="containers", **context):
@@ -46,8 +55,13 @@ def security_context(field="containers", **context):
 
 
 def secret_env(name, field="containers"):
-    return container(field, env=[{"name": "A", "value": "1"},
-                                 {"name": "T", "valueFrom": {"secretKeyRef": {"name": name, "key": "token"}}}])
+    return container(
+        field,
+        env=[
+            {"name": "A", "value": "1"},
+            {"name": "T", "valueFrom": {"secretKeyRef": {"name": name, "key": "token"}}},
+        ],
+    )
 
 
 def volumes(*vols):
@@ -71,94 +85,282 @@ REFUSED = [
     ("host-network", pod(hostNetwork=True), "spec.template.spec.hostNetwork", "must not be true", "api"),
     # privilege, in the engine, a sidecar, an init container and a native sidecar (an init container
     # with restartPolicy Always)
-    ("privileged-engine", security_context(privileged=True),
-     "spec.template.spec.containers[1].securityContext.privileged", "root on the node", "api"),
-    ("privileged-sidecar", pod(containers=[{"name": "proxy", "image": "x", "securityContext": {"privileged": True}}]),
-     "spec.template.spec.containers[0].securityContext.privileged", "root on the node", "api"),
-    ("privileged-init", security_context("initContainers", privileged=True),
-     "spec.template.spec.initContainers[1].securityContext.privileged", "remove them", "api"),
-    ("privileged-native-sidecar",
-     container("initContainers", restartPolicy="Always", securityContext={"privileged": True}),
-     "spec.template.spec.initContainers[1].securityContext.privileged", "root on the node", "api"),
-    ("escalation-engine", security_context(allowPrivilegeEscalation=True),
-     "spec.template.spec.containers[1].securityContext.allowPrivilegeEscalation", "privilege escalation", "api"),
-    ("escalation-init", security_context("initContainers", allowPrivilegeEscalation=True),
-     "spec.template.spec.initContainers[1].securityContext.allowPrivilegeEscalation", "hardening", "api"),
+    (
+        "privileged-engine",
+        security_context(privileged=True),
+        "spec.template.spec.containers[1].securityContext.privileged",
+        "root on the node",
+        "api",
+    ),
+    (
+        "privileged-sidecar",
+        pod(containers=[{"name": "proxy", "image": "x", "securityContext": {"privileged": True}}]),
+        "spec.template.spec.containers[0].securityContext.privileged",
+        "root on the node",
+        "api",
+    ),
+    (
+        "privileged-init",
+        security_context("initContainers", privileged=True),
+        "spec.template.spec.initContainers[1].securityContext.privileged",
+        "remove them",
+        "api",
+    ),
+    (
+        "privileged-native-sidecar",
+        container("initContainers", restartPolicy="Always", securityContext={"privileged": True}),
+        "spec.template.spec.initContainers[1].securityContext.privileged",
+        "root on the node",
+        "api",
+    ),
+    (
+        "escalation-engine",
+        security_context(allowPrivilegeEscalation=True),
+        "spec.template.spec.containers[1].securityContext.allowPrivilegeEscalation",
+        "privilege escalation",
+        "api",
+    ),
+    (
+        "escalation-init",
+        security_context("initContainers", allowPrivilegeEscalation=True),
+        "spec.template.spec.initContainers[1].securityContext.allowPrivilegeEscalation",
+        "hardening",
+        "api",
+    ),
     # capabilities beyond IPC_LOCK and SYS_NICE
-    ("cap-sys-admin", security_context(capabilities={"add": ["IPC_LOCK", "SYS_ADMIN"]}),
-     "spec.template.spec.containers[1].securityContext.capabilities.add[1]", "IPC_LOCK and SYS_NICE", "api"),
-    ("cap-net-admin-init", security_context("initContainers", capabilities={"add": ["NET_ADMIN"]}),
-     "spec.template.spec.initContainers[1].securityContext.capabilities.add[0]", "SYS_NICE", "api"),
-    ("cap-prefixed", security_context(capabilities={"add": ["CAP_SYS_PTRACE"]}),
-     "spec.template.spec.containers[1].securityContext.capabilities.add[0]", "step towards the node", "api"),
-    ("cap-all", security_context(capabilities={"drop": ["ALL"], "add": ["ALL"]}),
-     "spec.template.spec.containers[1].securityContext.capabilities.add[0]", "IPC_LOCK", "api"),
+    (
+        "cap-sys-admin",
+        security_context(capabilities={"add": ["IPC_LOCK", "SYS_ADMIN"]}),
+        "spec.template.spec.containers[1].securityContext.capabilities.add[1]",
+        "IPC_LOCK and SYS_NICE",
+        "api",
+    ),
+    (
+        "cap-net-admin-init",
+        security_context("initContainers", capabilities={"add": ["NET_ADMIN"]}),
+        "spec.template.spec.initContainers[1].securityContext.capabilities.add[0]",
+        "SYS_NICE",
+        "api",
+    ),
+    (
+        "cap-prefixed",
+        security_context(capabilities={"add": ["CAP_SYS_PTRACE"]}),
+        "spec.template.spec.containers[1].securityContext.capabilities.add[0]",
+        "step towards the node",
+        "api",
+    ),
+    (
+        "cap-all",
+        security_context(capabilities={"drop": ["ALL"], "add": ["ALL"]}),
+        "spec.template.spec.containers[1].securityContext.capabilities.add[0]",
+        "IPC_LOCK",
+        "api",
+    ),
     # host directories: none in the template, the model volume's only where the operator allows
-    ("template-host-root", volumes({"name": "host", "hostPath": {"path": "/"}}),
-     "spec.template.spec.volumes[1].hostPath", "onto the node", "operator"),
-    ("template-runtime-socket", volumes({"name": "cri", "hostPath": {"path": "/run/containerd/containerd.sock",
-                                                                     "type": "Socket"}}),
-     "spec.template.spec.volumes[1].hostPath", "spec.modelVolume", "operator"),
+    (
+        "template-host-root",
+        volumes({"name": "host", "hostPath": {"path": "/"}}),
+        "spec.template.spec.volumes[1].hostPath",
+        "onto the node",
+        "operator",
+    ),
+    (
+        "template-runtime-socket",
+        volumes({"name": "cri", "hostPath": {"path": "/run/containerd/containerd.sock", "type": "Socket"}}),
+        "spec.template.spec.volumes[1].hostPath",
+        "spec.modelVolume",
+        "operator",
+    ),
     ("model-volume-root", host_path("/"), "spec.modelVolume.hostPath.path", "other than /", "field"),
-    ("model-volume-dot-dot", host_path("/mnt/models/../../etc"), "spec.modelVolume.hostPath.path", "'..'", "field"),
+    (
+        "model-volume-dot-dot",
+        host_path("/mnt/models/../../etc"),
+        "spec.modelVolume.hostPath.path",
+        "'..'",
+        "field",
+    ),
     ("model-volume-dot", host_path("/mnt/./models"), "spec.modelVolume.hostPath.path", "segments", "field"),
     ("model-volume-double-slash", host_path("//etc"), "spec.modelVolume.hostPath.path", "'//'", "field"),
     ("model-volume-relative", host_path("models"), "spec.modelVolume.hostPath.path", "pattern", "field"),
-    ("model-volume-not-allowed", host_path("/mnt/models"), "spec.modelVolume.hostPath.path",
-     "OMNISTAGE_ALLOWED_HOST_PATHS", "operator"),
+    (
+        "model-volume-not-allowed",
+        host_path("/mnt/models"),
+        "spec.modelVolume.hostPath.path",
+        "OMNISTAGE_ALLOWED_HOST_PATHS",
+        "operator",
+    ),
     # scheduling and lifecycle
     ("node-name", pod(nodeName="h200-0"), "spec.template.spec.nodeName", "past the scheduler", "api"),
-    ("template-node-critical", pod(priorityClassName="system-node-critical"), "spec.template.spec.priorityClassName",
-     "preempt", "api"),
-    ("template-cluster-critical", pod(priorityClassName="system-cluster-critical"),
-     "spec.template.spec.priorityClassName", "PriorityClass of your own", "api"),
-    ("placement-node-critical", spec(placement={"priorityClassName": "system-node-critical"}),
-     "spec.placement.priorityClassName", "preempt", "field"),
-    ("grace-period", pod(terminationGracePeriodSeconds=5), "spec.template.spec.terminationGracePeriodSeconds",
-     "drainTimeoutSeconds", "api"),
-    ("grace-period-zero", pod(terminationGracePeriodSeconds=0), "spec.template.spec.terminationGracePeriodSeconds",
-     "lifecycle", "api"),
-    ("active-deadline", pod(activeDeadlineSeconds=3600), "spec.template.spec.activeDeadlineSeconds",
-     "without a drain", "api"),
+    (
+        "template-node-critical",
+        pod(priorityClassName="system-node-critical"),
+        "spec.template.spec.priorityClassName",
+        "preempt",
+        "api",
+    ),
+    (
+        "template-cluster-critical",
+        pod(priorityClassName="system-cluster-critical"),
+        "spec.template.spec.priorityClassName",
+        "PriorityClass of your own",
+        "api",
+    ),
+    (
+        "placement-node-critical",
+        spec(placement={"priorityClassName": "system-node-critical"}),
+        "spec.placement.priorityClassName",
+        "preempt",
+        "field",
+    ),
+    (
+        "grace-period",
+        pod(terminationGracePeriodSeconds=5),
+        "spec.template.spec.terminationGracePeriodSeconds",
+        "drainTimeoutSeconds",
+        "api",
+    ),
+    (
+        "grace-period-zero",
+        pod(terminationGracePeriodSeconds=0),
+        "spec.template.spec.terminationGracePeriodSeconds",
+        "lifecycle",
+        "api",
+    ),
+    (
+        "active-deadline",
+        pod(activeDeadlineSeconds=3600),
+        "spec.template.spec.activeDeadlineSeconds",
+        "without a drain",
+        "api",
+    ),
     # the operator's Secrets (NAME-membership, this OmniStage's or another's)
-    ("engine-env-membership", spec(engine__env=[{"name": "HF_HOME", "value": "/models"}, {"name": "T", "valueFrom": {
-        "secretKeyRef": {"name": OTHER_MEMBERSHIP, "key": "token"}}}]),
-     "spec.engine.env[1].valueFrom.secretKeyRef.name", "membership token", "api"),
-    ("transport-env-membership", spec(transport={"env": [{"name": "T", "valueFrom": {
-        "secretKeyRef": {"name": MEMBERSHIP, "key": "token"}}}]}),
-     "spec.transport.env[0].valueFrom.secretKeyRef.name", "-membership", "api"),
-    ("template-env-membership", secret_env(MEMBERSHIP),
-     "spec.template.spec.containers[1].env[1].valueFrom.secretKeyRef.name", "membership token", "api"),
-    ("init-env-membership", secret_env(OTHER_MEMBERSHIP, "initContainers"),
-     "spec.template.spec.initContainers[1].env[1].valueFrom.secretKeyRef.name", "read another Secret", "api"),
-    ("template-env-from-membership", container(envFrom=[{"configMapRef": {"name": "tuning"}},
-                                                        {"secretRef": {"name": MEMBERSHIP}}]),
-     "spec.template.spec.containers[1].envFrom[1].secretRef.name", "join and leave", "api"),
-    ("secret-volume-membership", volumes({"name": "t", "secret": {"secretName": OTHER_MEMBERSHIP}}),
-     "spec.template.spec.volumes[1].secret.secretName", "membership token", "api"),
-    ("projected-membership", volumes({"name": "t", "projected": {"sources": [
-        {"configMap": {"name": "tuning"}}, {"secret": {"name": MEMBERSHIP}}]}}),
-     "spec.template.spec.volumes[1].projected.sources[1].secret.name", "membership token", "api"),
-    ("sidecar-mounts-the-token", pod(containers=[{"name": "proxy", "image": "x", "volumeMounts": [
-        {"name": "scratch", "mountPath": "/tmp"}, {"name": "membership-token", "mountPath": "/steal"}]}]),
-     "spec.template.spec.containers[0].volumeMounts[1].name", "only the engine container", "api"),
-    ("init-mounts-the-token",
-     container("initContainers", volumeMounts=[{"name": "membership-token", "mountPath": "/t"}]),
-     "spec.template.spec.initContainers[1].volumeMounts[0].name", "membership token", "api"),
-    ("env-from-owned-prefix", container(envFrom=[{"prefix": "OMNISTAGE_", "configMapRef": {"name": "tuning"}}]),
-     "spec.template.spec.containers[1].envFrom[0].prefix", "OMNISTAGE_*", "api"),
+    (
+        "engine-env-membership",
+        spec(
+            engine__env=[
+                {"name": "HF_HOME", "value": "/models"},
+                {"name": "T", "valueFrom": {"secretKeyRef": {"name": OTHER_MEMBERSHIP, "key": "token"}}},
+            ]
+        ),
+        "spec.engine.env[1].valueFrom.secretKeyRef.name",
+        "membership token",
+        "api",
+    ),
+    (
+        "transport-env-membership",
+        spec(
+            transport={
+                "env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": MEMBERSHIP, "key": "token"}}}]
+            }
+        ),
+        "spec.transport.env[0].valueFrom.secretKeyRef.name",
+        "-membership",
+        "api",
+    ),
+    (
+        "template-env-membership",
+        secret_env(MEMBERSHIP),
+        "spec.template.spec.containers[1].env[1].valueFrom.secretKeyRef.name",
+        "membership token",
+        "api",
+    ),
+    (
+        "init-env-membership",
+        secret_env(OTHER_MEMBERSHIP, "initContainers"),
+        "spec.template.spec.initContainers[1].env[1].valueFrom.secretKeyRef.name",
+        "read another Secret",
+        "api",
+    ),
+    (
+        "template-env-from-membership",
+        container(envFrom=[{"configMapRef": {"name": "tuning"}}, {"secretRef": {"name": MEMBERSHIP}}]),
+        "spec.template.spec.containers[1].envFrom[1].secretRef.name",
+        "join and leave",
+        "api",
+    ),
+    (
+        "secret-volume-membership",
+        volumes({"name": "t", "secret": {"secretName": OTHER_MEMBERSHIP}}),
+        "spec.template.spec.volumes[1].secret.secretName",
+        "membership token",
+        "api",
+    ),
+    (
+        "projected-membership",
+        volumes(
+            {
+                "name": "t",
+                "projected": {
+                    "sources": [{"configMap": {"name": "tuning"}}, {"secret": {"name": MEMBERSHIP}}]
+                },
+            }
+        ),
+        "spec.template.spec.volumes[1].projected.sources[1].secret.name",
+        "membership token",
+        "api",
+    ),
+    (
+        "sidecar-mounts-the-token",
+        pod(
+            containers=[
+                {
+                    "name": "proxy",
+                    "image": "x",
+                    "volumeMounts": [
+                        {"name": "scratch", "mountPath": "/tmp"},
+                        {"name": "membership-token", "mountPath": "/steal"},
+                    ],
+                }
+            ]
+        ),
+        "spec.template.spec.containers[0].volumeMounts[1].name",
+        "only the engine container",
+        "api",
+    ),
+    (
+        "init-mounts-the-token",
+        container("initContainers", volumeMounts=[{"name": "membership-token", "mountPath": "/t"}]),
+        "spec.template.spec.initContainers[1].volumeMounts[0].name",
+        "membership token",
+        "api",
+    ),
+    (
+        "env-from-owned-prefix",
+        container(envFrom=[{"prefix": "OMNISTAGE_", "configMapRef": {"name": "tuning"}}]),
+        "spec.template.spec.containers[1].envFrom[0].prefix",
+        "OMNISTAGE_*",
+        "api",
+    ),
     # the command line the operator builds
-    ("extra-args-expansion", spec(engine__extraArgs=["--served-model-name", "$(HF_TOKEN)"]),
-     "spec.engine.extraArgs[1]", "$(", "api"),
-    ("extra-args-escaped-expansion", spec(engine__extraArgs=["--chat-template=$$(X)"]),
-     "spec.engine.extraArgs[0]", "literally", "api"),
+    (
+        "extra-args-expansion",
+        spec(engine__extraArgs=["--served-model-name", "$(HF_TOKEN)"]),
+        "spec.engine.extraArgs[1]",
+        "$(",
+        "api",
+    ),
+    (
+        "extra-args-escaped-expansion",
+        spec(engine__extraArgs=["--chat-template=$$(X)"]),
+        "spec.engine.extraArgs[0]",
+        "literally",
+        "api",
+    ),
     ("model-flag", spec(model="--mm-processor-cache-type=lru"), "spec.model", "pattern", "field"),
     ("model-whitespace", spec(model="Qwen/Qwen3 Omni"), "spec.model", "pattern", "field"),
     ("model-newline", spec(model="Qwen/Qwen3-Omni\n--port=1"), "spec.model", "pattern", "field"),
     ("model-expansion", spec(model="$(HF_TOKEN)"), "spec.model", "pattern", "field"),
     # GPU resources outside the allow-list
-    *((f"gpu-{name.split('/')[-1]}", spec(gpu__resource=name), "spec.gpu.resource", "must name a GPU", "field")
-      for name in ("cpu", "memory", "ephemeral-storage", "hugepages-2Mi", "gpu", "squat.ai/kvm", "rdma/hca")),
+    *(
+        (
+            f"gpu-{name.split('/')[-1]}",
+            spec(gpu__resource=name),
+            "spec.gpu.resource",
+            "must name a GPU",
+            "field",
+        )
+        for name in ("cpu", "memory", "ephemeral-storage", "hugepages-2Mi", "gpu", "squat.ai/kvm", "rdma/hca")
+    ),
 ]
 
 
@@ -177,7 +379,9 @@ def _enforced_by(field, who):
         node = _schema_at(field.split("[")[0])
         assert node.get("x-kubernetes-validations") or node.get("pattern"), field
         return
-    rules = [r for r in SPEC_RULES if field.startswith(f"spec{r.field}") and (r.cel is not None) == (who == "api")]
+    rules = [
+        r for r in SPEC_RULES if field.startswith(f"spec{r.field}") and (r.cel is not None) == (who == "api")
+    ]
     assert rules, (field, who)
 
 
@@ -189,30 +393,90 @@ def test_refused_with_the_field_named(case, obj, field, words, who):
 
 # Near misses: what the security model leaves to the editor.
 ACCEPTED = [
-    ("pinned-memory-and-numa", security_context(capabilities={"drop": ["ALL"], "add": ["IPC_LOCK", "SYS_NICE"]})),
+    (
+        "pinned-memory-and-numa",
+        security_context(capabilities={"drop": ["ALL"], "add": ["IPC_LOCK", "SYS_NICE"]}),
+    ),
     ("init-ipc-lock", security_context("initContainers", capabilities={"add": ["IPC_LOCK"]})),
     ("not-privileged", security_context(privileged=False, allowPrivilegeEscalation=False, runAsNonRoot=True)),
     ("host-namespaces-false", pod(hostPID=False, hostIPC=False, hostNetwork=False)),
     ("other-secrets", secret_env("hf-token")),
-    ("names-like-membership", volumes({"name": "a", "secret": {"secretName": "membership"}},
-                                      {"name": "b", "secret": {"secretName": "membership-token"}},
-                                      {"name": "c", "projected": {"sources": [{"secret": {"name": "tls"}}]}})),
-    ("env-from-prefixes", container(envFrom=[{"prefix": "HF_", "secretRef": {"name": "hf"}},
-                                             {"prefix": "OMNISTAGE_STANDIN_", "configMapRef": {"name": "knobs"}}])),
-    ("sidecar-owned-prefix", pod(containers=[{"name": "proxy", "image": "x",
-                                              "envFrom": [{"prefix": "OMNISTAGE_", "configMapRef": {"name": "c"}}]}])),
-    ("sidecar-mounts-other-volumes", pod(containers=[{"name": "proxy", "image": "x", "volumeMounts": [
-        {"name": "config", "mountPath": "/srv/config"}, {"name": "model", "mountPath": "/srv/model"}]}])),
+    (
+        "names-like-membership",
+        volumes(
+            {"name": "a", "secret": {"secretName": "membership"}},
+            {"name": "b", "secret": {"secretName": "membership-token"}},
+            {"name": "c", "projected": {"sources": [{"secret": {"name": "tls"}}]}},
+        ),
+    ),
+    (
+        "env-from-prefixes",
+        container(
+            envFrom=[
+                {"prefix": "HF_", "secretRef": {"name": "hf"}},
+                {"prefix": "OMNISTAGE_STANDIN_", "configMapRef": {"name": "knobs"}},
+            ]
+        ),
+    ),
+    (
+        "sidecar-owned-prefix",
+        pod(
+            containers=[
+                {
+                    "name": "proxy",
+                    "image": "x",
+                    "envFrom": [{"prefix": "OMNISTAGE_", "configMapRef": {"name": "c"}}],
+                }
+            ]
+        ),
+    ),
+    (
+        "sidecar-mounts-other-volumes",
+        pod(
+            containers=[
+                {
+                    "name": "proxy",
+                    "image": "x",
+                    "volumeMounts": [
+                        {"name": "config", "mountPath": "/srv/config"},
+                        {"name": "model", "mountPath": "/srv/model"},
+                    ],
+                }
+            ]
+        ),
+    ),
     ("own-priority", pod(priorityClassName="inference-high")),
     ("own-placement-priority", spec(placement={"priorityClassName": "system-ish"})),
     ("automount-asked", pod(automountServiceAccountToken=True, serviceAccountName="engine")),
-    ("dollar-without-paren", spec(engine__extraArgs=["--served-model-name", "qwen$1", "--chat-template={{ x }}"])),
-    *((f"model-{i}", spec(model=m)) for i, m in enumerate(
-        ("Qwen/Qwen3-Omni-30B-A3B-Instruct", "/models", "/models/Qwen3-Omni-30B-A3B-Instruct",
-         "omnistage-test/tiny-qwen2.5-omni-thinker", "./weights", "Qwen/Qwen2.5-Omni-7B-AWQ"))),
-    *((f"gpu-{i}", spec(gpu__resource=r)) for i, r in enumerate(
-        ("nvidia.com/gpu", "amd.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-1g.18gb",
-         "nvidia.com/mig-7g.141gb"))),
+    (
+        "dollar-without-paren",
+        spec(engine__extraArgs=["--served-model-name", "qwen$1", "--chat-template={{ x }}"]),
+    ),
+    *(
+        (f"model-{i}", spec(model=m))
+        for i, m in enumerate(
+            (
+                "Qwen/Qwen3-Omni-30B-A3B-Instruct",
+                "/models",
+                "/models/Qwen3-Omni-30B-A3B-Instruct",
+                "omnistage-test/tiny-qwen2.5-omni-thinker",
+                "./weights",
+                "Qwen/Qwen2.5-Omni-7B-AWQ",
+            )
+        )
+    ),
+    *(
+        (f"gpu-{i}", spec(gpu__resource=r))
+        for i, r in enumerate(
+            (
+                "nvidia.com/gpu",
+                "amd.com/gpu",
+                "nvidia.com/gpu.shared",
+                "nvidia.com/mig-1g.18gb",
+                "nvidia.com/mig-7g.141gb",
+            )
+        )
+    ),
 ]
 
 

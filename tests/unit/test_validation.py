@@ -25,19 +25,42 @@ INVALID = [
     ("bad-mode", with_spec(cache__mode="fast"), "spec.cache.mode", "'auto'"),
     ("negative-size", with_spec(cache__sizeGiB=-1), "spec.cache.sizeGiB", "greater than or equal to 0"),
     ("gpu-zero", with_spec(gpu__count=0), "spec.gpu.count", "greater than or equal to 1"),
-    ("gpu-below-tp", with_spec(gpu__count=1, engine__tensorParallelSize=2), "spec.gpu.count", "tensorParallelSize"),
+    (
+        "gpu-below-tp",
+        with_spec(gpu__count=1, engine__tensorParallelSize=2),
+        "spec.gpu.count",
+        "tensorParallelSize",
+    ),
     ("owned-flag", with_spec(engine__extraArgs=["--stage-id=1"]), "spec.engine.extraArgs[0]", "--stage-id"),
-    ("owned-stage-key", with_spec(engine__stageOverrides={"num_replicas": 3}),
-     "spec.engine.stageOverrides.num_replicas", "spec.replicas"),
+    (
+        "owned-stage-key",
+        with_spec(engine__stageOverrides={"num_replicas": 3}),
+        "spec.engine.stageOverrides.num_replicas",
+        "spec.replicas",
+    ),
     ("same-ports", with_spec(engine__masterPort=8000), "spec.engine.masterPort", "must differ"),
-    ("utilization", with_spec(engine__gpuMemoryUtilization=1.5), "spec.engine.gpuMemoryUtilization", "less than"),
+    (
+        "utilization",
+        with_spec(engine__gpuMemoryUtilization=1.5),
+        "spec.engine.gpuMemoryUtilization",
+        "less than",
+    ),
     ("shm-size", with_spec(shmSize="lots"), "spec.shmSize", "pattern"),
     ("unknown-field", with_spec(replicaCount=3), "spec.replicaCount", "Extra inputs"),
-    ("two-volumes", with_spec(modelVolume={"pvc": {"claimName": "w"}, "hostPath": {"path": "/w"}}),
-     "spec.modelVolume", "exactly one"),
+    (
+        "two-volumes",
+        with_spec(modelVolume={"pvc": {"claimName": "w"}, "hostPath": {"path": "/w"}}),
+        "spec.modelVolume",
+        "exactly one",
+    ),
     ("no-model", with_spec(model=""), "spec.model", "at least 1 character"),
     # The head would wait forever for stages 1..n this operator does not start.
-    ("multi-stage-pipeline", with_spec(pipeline="qwen3_omni_moe"), "spec.pipeline", "qwen3_omni_moe_thinker_only"),
+    (
+        "multi-stage-pipeline",
+        with_spec(pipeline="qwen3_omni_moe"),
+        "spec.pipeline",
+        "qwen3_omni_moe_thinker_only",
+    ),
     ("pipeline-too-long", with_spec(pipeline="p" * 129), "spec.pipeline", "at most 128"),
 ]
 
@@ -81,22 +104,52 @@ def stage(overrides):
 REFUSED = [
     # extraArgs: the cache flags in every form vLLM's parser reads
     ("cache-type-eq", args("--mm-processor-cache-type=shm"), "spec.engine.extraArgs[1]", "spec.cache"),
-    ("cache-type-sep", args("--mm-processor-cache-type", "shm"), "spec.engine.extraArgs[1]",
-     "--mm-processor-cache-type"),
+    (
+        "cache-type-sep",
+        args("--mm-processor-cache-type", "shm"),
+        "spec.engine.extraArgs[1]",
+        "--mm-processor-cache-type",
+    ),
     ("cache-gb-eq", args("--mm-processor-cache-gb=0"), "spec.engine.extraArgs[1]", "--mm-processor-cache-gb"),
-    ("cache-gb-sep", args("--mm-processor-cache-gb", "8"), "spec.engine.extraArgs[1]", "--mm-processor-cache-gb"),
-    ("cache-type-underscores", args("--mm_processor_cache_type=lru"), "spec.engine.extraArgs[1]", "with - or _"),
+    (
+        "cache-gb-sep",
+        args("--mm-processor-cache-gb", "8"),
+        "spec.engine.extraArgs[1]",
+        "--mm-processor-cache-gb",
+    ),
+    (
+        "cache-type-underscores",
+        args("--mm_processor_cache_type=lru"),
+        "spec.engine.extraArgs[1]",
+        "with - or _",
+    ),
     ("cache-type-abbrev", args("--mm-processor-cache-t=shm"), "spec.engine.extraArgs[1]", "abbreviation"),
-    ("cache-gb-abbrev-underscores", args("--mm_processor_cache_g", "0"), "spec.engine.extraArgs[1]",
-     "abbreviation"),
+    (
+        "cache-gb-abbrev-underscores",
+        args("--mm_processor_cache_g", "0"),
+        "spec.engine.extraArgs[1]",
+        "abbreviation",
+    ),
     ("cache-type-mixed", args("--mm_processor-cache_type=lru"), "spec.engine.extraArgs[1]", "mixed - and _"),
     # extraArgs: swapping or overriding the rendered stage config
-    ("stage-overrides-json", args('--stage-overrides={"0": {"num_replicas": 3}}'), "spec.engine.extraArgs[1]",
-     "--stage-overrides"),
-    ("stage-overrides-dotted", args("--stage-overrides.0.mm_processor_cache_type=lru"),
-     "spec.engine.extraArgs[1]", "--flag.key=value"),
-    ("stage-overrides-abbrev", args("--stage-o", '{"0": {"num_replicas": 3}}'), "spec.engine.extraArgs[1]",
-     "abbreviation"),
+    (
+        "stage-overrides-json",
+        args('--stage-overrides={"0": {"num_replicas": 3}}'),
+        "spec.engine.extraArgs[1]",
+        "--stage-overrides",
+    ),
+    (
+        "stage-overrides-dotted",
+        args("--stage-overrides.0.mm_processor_cache_type=lru"),
+        "spec.engine.extraArgs[1]",
+        "--flag.key=value",
+    ),
+    (
+        "stage-overrides-abbrev",
+        args("--stage-o", '{"0": {"num_replicas": 3}}'),
+        "spec.engine.extraArgs[1]",
+        "abbreviation",
+    ),
     ("deploy-config", args("--deploy-config=/tmp/mine.yaml"), "spec.engine.extraArgs[1]", "--deploy-config"),
     ("config-file", args("--config", "/models/args.yaml"), "spec.engine.extraArgs[1]", "--config"),
     # extraArgs: more than one API process (vLLM then picks the frontend cache itself)
@@ -104,15 +157,30 @@ REFUSED = [
     ("api-server-count-alias", args("-asc", "2"), "spec.engine.extraArgs[1]", "-asc"),
     # extraArgs: membership flags, aliases and abbreviations included
     ("master-address-alias", args("-oma=127.0.0.9"), "spec.engine.extraArgs[1]", "-oma"),
-    ("master-address-abbrev", args("--omni-master-a", "127.0.0.9"), "spec.engine.extraArgs[1]", "abbreviation"),
+    (
+        "master-address-abbrev",
+        args("--omni-master-a", "127.0.0.9"),
+        "spec.engine.extraArgs[1]",
+        "abbreviation",
+    ),
     ("replica-address-abbrev", args("-or", "127.0.0.9"), "spec.engine.extraArgs[1]", "abbreviation"),
     ("headless", args("--headless"), "spec.engine.extraArgs[1]", "--headless"),
     ("port", args("--port=8001"), "spec.engine.extraArgs[1]", "spec.engine.httpPort"),
-    ("heartbeat", args("--omni-heartbeat-timeout", "60"), "spec.engine.extraArgs[1]", "spec.engine.heartbeatTimeoutSeconds"),
+    (
+        "heartbeat",
+        args("--omni-heartbeat-timeout", "60"),
+        "spec.engine.extraArgs[1]",
+        "spec.engine.heartbeatTimeoutSeconds",
+    ),
     ("omni-again", args("--omni"), "spec.engine.extraArgs[1]", "--omni"),
     # env: the plugin allow-list and the plugin's own switches
     ("vllm-plugins", env("VLLM_PLUGINS"), "spec.engine.env[1].name", "VLLM_PLUGINS"),
-    ("disable-patches", env("OMNISTAGE_DISABLE_PATCHES"), "spec.engine.env[1].name", "switch the engine plugin"),
+    (
+        "disable-patches",
+        env("OMNISTAGE_DISABLE_PATCHES"),
+        "spec.engine.env[1].name",
+        "switch the engine plugin",
+    ),
     ("frontend-cache-env", env("OMNISTAGE_FRONTEND_CACHE"), "spec.engine.env[1].name", "spec.cache"),
     ("route-joined-only", env("OMNISTAGE_ROUTE_JOINED_ONLY"), "spec.engine.env[1].name", "OMNISTAGE_*"),
     ("token", env("OMNISTAGE_MEMBERSHIP_TOKEN"), "spec.engine.env[1].name", "membership token"),
@@ -122,25 +190,61 @@ REFUSED = [
     ("pod-ip", env("POD_IP"), "spec.engine.env[1].name", "POD_IP"),
     ("vllm-host-ip", env("VLLM_HOST_IP"), "spec.engine.env[1].name", "VLLM_HOST_IP"),
     # stageOverrides: cache and replica keys at any depth, and stage env carrying the operator's variables
-    ("nested-replicas", stage({"runtime": {"num_replicas": 3}}), "spec.engine.stageOverrides.runtime.num_replicas",
-     "spec.replicas"),
-    ("nested-cache-type", stage({"engine_args": {"mm_processor_cache_type": "lru"}}),
-     "spec.engine.stageOverrides.engine_args.mm_processor_cache_type", "spec.cache"),
-    ("nested-cache-gb", stage({"engine_extras": {"mm_processor_cache_gb": 0}}),
-     "spec.engine.stageOverrides.engine_extras.mm_processor_cache_gb", "at any depth"),
-    ("top-cache-gb", stage({"mm_processor_cache_gb": 0}), "spec.engine.stageOverrides.mm_processor_cache_gb",
-     "spec.cache"),
+    (
+        "nested-replicas",
+        stage({"runtime": {"num_replicas": 3}}),
+        "spec.engine.stageOverrides.runtime.num_replicas",
+        "spec.replicas",
+    ),
+    (
+        "nested-cache-type",
+        stage({"engine_args": {"mm_processor_cache_type": "lru"}}),
+        "spec.engine.stageOverrides.engine_args.mm_processor_cache_type",
+        "spec.cache",
+    ),
+    (
+        "nested-cache-gb",
+        stage({"engine_extras": {"mm_processor_cache_gb": 0}}),
+        "spec.engine.stageOverrides.engine_extras.mm_processor_cache_gb",
+        "at any depth",
+    ),
+    (
+        "top-cache-gb",
+        stage({"mm_processor_cache_gb": 0}),
+        "spec.engine.stageOverrides.mm_processor_cache_gb",
+        "spec.cache",
+    ),
     ("stage-id", stage({"stage_id": 1}), "spec.engine.stageOverrides.stage_id", "stage_id"),
-    ("dp-size-local", stage({"runtime": {"omni_dp_size_local": 2}}),
-     "spec.engine.stageOverrides.runtime.omni_dp_size_local", "omni_dp_size_local"),
-    ("dashed-key", stage({"engine_args": {"mm-processor-cache-type": "shm"}}),
-     "spec.engine.stageOverrides.engine_args.mm-processor-cache-type", "mm_processor_cache_type"),
-    ("in-a-list", stage({"extra": [{"ok": 1}, {"num_replicas": 2}]}),
-     "spec.engine.stageOverrides.extra[1].num_replicas", "num_replicas"),
-    ("stage-env-plugins", stage({"env": {"VLLM_PLUGINS": "vllm_omni_register_models"}}),
-     "spec.engine.stageOverrides.env.VLLM_PLUGINS", "VLLM_PLUGINS"),
-    ("runtime-env-patches", stage({"runtime": {"env": {"OMNISTAGE_DISABLE_PATCHES": "all"}}}),
-     "spec.engine.stageOverrides.runtime.env.OMNISTAGE_DISABLE_PATCHES", "OMNISTAGE_*"),
+    (
+        "dp-size-local",
+        stage({"runtime": {"omni_dp_size_local": 2}}),
+        "spec.engine.stageOverrides.runtime.omni_dp_size_local",
+        "omni_dp_size_local",
+    ),
+    (
+        "dashed-key",
+        stage({"engine_args": {"mm-processor-cache-type": "shm"}}),
+        "spec.engine.stageOverrides.engine_args.mm-processor-cache-type",
+        "mm_processor_cache_type",
+    ),
+    (
+        "in-a-list",
+        stage({"extra": [{"ok": 1}, {"num_replicas": 2}]}),
+        "spec.engine.stageOverrides.extra[1].num_replicas",
+        "num_replicas",
+    ),
+    (
+        "stage-env-plugins",
+        stage({"env": {"VLLM_PLUGINS": "vllm_omni_register_models"}}),
+        "spec.engine.stageOverrides.env.VLLM_PLUGINS",
+        "VLLM_PLUGINS",
+    ),
+    (
+        "runtime-env-patches",
+        stage({"runtime": {"env": {"OMNISTAGE_DISABLE_PATCHES": "all"}}}),
+        "spec.engine.stageOverrides.runtime.env.OMNISTAGE_DISABLE_PATCHES",
+        "OMNISTAGE_*",
+    ),
 ]
 
 
@@ -169,7 +273,10 @@ ACCEPTED = [
     ("lowercase", env("omnistage_frontend_cache")),  # the plugin reads the upper-case name only
     ("suffix", env("MY_OMNISTAGE_SETTING")),
     ("batched-tokens", stage({"max_num_batched_tokens": 8192})),
-    ("nested-harmless", stage({"runtime": {"devices": "0"}, "engine_args": {"mm_shm_cache_max_object_size_mb": 64}})),
+    (
+        "nested-harmless",
+        stage({"runtime": {"devices": "0"}, "engine_args": {"mm_shm_cache_max_object_size_mb": 64}}),
+    ),
     ("stage-env-harmless", stage({"env": {"HF_HOME": "/models"}})),
     ("owned-name-as-value", stage({"default_sampling_params": {"note": "num_replicas"}})),
     ("similar-key", stage({"engine_args": {"num_replicas_hint": 2, "mm_processor_kwargs": {"fps": 1}}})),
@@ -188,8 +295,12 @@ def test_every_problem_names_its_own_item():
     with pytest.raises(InvalidSpec) as err:
         validate_omnistage(obj)
     assert [f for f, _ in err.value.problems] == [
-        "spec.engine.extraArgs[0]", "spec.engine.extraArgs[2]", "spec.engine.env[0].name", "spec.engine.env[1].name",
-        "spec.engine.stageOverrides.num_replicas", "spec.engine.stageOverrides.runtime.num_replicas",
+        "spec.engine.extraArgs[0]",
+        "spec.engine.extraArgs[2]",
+        "spec.engine.env[0].name",
+        "spec.engine.env[1].name",
+        "spec.engine.stageOverrides.num_replicas",
+        "spec.engine.stageOverrides.runtime.num_replicas",
     ]
 
 

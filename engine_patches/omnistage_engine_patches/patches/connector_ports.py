@@ -20,14 +20,13 @@ receiver's `sender_zmq_port` (`resolve_connector_spec`, initialization.py:83-125
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 import os
 from typing import Any
 
 from .. import contract
-from .._patching import UpstreamFixed, is_ours, mark
+from .._patching import Target, UpstreamFixed, ours, shape_problem, wrap
 
 NAME = contract.CONNECTOR_PORTS
 TARGET = "vllm_omni.distributed.omni_connectors.utils.initialization"
@@ -42,11 +41,13 @@ def per_pod() -> bool:
 
 def install() -> str | None:
     module = importlib.import_module(TARGET)
-    original = getattr(module, FUNCTION, None)
-    if original is None:
-        return f"{TARGET}.{FUNCTION} is gone"
-    if is_ours(original, NAME):
+    target = Target(module, FUNCTION)
+    problem = shape_problem(target)
+    if problem:
+        return problem
+    if ours(NAME, target):
         return None
+    original = target.get()
     params = inspect.signature(original).parameters
     if "replica_id" not in params:
         return UpstreamFixed(f"{FUNCTION} no longer takes a replica id")
@@ -57,14 +58,13 @@ def install() -> str | None:
         if getattr(m, FUNCTION, None) is not original:
             return f"{m.__name__}.{FUNCTION} is not the function it imported from {TARGET}"
 
-    @functools.wraps(original)
-    def compute_connector_zmq_port(*args: Any, **kwargs: Any) -> int:
+    @wrap(module, FUNCTION, NAME)
+    def compute_connector_zmq_port(original: Any, *args: Any, **kwargs: Any) -> int:
         if per_pod():
             kwargs["replica_id"] = 0  # one replica per pod: its own network namespace
         return original(*args, **kwargs)
 
-    mark(compute_connector_zmq_port, NAME)
-    for m in (module, *importers):
-        setattr(m, FUNCTION, compute_connector_zmq_port)
+    for m in importers:
+        setattr(m, FUNCTION, getattr(module, FUNCTION))
     return None
 

@@ -16,7 +16,8 @@ With this patch:
   ones. Every upstream reader keeps only ``status == UP`` (the load balancer, the watcher), so
   routing is unchanged: a silent replica gets no new request.
 * ``MembershipController.handle_unregister``, called by the watcher, leaves a replica the
-  coordinator lists as ERROR attached (a leave still detaches it): *silent*, unroutable, its requests in flight waiting for it. When its heartbeats
+  coordinator lists as ERROR attached (a leave still detaches it): *silent*, unroutable, its
+  requests in flight waiting for it. When its heartbeats
   resume the coordinator lists it UP again and it is routable at once. A replica that said DOWN
   (a graceful exit), or whose ERROR entry the coordinator dropped (600 s of silence), is detached
   as upstream does. Requests in flight on a silent engine wait: within the client's own timeout
@@ -117,12 +118,21 @@ async def _watch_silence(controller: Any) -> None:
                 if statuses.get(key) == contract.COORD_SILENT and key not in silent:
                     silent[key] = now
                     changed = True
-                    logger.warning("stage %d replica %d (%s): heartbeats stopped past the heartbeat timeout; kept "
-                                   "attached and unroutable until they resume (its requests in flight wait)",
-                                   key[0], replica_id, key[1])
+                    logger.warning(
+                        "stage %d replica %d (%s): heartbeats stopped past the heartbeat timeout; kept "
+                        "attached and unroutable until they resume (its requests in flight wait)",
+                        key[0],
+                        replica_id,
+                        key[1],
+                    )
                 elif statuses.get(key) == contract.COORD_UP and key in silent:
-                    logger.warning("stage %d replica %d (%s): heartbeats resumed after %.1fs of silence; routable "
-                                   "again", key[0], replica_id, key[1], now - silent.pop(key))
+                    logger.warning(
+                        "stage %d replica %d (%s): heartbeats resumed after %.1fs of silence; routable again",
+                        key[0],
+                        replica_id,
+                        key[1],
+                        now - silent.pop(key),
+                    )
                     changed = True
             for key in [k for k in silent if k not in attached]:
                 del silent[key]  # detached meanwhile (DOWN, a leave, a dead engine)

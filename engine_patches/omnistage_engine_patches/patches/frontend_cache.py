@@ -30,7 +30,8 @@ The operator's decision is the authority: when `contract.FRONTEND_CACHE_ENV` nam
 operator resolved (`status.effectiveCacheMode`), that mode is built, so the OmniStage can never
 promise one cache while the engine runs another. `processor-only` is built even for a static
 single replica; `replica-aware` builds processor-only too and switches on the per-replica dispatch
-of `replica_aware_cache` (which omits tensors per replica after the replica is chosen); `disabled` and `not-applicable` build no cache (as vLLM does for size 0); a
+of `replica_aware_cache` (which omits tensors per replica after the replica is chosen); `disabled`
+and `not-applicable` build no cache (as vLLM does for size 0); a
 sender mode (`lru`, `shm`) keeps vLLM's choice only while this process's own detection agrees
 that membership cannot change, and otherwise falls back to processor-only (fail closed). Without
 the variable (no operator) the detection above decides.
@@ -43,14 +44,13 @@ report must never say "applied" for a frontend it did not touch.
 from __future__ import annotations
 
 import contextvars
-import functools
 import inspect
 import logging
 import os
 from typing import Any
 
 from .. import contract
-from .._patching import STAGE0_CACHE_DECIDED, UpstreamFixed, demote, is_ours, mark
+from .._patching import STAGE0_CACHE_DECIDED, Target, UpstreamFixed, demote, is_ours, shape_problem, wrap
 from . import replica_aware_cache
 
 NAME = contract.FRONTEND_CACHE
@@ -103,23 +103,24 @@ def stage0_needs_processor_only(engine: Any) -> bool:
     return max(counts) > 1
 
 
-# vLLM's cache type names (`MultiModalRegistry._get_cache_type`) for the modes the operator names.
-_PROCESSOR_ONLY = "processor_only"
-_NO_CACHE = (contract.CACHE_DISABLED, contract.CACHE_NOT_APPLICABLE)
-# replica-aware keeps the processed items on a processor-only frontend; `replica_aware_cache`
-# omits tensors per replica at dispatch.
-_PROCESSOR_ONLY_FRONTENDS = (contract.CACHE_PROCESSOR_ONLY, contract.CACHE_REPLICA_AWARE)
+# vLLM's cache type name (`MultiModalRegistry._get_cache_type`) of the frontend that always sends full
+# tensors; contract.CACHE_MODES says which modes build it (replica-aware too: `replica_aware_cache`
+# omits tensors per replica at dispatch) and which build none.
+_PROCESSOR_ONLY = contract.VLLM_PROCESSOR_ONLY
 
 
-def choose_cache_type(vllm_choice: str | None, requested: str | None, needs_processor_only: bool) -> str | None:
+def choose_cache_type(
+    vllm_choice: str | None, requested: str | None, needs_processor_only: bool
+) -> str | None:
     """The stage-0 frontend cache type to build: vLLM's type name, or None for no cache.
 
     `vllm_choice` is `_get_cache_type` (None: text-only model or size 0), `requested` the
     operator's resolved mode (None: no operator), `needs_processor_only` this process's detection.
     """
-    if vllm_choice is None or requested in _NO_CACHE:
+    record = contract.CACHE_MODES.get(requested) if requested is not None else None
+    if vllm_choice is None or (record is not None and record.vllm_cache_type is None):
         return None
-    if requested in _PROCESSOR_ONLY_FRONTENDS or needs_processor_only:
+    if (record is not None and record.vllm_cache_type == _PROCESSOR_ONLY) or needs_processor_only:
         return _PROCESSOR_ONLY
     return vllm_choice  # a sender cache on one fixed replica (the operator asked, detection agrees)
 
@@ -127,8 +128,7 @@ def choose_cache_type(vllm_choice: str | None, requested: str | None, needs_proc
 def requested_mode() -> str | None:
     """The operator's resolved mode from the head's environment; an unknown value counts as none."""
     value = os.environ.get(contract.FRONTEND_CACHE_ENV, "").strip() or None
-    known = (*contract.CACHE_CLASS_MODES.values(), contract.CACHE_REPLICA_AWARE, *_NO_CACHE)
-    if value is not None and value not in known:
+    if value is not None and value not in contract.CACHE_MODES:
         logger.warning("%s=%r is not a cache mode this plugin knows; deciding by detection",
                        contract.FRONTEND_CACHE_ENV, value)
         return None
@@ -151,28 +151,20 @@ def install() -> str | None:
     except ImportError as e:  # not an engine image (or a layout we do not know): nothing to fix
         return f"target not importable ({e})"
 
-    init_stages = OmniEngineBase.__dict__.get("_initialize_stages")
-    cache_ctor = MultiModalRegistry.__dict__.get("processor_cache_from_config")
-    if is_ours(init_stages, NAME) and is_ours(cache_ctor, NAME):
+    targets = (
+        Target(OmniEngineBase, "_initialize_stages", ("self", "stage_init_timeout")),
+        Target(MultiModalRegistry, "processor_cache_from_config", ("self", "vllm_config")),
+    )
+    wrapped = [is_ours(t.get(), NAME) for t in targets]
+    if all(wrapped):
         return None  # already in place (e.g. this module was reloaded)
-    if is_ours(init_stages, NAME) or is_ours(cache_ctor, NAME):
+    if any(wrapped):
         return "only one of the two wrappers is in place: refusing to stack a second copy"
-    if init_stages is None or cache_ctor is None:
-        return (
-            "OmniEngineBase._initialize_stages or MultiModalRegistry.processor_cache_from_config is missing"
-        )
-    for attr in ("processor_only_cache_from_config", "_get_cache_type"):
-        if not callable(getattr(MultiModalRegistry, attr, None)):
-            return f"MultiModalRegistry.{attr} is missing"
-    if list(inspect.signature(init_stages).parameters) != ["self", "stage_init_timeout"]:
-        return (
-            f"OmniEngineBase._initialize_stages has an unexpected signature {inspect.signature(init_stages)}"
-        )
-    if list(inspect.signature(cache_ctor).parameters) != ["self", "vllm_config"]:
-        return (
-            "MultiModalRegistry.processor_cache_from_config has an unexpected signature "
-            f"{inspect.signature(cache_ctor)}"
-        )
+    problem = shape_problem(*targets, Target(MultiModalRegistry, "processor_only_cache_from_config"),
+                            Target(MultiModalRegistry, "_get_cache_type"))
+    if problem:
+        return problem
+    init_stages = targets[0].get()
     try:
         init_src = inspect.getsource(init_stages)
         builder_src = inspect.getsource(stage_init_utils.build_stage0_input_processor)
@@ -186,13 +178,12 @@ def install() -> str | None:
         return "BaseRenderer no longer takes its cache from processor_cache_from_config"
     for marker in _UPSTREAM_FIX_MARKERS:
         if marker in init_src or marker in builder_src or marker in engine_module_src:
-            return UpstreamFixed(f"upstream already chooses the stage-0 frontend cache ({marker!r} found in vllm_omni)")
+            return UpstreamFixed(
+                f"upstream already chooses the stage-0 frontend cache ({marker!r} found in vllm_omni)"
+            )
 
-    original_init_stages = init_stages
-    original_cache_ctor = cache_ctor
-
-    @functools.wraps(original_init_stages)
-    def _initialize_stages(self: Any, stage_init_timeout: int) -> None:
+    @wrap(OmniEngineBase, "_initialize_stages", NAME)
+    def _initialize_stages(original_init_stages: Any, self: Any, stage_init_timeout: int) -> None:
         token = _INITIALIZING_ENGINE.set(self)
         setattr(self, STAGE0_CACHE_DECIDED, False)
         replica_aware_cache.activate(None)  # until this engine's stage-0 frontend asks for it
@@ -206,8 +197,8 @@ def install() -> str | None:
                          "processor_cache_from_config (upstream changed how it builds the frontend)")
         return result
 
-    @functools.wraps(original_cache_ctor)
-    def processor_cache_from_config(self: Any, vllm_config: Any) -> Any:
+    @wrap(MultiModalRegistry, "processor_cache_from_config", NAME)
+    def processor_cache_from_config(original_cache_ctor: Any, self: Any, vllm_config: Any) -> Any:
         engine = _INITIALIZING_ENGINE.get()
         if engine is None or not _is_stage0_frontend_config(engine, vllm_config):
             return original_cache_ctor(self, vllm_config)
@@ -226,7 +217,5 @@ def install() -> str | None:
             return None  # what vLLM itself returns for a disabled cache
         return self.processor_only_cache_from_config(vllm_config)
 
-    OmniEngineBase._initialize_stages = mark(_initialize_stages, NAME)
-    MultiModalRegistry.processor_cache_from_config = mark(processor_cache_from_config, NAME)
     return None
 

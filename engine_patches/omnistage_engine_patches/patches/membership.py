@@ -17,7 +17,8 @@ kept unless noted):
   operator does), replicas *held* until the operator joins them;
 * ``MembershipController._do_register`` (a replica's own registration attaches it): holds the
   replica when the gate above is on, bumps the membership epoch, forgets a stale "detached"
-  mark, records a registration the head failed to attach as detached, and detaches at once a replica that was told to leave while its attach was in flight
+  mark, records a registration the head failed to attach as detached, and detaches at once a
+  replica that was told to leave while its attach was in flight
   (otherwise it would come back as a zombie member). It sits *outside* ``replica_metrics``'s
   wrapper of the same function (``patches/__init__.py`` applies that one first): the zombie detach removes
   the series that wrapper has just registered;
@@ -231,7 +232,9 @@ def install() -> str | None:
         stopper = None
         if controller is not None:
             setattr(controller, ORCHESTRATOR, weakref.ref(self))
-            stopper = asyncio.create_task(_stop_watcher_on_shutdown(self, controller), name="omnistage-membership-stop")
+            stopper = asyncio.create_task(
+                _stop_watcher_on_shutdown(self, controller), name="omnistage-membership-stop"
+            )
         _ORCHESTRATORS.add(self)
         try:
             return await orig(self)
@@ -258,7 +261,9 @@ def install() -> str | None:
         orch = referent(self, ORCHESTRATOR)
         key = (stage_id, replica_id)
         # Held *before* upstream adds the client to the pool, so no pick can see it un-held.
-        hold = pool is not None and route_joined_only() and not (orch is not None and key in state_of(orch).pods)
+        hold = (
+            pool is not None and route_joined_only() and not (orch is not None and key in state_of(orch).pods)
+        )
         if hold:
             held_of(pool).add(replica_id)
         try:
@@ -284,7 +289,9 @@ def install() -> str | None:
         state.bump()
         if state.has_left(key):
             # The operator asked this replica to leave while the head was still attaching it.
-            logger.info("stage %d replica %d attached after it was told to leave: detaching", stage_id, replica_id)
+            logger.info(
+                "stage %d replica %d attached after it was told to leave: detaching", stage_id, replica_id
+            )
             self._detach_replica(stage_id, input_addr)
             if metric_series.enabled():
                 metric_series.remove_replica_series(orch, stage_id, replica_id)

@@ -29,7 +29,9 @@ FRONTEND_REPLICA_LABEL = "frontend"
 
 # Set while an engine's orchestrator thread runs (``OmniEngineBase._bootstrap_orchestrator``), so
 # the orchestrator built inside it can find the engine's stage-0 frontend renderer.
-_CURRENT_ENGINE: contextvars.ContextVar[Any] = contextvars.ContextVar("omnistage_current_engine", default=None)
+_CURRENT_ENGINE: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "omnistage_current_engine", default=None
+)
 
 
 def _frontend_renderer(orch: Any) -> Any | None:

@@ -41,14 +41,13 @@ dict they use, so the wrapper is really what they call. A module that bound the 
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 from .. import contract
-from .._patching import demote, is_ours, mark, outcomes
+from .._patching import Target, demote, ours, outcomes, shape_problem, wrap
 
 NAME = contract.REGISTRATION_REPORT
 KEY = contract.REGISTRATION_PATCHES_KEY
@@ -83,7 +82,9 @@ def reported(stage_config: Any) -> dict[str, str] | None:
     if not isinstance(stage_config, Mapping):
         return None
     value = stage_config.get(KEY)
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
         return None
     return dict(value)
 
@@ -91,11 +92,13 @@ def reported(stage_config: Any) -> dict[str, str] | None:
 def install() -> str | None:
     from vllm_omni.engine import stage_engine_startup as module
 
-    original = getattr(module, FUNCTION, None)
-    if not callable(original):
-        return f"stage_engine_startup.{FUNCTION} is gone"
-    if is_ours(original, NAME):
+    target = Target(module, FUNCTION)
+    problem = shape_problem(target)
+    if problem:
+        return problem
+    if ours(NAME, target):
         return None
+    original = target.get()
     try:
         params = inspect.signature(original).parameters
     except (TypeError, ValueError) as e:
@@ -114,20 +117,21 @@ def install() -> str | None:
         if not any(namespace is b for b in bindings):
             bindings.append(namespace)
 
-    @functools.wraps(original)
-    def register_stage_with_omni_master(*args: Any, **kwargs: Any) -> Any:
+    @wrap(module, FUNCTION, NAME)
+    def register_stage_with_omni_master(original: Any, *args: Any, **kwargs: Any) -> Any:
         # replica_id=None: a headless launcher asking the master for an id (module docstring).
         if not args and "replica_id" in kwargs and kwargs["replica_id"] is None:
             try:
                 kwargs["omni_stage_config"] = with_report(kwargs.get("omni_stage_config"),
                                                           getattr(module, SERIALIZER, None))
             except Exception as err:  # noqa: BLE001  (the registration goes out whatever the report does)
-                logger.warning("patch %s: registering without the report (%s: %s)", NAME, type(err).__name__, err)
+                logger.warning(
+                    "patch %s: registering without the report (%s: %s)", NAME, type(err).__name__, err
+                )
                 demote(NAME, f"building the report failed ({type(err).__name__}: {err})")
         return original(*args, **kwargs)
 
-    mark(register_stage_with_omni_master, NAME)
-    for namespace in bindings:
-        namespace[FUNCTION] = register_stage_with_omni_master
+    for namespace in bindings[1:]:  # the module's own is wrapped already
+        namespace[FUNCTION] = vars(module)[FUNCTION]
     return None
 

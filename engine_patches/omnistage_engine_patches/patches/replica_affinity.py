@@ -59,7 +59,6 @@ on, the binding maps), the patch records itself `skipped` with the reason and ro
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import math
@@ -67,7 +66,7 @@ from collections import Counter
 from typing import Any
 
 from .. import contract
-from .._patching import is_ours, mark
+from .._patching import Target, ours, shape_problem, wrap
 from . import replica_aware_cache
 
 NAME = contract.REPLICA_AFFINITY
@@ -168,20 +167,25 @@ _SHAPE = (
     ("submit_initial", ("self._pick_or_select(", "add_request_async(")),
     ("_pick_or_select", ("self.pick(", "self.select_replica_id(")),
     ("pick", ("self._hub is None or self._lb is None", "self._affinity.get(request_id)", "self._lb.select(")),
-    ("select_replica_id", ("self.get_bound_replica_id(request_id)", "self._request_bindings[request_id] = chosen")),
+    (
+        "select_replica_id",
+        ("self.get_bound_replica_id(request_id)", "self._request_bindings[request_id] = chosen"),
+    ),
     ("get_bound_replica_id", ("self._request_bindings.get(request_id)", "self._affinity.get(request_id)")),
     ("bind", ("self._affinity[request_id] = input_addr",)),
 )
 _USED = ("live_replica_ids", "is_replica_available", "_collect_serviceable_replicas", "_client_input_addr")
 
 
-def _shape_problem(stage_pool: type, submit: Any) -> str | None:
+def _shape_problem(stage_pool: type) -> str | None:
     """Why the binding would not be honoured by this StagePool, or None."""
-    if submit is None or not inspect.iscoroutinefunction(submit):
-        return "StagePool.submit_initial is missing or not a coroutine function"
-    params = inspect.signature(submit).parameters
-    if list(params)[:4] != ["self", "request_id", "req_state", "request"] or "affinity_request_id" not in params:
-        return f"StagePool.submit_initial has an unexpected signature {inspect.signature(submit)}"
+    submit = Target(stage_pool, "submit_initial", ("self", "request_id", "req_state", "request"), more=True,
+                    coroutine=True)
+    problem = shape_problem(submit)
+    if problem:
+        return problem
+    if "affinity_request_id" not in inspect.signature(submit.get()).parameters:
+        return f"target changed shape: {submit.label} takes no affinity_request_id"
     for method, needles in _SHAPE:
         fn = getattr(stage_pool, method, None)
         if not callable(fn):
@@ -205,20 +209,17 @@ def install() -> str | None:
     except ImportError as e:
         return f"target not importable ({e})"
 
-    original = StagePool.__dict__.get("submit_initial")
-    if is_ours(original, NAME):
-        return None  # already in place (e.g. this module was reloaded)
-    problem = _shape_problem(StagePool, original)
+    problem = _shape_problem(StagePool)
     if problem:
         return problem
+    if ours(NAME, Target(StagePool, "submit_initial")):
+        return None  # already in place (e.g. this module was reloaded)
 
-    @functools.wraps(original)
-    async def submit_initial(self: Any, request_id: str, req_state: Any, request: Any, *args: Any,
-                             **kwargs: Any) -> Any:
+    @wrap(StagePool, "submit_initial", NAME)
+    async def submit_initial(original: Any, self: Any, request_id: str, req_state: Any, request: Any,
+                             *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("affinity_request_id") is None:  # a CFG companion follows its parent (upstream)
             _steer_safely(self, request_id, request)
         return await original(self, request_id, req_state, request, *args, **kwargs)
 
-    StagePool.submit_initial = mark(submit_initial, NAME)
     return None
-

@@ -62,7 +62,7 @@ from collections import Counter, OrderedDict
 from typing import Any
 
 from .. import contract
-from .._patching import applied, is_ours, mark
+from .._patching import Target, applied, mark, ours, shape_problem, wrap
 
 NAME = contract.REPLICA_AWARE_CACHE
 logger = logging.getLogger("omnistage_engine_patches.replica_aware_cache")
@@ -288,16 +288,14 @@ def install() -> str | None:
     except ImportError as e:
         return f"target not importable ({e})"
 
-    add = StageEngineCoreClientBase.__dict__.get("add_request_async")
-    if is_ours(add, NAME):
+    add_target = Target(StageEngineCoreClientBase, "add_request_async", ("self", "request"), coroutine=True)
+    if ours(NAME, add_target):
         return None  # already in place (e.g. this module was reloaded)
-    if add is None or not inspect.iscoroutinefunction(add):
-        return "StageEngineCoreClientBase.add_request_async is missing or not a coroutine function"
-    if list(inspect.signature(add).parameters) != ["self", "request"]:
-        return f"StageEngineCoreClientBase.add_request_async has an unexpected signature {inspect.signature(add)}"
+    problem = shape_problem(add_target, *(Target(AsyncMPClient, attr) for attr in _WRAPPED_INHERITED))
+    if problem:
+        return problem
+    add = add_target.get()
     for attr in _WRAPPED_INHERITED:
-        if not callable(getattr(AsyncMPClient, attr, None)):
-            return f"AsyncMPClient.{attr} is missing"
         if attr in StageEngineCoreClientBase.__dict__:
             return f"StageEngineCoreClientBase now defines {attr} itself: refusing to shadow it"
     if "mm_cache_miss_hashes" not in getattr(EngineCoreOutput, "__struct_fields__", ()):
@@ -326,10 +324,8 @@ def install() -> str | None:
     if add_src.count("await") != 1 or "await super().add_request_async(request)" not in add_src:
         return "StageEngineCoreClientBase.add_request_async awaits something before it sends"
 
-    original_add = add
-
-    @functools.wraps(original_add)
-    async def add_request_async(self: Any, request: Any) -> None:
+    @wrap(StageEngineCoreClientBase, "add_request_async", NAME)
+    async def add_request_async(original_add: Any, self: Any, request: Any) -> None:
         d = dispatch()
         if _stage0(d, self):
             request = d.outgoing(self, request)
@@ -360,7 +356,6 @@ def install() -> str | None:
             d.forget(self, "its client was shut down (replica detached, left or evicted)")
         return super(StageEngineCoreClientBase, self).shutdown(*args, **kwargs)
 
-    StageEngineCoreClientBase.add_request_async = mark(add_request_async, NAME)
     StageEngineCoreClientBase.get_output_async = mark(get_output_async_of(StageEngineCoreClientBase), NAME)
     StageEngineCoreClientBase.abort_requests_async = mark(abort_requests_async, NAME)
     StageEngineCoreClientBase.shutdown = mark(shutdown, NAME)

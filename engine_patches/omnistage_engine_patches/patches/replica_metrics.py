@@ -57,7 +57,9 @@ def install() -> str | None:
 
     for name in ("unregister_replica", "deregister_replica", "remove_replica"):
         if hasattr(OmniPrometheusStatLogger, name):
-            return UpstreamFixed(f"upstream OmniPrometheusStatLogger.{name} exists: series removal is already upstream")
+            return UpstreamFixed(
+                f"upstream OmniPrometheusStatLogger.{name} exists: series removal is already upstream"
+            )
     targets = (
         Target(OrchestratorBase, "_init_metrics_state", ("self", "stage_pools"), more=True),
         Target(OrchestratorBase, "_process_llm_stage_outputs", ("self", "stage_id", "replica_id"), more=True,
@@ -130,7 +132,9 @@ def install() -> str | None:
                 try:
                     register_replica_series(orch, stage_id, replica_id)
                 except Exception:  # never fail an attach because of metrics
-                    logger.exception("registering metric series for stage %s replica %s failed", stage_id, replica_id)
+                    logger.exception(
+                        "registering metric series for stage %s replica %s failed", stage_id, replica_id
+                    )
         return input_addr
 
     @wrap(OmniPrometheusStatLogger, "record", NAME)

@@ -35,7 +35,6 @@ The fix wraps `_build_add_request_message` (the one place both `add_request` and
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 import logging
 import re
@@ -44,7 +43,7 @@ from collections import OrderedDict
 from typing import Any
 
 from .. import contract
-from .._patching import UpstreamFixed, is_ours, mark
+from .._patching import Target, UpstreamFixed, ours, shape_problem, wrap
 
 NAME = contract.UUID_SCOPE
 logger = logging.getLogger("omnistage_engine_patches")
@@ -151,18 +150,16 @@ def install() -> str | None:
     except ImportError as e:
         return f"target not importable ({e})"
 
-    build = AsyncOmniEngine.__dict__.get("_build_add_request_message")
-    if is_ours(build, NAME):
+    build_target = Target(AsyncOmniEngine, "_build_add_request_message", ("self", "request_id", "prompt"),
+                          more=True)
+    ensure_target = Target(AsyncOmniEngine, "_ensure_stage_replica_mm_uuids")
+    problem = shape_problem(build_target, ensure_target)
+    if problem:
+        return problem
+    if ours(NAME, build_target):
         return None  # already in place (e.g. this module was reloaded)
-    ensure = AsyncOmniEngine.__dict__.get("_ensure_stage_replica_mm_uuids")
-    if build is None or ensure is None:
-        return "AsyncOmniEngine._build_add_request_message or _ensure_stage_replica_mm_uuids is missing"
-    try:
-        signature = inspect.signature(build)
-    except (TypeError, ValueError) as e:
-        return f"cannot read the signature of _build_add_request_message ({e})"
-    if list(signature.parameters)[:3] != ["self", "request_id", "prompt"]:
-        return f"AsyncOmniEngine._build_add_request_message has an unexpected signature {signature}"
+    build, ensure = build_target.get(), ensure_target.get()
+    signature = inspect.signature(build)
     if "original_prompt" not in getattr(StageSubmissionMessage, "__struct_fields__", ()):
         return "StageSubmissionMessage has no original_prompt field"
     try:
@@ -175,10 +172,8 @@ def install() -> str | None:
     if "_scope_stage0_multimodal_cache_to_replica" not in build_src or "original_prompt" not in build_src:
         return "_build_add_request_message no longer scopes stage-0 UUIDs the way 0.30.0 does"
 
-    original = build
-
-    @functools.wraps(original)
-    def _build_add_request_message(self: Any, *args: Any, **kwargs: Any) -> Any:
+    @wrap(AsyncOmniEngine, "_build_add_request_message", NAME)
+    def _build_add_request_message(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(self, *args, **kwargs)
         caller_prompt = bound.arguments.get("prompt")
         if not isinstance(caller_prompt, (dict, list)):
@@ -206,6 +201,5 @@ def install() -> str | None:
             msg.prompt = caller_prompt
         return msg
 
-    AsyncOmniEngine._build_add_request_message = mark(_build_add_request_message, NAME)
     return None
 

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from omnistage_engine_patches import contract
+
 from .specs import CacheMode, EffectiveCacheMode, Membership, ModelKind
 
 SENDER_CACHE_WITH_DYNAMIC_MEMBERSHIP = (
-    "spec.cache.mode lru and shm need membership: static and replicas: 1: a replica that joins or is "
-    "routed to misses tensors the frontend omitted. Use cache.mode auto or processor-only"
+    f"spec.cache.mode {' and '.join(contract.SENDER_CACHE_MODES)} need membership: static and replicas: 1: "
+    "a replica that joins or is routed to misses tensors the frontend omitted. Use cache.mode auto or "
+    "processor-only"
 )
 
 
@@ -45,10 +48,12 @@ def resolve_cache_mode(requested: str, membership: str, replicas: int, model_kin
     what the engine builds.
     """
     dynamic = membership_can_change(membership, replicas)
-    if requested in (CacheMode.LRU, CacheMode.SHM) and dynamic:
+    if requested in contract.SENDER_CACHE_MODES and dynamic:
         raise CacheModeRejected(SENDER_CACHE_WITH_DYNAMIC_MEMBERSHIP)
     if model_kind == ModelKind.TEXT_ONLY:
-        return CacheDecision(EffectiveCacheMode.NOT_APPLICABLE, "text-only model: no multimodal processor cache")
+        return CacheDecision(
+            EffectiveCacheMode.NOT_APPLICABLE, "text-only model: no multimodal processor cache"
+        )
     if requested == CacheMode.DISABLED:
         return CacheDecision(EffectiveCacheMode.DISABLED, "cache disabled in spec")
     if size_gib == 0:
@@ -61,6 +66,8 @@ def resolve_cache_mode(requested: str, membership: str, replicas: int, model_kin
     if requested == CacheMode.AUTO:
         if dynamic:
             why = "membership is dynamic" if membership == Membership.DYNAMIC else f"{replicas} replicas"
-            return CacheDecision(EffectiveCacheMode.PROCESSOR_ONLY, f"auto: {why}, replicas can join or leave")
+            return CacheDecision(
+                EffectiveCacheMode.PROCESSOR_ONLY, f"auto: {why}, replicas can join or leave"
+            )
         return CacheDecision(EffectiveCacheMode.LRU, "auto: static single replica keeps the sender cache")
     return CacheDecision(EffectiveCacheMode(requested), f"{requested} requested for a static single replica")

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from ..names import MEMBERSHIP_SECRET
 
 LABEL = 63  # a label value; a DNS label: a Service's name (DNS-1035), a pod's hostname
-SUBDOMAIN = 253  # a DNS-1123 subdomain: the name of a ConfigMap, Secret, NetworkPolicy, PodDisruptionBudget, pod
+SUBDOMAIN = (
+    253  # a DNS-1123 subdomain: the name of a ConfigMap, Secret, NetworkPolicy, PodDisruptionBudget, pod
+)
 # A pod index at its longest. Indices are the lowest free ones (control/pods.free_indices), so they stay
 # below the pods alive at once: spec.replicas + rollout.maxSurge + those still draining (< 1,000).
 INDEX = "9999"
@@ -59,8 +61,12 @@ OMNISTAGE_NAMES = (
 )
 
 POOL_NAMES = (
-    Derived("label serving.omnistage.io/pool (the pool's pods, its PodDisruptionBudget's selector)", "", LABEL,
-            _LABEL_VALUE),
+    Derived(
+        "label serving.omnistage.io/pool (the pool's pods, its PodDisruptionBudget's selector)",
+        "",
+        LABEL,
+        _LABEL_VALUE,
+    ),
     Derived("pool pod POOL-INDEX", f"-{INDEX}", LABEL, _HOSTNAME),
     Derived("PodDisruptionBudget POOL-pool", "-pool", SUBDOMAIN, _OBJECT),
 )
@@ -83,24 +89,36 @@ class NameRule:
 
 def _longest(rows: tuple[Derived, ...], most: int, kind: str) -> str:
     tight = [d for d in rows if d.room == most]
-    return (f"metadata.name must be at most {most} characters: the operator names the {kind}'s children after "
-            "it, and the longest, " + "; ".join(f"{d.what} ({len(d.suffix)} characters more), must stay within "
-                                                 f"{d.limit} ({d.why})" for d in tight) + "; choose a shorter name")
+    return (
+        f"metadata.name must be at most {most} characters: the operator names the {kind}'s children after "
+        "it, and the longest, "
+        + "; ".join(
+            f"{d.what} ({len(d.suffix)} characters more), must stay within {d.limit} ({d.why})" for d in tight
+        )
+        + "; choose a shorter name"
+    )
 
 
 OMNISTAGE_NAME_RULES = (
-    NameRule(f"self.metadata.name.size() <= {MAX_OMNISTAGE_NAME}",
-             _longest(OMNISTAGE_NAMES, MAX_OMNISTAGE_NAME, "OmniStage"),
-             lambda name: len(name) <= MAX_OMNISTAGE_NAME),
-    NameRule(f"self.metadata.name.matches('{DNS_1035}')",
-             "metadata.name must start with a lowercase letter and hold only lowercase letters, digits and '-' "
-             "(a DNS-1035 label, no '.'): the OmniStage's Service is named after it",
-             lambda name: re.fullmatch(DNS_1035, name) is not None),
+    NameRule(
+        f"self.metadata.name.size() <= {MAX_OMNISTAGE_NAME}",
+        _longest(OMNISTAGE_NAMES, MAX_OMNISTAGE_NAME, "OmniStage"),
+        lambda name: len(name) <= MAX_OMNISTAGE_NAME,
+    ),
+    NameRule(
+        f"self.metadata.name.matches('{DNS_1035}')",
+        "metadata.name must start with a lowercase letter and hold only lowercase letters, digits and '-' "
+        "(a DNS-1035 label, no '.'): the OmniStage's Service is named after it",
+        lambda name: re.fullmatch(DNS_1035, name) is not None,
+    ),
 )
 
 POOL_NAME_RULES = (
-    NameRule(f"self.metadata.name.size() <= {MAX_POOL_NAME}", _longest(POOL_NAMES, MAX_POOL_NAME, "OmniStagePool"),
-             lambda name: len(name) <= MAX_POOL_NAME),
+    NameRule(
+        f"self.metadata.name.size() <= {MAX_POOL_NAME}",
+        _longest(POOL_NAMES, MAX_POOL_NAME, "OmniStagePool"),
+        lambda name: len(name) <= MAX_POOL_NAME,
+    ),
 )
 
 

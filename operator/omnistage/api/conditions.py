@@ -45,18 +45,24 @@ class Reason(StrEnum):
     HEAD_PENDING = "HeadPending"
     NO_HEAD = "NoHead"
     HEAD_ENGINE_SILENT = "HeadEngineSilent"  # the head pod is Ready, its own engine's heartbeats are late
-    HEAD_ENGINE_GONE = "HeadEngineGone"  # the head pod is Ready, its own engine is gone (restarted by liveness)
+    HEAD_ENGINE_GONE = (
+        "HeadEngineGone"  # the head pod is Ready, its own engine is gone (restarted by liveness)
+    )
     # ReplicasAvailable
     ALL_AVAILABLE = "AllAvailable"
     UNAVAILABLE = "Unavailable"
     # MembershipSynced
     SYNCED = "Synced"
     NOT_SYNCED = "NotSynced"
-    SCALE_DOWN_HELD = "ScaleDownHeld"  # a scale-down would remove the last live stage-0 engine (also its Event)
+    SCALE_DOWN_HELD = (
+        "ScaleDownHeld"  # a scale-down would remove the last live stage-0 engine (also its Event)
+    )
     # CacheConsistent: the engine's real stage-0 frontend cache against status.effectiveCacheMode
     CONSISTENT = "Consistent"
     ENGINE_UNREPORTED = "EngineUnreported"  # the head has not said what it runs (starting, old or no plugin)
-    PATCH_NOT_APPLIED = "PatchNotApplied"  # a patch the mode needs is skipped or disabled (also StagesReady's)
+    PATCH_NOT_APPLIED = (
+        "PatchNotApplied"  # a patch the mode needs is skipped or disabled (also StagesReady's)
+    )
     CACHE_MISMATCH = "CacheMismatch"  # the frontend built another cache than the OmniStage promises
     # ReplicaFailure: what keeps the pods and children from being what the pass decided
     UNSCHEDULABLE = "Unschedulable"
@@ -68,7 +74,9 @@ class Reason(StrEnum):
     NOT_ROLLING = "NotRolling"
     SURGING = "Surging"
     NO_CAPACITY_FOR_SURGE = "NoCapacityForSurge"
-    HEAD_IN_PLACE = "HeadReplacedInPlace"  # a head change that cannot surge (maxSurge 0, spec.stages): an outage
+    HEAD_IN_PLACE = (
+        "HeadReplacedInPlace"  # a head change that cannot surge (maxSurge 0, spec.stages): an outage
+    )
     # Progressing, when the pass itself did nothing (else: the Progress values it did)
     CONVERGING = "Converging"
     STABLE = "Stable"
@@ -90,8 +98,15 @@ class Reason(StrEnum):
 
 
 # An OmniStagePool's Ready=False reasons (the API reference lists them).
-POOL_REASONS = (Reason.OMNISTAGE_NOT_FOUND, Reason.NOT_MULTI_STAGE, Reason.UNKNOWN_STAGE, Reason.STAGE_IN_TWO_POOLS,
-                Reason.TOO_FEW_GPUS, Reason.GPU_MEMORY_OVERCOMMITTED, Reason.INVALID_SPEC)
+POOL_REASONS = (
+    Reason.OMNISTAGE_NOT_FOUND,
+    Reason.NOT_MULTI_STAGE,
+    Reason.UNKNOWN_STAGE,
+    Reason.STAGE_IN_TWO_POOLS,
+    Reason.TOO_FEW_GPUS,
+    Reason.GPU_MEMORY_OVERCOMMITTED,
+    Reason.INVALID_SPEC,
+)
 
 
 class Progress(StrEnum):
@@ -118,7 +133,9 @@ class EventReason(StrEnum):
     """The reasons of Events that are neither a condition's (Reason) nor a pass's Progress."""
 
     CONFIG_RENDERED = "ConfigRendered"  # the ConfigMap was created or changed
-    CHILD_SYNCED = "ChildSynced"  # a Service, the NetworkPolicy or a PodDisruptionBudget was created or changed
+    CHILD_SYNCED = (
+        "ChildSynced"  # a Service, the NetworkPolicy or a PodDisruptionBudget was created or changed
+    )
     CREATED_HEAD = "CreatedHead"
     SCALED_UP = "ScaledUp"
     JOINED = "Joined"
@@ -158,7 +175,9 @@ def get(status: dict[str, Any], ctype: str) -> dict[str, Any]:
     return next((c for c in status.get("conditions", []) if c.get("type") == ctype), {})
 
 
-def merge(previous: list[dict[str, Any]], new: list[Cond], generation: int | None, now: str) -> list[dict[str, Any]]:
+def merge(
+    previous: list[dict[str, Any]], new: list[Cond], generation: int | None, now: str
+) -> list[dict[str, Any]]:
     """Conditions of types not in `new` are kept as they were."""
     old = {c.get("type"): c for c in previous or []}
     fresh = {c.type for c in new}
@@ -176,13 +195,20 @@ def merge(previous: list[dict[str, Any]], new: list[Cond], generation: int | Non
     return sorted(out, key=lambda c: TYPES.index(c["type"]) if c["type"] in TYPES else len(TYPES))
 
 
-def ready(head_ready: bool, replicas_available: bool, membership_synced: bool, config_ok: bool,
-          cache_consistent: bool, stages_ready: bool = True) -> Cond:
-    if not config_ok:
-        return Cond(Type.READY, False, Reason.INVALID_SPEC, "the spec is invalid; see ConfigRendered")
-    missing = [n for n, ok in ((Type.HEAD_READY, head_ready), (Type.REPLICAS_AVAILABLE, replicas_available),
-                               (Type.MEMBERSHIP_SYNCED, membership_synced), (Type.CACHE_CONSISTENT, cache_consistent),
-                               (Type.STAGES_READY, stages_ready)) if not ok]
+def ready(head_ready: bool, replicas_available: bool, membership_synced: bool, cache_consistent: bool,
+          stages_ready: bool = True) -> Cond:
+    """Ready of a valid spec (an invalid one gets Ready False with its reason from the plan)."""
+    missing = [
+        n
+        for n, ok in (
+            (Type.HEAD_READY, head_ready),
+            (Type.REPLICAS_AVAILABLE, replicas_available),
+            (Type.MEMBERSHIP_SYNCED, membership_synced),
+            (Type.CACHE_CONSISTENT, cache_consistent),
+            (Type.STAGES_READY, stages_ready),
+        )
+        if not ok
+    ]
     if missing:
         return Cond(Type.READY, False, Reason.WAITING, "waiting for " + ", ".join(missing))
     return Cond(Type.READY, True, Reason.ALL_REPLICAS_SERVING,

@@ -98,10 +98,18 @@ def _embed_kubernetes_types(spec_schema: dict[str, Any]) -> None:
 
 # Both kinds: what `kubectl get` answers first is whether it works and, if not, why (KServe's READY).
 READY_COLUMNS = [
-    {"name": "Status", "type": "string", "jsonPath": f'.status.conditions[?(@.type=="{conditions.Type.READY}")].status',
-     "description": "The Ready condition"},
-    {"name": "Reason", "type": "string", "jsonPath": f'.status.conditions[?(@.type=="{conditions.Type.READY}")].reason',
-     "description": "Why it is (not) Ready; docs/troubleshooting.md lists every reason"},
+    {
+        "name": "Status",
+        "type": "string",
+        "jsonPath": f'.status.conditions[?(@.type=="{conditions.Type.READY}")].status',
+        "description": "The Ready condition",
+    },
+    {
+        "name": "Reason",
+        "type": "string",
+        "jsonPath": f'.status.conditions[?(@.type=="{conditions.Type.READY}")].reason',
+        "description": "Why it is (not) Ready; docs/troubleshooting.md lists every reason",
+    },
 ]
 
 
@@ -111,8 +119,12 @@ def build_crd() -> dict[str, Any]:
     spec_schema["x-kubernetes-validations"] = [
         {"rule": r.cel, "message": r.message, "fieldPath": r.field} for r in SPEC_RULES if r.cel
     ]
-    root = _root("OmniStage runs vllm-omni with a replicated, elastic stage 0 on GPU nodes and keeps its "
-                 "multimodal caches consistent while replicas join and leave.", spec_schema, statuses.OmniStageStatus)
+    root = _root(
+        "OmniStage runs vllm-omni with a replicated, elastic stage 0 on GPU nodes and keeps its "
+        "multimodal caches consistent while replicas join and leave.",
+        spec_schema,
+        statuses.OmniStageStatus,
+    )
     root["x-kubernetes-validations"] = _name_validations(OMNISTAGE_NAME_RULES)
     return _definition(api.KIND, api.PLURAL, api.SINGULAR, api.SHORT_NAMES, root, [
         {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas",
@@ -195,20 +207,55 @@ def _root(description: str, spec_schema: dict[str, Any], status_model: type[Base
 
 def build_pool_crd() -> dict[str, Any]:
     """OmniStagePool: the capacity of stages 1..n-1; its own scale subresource (HPA/KEDA per pod group)."""
-    root = _root("OmniStagePool runs replicas of an OmniStage's stages after stage 0 (e.g. Qwen3-Omni's talker "
-                 "and code2wav): each pod one headless process per stage in spec.stageIds, joined on the OmniStage's "
-                 "head.", _schema_of(api.OmniStagePoolSpec), statuses.OmniStagePoolStatus)
+    root = _root(
+        "OmniStagePool runs replicas of an OmniStage's stages after stage 0 (e.g. Qwen3-Omni's talker "
+        "and code2wav): each pod one headless process per stage in spec.stageIds, joined on the OmniStage's "
+        "head.",
+        _schema_of(api.OmniStagePoolSpec),
+        statuses.OmniStagePoolStatus,
+    )
     root["x-kubernetes-validations"] = _name_validations(POOL_NAME_RULES)
-    return _definition(api.POOL_KIND, api.POOL_PLURAL, api.POOL_SINGULAR, api.POOL_SHORT_NAMES, root, [
-        {"name": "OmniStage", "type": "string", "jsonPath": ".spec.omniStage", "description": "The pipeline"},
-        {"name": "Stages", "type": "string", "jsonPath": ".spec.stageIds", "description": "Stages each pod runs"},
-        {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas", "description": "Pods wanted"},
-        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Pods that are Ready"},
-        {"name": "Registered", "type": "integer", "jsonPath": ".status.registeredReplicas",
-         "description": "Pods joined on the head for every one of their stages"},
-        *READY_COLUMNS,
-        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-    ])
+    return _definition(
+        api.POOL_KIND,
+        api.POOL_PLURAL,
+        api.POOL_SINGULAR,
+        api.POOL_SHORT_NAMES,
+        root,
+        [
+            {
+                "name": "OmniStage",
+                "type": "string",
+                "jsonPath": ".spec.omniStage",
+                "description": "The pipeline",
+            },
+            {
+                "name": "Stages",
+                "type": "string",
+                "jsonPath": ".spec.stageIds",
+                "description": "Stages each pod runs",
+            },
+            {
+                "name": "Desired",
+                "type": "integer",
+                "jsonPath": ".spec.replicas",
+                "description": "Pods wanted",
+            },
+            {
+                "name": "Ready",
+                "type": "integer",
+                "jsonPath": ".status.readyReplicas",
+                "description": "Pods that are Ready",
+            },
+            {
+                "name": "Registered",
+                "type": "integer",
+                "jsonPath": ".status.registeredReplicas",
+                "description": "Pods joined on the head for every one of their stages",
+            },
+            *READY_COLUMNS,
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+    )
 
 
 def crd_yaml() -> str:

@@ -149,7 +149,9 @@ def _table(path: str, node: dict[str, Any]) -> list[str]:
             else _constraints(sub)
         if rules:
             text.append("Constraints: " + "; ".join(rules) + ".")
-        lines.append(f"| {field} | {_cell(_type(sub, child))} | {_default(sub)} | {' '.join(t for t in text if t)} |")
+        lines.append(
+            f"| {field} | {_cell(_type(sub, child))} | {_default(sub)} | {' '.join(t for t in text if t)} |"
+        )
     return lines + [""]
 
 
@@ -162,51 +164,89 @@ def reference_markdown(crd: dict[str, Any] | None = None, pool_crd: dict[str, An
     spec, status = root["properties"]["spec"], root["properties"]["status"]
     scale = version["subresources"]["scale"]
     lines = [
-        HEADER, "",
-        "# OmniStage API reference", "",
-        _cell(root.get("description", "")), "",
-        "| | |", "|---|---|",
+        HEADER,
+        "",
+        "# OmniStage API reference",
+        "",
+        _cell(root.get("description", "")),
+        "",
+        "| | |",
+        "|---|---|",
         f"| API version | `{crd['spec']['group']}/{version['name']}` |",
         f"| Kind | `{names['kind']}` (list: `{names['listKind']}`) |",
         f"| Plural, singular, short names | `{names['plural']}`, `{names['singular']}`, "
-        + ", ".join(f"`{s}`" for s in names.get("shortNames", [])) + " |",
+        + ", ".join(f"`{s}`" for s in names.get("shortNames", []))
+        + " |",
         f"| Scope | {crd['spec']['scope']} |",
         f"| Categories | {', '.join(names.get('categories', []))} (`kubectl get all` lists OmniStages) |",
-        (f"| Scale subresource | replicas `{scale['specReplicasPath']}`, status `{scale['statusReplicasPath']}`, "
-        f"selector `{scale['labelSelectorPath']}` (`kubectl scale`, HPA and KEDA use it) |"),
-        (f"| Status subresource | {'yes' if 'status' in version['subresources'] else 'no'} "
-        "(only the operator writes status) |"),
+        (
+            f"| Scale subresource | replicas `{scale['specReplicasPath']}`, status "
+            f"`{scale['statusReplicasPath']}`, selector `{scale['labelSelectorPath']}` (`kubectl scale`, HPA "
+            "and KEDA use it) |"
+        ),
+        (
+            f"| Status subresource | {'yes' if 'status' in version['subresources'] else 'no'} "
+            "(only the operator writes status) |"
+        ),
         "",
-        ("Every field below is also described by `kubectl explain omnistage.spec` (the same text). "
-        "The full CRD is `crds/omnistage.serving.omnistage.io.yaml` (`omnistage crd`)."), "",
-        "## `kubectl get omnistages` columns", "", *_columns(version),
-        "", "## Spec", "", *_tables(spec, "spec"),
-        "## Validation rules", "",
-        ("Besides the per-field constraints above, every OmniStage obeys these rules. Rules with a CEL "
-        "expression are enforced by the API server: `kubectl apply` is refused with the message. The API server "
-        "cannot check the others (CEL cannot look into free-form objects, the rule would exceed its CEL cost "
-        "budget, or it depends on the operator's configuration), so the operator enforces them: the "
-        "OmniStage gets `ConfigRendered=False` and `Ready=False` with reason `InvalidSpec` and the message, a "
-        "Warning Event says the same, `omnistage render` prints it, and running pods are left as they are "
-        "until the spec is fixed."), "",
-        "| Field | Checked by | Message |", "|---|---|---|",
+        (
+            "Every field below is also described by `kubectl explain omnistage.spec` (the same text). "
+            "The full CRD is `crds/omnistage.serving.omnistage.io.yaml` (`omnistage crd`)."
+        ),
+        "",
+        "## `kubectl get omnistages` columns",
+        "",
+        *_columns(version),
+        "",
+        "## Spec",
+        "",
+        *_tables(spec, "spec"),
+        "## Validation rules",
+        "",
+        (
+            "Besides the per-field constraints above, every OmniStage obeys these rules. Rules with a CEL "
+            "expression are enforced by the API server: `kubectl apply` is refused with the message. The API "
+            "server cannot check the others (CEL cannot look into free-form objects, the rule would exceed "
+            "its CEL cost budget, or it depends on the operator's configuration), so the operator enforces "
+            "them: the OmniStage gets `ConfigRendered=False` and `Ready=False` with reason `InvalidSpec` and "
+            "the message, a Warning Event says the same, `omnistage render` prints it, and running pods are "
+            "left as they are until the spec is fixed."
+        ),
+        "",
+        "| Field | Checked by | Message |",
+        "|---|---|---|",
         *(f"| `metadata.name` | API server | {_cell(r.message)} |" for r in OMNISTAGE_NAME_RULES),
     ]
     for rule in SPEC_RULES:
         checker = "API server" if rule.cel else "operator (`InvalidSpec`)"
         lines.append(f"| `spec{rule.field}` | {checker} | {_cell(rule.message)} |")
-    lines += ["", "## Status", "", *_tables(status, "status"),
-        "## Conditions", "",
-        ("The operator sets these condition types, in this order (reasons and what to do about them: "
-        "[troubleshooting](troubleshooting.md)):"), "",
-        ", ".join(f"`{t}`" for t in conditions.TYPES) + ".", "",
-        (f"Engine image default: where `spec.engine.image` is unset the operator renders its own default, the "
-        f"`{api.ENGINE_IMAGE_ENV}` environment variable of the operator (set by the install manifests), "
-        f"else `{api.DEFAULT_ENGINE_IMAGE}`."), "",
-        ("Multi-stage pipelines (`spec.stages`) are also checked by the operator alone: the pipeline is one the "
-        "operator renders across pods, `spec.stages` lists stages 1..n-1 once each in order (names, when set, "
-        "are the pipeline's), their `stageOverrides` leave the operator's keys alone, and `spec.transport` keeps "
-        "its ports off `httpPort`/`masterPort` (rdma needs mode network). See [multi-stage pipelines](multi-stage.md)."),
+    lines += [
+        "",
+        "## Status",
+        "",
+        *_tables(status, "status"),
+        "## Conditions",
+        "",
+        (
+            "The operator sets these condition types, in this order (reasons and what to do about them: "
+            "[troubleshooting](troubleshooting.md)):"
+        ),
+        "",
+        ", ".join(f"`{t}`" for t in conditions.TYPES) + ".",
+        "",
+        (
+            "Engine image default: where `spec.engine.image` is unset the operator renders its own default, "
+            f"the `{api.ENGINE_IMAGE_ENV}` environment variable of the operator (set by the install "
+            f"manifests), else `{api.DEFAULT_ENGINE_IMAGE}`."
+        ),
+        "",
+        (
+            "Multi-stage pipelines (`spec.stages`) are also checked by the operator alone: the pipeline is "
+            "one the operator renders across pods, `spec.stages` lists stages 1..n-1 once each in order "
+            "(names, when set, are the pipeline's), their `stageOverrides` leave the operator's keys alone, "
+            "and `spec.transport` keeps its ports off `httpPort`/`masterPort` (rdma needs mode network). See "
+            "[multi-stage pipelines](multi-stage.md)."
+        ),
         "",
     ]
     return "\n".join(lines + pool_reference(pool_crd if pool_crd is not None else build_pool_crd()))
@@ -218,21 +258,40 @@ def pool_reference(crd: dict[str, Any]) -> list[str]:
     version = crd["spec"]["versions"][0]
     root = version["schema"]["openAPIV3Schema"]
     lines = [
-        "# OmniStagePool API reference", "",
-        _cell(root.get("description", "")), "",
-        "| | |", "|---|---|",
+        "# OmniStagePool API reference",
+        "",
+        _cell(root.get("description", "")),
+        "",
+        "| | |",
+        "|---|---|",
         f"| Kind | `{names['kind']}` (list: `{names['listKind']}`) |",
         f"| Plural, singular, short names | `{names['plural']}`, `{names['singular']}`, "
-        + ", ".join(f"`{s}`" for s in names.get("shortNames", [])) + " |",
-        "| Scale subresource | replicas `.spec.replicas`, status `.status.replicas`, selector `.status.selector` |",
+        + ", ".join(f"`{s}`" for s in names.get("shortNames", []))
+        + " |",
+        (
+            "| Scale subresource | replicas `.spec.replicas`, status `.status.replicas`, selector "
+            "`.status.selector` |"
+        ),
         "",
-        ("A pool is checked against its OmniStage by the operator (no CEL rule sees two objects): its `Ready` "
-        f"condition is False with reason {api.either(f'`{r}`' for r in conditions.POOL_REASONS)} and a message "
-        "saying what to change ([troubleshooting](troubleshooting.md#an-omnistagepools-ready)). A refused pool "
-        "keeps its pods and gets no new ones."), "",
-        *(f"`metadata.name`: {_cell(r.message)} (API server and operator)." for r in POOL_NAME_RULES), "",
-        "## `kubectl get omnistagepools` columns", "", *_columns(version),
-        "", "## Pool spec", "", *_tables(root["properties"]["spec"], "omnistagepool.spec"),
-        "## Pool status", "", *_tables(root["properties"]["status"], "omnistagepool.status"),
+        (
+            "A pool is checked against its OmniStage by the operator (no CEL rule sees two objects): its "
+            f"`Ready` condition is False with reason {api.either(f'`{r}`' for r in conditions.POOL_REASONS)} "
+            "and a message saying what to change "
+            "([troubleshooting](troubleshooting.md#an-omnistagepools-ready)). A refused pool keeps its pods "
+            "and gets no new ones."
+        ),
+        "",
+        *(f"`metadata.name`: {_cell(r.message)} (API server and operator)." for r in POOL_NAME_RULES),
+        "",
+        "## `kubectl get omnistagepools` columns",
+        "",
+        *_columns(version),
+        "",
+        "## Pool spec",
+        "",
+        *_tables(root["properties"]["spec"], "omnistagepool.spec"),
+        "## Pool status",
+        "",
+        *_tables(root["properties"]["status"], "omnistagepool.status"),
     ]
     return lines

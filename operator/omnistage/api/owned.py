@@ -64,7 +64,9 @@ def _spellings(flag: str) -> list[str]:
 
 
 def _literal_owned_flag(arg: str) -> bool:
-    return any(arg == s or arg.startswith((s + "=", s + ".")) for f in OPERATOR_OWNED_FLAGS for s in _spellings(f))
+    return any(
+        arg == s or arg.startswith((s + "=", s + ".")) for f in OPERATOR_OWNED_FLAGS for s in _spellings(f)
+    )
 
 
 def _flag_name(arg: str) -> str:
@@ -125,8 +127,10 @@ def owned_env_items(spec: OmniStageSpec) -> list[str]:
 def not_owned_env_cel(var: str) -> str:
     """CEL: the env var `var` is not the operator's (the same test as owned_env)."""
     names = ", ".join(f"'{n}'" for n in OWNED_ENV_NAMES)
-    return (f"!({var}.name in [{names}]) && "
-            f"(!{var}.name.startsWith('{OWNED_ENV_PREFIX}') || {var}.name.startsWith('{STANDIN_ENV_PREFIX}'))")
+    return (
+        f"!({var}.name in [{names}]) && (!{var}.name.startsWith('{OWNED_ENV_PREFIX}') || "
+        f"{var}.name.startsWith('{STANDIN_ENV_PREFIX}'))"
+    )
 
 
 def owned_env_cel() -> str:
@@ -162,7 +166,9 @@ def env_secret_items(envs: list[tuple[int, Any]]) -> list[str]:
             if membership_secret(pt.mapping(value_from, "secretKeyRef").get("name"))]
 
 
-def spec_env_secret_items(env: Callable[[OmniStageSpec], list[EnvVar]]) -> Callable[[OmniStageSpec], list[str]]:
+def spec_env_secret_items(
+    env: Callable[[OmniStageSpec], list[EnvVar]],
+) -> Callable[[OmniStageSpec], list[str]]:
     return lambda s: env_secret_items([(i, e.value_from) for i, e in enumerate(env(s))])
 
 

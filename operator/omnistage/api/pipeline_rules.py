@@ -29,13 +29,19 @@ def multi_stage_problems(spec: OmniStageSpec) -> list[tuple[str, str]]:
 def _pipeline_problem(pipeline: str | None) -> str | None:
     renders = ", ".join(SHIPPED_DEPLOY)
     if pipeline is None:
-        return f"spec.stages needs a multi-stage pipeline here; multi-stage pipelines the operator runs: {renders}"
+        return (
+            "spec.stages needs a multi-stage pipeline here; multi-stage pipelines the operator runs: "
+            f"{renders}"
+        )
     if pipeline not in KNOWN_PIPELINES:
         return f"{pipeline!r} is not a vllm-omni pipeline; use a registered key such as {renders}"
     if len(KNOWN_PIPELINES[pipeline]) < 2:
         return f"{pipeline!r} has only stage 0; remove spec.stages"
     if pipeline not in SHIPPED_DEPLOY:
-        return f"the operator does not run {pipeline!r} across pods yet; multi-stage pipelines it runs: {renders}"
+        return (
+            f"the operator does not run {pipeline!r} across pods yet; multi-stage pipelines it runs: "
+            f"{renders}"
+        )
     return None
 
 
@@ -48,8 +54,15 @@ def stage_id_problems(pipeline: str, ids: list[int]) -> list[tuple[str, str]]:
     problems = []
     for i, stage_id in enumerate(ids):
         if stage_id not in remote:
-            problems.append((f"spec.stages[{i}].id",
-                             f"{pipeline} has no stage {stage_id} after stage 0 (stages 0..{len(names) - 1}); {wanted}"))
+            problems.append(
+                (
+                    f"spec.stages[{i}].id",
+                    (
+                        f"{pipeline} has no stage {stage_id} after stage 0 (stages 0..{len(names) - 1}); "
+                        f"{wanted}"
+                    ),
+                )
+            )
     if not problems and ids != remote:
         problems.append(("spec.stages", f"got stage ids {', '.join(map(str, ids)) or 'none'}; {wanted}"))
     return problems
@@ -57,15 +70,27 @@ def stage_id_problems(pipeline: str, ids: list[int]) -> list[tuple[str, str]]:
 
 def _stage_name_problems(spec: OmniStageSpec) -> list[tuple[str, str]]:
     names = KNOWN_PIPELINES[spec.pipeline]
-    return [(f"spec.stages[{i}].name", f"{spec.pipeline} calls stage {s.id} {names[s.id]!r}; use that or leave it out")
-            for i, s in enumerate(spec.stages) if s.name is not None and s.id < len(names) and s.name != names[s.id]]
+    return [
+        (
+            f"spec.stages[{i}].name",
+            f"{spec.pipeline} calls stage {s.id} {names[s.id]!r}; use that or leave it out",
+        )
+        for i, s in enumerate(spec.stages)
+        if s.name is not None and s.id < len(names) and s.name != names[s.id]
+    ]
 
 
 def _stage_override_problems(spec: OmniStageSpec) -> list[tuple[str, str]]:
-    message = ("must not set " + ", ".join(OPERATOR_OWNED_STAGE_KEYS) + " or the operator's variables at any depth: "
-               "the operator renders each stage's replicas and ids")
-    return [(f"spec.stages[{i}].engine.stageOverrides{path}", message)
-            for i, s in enumerate(spec.stages) for path, key in walk(s.engine.stage_overrides) if owned_stage_key(key)]
+    message = (
+        "must not set " + ", ".join(OPERATOR_OWNED_STAGE_KEYS) + " or the operator's variables at any depth: "
+        "the operator renders each stage's replicas and ids"
+    )
+    return [
+        (f"spec.stages[{i}].engine.stageOverrides{path}", message)
+        for i, s in enumerate(spec.stages)
+        for path, key in walk(s.engine.stage_overrides)
+        if owned_stage_key(key)
+    ]
 
 
 def transport_problems(spec: OmniStageSpec) -> list[tuple[str, str]]:
@@ -73,14 +98,28 @@ def transport_problems(spec: OmniStageSpec) -> list[tuple[str, str]]:
     if transport is None:
         return []
     if transport.mode == TransportMode.SAME_NODE and transport.protocol == TransportProtocol.RDMA:
-        problems.append(("spec.transport.protocol", ("rdma needs mode network (sameNode moves data through /dev/shm); "
-                                                    "set mode network or protocol tcp")))
+        problems.append(
+            (
+                "spec.transport.protocol",
+                (
+                    "rdma needs mode network (sameNode moves data through /dev/shm); "
+                    "set mode network or protocol tcp"
+                ),
+            )
+        )
     base, last = transport.base_port, transport.base_port + CONNECTOR_PORT_SPAN - 1
     for name, port in (("httpPort", spec.engine.http_port), ("masterPort", spec.engine.master_port),
                        ("membershipPort", spec.engine.membership_port)):
         if base <= port <= last:
-            problems.append(("spec.transport.basePort",
-                             f"the connectors' ports {base}..{last} hold spec.engine.{name} {port}; move basePort off it"))
+            problems.append(
+                (
+                    "spec.transport.basePort",
+                    (
+                        f"the connectors' ports {base}..{last} hold spec.engine.{name} {port}; "
+                        "move basePort off it"
+                    ),
+                )
+            )
     problems += [(f"spec.transport.env[{i}].name", "is the operator's (" + ", ".join(OWNED_ENV_NAMES)
                   + f", {OWNED_ENV_PREFIX}*); remove it")
                  for i, e in enumerate(transport.env) if owned_env(e.name)]

@@ -194,7 +194,9 @@ def schema_problems(value: Any, node: dict[str, Any], path: str) -> list[tuple[s
     kind = node.get("type")
     if kind is None:
         return []
-    ok = isinstance(value, _JSON_TYPES[kind]) and not (kind in ("integer", "number") and isinstance(value, bool))
+    ok = isinstance(value, _JSON_TYPES[kind]) and not (
+        kind in ("integer", "number") and isinstance(value, bool)
+    )
     if not ok:
         return [(path, f"must be of type {kind} (got {value!r})")]
     problems: list[tuple[str, str]] = []

@@ -61,9 +61,9 @@ MAX_RESOURCE_NAME_LENGTH = 317
 GPU_RESOURCE = FieldRule(
     f"self.matches('{GPU_RESOURCE_PATTERN}')",
     "spec.gpu.resource must name a GPU: DOMAIN/gpu of a GPU vendor (nvidia.com/gpu, amd.com/gpu), "
-    "nvidia.com/gpu.shared or an NVIDIA MIG slice (nvidia.com/mig-3g.71gb); the operator requests spec.gpu.count "
-    "of it and tolerates its taint, so any other resource (cpu, memory, ephemeral-storage, hugepages-*, a device "
-    "plugin's host device) is refused",
+    "nvidia.com/gpu.shared or an NVIDIA MIG slice (nvidia.com/mig-3g.71gb); the operator requests "
+    "spec.gpu.count of it and tolerates its taint, so any other resource (cpu, memory, ephemeral-storage, "
+    "hugepages-*, a device plugin's host device) is refused",
     lambda v: re.search(GPU_RESOURCE_PATTERN, v) is not None,
 )
 
@@ -74,9 +74,11 @@ SYSTEM_PRIORITY_CLASSES = ("system-node-critical", "system-cluster-critical")
 
 
 def system_priority_message(field: str) -> str:
-    return (f"{field} must not be {' or '.join(SYSTEM_PRIORITY_CLASSES)}: those classes keep the cluster's own "
-            "components running, and an engine pod with one would preempt them and other tenants' pods; "
-            "use a PriorityClass of your own")
+    return (
+        f"{field} must not be {' or '.join(SYSTEM_PRIORITY_CLASSES)}: those classes keep the cluster's own "
+        "components running, and an engine pod with one would preempt them and other tenants' pods; "
+        "use a PriorityClass of your own"
+    )
 
 
 PLACEMENT_PRIORITY = FieldRule(
@@ -120,8 +122,8 @@ _DOT_SEGMENT = r"(^|/)[.][.]?(/|$)"
 HOST_PATH = FieldRule(
     f"self != '/' && !self.contains('//') && !self.matches('{_DOT_SEGMENT}')",
     "spec.modelVolume.hostPath.path must be an absolute directory other than /, without '.' or '..' "
-    f"segments or '//': the operator mounts only host directories its administrator allows ({ALLOWED_HOST_PATHS_ENV}), "
-    "and a path must say plainly which one it is",
+    "segments or '//': the operator mounts only host directories its administrator allows "
+    f"({ALLOWED_HOST_PATHS_ENV}), and a path must say plainly which one it is",
     lambda v: v != "/" and "//" not in v and re.search(_DOT_SEGMENT, v) is None,
 )
 
@@ -134,8 +136,10 @@ def parse_allowed_host_paths(text: str) -> tuple[str, ...]:
         if not entry:
             continue
         if not entry.startswith("/") or not (entry == "/" or HOST_PATH.holds(entry)):
-            raise ValueError(f"{ALLOWED_HOST_PATHS_ENV}: {entry!r} is not an absolute directory without '.' or '..' "
-                             "segments or '//'")
+            raise ValueError(
+                f"{ALLOWED_HOST_PATHS_ENV}: {entry!r} is not an absolute directory without '.' or '..' "
+                "segments or '//'"
+            )
         out.append(entry if entry == "/" else entry.rstrip("/"))
     return tuple(out)
 

@@ -48,10 +48,14 @@ class HeadStatus(_Status):
     pod: str | None = Field(None, description="Head pod name.")
     uid: str | None = Field(None, description="Head pod UID; a change means every replica must be rolled.")
     ip: str | None = Field(None, description="Head pod IP (the engine's master address).")
-    boot_id: str | None = Field(None, description="The engine's boot id as reported by the membership endpoint.")
+    boot_id: str | None = Field(
+        None, description="The engine's boot id as reported by the membership endpoint."
+    )
     restarts: int | None = Field(
-        None, description="The head pod's container restarts; a rise means a new engine process, and every replica "
-        "and pool pod is rolled.")
+        None,
+        description="The head pod's container restarts; a rise means a new engine process, and every replica "
+        "and pool pod is rolled.",
+    )
 
 
 class MemberStatus(_Status):
@@ -59,22 +63,32 @@ class MemberStatus(_Status):
     ip: str | None = Field(None, description="Replica pod IP.")
     replica_id: int | None = Field(None, description="Replica id the head assigned (never reused).")
     state: str = Field(description=f"{either(MemberState)}.")
-    reason: str | None = Field(None, description="Why a Ready replica is not joined yet (e.g. CacheConsistent: CacheMismatch).")
+    reason: str | None = Field(
+        None, description="Why a Ready replica is not joined yet (e.g. CacheConsistent: CacheMismatch)."
+    )
 
 
 class EngineStatus(_Status):
     """What the head's engine reported it really runs (the engine plugin's report)."""
 
     boot_id: str | None = Field(None, description="The head engine process the report came from.")
-    plugin_version: str | None = Field(None, description="omnistage-engine-patches version in the engine image.")
+    plugin_version: str | None = Field(
+        None, description="omnistage-engine-patches version in the engine image."
+    )
     vllm_version: str | None = Field(None, description="vllm version in the engine image.")
     vllm_omni_version: str | None = Field(None, description="vllm-omni version in the engine image.")
-    distributed: bool | None = Field(None, description="Whether the head runs the distributed runtime (master server).")
+    distributed: bool | None = Field(
+        None, description="Whether the head runs the distributed runtime (master server)."
+    )
     frontend_cache_class: str | None = Field(
         None, description="vLLM class of the multimodal cache the stage-0 frontend built (none: no cache).")
     frontend_cache_mode: str | None = Field(
-        None, description=("The mode that class implements (processor-only, replica-aware, lru, shm, none); must match "
-                     "effectiveCacheMode."))
+        None,
+        description=(
+            "The mode that class implements (processor-only, replica-aware, lru, shm, none); must match "
+            "effectiveCacheMode."
+        ),
+    )
     patches: dict[str, str] = Field(
         default_factory=dict,
         description="Each engine patch's outcome: applied, skipped, disabled or upstream-fixed.")
@@ -89,8 +103,9 @@ class StageStatus(_Status):
     registered: int = Field(0, description="Replicas of the stage joined on the head.")
     patches: dict[str, str] = Field(
         default_factory=dict,
-        description="Each engine patch's outcome in the stage's replicas, as they sent it when they registered "
-        "(the first not in effect when they differ); connector_ports must be applied.")
+        description="Each engine patch's outcome in the stage's replicas, as they sent it when they "
+        "registered (the first not in effect when they differ); connector_ports must be applied.",
+    )
 
 
 class OmniStageStatus(_Status):
@@ -102,17 +117,25 @@ class OmniStageStatus(_Status):
     registered_replicas: int = Field(0, description="Engine replicas the head acknowledged (head included).")
     updated_replicas: int = Field(0, description="Engine pods running the current config and pod template.")
     selector: str = Field("", description="Label selector of the counted pods (scale subresource).")
-    effective_cache_mode: EffectiveCacheMode | None = Field(None, description="The resolved stage-0 cache mode.")
+    effective_cache_mode: EffectiveCacheMode | None = Field(
+        None, description="The resolved stage-0 cache mode."
+    )
     config_hash: str | None = Field(None, description="Hash of the rendered engine config and pod template.")
     engine_image: str | None = Field(
-        None, description="Engine image of the current pod template: spec.engine.image, else the operator's default "
-        "(pods not rolled yet may still run an older one; see updatedReplicas).")
+        None,
+        description="Engine image of the current pod template: spec.engine.image, else the operator's "
+        "default (pods not rolled yet may still run an older one; see updatedReplicas).",
+    )
     head: HeadStatus | None = Field(None, description="The head pod.")
     engine: EngineStatus | None = Field(None, description="What the head's engine reported it runs.")
     membership_epoch: int | None = Field(None, description="Membership epoch last acknowledged by the head.")
-    members: list[MemberStatus] = Field(default_factory=list, description="Replica pods and their membership.")
+    members: list[MemberStatus] = Field(
+        default_factory=list, description="Replica pods and their membership."
+    )
     stages: list[StageStatus] = Field(
-        default_factory=list, description="Stages after stage 0: their pool and replicas (multi-stage pipelines).")
+        default_factory=list,
+        description="Stages after stage 0: their pool and replicas (multi-stage pipelines).",
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
         description=", ".join(t for t in CONDITION_TYPES if t not in STAGE_TYPES)

@@ -123,7 +123,11 @@ def gpu_request_cel(field: str) -> str:
 
 
 def owned_volume_items(spec: OmniStageSpec) -> list[str]:
-    return [f"[{i}].name" for i, v in pt.spec_items(spec.template, "volumes") if v.get("name") in pt.OPERATOR_VOLUMES]
+    return [
+        f"[{i}].name"
+        for i, v in pt.spec_items(spec.template, "volumes")
+        if v.get("name") in pt.OPERATOR_VOLUMES
+    ]
 
 
 # Pod fields spec.template must not set, and why (the message's end): what the operator renders, and
@@ -131,20 +135,20 @@ def owned_volume_items(spec: OmniStageSpec) -> list[str]:
 UNSET_POD_FIELDS = {
     "restartPolicy": "is the operator's: the head restarts in place (Always), a replica must not (Never: a "
     "restarted replica never registers with the head again and is replaced instead)",
-    "terminationGracePeriodSeconds": "is the operator's: the engine pods' lifecycle is, and their grace period is "
-    "the drain (spec.engine.drainTimeoutSeconds, an OmniStagePool's drainTimeoutSeconds) plus vLLM's shutdown, so "
-    "a pod deleted or evicted finishes its requests first; set the drain timeout instead",
+    "terminationGracePeriodSeconds": "is the operator's: the engine pods' lifecycle is, and their grace "
+    "period is the drain (spec.engine.drainTimeoutSeconds, an OmniStagePool's drainTimeoutSeconds) plus "
+    "vLLM's shutdown, so a pod deleted or evicted finishes its requests first; set the drain timeout instead",
     "activeDeadlineSeconds": "is the operator's: the engine pods' lifecycle is, and a deadline would kill a "
     "serving engine pod without a drain; spec.replicas and spec.rollout decide when engine pods end",
-    "nodeName": "must not be set: it puts the pod on a node past the scheduler (the GPU capacity, taints, the GPU "
-    "product selector); use spec.placement.nodeSelector or affinity",
+    "nodeName": "must not be set: it puts the pod on a node past the scheduler (the GPU capacity, taints, "
+    "the GPU product selector); use spec.placement.nodeSelector or affinity",
 }
 
 # Host namespaces, each refused when true, and why.
 HOST_NAMESPACES = {
-    "hostNetwork": "every engine pod listens on the same ports (spec.engine.httpPort, spec.engine.masterPort, the "
-    "connectors' from spec.transport.basePort), so two engine pods on one node would collide on the node's "
-    "network, and the engine NetworkPolicy does not apply to host-network pods",
+    "hostNetwork": "every engine pod listens on the same ports (spec.engine.httpPort, "
+    "spec.engine.masterPort, the connectors' from spec.transport.basePort), so two engine pods on one node "
+    "would collide on the node's network, and the engine NetworkPolicy does not apply to host-network pods",
     "hostPID": "the pod would see every process of the node (the kubelet's, other tenants' engines), signal "
     "them and read their environment through /proc",
     "hostIPC": "the pod would share the node's System V IPC and POSIX shared memory with every process on it",
@@ -160,7 +164,9 @@ def true_pod_field_items(field: str) -> Callable[[OmniStageSpec], list[str]]:
 
 
 def system_priority_items(spec: OmniStageSpec) -> list[str]:
-    return [""] if pt.mapping(spec.template, "spec").get("priorityClassName") in SYSTEM_PRIORITY_CLASSES else []
+    return (
+        [""] if pt.mapping(spec.template, "spec").get("priorityClassName") in SYSTEM_PRIORITY_CLASSES else []
+    )
 
 
 def system_priority_cel() -> str:
@@ -231,12 +237,17 @@ def token_mount_items(field: str) -> Callable[[OmniStageSpec], list[str]]:
 
 def token_mount_cel(field: str) -> str:
     engine = f"c.name == '{pt.ENGINE_CONTAINER}' || " if _engine_exempt(field) else ""
-    return _containers_cel(field, f"{engine}!has(c.volumeMounts) || c.volumeMounts.all(m, m.name != '{pt.V_TOKEN}')")
+    return _containers_cel(
+        field, f"{engine}!has(c.volumeMounts) || c.volumeMounts.all(m, m.name != '{pt.V_TOKEN}')"
+    )
 
 
 def container_secret_cel(field: str) -> str:
-    return _containers_cel(field, f"(!has(c.env) || c.env.all(e, {env_secret_cel('e')})) && "
-                                  f"(!has(c.envFrom) || c.envFrom.all(f, {not_membership_secret_cel('f.secretRef')}))")
+    return _containers_cel(
+        field,
+        f"(!has(c.env) || c.env.all(e, {env_secret_cel('e')})) && "
+        f"(!has(c.envFrom) || c.envFrom.all(f, {not_membership_secret_cel('f.secretRef')}))",
+    )
 
 
 # ---- spec.template's volumes -----------------------------------------------------------------------
@@ -268,12 +279,14 @@ def secret_volume_items(spec: OmniStageSpec) -> list[str]:
 def secret_volume_cel() -> str:
     sources = "v.projected.sources"
     return absent_or("template.spec.volumes", "self.template.spec.volumes.all(v, ("
-                     + not_membership_secret_cel("v.secret", "secretName") + f") && (!has(v.projected) || "
+                     + not_membership_secret_cel("v.secret", "secretName") + ") && (!has(v.projected) || "
                      f"!has({sources}) || {sources}.all(s, {not_membership_secret_cel('s.secret')})))")
 
 
-MEMBERSHIP_SECRETS = (f"a Secret named *{MEMBERSHIP_SECRET_SUFFIX}: NAME{MEMBERSHIP_SECRET_SUFFIX} holds an "
-                      "OmniStage's membership token, which makes its engines join and leave; read another Secret")
+MEMBERSHIP_SECRETS = (
+    f"a Secret named *{MEMBERSHIP_SECRET_SUFFIX}: NAME{MEMBERSHIP_SECRET_SUFFIX} holds an "
+    "OmniStage's membership token, which makes its engines join and leave; read another Secret"
+)
 
 
 def product_selector_items(spec: OmniStageSpec) -> list[str]:
@@ -305,7 +318,10 @@ def template_schema_problems(spec: OmniStageSpec) -> list[tuple[str, str]]:
     if spec.template is not None:
         problems += pt.schema_problems(spec.template, pt.schema(), "spec.template")
     value_from = pt.subschema("spec.containers.env.valueFrom")
-    for path, env in (("engine.env", spec.engine.env), ("transport.env", spec.transport.env if spec.transport else [])):
+    for path, env in (
+        ("engine.env", spec.engine.env),
+        ("transport.env", spec.transport.env if spec.transport else []),
+    ):
         for i, e in enumerate(env):
             if e.value_from is not None:
                 problems += pt.schema_problems(e.value_from, value_from, f"spec.{path}[{i}].valueFrom")

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from omnistage_engine_patches import contract
 from pydantic import ValidationError
 
 from .. import names
@@ -111,27 +112,37 @@ def _model_volume_one_source(spec: OmniStageSpec) -> bool:
 # Pipelines with stages 1..n: the head waits at startup for a replica of every remote stage, so such a
 # pipeline needs spec.stages (and OmniStagePools to run them).
 MULTI_STAGE_PIPELINES = sorted(key for key, stages in KNOWN_PIPELINES.items() if len(stages) > 1)
-SINGLE_STAGE_EXAMPLES = ("qwen3_omni_moe_thinker_only", "qwen2_5_omni_thinker_only", "ming_flash_omni_thinker_only")
+SINGLE_STAGE_EXAMPLES = (
+    "qwen3_omni_moe_thinker_only",
+    "qwen2_5_omni_thinker_only",
+    "ming_flash_omni_thinker_only",
+)
 
-_FLAGS_INSTEAD = ("the operator renders them: set spec.cache for the multimodal cache, spec.replicas for "
-                  "replicas, spec.engine.httpPort/masterPort for ports, spec.engine.heartbeatTimeoutSeconds for the "
-                  "heartbeat timeout and spec.engine.stageOverrides for other stage-0 keys")
+_FLAGS_INSTEAD = (
+    "the operator renders them: set spec.cache for the multimodal cache, spec.replicas for "
+    "replicas, spec.engine.httpPort/masterPort for ports, spec.engine.heartbeatTimeoutSeconds for the "
+    "heartbeat timeout and spec.engine.stageOverrides for other stage-0 keys"
+)
 
 SPEC_RULES = [
     Rule(
         ".pipeline",
-        "!has(self.pipeline) || !(self.pipeline in [" + ", ".join(f"'{p}'" for p in MULTI_STAGE_PIPELINES) + "])"
-        " || (has(self.stages) && size(self.stages) > 0)",
-        "spec.pipeline names a multi-stage vllm-omni pipeline (stages after stage 0, e.g. qwen3_omni_moe: thinker, "
-        "talker, code2wav) and the head waits for every stage at startup: list stages 1..n-1 in spec.stages and run "
-        "them with OmniStagePools, or use a single-stage pipeline such as " + ", ".join(SINGLE_STAGE_EXAMPLES),
+        "!has(self.pipeline) || !(self.pipeline in ["
+        + ", ".join(f"'{p}'" for p in MULTI_STAGE_PIPELINES)
+        + "]) || (has(self.stages) && size(self.stages) > 0)",
+        "spec.pipeline names a multi-stage vllm-omni pipeline (stages after stage 0, e.g. qwen3_omni_moe: "
+        "thinker, talker, code2wav) and the head waits for every stage at startup: list stages 1..n-1 in "
+        "spec.stages and run them with OmniStagePools, or use a single-stage pipeline such as "
+        + ", ".join(SINGLE_STAGE_EXAMPLES),
         _unless(lambda s: s.pipeline not in MULTI_STAGE_PIPELINES or bool(s.stages)),
     ),
     Rule(
         ".cache.mode",
-        "!(self.cache.mode in ['lru', 'shm'] && (self.membership == 'dynamic' || self.replicas > 1))",
+        f"!(self.cache.mode in [{', '.join(repr(m) for m in contract.SENDER_CACHE_MODES)}] "
+        "&& (self.membership == 'dynamic' || self.replicas > 1))",
         SENDER_CACHE_WITH_DYNAMIC_MEMBERSHIP,
-        _unless(lambda s: not (s.cache.mode in ("lru", "shm") and membership_can_change(s.membership, s.replicas))),
+        _unless(lambda s: not (s.cache.mode in contract.SENDER_CACHE_MODES
+                               and membership_can_change(s.membership, s.replicas))),
     ),
     Rule(
         ".gpu.count",
@@ -147,15 +158,18 @@ SPEC_RULES = [
     ),
     Rule(
         ".engine.membershipPort",
-        "self.engine.membershipPort != self.engine.httpPort && self.engine.membershipPort != self.engine.masterPort",
+        "self.engine.membershipPort != self.engine.httpPort && self.engine.membershipPort != "
+        "self.engine.masterPort",
         "spec.engine.membershipPort must differ from spec.engine.httpPort and spec.engine.masterPort",
         _unless(lambda s: s.engine.membership_port not in (s.engine.http_port, s.engine.master_port)),
     ),
     Rule(
         ".engine.extraArgs",
         owned_flags_cel(),
-        "spec.engine.extraArgs must not set flags the operator manages (" + ", ".join(OPERATOR_OWNED_FLAGS)
-        + "; as --flag, --flag=value or --flag.key=value, with - or _); " + _FLAGS_INSTEAD,
+        "spec.engine.extraArgs must not set flags the operator manages ("
+        + ", ".join(OPERATOR_OWNED_FLAGS)
+        + "; as --flag, --flag=value or --flag.key=value, with - or _); "
+        + _FLAGS_INSTEAD,
         owned_flag_items,
     ),
     Rule(
@@ -169,71 +183,88 @@ SPEC_RULES = [
     Rule(
         ".engine.extraArgs",
         argv_expansion_cel(),
-        "spec.engine.extraArgs must not contain $( : Kubernetes replaces $(VAR) in a container's arguments with "
-        "the variable's value (a Secret's too) and vLLM publishes some of them (--served-model-name on /v1/models); "
-        "the operator builds the engine's command line, so write every value literally",
+        "spec.engine.extraArgs must not contain $( : Kubernetes replaces $(VAR) in a container's arguments "
+        "with the variable's value (a Secret's too) and vLLM publishes some of them (--served-model-name on "
+        "/v1/models); the operator builds the engine's command line, so write every value literally",
         argv_expansion_items,
     ),
     Rule(
         ".engine.env",
         owned_env_cel(),
-        "spec.engine.env must not set variables the operator manages (" + ", ".join(OWNED_ENV_NAMES)
-        + f", {OWNED_ENV_PREFIX}*; the test stand-in's {STANDIN_ENV_PREFIX}* excepted): they switch the engine "
-        "plugin off or on, set the frontend cache, carry the membership token and the engine's address; use "
-        "spec.cache for the cache",
+        "spec.engine.env must not set variables the operator manages ("
+        + ", ".join(OWNED_ENV_NAMES)
+        + f", {OWNED_ENV_PREFIX}*; the test stand-in's {STANDIN_ENV_PREFIX}* excepted): they switch the "
+        "engine plugin off or on, set the frontend cache, carry the membership token and the engine's "
+        "address; use spec.cache for the cache",
         owned_env_items,
     ),
     Rule(
         ".engine.stageOverrides",
         # CEL cannot see into a preserve-unknown-fields object, so only the operator checks this.
         None,
-        "spec.engine.stageOverrides must not set " + ", ".join(OPERATOR_OWNED_STAGE_KEYS)
+        "spec.engine.stageOverrides must not set "
+        + ", ".join(OPERATOR_OWNED_STAGE_KEYS)
         + f" or the operator's variables ({', '.join(OWNED_ENV_NAMES)}, {OWNED_ENV_PREFIX}*) at any depth "
-        "(e.g. runtime.num_replicas, engine_args.mm_processor_cache_type); use spec.cache and spec.replicas instead",
+        "(e.g. runtime.num_replicas, engine_args.mm_processor_cache_type); use spec.cache and spec.replicas "
+        "instead",
         owned_stage_paths,
     ),
     Rule(
         ".modelVolume",
-        "!has(self.modelVolume) || (has(self.modelVolume.pvc) ? 1 : 0) + (has(self.modelVolume.hostPath) ? 1 : 0) == 1",
+        "!has(self.modelVolume) || (has(self.modelVolume.pvc) ? 1 : 0) + (has(self.modelVolume.hostPath) ? 1 "
+        ": 0) == 1",
         "spec.modelVolume needs exactly one of pvc or hostPath",
         _unless(_model_volume_one_source),
     ),
     Rule(
         ".engine.env",
-        "!has(self.engine.env) || self.engine.env.all(e, !has(e.valueFrom) || !has(e.value) || e.value == '')",
+        "!has(self.engine.env) || self.engine.env.all(e, !has(e.valueFrom) || !has(e.value) || e.value == "
+        "'')",
         "spec.engine.env entries take value or valueFrom, not both",
         env_value_and_source_items,
     ),
-    *(Rule(
-        f".{path}",
-        absent_or(path, f"self.{path}.all(e, {env_secret_cel('e')})"),
-        f"spec.{path} must not take a value from {MEMBERSHIP_SECRETS}",
-        spec_env_secret_items(env),
-    ) for path, env in (("engine.env", lambda s: s.engine.env),
-                        ("transport.env", lambda s: s.transport.env if s.transport else []))),
+    *(
+        Rule(
+            f".{path}",
+            absent_or(path, f"self.{path}.all(e, {env_secret_cel('e')})"),
+            f"spec.{path} must not take a value from {MEMBERSHIP_SECRETS}",
+            spec_env_secret_items(env),
+        )
+        for path, env in (
+            ("engine.env", lambda s: s.engine.env),
+            ("transport.env", lambda s: s.transport.env if s.transport else []),
+        )
+    ),
     Rule(
         ".modelVolume.hostPath.path",
         # The operator's configuration, which the API server cannot see; it refuses only what is never
         # allowed (the field's own rule, security.HOST_PATH).
         None,
-        "spec.modelVolume.hostPath.path must be at or below a host directory the operator's administrator allows "
-        f"({ALLOWED_HOST_PATHS_ENV} of the operator: `omnistage run --allowed-host-paths`, the chart value "
-        "allowedHostPaths; none by default): a host directory is open to every pod that mounts it, so the "
-        "cluster decides which; use spec.modelVolume.pvc, or ask for the directory to be allowed",
+        "spec.modelVolume.hostPath.path must be at or below a host directory the operator's administrator "
+        f"allows ({ALLOWED_HOST_PATHS_ENV} of the operator: `omnistage run --allowed-host-paths`, the chart "
+        "value allowedHostPaths; none by default): a host directory is open to every pod that mounts it, so "
+        "the cluster decides which; use spec.modelVolume.pvc, or ask for the directory to be allowed",
         host_path_outside_allow_list,
     ),
     Rule(
         ".template.metadata.labels",
-        absent_or("template.metadata.labels", "self.template.metadata.labels.all(k, !(k in ["
-                  + ", ".join(f"'{k}'" for k in names.OPERATOR_LABELS) + f"]) && !k.startsWith('{names.GROUP}/'))"),
-        f"spec.template.metadata.labels must not set the operator's labels ({', '.join(names.OPERATOR_LABELS)}, "
-        f"{names.GROUP}/*): the Services, the NetworkPolicy and the scale selector find the engine pods by them",
+        absent_or(
+            "template.metadata.labels",
+            "self.template.metadata.labels.all(k, !(k in ["
+            + ", ".join(f"'{k}'" for k in names.OPERATOR_LABELS)
+            + f"]) && !k.startsWith('{names.GROUP}/'))",
+        ),
+        "spec.template.metadata.labels must not set the operator's labels "
+        f"({', '.join(names.OPERATOR_LABELS)}, {names.GROUP}/*): the Services, the NetworkPolicy and the "
+        "scale selector find the engine pods by them",
         owned_label_items,
     ),
     Rule(
         ".template.metadata.annotations",
-        absent_or("template.metadata.annotations",
-                  f"self.template.metadata.annotations.all(k, !k.startsWith('{names.GROUP}/'))"),
+        absent_or(
+            "template.metadata.annotations",
+            f"self.template.metadata.annotations.all(k, !k.startsWith('{names.GROUP}/'))",
+        ),
         f"spec.template.metadata.annotations must not set {names.GROUP}/* annotations: they carry the "
         "operator's pod template hash and each replica's head",
         owned_annotation_items,
@@ -242,25 +273,28 @@ SPEC_RULES = [
         ".template.spec.containers",
         engine_owned_fields_cel(),
         f"spec.template.spec.containers: the engine container (name: {pt.ENGINE_CONTAINER}) must not set "
-        + ", ".join(pt.ENGINE_OWNED_FIELDS) + ": the operator renders them (use spec.engine.image, "
+        + ", ".join(pt.ENGINE_OWNED_FIELDS)
+        + ": the operator renders them (use spec.engine.image, "
         "spec.engine.extraArgs, spec.engine.httpPort/masterPort and spec.engine.startupTimeoutSeconds)",
         engine_owned_field_items,
     ),
     Rule(
         ".template.spec.containers",
         engine_owned_env_cel(),
-        "spec.template.spec.containers: the engine container's env must not set variables the operator manages ("
-        + ", ".join(OWNED_ENV_NAMES) + f", {OWNED_ENV_PREFIX}*; the test stand-in's {STANDIN_ENV_PREFIX}* "
-        "excepted): they switch the engine plugin off or on, set the frontend cache, carry the membership token "
-        "and the engine's address",
+        "spec.template.spec.containers: the engine container's env must not set variables the operator "
+        "manages ("
+        + ", ".join(OWNED_ENV_NAMES)
+        + f", {OWNED_ENV_PREFIX}*; the test stand-in's {STANDIN_ENV_PREFIX}* excepted): they switch the "
+        "engine plugin off or on, set the frontend cache, carry the membership token and the engine's "
+        "address",
         engine_owned_env_items,
     ),
     Rule(
         ".template.spec.containers",
         engine_env_prefix_cel(),
-        "spec.template.spec.containers: the engine container's envFrom must not use a prefix in the operator's "
-        f"namespace ({OWNED_ENV_PREFIX}*; the test stand-in's {STANDIN_ENV_PREFIX}* excepted): it would set the "
-        "operator's variables; use another prefix",
+        "spec.template.spec.containers: the engine container's envFrom must not use a prefix in the "
+        f"operator's namespace ({OWNED_ENV_PREFIX}*; the test stand-in's {STANDIN_ENV_PREFIX}* excepted): it "
+        "would set the operator's variables; use another prefix",
         engine_env_prefix_items,
     ),
     Rule(
@@ -269,64 +303,74 @@ SPEC_RULES = [
         # and without a trailing /) is estimated at more than 100x the API server's CEL cost budget, even
         # with volumeMounts bounded (hack/gen-podtemplate-schema.py).
         None,
-        "spec.template.spec.containers: the engine container's volumeMounts must not use the operator's mount "
-        f"paths ({', '.join(pt.OPERATOR_MOUNT_PATHS)}, spec.modelVolume.mountPath, or below "
+        "spec.template.spec.containers: the engine container's volumeMounts must not use the operator's "
+        f"mount paths ({', '.join(pt.OPERATOR_MOUNT_PATHS)}, spec.modelVolume.mountPath, or below "
         f"{' or '.join(pt.OPERATOR_FILE_DIRS)}): they hold the deploy config, the membership token, the "
         "caches and the model; mount elsewhere",
         engine_owned_mount_items,
     ),
-    *(Rule(
-        f".template.spec.{field}",
-        gpu_request_cel(field),
-        f"spec.template.spec.{field} must not request the GPU resource (spec.gpu.resource): the operator sets it "
-        "on the engine container from spec.gpu.count",
-        gpu_request_items(field),
-    ) for field in ("containers", "initContainers")),
+    *(
+        Rule(
+            f".template.spec.{field}",
+            gpu_request_cel(field),
+            f"spec.template.spec.{field} must not request the GPU resource (spec.gpu.resource): the operator "
+            "sets it on the engine container from spec.gpu.count",
+            gpu_request_items(field),
+        )
+        for field in ("containers", "initContainers")
+    ),
     # The security model (docs/security.md), for every container: the engine, sidecars, init containers.
-    *(rule for field in ("containers", "initContainers") for rule in (
-        Rule(
-            f".template.spec.{field}",
-            escalation_cel(field),
-            f"spec.template.spec.{field}: no container may set securityContext.privileged or "
-            "allowPrivilegeEscalation to true: a privileged container is root on the node (every device and "
-            "capability), and privilege escalation (setuid binaries, file capabilities) undoes the engine pods' "
-            "hardening; remove them",
-            escalation_items(field),
-        ),
-        Rule(
-            f".template.spec.{field}",
-            capability_cel(field),
-            f"spec.template.spec.{field}: securityContext.capabilities.add may hold only "
-            f"{' and '.join(ALLOWED_CAPABILITIES)} (pinned memory for GPU and RDMA transfers, NUMA binding): engine "
-            "containers drop every capability, and any other (SYS_ADMIN, NET_ADMIN, SYS_PTRACE...) is a step "
-            "towards the node",
-            capability_items(field),
-        ),
-        Rule(
-            f".template.spec.{field}",
-            container_secret_cel(field),
-            f"spec.template.spec.{field}: env valueFrom.secretKeyRef and envFrom secretRef must not refer to "
-            + MEMBERSHIP_SECRETS,
-            container_secret_items(field),
-        ),
-        Rule(
-            f".template.spec.{field}",
-            token_mount_cel(field),
-            f"spec.template.spec.{field}: only the engine container may mount the operator's volume "
-            f"{pt.V_TOKEN}: it holds the OmniStage's membership token, which makes its engines join and leave",
-            token_mount_items(field),
-        ),
-    )),
+    *(
+        rule
+        for field in ("containers", "initContainers")
+        for rule in (
+            Rule(
+                f".template.spec.{field}",
+                escalation_cel(field),
+                f"spec.template.spec.{field}: no container may set securityContext.privileged or "
+                "allowPrivilegeEscalation to true: a privileged container is root on the node (every device "
+                "and capability), and privilege escalation (setuid binaries, file capabilities) undoes the "
+                "engine pods' hardening; remove them",
+                escalation_items(field),
+            ),
+            Rule(
+                f".template.spec.{field}",
+                capability_cel(field),
+                f"spec.template.spec.{field}: securityContext.capabilities.add may hold only "
+                f"{' and '.join(ALLOWED_CAPABILITIES)} (pinned memory for GPU and RDMA transfers, NUMA "
+                "binding): engine containers drop every capability, and any other (SYS_ADMIN, NET_ADMIN, "
+                "SYS_PTRACE...) is a step towards the node",
+                capability_items(field),
+            ),
+            Rule(
+                f".template.spec.{field}",
+                container_secret_cel(field),
+                f"spec.template.spec.{field}: env valueFrom.secretKeyRef and envFrom secretRef must not "
+                "refer to "
+                + MEMBERSHIP_SECRETS,
+                container_secret_items(field),
+            ),
+            Rule(
+                f".template.spec.{field}",
+                token_mount_cel(field),
+                f"spec.template.spec.{field}: only the engine container may mount the operator's volume "
+                f"{pt.V_TOKEN}: it holds the OmniStage's membership token, which makes its engines join and "
+                "leave",
+                token_mount_items(field),
+            ),
+        )
+    ),
     Rule(
         ".template.spec.volumes",
         # The operator's allow-list, which the API server cannot see; a check of each volume's path
         # in CEL (up to 256 volumes) would cost past the API server's budget for the whole schema.
         None,
-        "spec.template.spec.volumes may mount only host directories (hostPath) the operator's administrator allows "
-        f"({ALLOWED_HOST_PATHS_ENV} of the operator: `omnistage run --allowed-host-paths`, the chart value "
-        "allowedHostPaths; none by default), each a plain absolute path other than / without '.' or '..' segments "
-        "or '//': any other node directory (the container runtime's socket, /etc, the kubelet's files) is a way "
-        "onto the node; bring the weights with spec.modelVolume (a PersistentVolumeClaim, or an allowed directory)",
+        "spec.template.spec.volumes may mount only host directories (hostPath) the operator's administrator "
+        f"allows ({ALLOWED_HOST_PATHS_ENV} of the operator: `omnistage run --allowed-host-paths`, the chart "
+        "value allowedHostPaths; none by default), each a plain absolute path other than / without '.' or "
+        "'..' segments or '//': any other node directory (the container runtime's socket, /etc, the "
+        "kubelet's files) is a way onto the node; bring the weights with spec.modelVolume (a "
+        "PersistentVolumeClaim, or an allowed directory)",
         host_path_volume_items,
     ),
     Rule(
@@ -337,25 +381,36 @@ SPEC_RULES = [
     ),
     Rule(
         ".template.spec.volumes",
-        absent_or("template.spec.volumes", "self.template.spec.volumes.all(v, !(v.name in ["
-                  + ", ".join(f"'{v}'" for v in pt.OPERATOR_VOLUMES) + "]))"),
-        "spec.template.spec.volumes must not use the operator's volume names (" + ", ".join(pt.OPERATOR_VOLUMES)
+        absent_or(
+            "template.spec.volumes",
+            "self.template.spec.volumes.all(v, !(v.name in ["
+            + ", ".join(f"'{v}'" for v in pt.OPERATOR_VOLUMES)
+            + "]))",
+        ),
+        "spec.template.spec.volumes must not use the operator's volume names ("
+        + ", ".join(pt.OPERATOR_VOLUMES)
         + "): a volume of the same name would replace the deploy config, /dev/shm, the cache, the membership "
         "token or the model volume; name yours differently",
         owned_volume_items,
     ),
-    *(Rule(
-        f".template.spec.{field}",
-        "!(" + present(f"template.spec.{field}") + ")",
-        f"spec.template.spec.{field} {why}",
-        set_pod_field_items(field),
-    ) for field, why in UNSET_POD_FIELDS.items()),
-    *(Rule(
-        f".template.spec.{field}",
-        absent_or(f"template.spec.{field}", f"!self.template.spec.{field}"),
-        f"spec.template.spec.{field} must not be true: {why}",
-        true_pod_field_items(field),
-    ) for field, why in HOST_NAMESPACES.items()),
+    *(
+        Rule(
+            f".template.spec.{field}",
+            "!(" + present(f"template.spec.{field}") + ")",
+            f"spec.template.spec.{field} {why}",
+            set_pod_field_items(field),
+        )
+        for field, why in UNSET_POD_FIELDS.items()
+    ),
+    *(
+        Rule(
+            f".template.spec.{field}",
+            absent_or(f"template.spec.{field}", f"!self.template.spec.{field}"),
+            f"spec.template.spec.{field} must not be true: {why}",
+            true_pod_field_items(field),
+        )
+        for field, why in HOST_NAMESPACES.items()
+    ),
     Rule(
         ".template.spec.priorityClassName",
         system_priority_cel(),
@@ -364,7 +419,9 @@ SPEC_RULES = [
     ),
     Rule(
         ".template.spec.nodeSelector",
-        absent_or("template.spec.nodeSelector", "!(self.gpu.productLabel in self.template.spec.nodeSelector)"),
+        absent_or(
+            "template.spec.nodeSelector", "!(self.gpu.productLabel in self.template.spec.nodeSelector)"
+        ),
         "spec.template.spec.nodeSelector must not set the GPU product label (spec.gpu.productLabel): "
         "use spec.gpu.product",
         product_selector_items,
@@ -372,8 +429,10 @@ SPEC_RULES = [
     Rule(
         ".placement",
         placement_conflict_cel(),
-        "spec.placement and spec.template.spec must not both set " + ", ".join(PLACEMENT_EXCLUSIVE.values())
-        + ": Kubernetes does not merge these, so the template's would replace the placement's; set each in one place",
+        "spec.placement and spec.template.spec must not both set "
+        + ", ".join(PLACEMENT_EXCLUSIVE.values())
+        + ": Kubernetes does not merge these, so the template's would replace the placement's; set each in "
+          "one place",
         placement_conflict_items,
     ),
 ]
@@ -391,7 +450,9 @@ def _pydantic_problems(err: ValidationError) -> list[tuple[str, str]]:
     out = []
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"])
-        extra = f" (got {e['input']!r})" if e["type"] != "missing" and not isinstance(e["input"], dict) else ""
+        extra = (
+            f" (got {e['input']!r})" if e["type"] != "missing" and not isinstance(e["input"], dict) else ""
+        )
         out.append((f"spec.{path}" if path else "spec", f"{e['msg']}{extra}"))
     return out
 

@@ -105,14 +105,22 @@ class RestoreLabels:
 
 
 @dataclass(frozen=True)
-class OnOtherHead:
-    """A head change's other set (Observed.other) decided these: its own head answers their
-    membership calls (joins at the successor, leaves at the old head)."""
+class BesideServing:
+    """During a head change, the set beside the serving one (Observed.other) decided these: its own
+    head answers their membership calls. One of the two below, by that set's role."""
     actions: tuple[Action, ...]
 
 
+class OnSuccessor(BesideServing):
+    """Surging: the successor head's set decided these (its joins go to the successor)."""
+
+
+class OnPredecessor(BesideServing):
+    """Draining: the old head's set decided these (its leaves go to the old head)."""
+
+
 Action = (PostEvent | EnsureChild | CreatePod | DeletePod | Annotate | SetRole | RestoreLabels | StartLeave
-          | LeaveDeparted | Join | MarkJoined | OnOtherHead)
+          | LeaveDeparted | Join | MarkJoined | OnSuccessor | OnPredecessor)
 
 
 # ---- observation ---------------------------------------------------------------------------------

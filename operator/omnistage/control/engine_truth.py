@@ -17,19 +17,10 @@ from ..api.conditions import Reason
 
 # What to run when the report disagrees (said in the Warning Event and the condition).
 SUPPORTED_ENGINE = "vllm 0.30.0 and vllm-omni 0.30.0 with this operator's omnistage-engine-patches plugin"
-PLUGIN_ADVICE = (f"use an engine image with {SUPPORTED_ENGINE} installed, and keep {contract.GENERAL_PLUGIN} and "
-                 f"{contract.ENDPOINT_PLUGIN} in {contract.VLLM_PLUGINS_ENV}")
-
-# The mode the report names for each effective cache mode the operator resolves.
-_EXPECTED_FRONTEND = {
-    contract.CACHE_PROCESSOR_ONLY: contract.CACHE_PROCESSOR_ONLY,
-    contract.CACHE_REPLICA_AWARE: contract.CACHE_REPLICA_AWARE,
-    contract.CACHE_LRU: contract.CACHE_LRU,
-    contract.CACHE_SHM: contract.CACHE_SHM,
-    contract.CACHE_DISABLED: contract.CACHE_NONE,
-    contract.CACHE_NOT_APPLICABLE: contract.CACHE_NONE,
-}
-
+PLUGIN_ADVICE = (
+    f"use an engine image with {SUPPORTED_ENGINE} installed, and keep {contract.GENERAL_PLUGIN} and "
+    f"{contract.ENDPOINT_PLUGIN} in {contract.VLLM_PLUGINS_ENV}"
+)
 
 @dataclass(frozen=True)
 class Verdict:
@@ -46,11 +37,8 @@ def required_patches(effective_mode: str, distributed: bool) -> list[str]:
     scoping must not write replica keys into callers' prompts (defect 2), and the membership
     hooks hold unjoined replicas unroutable and serve join/leave.
     """
-    needed = {
-        contract.CACHE_PROCESSOR_ONLY: [contract.FRONTEND_CACHE],
-        # the processor-only frontend, plus the per-replica dispatch on top of it
-        contract.CACHE_REPLICA_AWARE: [contract.FRONTEND_CACHE, contract.REPLICA_AWARE_CACHE],
-    }.get(effective_mode, [])
+    record = contract.CACHE_MODES.get(effective_mode)
+    needed = list(record.patches) if record is not None else []
     if distributed:
         needed += [contract.UUID_SCOPE, contract.MEMBERSHIP]
     return needed
@@ -86,13 +74,17 @@ def check(effective_mode: str, distributed: bool, report: dict[str, Any] | None,
         return Verdict(False, Reason.PATCH_NOT_APPLIED,
                        f"engine patches not in effect: {'; '.join(broken)}. The head runs {_engine(report)}; "
                        f"{PLUGIN_ADVICE}")
-    expected = _EXPECTED_FRONTEND.get(effective_mode)
+    record = contract.CACHE_MODES.get(effective_mode)
+    expected = record.reports if record is not None else None
     actual = frontend.get("mode")
     if actual != expected:
-        return Verdict(False, Reason.CACHE_MISMATCH,
-                       f"status.effectiveCacheMode is {effective_mode} but the head's stage-0 frontend built "
-                       f"{frontend.get('cacheClass') or 'no cache'} ({actual}); the head runs {_engine(report)}. "
-                       f"{PLUGIN_ADVICE}")
+        return Verdict(
+            False,
+            Reason.CACHE_MISMATCH,
+            f"status.effectiveCacheMode is {effective_mode} but the head's stage-0 frontend built "
+            f"{frontend.get('cacheClass') or 'no cache'} ({actual}); the head runs {_engine(report)}. "
+            f"{PLUGIN_ADVICE}",
+        )
     built = frontend.get("cacheClass") or "no multimodal cache"
     return Verdict(True, Reason.CONSISTENT, f"the head's stage-0 frontend runs {built} ({effective_mode}); "
                                        f"{_engine(report)}")
@@ -111,6 +103,8 @@ def summary(report: dict[str, Any] | None) -> dict[str, Any] | None:
         "distributed": report.get("distributed"),
         "frontendCacheClass": frontend.get("cacheClass"),
         "frontendCacheMode": frontend.get("mode"),
-        "patches": {name: str((p or {}).get("outcome")) for name, p in sorted((report.get("patches") or {}).items())},
+        "patches": {
+            name: str((p or {}).get("outcome")) for name, p in sorted((report.get("patches") or {}).items())
+        },
     }
     return {k: v for k, v in out.items() if v is not None}

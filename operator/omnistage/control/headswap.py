@@ -13,7 +13,7 @@ and a new head serves only once it has loaded the model. So, when spec.rollout a
      the new set grows into the GPUs they free (never more than replicas + maxSurge pods in all),
      and the old head is deleted once they are gone; its preStop hook waits for what it accepted.
 
-Each set is a plan.Pass of its own (its head, its replicas, what its head said), so every rule of
+Each set is a state.Pass of its own (its head, its replicas, what its head said), so every rule of
 a pass holds in both; this module only says how many replicas each gets and when the labels move.
 Without a surge (maxSurge 0, a multi-stage pipeline, a head that serves nothing anyway) or when
 the successor finds no node (no GPU free for a second head), the head is replaced in place as
@@ -22,36 +22,14 @@ before, and RolloutSurge says so one pass before the old head is deleted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import StrEnum
-from typing import TYPE_CHECKING
-
 from ..api.conditions import Cond, EventReason, Progress, Reason, Type
 from ..api.conditions import get as condition
 from ..names import ROLE_HEAD, ROLE_NEXT_HEAD, ROLE_OLD_HEAD
 from ..render import render_head_pod
 from ..render.pods import head_pod_name
 from . import pods
-from .actions import CreatePod, OnOtherHead, SetRole
-
-if TYPE_CHECKING:
-    from .plan import Pass
-
-
-class Phase(StrEnum):
-    SURGING = "surging"  # the successor starts beside the serving head
-    DRAINING = "draining"  # the Services moved; the old head's set drains
-
-
-@dataclass
-class Swap:
-    phase: Phase
-    other: Pass  # the successor's set while surging, the old head's while draining
-    first: int = 0  # replicas the successor gets before the Services move
-
-
-def outdated(p: Pass) -> bool:
-    return p.head is not None and pods.template_hash(p.head) != pods.template_hash(p.want_head)
+from .actions import CreatePod, OnPredecessor, OnSuccessor, SetRole
+from .state import Pass, Phase, Swap, outdated
 
 
 def in_place_why(p: Pass) -> str | None:
@@ -67,10 +45,10 @@ def in_place_why(p: Pass) -> str | None:
 
 
 def begin(p: Pass) -> None:
-    """Before the active set's steps: start, follow or give up a head change (p.swap, p.keep_head)."""
-    t, head, other = p.t, p.head, p.o.other
-    successor = other.head if other is not None else None
-    if successor is None:
+    """Before the serving set's steps: start, follow or give up a head change (p.change)."""
+    t, head, beside = p.t, p.head, p.o.other
+    second = beside.head if beside is not None else None  # the successor, or the predecessor
+    if second is None:
         if head is None or pods.terminating(head) or pods.terminal(head) or not outdated(p):
             return
         why = in_place_why(p)
@@ -78,28 +56,36 @@ def begin(p: Pass) -> None:
             _in_place(p, why, Reason.HEAD_IN_PLACE)
             return
         name = head_pod_name(t, pods.template_hash(p.want_head))
-        p.actions.append(CreatePod(render_head_pod(t, name, ROLE_NEXT_HEAD), EventReason.CREATED_HEAD,
-                                   f"created head pod {{pod}} beside {pods.name(head)}: the Services move to it "
-                                   "once it serves"))
-        p.emit("Normal", Progress.SURGING_HEAD, f"head pod {pods.name(head)}'s template changed: starting {name} "
-               f"beside it (spec.rollout.maxSurge {t.spec.rollout.max_surge})")
+        p.actions.append(
+            CreatePod(
+                render_head_pod(t, name, ROLE_NEXT_HEAD),
+                EventReason.CREATED_HEAD,
+                f"created head pod {{pod}} beside {pods.name(head)}: the Services move to it once it serves",
+            )
+        )
+        p.emit(
+            "Normal",
+            Progress.SURGING_HEAD,
+            f"head pod {pods.name(head)}'s template changed: starting {name} "
+            f"beside it (spec.rollout.maxSurge {t.spec.rollout.max_surge})",
+        )
         p.progressing.append(Progress.SURGING_HEAD)
-        p.keep_head = True
+        p.change.keep_head = True
         return
-    # The other set is a pass of its own; its head is compared with the same rendered template.
-    q = type(p)(t, other, p.at, want_head=p.want_head)
-    q.neighbours, p.neighbours = p.o.replicas, other.replicas  # replica names are shared
-    if pods.role(successor) in (ROLE_OLD_HEAD, ROLE_HEAD):
-        if pods.role(successor) == ROLE_HEAD:  # the move was cut off between its two patches: finish it
-            p.actions.append(SetRole(pods.name(successor), pods.uid(successor), ROLE_OLD_HEAD))
+    # The set beside is a pass of its own; its head is compared with the same rendered template.
+    q = Pass(t, beside, p.at, want_head=p.want_head)
+    q.change.neighbours, p.change.neighbours = p.o.replicas, beside.replicas  # replica names are shared
+    if pods.role(second) in (ROLE_OLD_HEAD, ROLE_HEAD):  # the predecessor: the Services moved to p's head
+        if pods.role(second) == ROLE_HEAD:  # the move was cut off between its two patches: finish it
+            p.actions.append(SetRole(pods.name(second), pods.uid(second), ROLE_OLD_HEAD))
         _draining(p, q)
         return
-    # A successor (ROLE_NEXT_HEAD).
+    successor = second  # ROLE_NEXT_HEAD
     if head is None or pods.terminating(head) or pods.terminal(head):
         # Nothing serves to hand over from (the old head died, or was replaced in place): the
         # successor is the head now.
         p.actions.append(SetRole(pods.name(successor), pods.uid(successor), ROLE_HEAD))
-        p.create_head = False
+        p.change.create_head = False
         return
     stuck = pods.unschedulable(successor)
     if stuck and not pods.terminating(successor):
@@ -108,98 +94,112 @@ def begin(p: Pass) -> None:
         _in_place(p, f"no node can take a second head ({pods.name(successor)}: {stuck})",
                   Reason.NO_CAPACITY_FOR_SURGE)
         return
-    p.keep_head = True
+    p.change.keep_head = True
     if pods.terminating(successor):
         return  # given up (its template changed again): the next pass starts a new one
     if pods.template_hash(successor) != pods.template_hash(p.want_head):
         p.delete(successor, Progress.SURGING_HEAD, f"deleted head pod {pods.name(successor)}: the template "
                  "changed again before it served")
         return
-    desired = t.spec.replicas - 1 if t.distributed else 0
-    q.replica_target = min(desired, t.spec.rollout.max_surge - 1)
-    p.swap = Swap(Phase.SURGING, q, q.replica_target)
+    desired = t.replica_pods
+    q.change.replica_target = min(desired, t.spec.rollout.max_surge - 1)
+    p.change.swap = Swap(Phase.SURGING, successor=q, first=q.change.replica_target)
     p.progressing.append(Progress.SURGING_HEAD)
 
 
 def _in_place(p: Pass, why: str, reason: Reason) -> None:
     """Today's path, said first: the head is deleted on the pass after the one whose status says so."""
-    p.in_place = (reason, why)
+    p.change.in_place = (reason, why)
     before = condition(p.previous, Type.ROLLOUT_SURGE)
     if before.get("reason") != reason or before.get("status") != "False":
-        p.emit("Warning", reason, f"replacing head pod {pods.name(p.head)} in place: {why}. Serving stops until "
-               "the new head and its replicas are up")
-        p.keep_head = True
+        p.emit(
+            "Warning",
+            reason,
+            f"replacing head pod {pods.name(p.head)} in place: {why}. Serving stops until "
+            "the new head and its replicas are up",
+        )
+        p.change.keep_head = True
 
 
-def _draining(p: Pass, q: Pass) -> None:
+def _draining(p: Pass, predecessor: Pass) -> None:
     t = p.t
-    q.replica_target = 0
-    p.keep_head = True  # the next head change waits until this one is done
-    old_pods = (0 if pods.terminating(q.head) else 1) + len(q.o.replicas)
-    desired = t.spec.replicas - 1 if t.distributed else 0
+    predecessor.change.replica_target = 0
+    p.change.keep_head = True  # the next head change waits until this one is done
+    old_pods = (0 if pods.terminating(predecessor.head) else 1) + len(predecessor.o.replicas)
+    desired = t.replica_pods
     # The new set grows into the GPUs the old one frees: never more than replicas + maxSurge pods.
-    p.replica_target = max(0, min(desired, desired + t.spec.rollout.max_surge - old_pods))
-    p.swap = Swap(Phase.DRAINING, q)
+    p.change.replica_target = max(0, min(desired, desired + t.spec.rollout.max_surge - old_pods))
+    p.change.swap = Swap(Phase.DRAINING, predecessor=predecessor)
     p.progressing.append(Progress.MOVED_SERVICE)
 
 
-def run(p: Pass) -> None:
-    """After the active set's steps: the other set's own (its membership, its replicas), then the
+def finish(p: Pass) -> None:
+    """After both sets' steps (plan.py runs the other set's): its actions wrapped for act, then the
     Services' move (surging) or the old head's deletion (draining)."""
-    from . import rollout
-
-    if p.swap is None:
-        return
-    q = p.swap.other
-    q.engine_report()
-    q.membership_read()
-    rollout.retire_stale(q)
-    rollout.scale(q)
-    q.sync_membership()
-    q.mark_joined()
-    if q.actions:
-        p.actions.append(OnOtherHead(tuple(q.actions)))
-        q.actions = []
-    if p.swap.phase == Phase.SURGING and serves(q, p.swap.first):
-        joined = sum(1 for r in q.live(None) if q.serves(r))
-        p.actions += [SetRole(pods.name(q.head), pods.uid(q.head), ROLE_HEAD),
+    swap = p.change.swap
+    beside = swap.beside
+    if beside.actions:
+        wrap = OnSuccessor if swap.phase == Phase.SURGING else OnPredecessor
+        p.actions.append(wrap(tuple(beside.actions)))
+        beside.actions = []
+    successor, predecessor = swap.successor, swap.predecessor
+    if successor is not None and serves(successor, swap.first):
+        joined = sum(1 for r in successor.live(None) if successor.serves(r))
+        p.actions += [SetRole(pods.name(successor.head), pods.uid(successor.head), ROLE_HEAD),
                       SetRole(pods.name(p.head), pods.uid(p.head), ROLE_OLD_HEAD)]
         p.emit("Normal", Progress.MOVED_SERVICE, f"Services moved from head pod {pods.name(p.head)} to "
-               f"{pods.name(q.head)} ({joined} of its replicas joined); draining {pods.name(p.head)} and its "
-               f"{len(p.live(None))} replicas")
+               f"{pods.name(successor.head)} ({joined} of its replicas joined); draining {pods.name(p.head)} "
+               f"and its {len(p.live(None))} replicas")
         p.progressing.append(Progress.MOVED_SERVICE)
-    elif p.swap.phase == Phase.DRAINING and not q.o.replicas and not pods.terminating(q.head):
-        p.delete(q.head, Progress.RETIRED_HEAD, f"deleted head pod {pods.name(q.head)}: the Services moved to "
-                 f"{pods.name(p.head) if p.head else 'its successor'} and its replicas left")
+    elif predecessor is not None and not predecessor.o.replicas and not pods.terminating(predecessor.head):
+        p.delete(
+            predecessor.head,
+            Progress.RETIRED_HEAD,
+            f"deleted head pod {pods.name(predecessor.head)}: the Services moved to "
+            f"{pods.name(p.head) if p.head else 'its successor'} and its replicas left",
+        )
 
 
-def serves(q: Pass, first: int) -> bool:
+def serves(successor: Pass, first: int) -> bool:
     """The successor can take the Services: Ready, its cache guarantee held, `first` replicas joined."""
-    if not q.head_talks() or (q.verdict is not None and not q.verdict.consistent):
+    if not successor.head_talks() or (successor.verdict is not None and not successor.verdict.consistent):
         return False
-    return sum(1 for r in q.live(None) if q.serves(r)) >= first
+    return sum(1 for r in successor.live(None) if successor.serves(r)) >= first
 
 
 def describe(p: Pass) -> Cond | None:
     """RolloutSurge while a head change runs (None: none runs)."""
     bounds = f"maxSurge {p.t.spec.rollout.max_surge}"
-    if p.in_place is not None:
-        reason, why = p.in_place
-        return Cond(Type.ROLLOUT_SURGE, False, reason, f"head pod {pods.name(p.head)} is replaced in place: {why}; "
-                    "serving stops until the new head and its replicas are up")
-    if p.swap is None:
-        if p.keep_head and outdated(p):
-            return Cond(Type.ROLLOUT_SURGE, True, Reason.SURGING, f"head change: starting a successor beside "
+    if p.change.in_place is not None:
+        reason, why = p.change.in_place
+        return Cond(
+            Type.ROLLOUT_SURGE,
+            False,
+            reason,
+            f"head pod {pods.name(p.head)} is replaced in place: {why}; "
+            "serving stops until the new head and its replicas are up",
+        )
+    if p.change.swap is None:
+        if p.change.keep_head and outdated(p):
+            return Cond(Type.ROLLOUT_SURGE, True, Reason.SURGING, "head change: starting a successor beside "
                         f"{pods.name(p.head)}; the Services move to it once it serves ({bounds})")
         return None
-    q = p.swap.other
-    if p.swap.phase == Phase.SURGING:
-        joined = sum(1 for r in q.live(None) if q.serves(r))
-        return Cond(Type.ROLLOUT_SURGE, True, Reason.SURGING,
-                    f"head change: {pods.name(q.head)} starts beside {pods.name(p.head)} "
-                    f"(Ready: {pods.ready(q.head)}, {joined}/{p.swap.first} of its first replicas joined); the "
-                    f"Services move to it once it serves ({bounds})")
-    return Cond(Type.ROLLOUT_SURGE, True, Reason.SURGING,
-                f"head change: the Services moved to {pods.name(p.head) if p.head else '?'}; the previous head "
-                f"{pods.name(q.head)} drains ({len(q.o.replicas)} replicas left), the new set grows into their "
-                f"GPUs ({bounds})")
+    successor, predecessor = p.change.swap.successor, p.change.swap.predecessor
+    if successor is not None:
+        joined = sum(1 for r in successor.live(None) if successor.serves(r))
+        return Cond(
+            Type.ROLLOUT_SURGE,
+            True,
+            Reason.SURGING,
+            f"head change: {pods.name(successor.head)} starts beside {pods.name(p.head)} (Ready: "
+            f"{pods.ready(successor.head)}, {joined}/{p.change.swap.first} of its first replicas joined); "
+            f"the Services move to it once it serves ({bounds})",
+        )
+    return Cond(
+        Type.ROLLOUT_SURGE,
+        True,
+        Reason.SURGING,
+        f"head change: the Services moved to {pods.name(p.head) if p.head else '?'}; the previous head "
+        f"{pods.name(predecessor.head)} drains ({len(predecessor.o.replicas)} replicas left), the new set "
+        f"grows into their GPUs ({bounds})",
+    )

@@ -44,7 +44,7 @@ from . import pods
 from .actions import DeletePod, RestoreLabels, Stray
 
 if TYPE_CHECKING:
-    from .plan import Pass
+    from .state import Pass
 
 # Every label the operator writes on an engine pod (render/common.labels); the others are the template's.
 OPERATOR_POD_LABELS = (*OPERATOR_LABELS, L_OMNISTAGE, L_COMPONENT, L_ROLE, L_POOL)
@@ -77,7 +77,9 @@ def sort_out(t: Target, owned: list[dict[str, Any]], pool_names: set[str]
             role = lost.get(pods.uid(pod)) or pods.role(pod) or ROLE_HEAD
         want = labels(t, role, pool)
         have = pod["metadata"].get("labels") or {}
-        fix: dict[str, str | None] = {k: want.get(k) for k in OPERATOR_POD_LABELS if have.get(k) != want.get(k)}
+        fix: dict[str, str | None] = {
+            k: want.get(k) for k in OPERATOR_POD_LABELS if have.get(k) != want.get(k)
+        }
         if fix:
             said = ", ".join(f"{k}={have[k]!r}" if k in have else f"{k} removed" for k in sorted(fix))
             strays.append(Stray(pod, fix, f"its labels were changed ({said})"))
@@ -95,8 +97,10 @@ def _what(t: Target, pod: dict[str, Any], pool_names: set[str]) -> tuple[str, st
     suffix = name.removeprefix(head_pod_name(t) + "-")
     if suffix != name and re.fullmatch(f"[0-9a-f]{{{HASH_SUFFIX}}}", suffix):
         if not (pods.template_hash(pod) or "").startswith(suffix):
-            return (f"its name {name} was made for a template hash starting {suffix}, and its annotation says "
-                    f"{(pods.template_hash(pod) or 'none')[:16]!r}: not the head the operator made")
+            return (
+                f"its name {name} was made for a template hash starting {suffix}, and its annotation says "
+                f"{(pods.template_hash(pod) or 'none')[:16]!r}: not the head the operator made"
+            )
         return ROLE_HEAD, None
     if re.fullmatch(re.escape(replica_pod_name(t, 0).removesuffix("0")) + "[1-9][0-9]{0,8}", name):
         return ROLE_REPLICA, None

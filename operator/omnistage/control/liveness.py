@@ -21,7 +21,7 @@ from ..api.statuses import MemberState
 from . import pods
 
 if TYPE_CHECKING:
-    from .plan import Pass
+    from .state import Pass
 
 
 def head_engine_problem(p: Pass) -> tuple[str, str] | None:
@@ -35,8 +35,10 @@ def head_engine_problem(p: Pass) -> tuple[str, str] | None:
     name = pods.name(p.head)
     if mm is not None and mm.get("coordinatorStatus") == contract.COORD_SILENT:
         return Reason.HEAD_ENGINE_SILENT, (
-            f"head pod {name}: its own stage-0 engine (replica {mm.get('replicaId')}) has sent no heartbeat for "
-            f"{mm.get('silentSeconds', '?')}s past the heartbeat timeout: not routed to until its heartbeats resume")
+            f"head pod {name}: its own stage-0 engine (replica {mm.get('replicaId')}) has sent no heartbeat "
+            f"for {mm.get('silentSeconds', '?')}s past the heartbeat timeout: not routed to until its "
+            "heartbeats resume"
+        )
     what = f"replica {mm.get('replicaId')}, {mm.get('state')}" if mm is not None else "not listed"
     return Reason.HEAD_ENGINE_GONE, (
         f"head pod {name}: its own stage-0 engine is gone ({what}): its liveness probe fails and the kubelet "
@@ -90,17 +92,25 @@ def announce(p: Pass) -> None:
         name, was = pods.name(r), before.get(pods.name(r), {}).get("state")
         mm = silent(p, r)
         if mm is not None and was != MemberState.SILENT:
-            p.emit("Warning", EventReason.ENGINE_SILENT,
-                   f"replica pod {name} (stage-0 replica {mm.get('replicaId')}): no heartbeat past the heartbeat "
-                   f"timeout; the head routes nothing to it until its heartbeats resume")
+            p.emit(
+                "Warning",
+                EventReason.ENGINE_SILENT,
+                f"replica pod {name} (stage-0 replica {mm.get('replicaId')}): no heartbeat past the "
+                "heartbeat timeout; the head routes nothing to it until its heartbeats resume",
+            )
         elif mm is None and was == MemberState.SILENT and p.serves(r):
-            p.emit("Normal", EventReason.ENGINE_RESUMED, f"replica pod {name}: heartbeats resumed, serving again")
+            p.emit(
+                "Normal", EventReason.ENGINE_RESUMED, f"replica pod {name}: heartbeats resumed, serving again"
+            )
     problem = head_engine_problem(p)
     head_before = condition(p.previous, Type.HEAD_READY)
     if problem is not None and head_before.get("reason") != problem[0]:
         p.emit("Warning", problem[0], problem[1])
     elif problem is None and head_before.get("reason") == Reason.HEAD_ENGINE_SILENT and p.head_serves():
-        p.emit("Normal", EventReason.ENGINE_RESUMED, f"head pod {pods.name(p.head)}: its own engine's heartbeats "
-               f"resumed, serving again")
+        p.emit(
+            "Normal",
+            EventReason.ENGINE_RESUMED,
+            f"head pod {pods.name(p.head)}: its own engine's heartbeats resumed, serving again",
+        )
     if p.scale_held and condition(p.previous, Type.MEMBERSHIP_SYNCED).get("message") != p.scale_held:
         p.emit("Warning", Reason.SCALE_DOWN_HELD, p.scale_held)

@@ -94,7 +94,9 @@ def head_uid(pod: dict[str, Any]) -> str | None:
 
 def restarts(pod: dict[str, Any]) -> int:
     """How often the pod's containers restarted (the kubelet's restartCount)."""
-    return sum(int(c.get("restartCount") or 0) for c in (pod.get("status") or {}).get("containerStatuses") or [])
+    return sum(
+        int(c.get("restartCount") or 0) for c in (pod.get("status") or {}).get("containerStatuses") or []
+    )
 
 
 def terminating(pod: dict[str, Any]) -> bool:
@@ -140,8 +142,10 @@ def answers(head: dict[str, Any]) -> bool:
         return True
     if terminating(head) or terminal(head):
         return False
-    return any(c.get("name") == ENGINE_CONTAINER and c.get("started") is True and "running" in (c.get("state") or {})
-               for c in (head.get("status") or {}).get("containerStatuses") or [])
+    return any(
+        c.get("name") == ENGINE_CONTAINER and c.get("started") is True and "running" in (c.get("state") or {})
+        for c in (head.get("status") or {}).get("containerStatuses") or []
+    )
 
 
 def containers_ready(pod: dict[str, Any]) -> bool:
@@ -157,7 +161,9 @@ def _true(pod: dict[str, Any], ctype: str) -> bool:
 
 def gated(pod: dict[str, Any]) -> bool:
     """The pod declares the joined readiness gate (replica and pool pods rendered since it exists)."""
-    return any(g.get("conditionType") == C_JOINED for g in (pod.get("spec") or {}).get("readinessGates") or [])
+    return any(
+        g.get("conditionType") == C_JOINED for g in (pod.get("spec") or {}).get("readinessGates") or []
+    )
 
 
 def joined_condition(pod: dict[str, Any]) -> bool:

@@ -75,39 +75,57 @@ def fit(t: Target | None, omnistage: str, objs: Iterable[Mapping[str, Any]]) -> 
     return out
 
 
-def _problem(t: Target | None, omnistage: str, pool: Pool, owner: Mapping[int, str]) -> tuple[str, str] | None:
+def _problem(
+    t: Target | None, omnistage: str, pool: Pool, owner: Mapping[int, str]
+) -> tuple[str, str] | None:
     if t is None:
-        return Reason.OMNISTAGE_NOT_FOUND, f"OmniStage {omnistage} does not exist in this namespace; fix spec.omniStage"
+        return (
+            Reason.OMNISTAGE_NOT_FOUND,
+            f"OmniStage {omnistage} does not exist in this namespace; fix spec.omniStage",
+        )
     ids = [s.id for s in t.spec.stages]
     if not ids:
-        return Reason.NOT_MULTI_STAGE, (f"OmniStage {omnistage} has no spec.stages (stage 0 runs in its own pods); "
-                                   "give it a multi-stage spec.pipeline and spec.stages, or delete this pool")
+        return Reason.NOT_MULTI_STAGE, (
+            f"OmniStage {omnistage} has no spec.stages (stage 0 runs in its own pods); "
+            "give it a multi-stage spec.pipeline and spec.stages, or delete this pool"
+        )
     unknown = [k for k in pool.spec.stage_ids if k not in ids]
     if unknown:
-        return Reason.UNKNOWN_STAGE, (f"OmniStage {omnistage} has no stage {', '.join(map(str, unknown))} in spec.stages "
-                                 f"(its stages after stage 0: {', '.join(map(str, ids))}); fix spec.stageIds")
+        return Reason.UNKNOWN_STAGE, (
+            f"OmniStage {omnistage} has no stage {', '.join(map(str, unknown))} in spec.stages "
+            f"(its stages after stage 0: {', '.join(map(str, ids))}); fix spec.stageIds"
+        )
     taken = {k: owner[k] for k in pool.spec.stage_ids if k in owner}
     if taken:
-        return Reason.STAGE_IN_TWO_POOLS, ("stage " + ", ".join(f"{k} already runs in pool {p}" for k, p in taken.items())
-                                      + "; a stage belongs to exactly one pool: remove it from spec.stageIds")
+        return Reason.STAGE_IN_TWO_POOLS, (
+            "stage "
+            + ", ".join(f"{k} already runs in pool {p}" for k, p in taken.items())
+            + "; a stage belongs to exactly one pool: remove it from spec.stageIds"
+        )
     engines = {s.id: s.engine for s in t.spec.stages}
     need = max(engines[k].tensor_parallel_size or 1 for k in pool.spec.stage_ids)
     if pool.spec.gpu.count < need:
-        return Reason.TOO_FEW_GPUS, (f"spec.gpu.count {pool.spec.gpu.count} is less than the tensorParallelSize {need} of "
-                                "one of its stages (the stages of a pod share its GPUs from 0); raise spec.gpu.count")
+        return Reason.TOO_FEW_GPUS, (
+            f"spec.gpu.count {pool.spec.gpu.count} is less than the tensorParallelSize {need} of "
+            "one of its stages (the stages of a pod share its GPUs from 0); raise spec.gpu.count"
+        )
     shares = {k: memory_share(t, k) for k in pool.spec.stage_ids}
     if sum(shares.values()) > 1.0 + 1e-9:
         listed = ", ".join(f"stage {k} {v:g}" for k, v in shares.items())
         return Reason.GPU_MEMORY_OVERCOMMITTED, (
-            f"the stages of a pod share its GPUs from 0 and their gpuMemoryUtilization adds up to more than 1 ({listed}); "
-            f"lower spec.stages[].engine.gpuMemoryUtilization of OmniStage {omnistage}, or put the stages in separate pools")
+            "the stages of a pod share its GPUs from 0 and their gpuMemoryUtilization adds up to more than "
+            f"1 ({listed}); lower spec.stages[].engine.gpuMemoryUtilization of OmniStage {omnistage}, or put "
+            "the stages in separate pools"
+        )
     return None
 
 
 def memory_share(t: Target, stage_id: int) -> float:
     """A stage's gpu_memory_utilization: its spec.stages entry, else the pipeline's shipped config."""
     spec = next(s for s in t.spec.stages if s.id == stage_id).engine.gpu_memory_utilization
-    shipped = next(s for s in SHIPPED_DEPLOY[t.spec.pipeline]["config"]["stages"] if s["stage_id"] == stage_id)
+    shipped = next(
+        s for s in SHIPPED_DEPLOY[t.spec.pipeline]["config"]["stages"] if s["stage_id"] == stage_id
+    )
     return spec if spec is not None else shipped.get("gpu_memory_utilization", GPU_MEMORY_DEFAULT)
 
 

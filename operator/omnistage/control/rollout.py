@@ -21,7 +21,7 @@ from . import liveness, pods
 from .actions import DRAIN_DONE, DRAIN_FAILED, Annotate, CreatePod, MarkJoined, StartLeave
 
 if TYPE_CHECKING:
-    from .plan import Pass
+    from .state import Pass
 
 # Why a replica leaves, by the reason its `leaving` annotation records (the delete's Event says it).
 _WHY = {
@@ -75,8 +75,15 @@ def retire_stale(p: Pass) -> None:
             # A retirement decided earlier (this operator or one before a restart) is finished,
             # whatever happened to the spec since.
             reason = pods.annotation(r, A_LEAVING) or Progress.SCALED_DOWN
-            retire(p, r, drain if reason in (Progress.SCALED_DOWN, Progress.ROLLING_REPLICA, Progress.POOL_DELETED) else 0,
-                   reason, _why(p, reason, r))
+            retire(
+                p,
+                r,
+                drain
+                if reason in (Progress.SCALED_DOWN, Progress.ROLLING_REPLICA, Progress.POOL_DELETED)
+                else 0,
+                reason,
+                _why(p, reason, r),
+            )
         elif pods.pool(r) is not None and pods.pool(r) not in p.pool_of:
             retire(p, r, drain, Progress.POOL_DELETED, _why(p, Progress.POOL_DELETED, r))
         elif pods.head_uid(r) != head_uid:
@@ -93,15 +100,26 @@ def retire_stale(p: Pass) -> None:
         elif (mm := liveness.detached(p, r)) is not None:
             # The head dropped its engine (it said DOWN or died, or was silent for the coordinator's
             # 600 s) while the pod lives: replicas never register again, so a new pod does.
-            retire(p, r, 0, Progress.REPLACED_REPLICA, f"the head detached its engine (stage {mm.get('stage')} "
-                   f"replica {mm.get('replicaId')}): its process exited or its heartbeats stopped for good")
+            retire(
+                p,
+                r,
+                0,
+                Progress.REPLACED_REPLICA,
+                f"the head detached its engine (stage {mm.get('stage')} "
+                f"replica {mm.get('replicaId')}): its process exited or its heartbeats stopped for good",
+            )
         elif p.listing is not None and p.member_of(r) is not None and not pods.containers_ready(r):
             # Its container, not its Ready (that waits for the join): a replica the head
             # lists whose engine stopped answering.
             retire(p, r, 0, Progress.REPLACED_REPLICA, "it turned NotReady")
     if rolled:
-        p.emit("Warning", Progress.HEAD_RESTARTED, f"head engine restarted ({rolled[0]}); rolling every replica"
-               + (" and every pool pod" if p.t.spec.stages else "") + " bound to the engine before")
+        p.emit(
+            "Warning",
+            Progress.HEAD_RESTARTED,
+            f"head engine restarted ({rolled[0]}); rolling every replica"
+            + (" and every pool pod" if p.t.spec.stages else "")
+            + " bound to the engine before",
+        )
 
 
 # -- rollouts: surge first, then drain (spec.rollout)
@@ -122,7 +140,7 @@ def outdated(p: Pass, pool: Pool | None) -> list[dict[str, Any]]:
 
 def surge(p: Pass, pool: Pool | None) -> int:
     """Pods a roll of the group may run beyond its desired count (its replacements, made first)."""
-    if pool is None and p.replica_target == 0:
+    if pool is None and p.change.replica_target == 0:
         return 0  # a head change's old set is emptied, not rolled
     return min(p.t.spec.rollout.max_surge, len(outdated(p, pool)))
 
@@ -185,7 +203,7 @@ def _scale(p: Pass, pool: Pool | None, desired: int, why: str) -> None:
     # Pool pods too are created once the head has an IP, not once it is Ready: the head turns Ready
     # only after one replica of each remote stage registered.
     if len(staying) < desired + extra and p.head_live():
-        every = [r for r in p.o.replicas + p.neighbours if pods.pool(r) == name]
+        every = [r for r in p.o.replicas + p.change.neighbours if pods.pool(r) == name]
         for i in pods.free_indices(every, desired + extra - len(staying)):
             want = p.want_pool_pod(pool, i) if pool else p.want_replica(i)
             kind = "pool pod" if pool else "replica pod"

@@ -1,4 +1,4 @@
-"""What status says after a pass: built from the pass's decision (plan.Pass) through the API's
+"""What status says after a pass: built from the pass's decision (state.Pass) through the API's
 status models, so that status holds only keys the CRD schema has (the API server would prune any
 other without a word). Pure, like the plan: it reads the decision and writes nothing.
 
@@ -23,7 +23,7 @@ from ..render.common import Target, pool_selector
 from . import engine_truth, headswap, liveness, pods, pools, rollout
 
 if TYPE_CHECKING:
-    from .plan import Pass
+    from .state import Pass
 
 # The patches a stage pod's replica needs in effect: connector ports without the replica term, which
 # the head also assumes when it advertises a replica's sender endpoint (each pod binds its own).
@@ -60,23 +60,31 @@ def omnistage_status(p: Pass, generation: int | None, at: str) -> dict[str, Any]
     stages = stage_rows(p)
     conds = _conditions(p, engine_pods, ready_pods, joined, head_registered, stages)
     same_head = head is not None and (previous.get("head") or {}).get("uid") == pods.uid(head)
-    return _dump(statuses.OmniStageStatus(**_set(
-        observed_generation=generation,
-        replicas=len(engine_pods),
-        ready_replicas=len(ready_pods),
-        registered_replicas=(1 if head_registered else 0) + joined,
-        updated_replicas=updated,
-        selector=selector(t),
-        effective_cache_mode=str(t.cache.mode),
-        config_hash=pods.annotation(p.want_head, A_CONFIG_HASH),
-        engine_image=t.engine_image,
-        head=_head(p),
-        engine=engine_truth.summary(p.report) or (previous.get("engine") if same_head else None),
-        membership_epoch=(p.listing or {}).get("epoch", previous.get("membershipEpoch")),
-        members=members,
-        stages=[statuses.StageStatus(**{k: v for k, v in row.items() if k != "patchProblem"}) for row in stages] or None,
-        conditions=merge(previous.get("conditions", []), conds, generation, at),
-    )))
+    return _dump(
+        statuses.OmniStageStatus(
+            **_set(
+                observed_generation=generation,
+                replicas=len(engine_pods),
+                ready_replicas=len(ready_pods),
+                registered_replicas=(1 if head_registered else 0) + joined,
+                updated_replicas=updated,
+                selector=selector(t),
+                effective_cache_mode=str(t.cache.mode),
+                config_hash=pods.annotation(p.want_head, A_CONFIG_HASH),
+                engine_image=t.engine_image,
+                head=_head(p),
+                engine=engine_truth.summary(p.report) or (previous.get("engine") if same_head else None),
+                membership_epoch=(p.listing or {}).get("epoch", previous.get("membershipEpoch")),
+                members=members,
+                stages=[
+                    statuses.StageStatus(**{k: v for k, v in row.items() if k != "patchProblem"})
+                    for row in stages
+                ]
+                or None,
+                conditions=merge(previous.get("conditions", []), conds, generation, at),
+            )
+        )
+    )
 
 
 def _members(p: Pass, live: list[dict[str, Any]]) -> list[statuses.MemberStatus]:
@@ -97,9 +105,15 @@ def _members(p: Pass, live: list[dict[str, Any]]) -> list[statuses.MemberStatus]
         else:
             state = MemberState.PENDING  # scheduling, pulling, loading the model: not registered yet
         held = state == MemberState.JOINING and not p.verdict.consistent
-        out.append(statuses.MemberStatus(pod=pods.name(r), ip=pods.ip(r), replica_id=mm.get("replicaId") if mm else None,
-                                    state=str(state), **_set(
-                                        reason=f"{Type.CACHE_CONSISTENT}: {p.verdict.reason}" if held else None)))
+        out.append(
+            statuses.MemberStatus(
+                pod=pods.name(r),
+                ip=pods.ip(r),
+                replica_id=mm.get("replicaId") if mm else None,
+                state=str(state),
+                **_set(reason=f"{Type.CACHE_CONSISTENT}: {p.verdict.reason}" if held else None),
+            )
+        )
     return out
 
 
@@ -113,7 +127,7 @@ def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dic
               and mm.get("state") != contract.LEFT] if t.distributed else []
     problem = p.membership_problem or p.scale_held or (p.o.problems[0] if p.o.problems else None)
     desired = t.spec.replicas
-    replica_desired = t.spec.replicas - 1 if t.distributed else 0
+    replica_desired = t.replica_pods
     replicas_ready = sum(1 for r in live if p.serves(r, unread=True))  # a replica pod is Ready once joined
     # Synced: every replica whose engine runs is joined (their Ready follows the join).
     running = sum(1 for r in live if pods.containers_ready(r) and not pods.annotation(r, A_LEAVING)
@@ -122,28 +136,60 @@ def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dic
     synced = read and problem is None and joined == running and head_registered and len(others) == joined
     every_pod = engine_pods + [r for r in p.live() if pods.pool(r) is not None]
     unschedulable = [f"{pods.name(x)}: {pods.unschedulable(x)}" for x in every_pod if pods.unschedulable(x)]
-    exited = [f"{pods.name(x)}: engine exited ({x['status'].get('phase')})" for x in every_pod if pods.terminal(x)]
+    exited = [
+        f"{pods.name(x)}: engine exited ({x['status'].get('phase')})" for x in every_pod if pods.terminal(x)
+    ]
     refused = [f"the API server refused {why}" for why in p.o.refused[:MOST_REFUSED]] + (
         [f"and {len(p.o.refused) - MOST_REFUSED} more children"] if len(p.o.refused) > MOST_REFUSED else [])
     replicas_available = replicas_ready == replica_desired and len(live) == replica_desired
     registered = (1 if head_registered else 0) + joined
     verdict = p.verdict
     conds = [
-        Cond(Type.CONFIG_RENDERED, True, Reason.RENDERED,
-             f"effective stage-0 cache mode {t.cache.mode}: {t.cache.reason}"),
-        Cond(Type.HEAD_READY, head_ready, head_engine[0] if head_engine else (
-             Reason.HEAD_READY if head_ready else (Reason.HEAD_PENDING if p.head_staying() else Reason.NO_HEAD)),
-             head_engine[1] if head_engine else (f"head pod {pods.name(head)}" if head else "no head pod")),
-        Cond(Type.REPLICAS_AVAILABLE, replicas_available,
-             Reason.ALL_AVAILABLE if replicas_ready == replica_desired else Reason.UNAVAILABLE,
-             f"{replicas_ready}/{replica_desired} replica pods serving"),
-        Cond(Type.MEMBERSHIP_SYNCED, synced, Reason.SYNCED if synced else (
-             Reason.SCALE_DOWN_HELD if problem and problem == p.scale_held else Reason.NOT_SYNCED),
-             problem or (f"{registered}/{desired} replicas registered" if read else "membership not read yet")),
+        Cond(
+            Type.CONFIG_RENDERED,
+            True,
+            Reason.RENDERED,
+            f"effective stage-0 cache mode {t.cache.mode}: {t.cache.reason}",
+        ),
+        Cond(
+            Type.HEAD_READY,
+            head_ready,
+            head_engine[0]
+            if head_engine
+            else (
+                Reason.HEAD_READY
+                if head_ready
+                else (Reason.HEAD_PENDING if p.head_staying() else Reason.NO_HEAD)
+            ),
+            head_engine[1] if head_engine else (f"head pod {pods.name(head)}" if head else "no head pod"),
+        ),
+        Cond(
+            Type.REPLICAS_AVAILABLE,
+            replicas_available,
+            Reason.ALL_AVAILABLE if replicas_ready == replica_desired else Reason.UNAVAILABLE,
+            f"{replicas_ready}/{replica_desired} replica pods serving",
+        ),
+        Cond(
+            Type.MEMBERSHIP_SYNCED,
+            synced,
+            Reason.SYNCED
+            if synced
+            else (Reason.SCALE_DOWN_HELD if problem and problem == p.scale_held else Reason.NOT_SYNCED),
+            problem or (f"{registered}/{desired} replicas registered" if read else "membership not read yet"),
+        ),
         Cond(Type.CACHE_CONSISTENT, verdict.consistent, verdict.reason, verdict.message),
-        Cond(Type.REPLICA_FAILURE, bool(refused or unschedulable or exited), Reason.CHILD_REFUSED if refused
-             else Reason.UNSCHEDULABLE if unschedulable else Reason.ENGINE_EXITED if exited else Reason.NO_FAILURE,
-             "; ".join(refused + unschedulable + exited)),
+        Cond(
+            Type.REPLICA_FAILURE,
+            bool(refused or unschedulable or exited),
+            Reason.CHILD_REFUSED
+            if refused
+            else Reason.UNSCHEDULABLE
+            if unschedulable
+            else Reason.ENGINE_EXITED
+            if exited
+            else Reason.NO_FAILURE,
+            "; ".join(refused + unschedulable + exited),
+        ),
     ]
     conds.append(rollout_condition(p))
     stages_ready = all(row["registered"] == row["desired"] == row["ready"] and row["desired"] > 0
@@ -152,11 +198,16 @@ def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dic
         conds += stage_conditions(p, stages)
     progressing = bool(p.progressing) or len(engine_pods) != desired or len(ready_pods) != desired \
         or any(row["ready"] != row["desired"] for row in stages)
-    conds.append(Cond(Type.PROGRESSING, progressing, ",".join(sorted(set(p.progressing))) or
-                      (Reason.CONVERGING if progressing else Reason.STABLE),
-                      f"{len(engine_pods)}/{desired} engine pods, {len(ready_pods)} ready"
-                      + "".join(f"; stage {row['id']}: {row['ready']}/{row['desired']} pods ready" for row in stages)))
-    conds.append(ready(head_ready, replicas_available, synced, True, verdict.consistent, stages_ready))
+    conds.append(
+        Cond(
+            Type.PROGRESSING,
+            progressing,
+            ",".join(sorted(set(p.progressing))) or (Reason.CONVERGING if progressing else Reason.STABLE),
+            f"{len(engine_pods)}/{desired} engine pods, {len(ready_pods)} ready"
+            + "".join(f"; stage {row['id']}: {row['ready']}/{row['desired']} pods ready" for row in stages),
+        )
+    )
+    conds.append(ready(head_ready, replicas_available, synced, verdict.consistent, stages_ready))
     return conds
 
 
@@ -177,17 +228,30 @@ def rollout_condition(p: Pass) -> Cond:
     outdated = [pods.name(r) for r in p.live() if p.want(r) is not None
                 and pods.template_hash(r) != pods.template_hash(p.want(r))] if p.head_live() else []
     if not outdated:
-        return Cond(Type.ROLLOUT_SURGE, True, Reason.NOT_ROLLING, "every replica and pool pod runs the current template")
+        return Cond(
+            Type.ROLLOUT_SURGE,
+            True,
+            Reason.NOT_ROLLING,
+            "every replica and pool pod runs the current template",
+        )
     r = p.t.spec.rollout
     bounds = f"maxSurge {r.max_surge}, maxUnavailable {r.max_unavailable}"
     blocked = "; ".join(filter(None, (rollout.surge_blocked(p, pool) for pool, _ in rollout.groups(p))))
     if blocked:
-        return Cond(Type.ROLLOUT_SURGE, False, Reason.NO_CAPACITY_FOR_SURGE,
-                    f"{len(outdated)} pods to roll; no GPU is free for a surge pod ({blocked}): rolling one pod at a "
-                    f"time, each drained before its replacement can start and the next only once that one "
-                    f"joined ({bounds})")
-    return Cond(Type.ROLLOUT_SURGE, True, Reason.SURGING,
-                f"{len(outdated)} pods to roll: replacements join before outdated pods are drained ({bounds})")
+        return Cond(
+            Type.ROLLOUT_SURGE,
+            False,
+            Reason.NO_CAPACITY_FOR_SURGE,
+            f"{len(outdated)} pods to roll; no GPU is free for a surge pod ({blocked}): rolling one pod at a "
+            f"time, each drained before its replacement can start and the next only once that one "
+            f"joined ({bounds})",
+        )
+    return Cond(
+        Type.ROLLOUT_SURGE,
+        True,
+        Reason.SURGING,
+        f"{len(outdated)} pods to roll: replacements join before outdated pods are drained ({bounds})",
+    )
 
 
 def _head(p: Pass) -> statuses.HeadStatus | None:
@@ -225,7 +289,7 @@ def stage_rows(p: Pass) -> list[dict[str, Any]]:
 
 
 def stage_conditions(p: Pass, rows: list[dict[str, Any]]) -> list[Cond]:
-    """StagesCovered and StagesReady (the plan announces them when they turn bad: plan.Pass.announce)."""
+    """StagesCovered and StagesReady (the plan announces them when they turn bad: stages.announce)."""
     uncovered = [row["id"] for row in rows if "pool" not in row]
     refused = "".join(f"; pool {f.name}: {f.problem[1]}" for f in p.pools if f.problem)
     if uncovered:
@@ -235,15 +299,25 @@ def stage_conditions(p: Pass, rows: list[dict[str, Any]]) -> list[Cond]:
     else:
         covered = Cond(Type.STAGES_COVERED, True, Reason.ALL_COVERED,
                        "; ".join(f"stage {row['id']}: pool {row['pool']}" for row in rows) + refused)
-    waiting = [f"stage {row['id']}: {row['registered']}/{row['desired']} registered, {row['ready']} ready"
-               for row in rows if not (row["registered"] == row["desired"] == row["ready"] and row["desired"])]
+    waiting = [
+        f"stage {row['id']}: {row['registered']}/{row['desired']} registered, {row['ready']} ready"
+        for row in rows
+        if not (row["registered"] == row["desired"] == row["ready"] and row["desired"])
+    ]
     broken = [f"stage {row['id']}: {row['patchProblem']}" for row in rows if row.get("patchProblem")]
     if broken:
         return [covered, Cond(Type.STAGES_READY, False, Reason.PATCH_NOT_APPLIED,
                               "; ".join(broken) + f". {engine_truth.PLUGIN_ADVICE}")]
     stages_ready = not waiting
-    return [covered, Cond(Type.STAGES_READY, stages_ready, Reason.ALL_STAGES_SERVING if stages_ready else Reason.WAITING,
-                          "; ".join(waiting) or "every stage's replicas are joined on the head")]
+    return [
+        covered,
+        Cond(
+            Type.STAGES_READY,
+            stages_ready,
+            Reason.ALL_STAGES_SERVING if stages_ready else Reason.WAITING,
+            "; ".join(waiting) or "every stage's replicas are joined on the head",
+        ),
+    ]
 
 
 def merged_outcomes(reports: list[dict[str, str]]) -> dict[str, str]:
@@ -260,8 +334,13 @@ def merged_outcomes(reports: list[dict[str, str]]) -> dict[str, str]:
 def stage_patch_problem(reports: Mapping[str, dict[str, str] | None]) -> str | None:
     """Which pods run a stage replica without a patch a stage pod needs (None: every reporting pod
     has them; a replica that sent no report, an older plugin, is not judged)."""
-    bad = sorted(f"{name} {report[name]} in {pod}" for pod, report in reports.items() if report
-                 for name in STAGE_POD_PATCHES if report.get(name, contract.SKIPPED) not in contract.EFFECTIVE_OUTCOMES)
+    bad = sorted(
+        f"{name} {report[name]} in {pod}"
+        for pod, report in reports.items()
+        if report
+        for name in STAGE_POD_PATCHES
+        if report.get(name, contract.SKIPPED) not in contract.EFFECTIVE_OUTCOMES
+    )
     return ", ".join(bad) or None
 
 

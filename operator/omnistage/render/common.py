@@ -59,6 +59,12 @@ class Target:
         remote stages: the same rule as the cache mode's."""
         return bool(self.spec.stages) or membership_can_change(self.spec.membership, self.spec.replicas)
 
+    @property
+    def replica_pods(self) -> int:
+        """Stage-0 replica pods besides the head: spec.replicas counts engine pods, head included (the
+        head pod carries one), and a single engine that is not distributed runs in the head alone."""
+        return self.spec.replicas - 1 if self.distributed else 0
+
     def child_name(self, suffix: str) -> str:
         return f"{self.name}-{suffix}"
 

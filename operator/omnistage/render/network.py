@@ -31,10 +31,14 @@ NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 def render_api_service(t: Target) -> dict[str, Any]:
     """The OpenAI API of the head (not its membership port: the operator dials the head's pod IP)."""
     return {
-        "apiVersion": "v1", "kind": "Service", "metadata": metadata(t, t.name),
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(t, t.name),
         "spec": {
             "selector": selector_labels(t, ROLE_HEAD),
-            "ports": [{"name": "http", "port": t.spec.engine.http_port, "targetPort": "http", "protocol": "TCP"}],
+            "ports": [
+                {"name": "http", "port": t.spec.engine.http_port, "targetPort": "http", "protocol": "TCP"}
+            ],
         },
     }
 
@@ -68,8 +72,11 @@ def render_network_policy(t: Target) -> dict[str, Any]:
       the master token or the pod credential of the pod it asks about (contract.pod_credential).
     Nothing else reaches any engine pod."""
     def engines() -> dict[str, Any]:  # a fresh dict each time: one object twice would dump as a YAML alias
-        return {"matchLabels": {L_OMNISTAGE: t.name},
-                "matchExpressions": [{"key": L_COMPONENT, "operator": "In", "values": list(ENGINE_COMPONENTS)}]}
+        return {
+            "matchLabels": {L_OMNISTAGE: t.name},
+            "matchExpressions": [{"key": L_COMPONENT, "operator": "In", "values": list(ENGINE_COMPONENTS)}],
+        }
+
     operator = {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: t.operator_namespace}}}
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
@@ -106,7 +113,11 @@ def render_pod_credential(pod: dict[str, Any], master_token: str) -> dict[str, A
     name = meta["name"]
     labels = {k: v for k, v in (meta.get("labels") or {}).items() if k in (L_NAME, L_INSTANCE, L_MANAGED_BY,
                                                                          L_OMNISTAGE)}
-    out_meta: dict[str, Any] = {"name": credential_secret_name(name), "namespace": meta["namespace"], "labels": labels}
+    out_meta: dict[str, Any] = {
+        "name": credential_secret_name(name),
+        "namespace": meta["namespace"],
+        "labels": labels,
+    }
     if meta.get("ownerReferences"):
         out_meta["ownerReferences"] = [dict(ref) for ref in meta["ownerReferences"]]
     return {
@@ -125,7 +136,7 @@ def render_disruption_budget(t: Target, pool: Pool | None = None) -> dict[str, A
     which counts the head too (and is not a pool's count at all); a number needs no scale. The head
     is left out: a budget over one pod blocks every drain of its node (its drain is an outage until a
     new head and its replicas are up, whatever a budget says)."""
-    desired = pool.spec.replicas if pool else (t.spec.replicas - 1 if t.distributed else 0)
+    desired = pool.spec.replicas if pool else t.replica_pods
     budget = pool.spec.disruption_budget if pool else t.spec.disruption_budget
     return {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",

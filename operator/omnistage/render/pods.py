@@ -38,14 +38,7 @@ from ..names import (
     ROLE_POOL,
     ROLE_REPLICA,
 )
-from .common import (
-    Pool,
-    Target,
-    config_hash,
-    content_hash,
-    labels,
-    metadata,
-)
+from .common import Pool, Target, config_hash, content_hash, labels, metadata
 from .config import CONFIG_PATH, deploy_yaml
 from .stages import transport
 
@@ -66,7 +59,7 @@ VLLM_PLUGINS = f"vllm_omni_register_models,{contract.GENERAL_PLUGIN},{contract.E
 STAGE_SUPERVISOR = ["python3", "-m", "omnistage_engine_patches.stages"]
 PRESTOP = ["python3", "-m", "omnistage_engine_patches.prestop"]
 # What an engine pod's grace period leaves after the drain for vLLM's own shutdown; a pod deleted by
-# someone else is drained for what remains of its grace minus this (plan.Pass.sync_membership).
+# someone else is drained for what remains of its grace minus this (control/membership.sync).
 SHUTDOWN_SECONDS = 30
 # UCX over TCP unless the transport's env says otherwise: sm and self for the stages sharing a pod.
 UCX_TLS_TCP = "tcp,sm,self"
@@ -171,7 +164,8 @@ def _replica_args(t: Target, head_ip: str) -> list[str]:
     e = t.spec.engine
     return ["serve", t.spec.model, "--omni", "--headless", "--deploy-config", CONFIG_PATH,
             "--stage-id", "0", "--omni-master-address", head_ip, "--omni-master-port", str(e.master_port),
-            "--omni-replica-address", f"$({POD_IP_ENV})", "--worker-backend", "multi_process"] + list(e.extra_args)
+            "--omni-replica-address", f"$({POD_IP_ENV})", "--worker-backend", "multi_process",
+            ] + list(e.extra_args)
 
 
 def _pool_args(t: Target, pool: Pool, head_ip: str) -> list[str]:
@@ -180,7 +174,8 @@ def _pool_args(t: Target, pool: Pool, head_ip: str) -> list[str]:
     ids = [a for k in pool.spec.stage_ids for a in ("--stage-id", str(k))]
     return ids + ["--", "vllm", "serve", t.spec.model, "--omni", "--headless", "--deploy-config", CONFIG_PATH,
                   "--omni-master-address", head_ip, "--omni-master-port", str(e.master_port),
-                  "--omni-replica-address", f"$({POD_IP_ENV})", "--worker-backend", "multi_process"] + list(e.extra_args)
+                  "--omni-replica-address", f"$({POD_IP_ENV})", "--worker-backend", "multi_process",
+                  ] + list(e.extra_args)
 
 
 def _cache_volume(t: Target) -> dict[str, Any]:
@@ -192,8 +187,12 @@ def _cache_volume(t: Target) -> dict[str, Any]:
 def _volumes(t: Target, role: str, pod_name: str) -> tuple[list[dict], list[dict]]:
     volumes = [
         {"name": V_CONFIG, "configMap": {"name": t.child_name("config")}},
-        {"name": V_SHM, "hostPath": {"path": f"{SAME_NODE_SHM_ROOT}/{t.namespace}/{t.name}", "type": "DirectoryOrCreate"}}
-        if same_node(t) else {"name": V_SHM, "emptyDir": {"medium": "Memory", "sizeLimit": t.spec.shm_size}},
+        {
+            "name": V_SHM,
+            "hostPath": {"path": f"{SAME_NODE_SHM_ROOT}/{t.namespace}/{t.name}", "type": "DirectoryOrCreate"},
+        }
+        if same_node(t)
+        else {"name": V_SHM, "emptyDir": {"medium": "Memory", "sizeLimit": t.spec.shm_size}},
         {"name": V_CACHE, "emptyDir": _cache_volume(t)},
     ]
     mounts = [
@@ -218,14 +217,18 @@ def _volumes(t: Target, role: str, pod_name: str) -> tuple[list[dict], list[dict
     return volumes, mounts
 
 
-def _leave_on_stop(t: Target, head_ip: str, drain: int, stage_ids: list[int]) -> tuple[list[dict[str, Any]], dict]:
+def _leave_on_stop(
+    t: Target, head_ip: str, drain: int, stage_ids: list[int]
+) -> tuple[list[dict[str, Any]], dict]:
     """A replica or pool pod's preStop hook (omnistage_engine_patches.prestop) and what it reads:
     whoever deletes the pod (an eviction, a node drain, kubectl delete), the kubelet first has the
     head stop routing to it and drain it, up to the drain timeout, even with the operator down."""
     env = [{"name": contract.HEAD_URL_ENV, "value": f"http://{head_ip}:{t.spec.engine.membership_port}"},
            {"name": contract.DRAIN_SECONDS_ENV, "value": str(drain)},
            {"name": contract.TOKEN_FILE_ENV, "value": f"{TOKEN_DIR}/{TOKEN_KEY}"}]
-    hook = {"preStop": {"exec": {"command": [*PRESTOP, *(a for k in stage_ids for a in ("--stage-id", str(k)))]}}}
+    hook = {
+        "preStop": {"exec": {"command": [*PRESTOP, *(a for k in stage_ids for a in ("--stage-id", str(k)))]}}
+    }
     return env, hook
 
 
@@ -244,9 +247,11 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, h
         "env": _env(t, role),
         "resources": {
             "limits": {gpu.resource: str(gpu.count)},
-            "requests": {"cpu": str(CPU_REQUEST_PER_GPU * gpu.count),
-                         "memory": f"{MEMORY_REQUEST_GIB_PER_GPU * gpu.count}Gi",
-                         **({} if s.model_volume is not None else {"ephemeral-storage": s.download_volume_size})},
+            "requests": {
+                "cpu": str(CPU_REQUEST_PER_GPU * gpu.count),
+                "memory": f"{MEMORY_REQUEST_GIB_PER_GPU * gpu.count}Gi",
+                **({} if s.model_volume is not None else {"ephemeral-storage": s.download_volume_size}),
+            },
         },
         "volumeMounts": mounts,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
@@ -254,7 +259,9 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, h
     if s.engine.image_pull_policy:
         container["imagePullPolicy"] = s.engine.image_pull_policy
     if role != ROLE_HEAD:
-        env, container["lifecycle"] = _leave_on_stop(t, head_ip, drain, list(pool.spec.stage_ids) if pool else [0])
+        env, container["lifecycle"] = _leave_on_stop(
+            t, head_ip, drain, list(pool.spec.stage_ids) if pool else [0]
+        )
         container["env"] = container["env"] + env
     if role == ROLE_HEAD:
         port = s.engine.http_port
@@ -268,7 +275,8 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, h
         container["ports"] = [
             {"name": "http", "containerPort": port, "protocol": "TCP"},
             {"name": "master", "containerPort": s.engine.master_port, "protocol": "TCP"},
-            {"name": contract.MEMBERSHIP_PORT_NAME, "containerPort": s.engine.membership_port, "protocol": "TCP"},
+            {"name": contract.MEMBERSHIP_PORT_NAME, "containerPort": s.engine.membership_port,
+             "protocol": "TCP"},
         ]
         # /health is 503 while any stage has no live engine (engine_liveness leaves a silent one out):
         # readiness means "this head can route a request", and the operator still reads a head that
@@ -280,8 +288,8 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, h
                                      "failureThreshold": max(1, s.engine.startup_timeout_seconds // 10)}
         container["readinessProbe"] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
                                        "failureThreshold": 3}
-        container["livenessProbe"] = {"httpGet": {"path": contract.LIVE_PATH, "port": "http"}, "periodSeconds": 10,
-                                      "timeoutSeconds": 10, "failureThreshold": 3}
+        container["livenessProbe"] = {"httpGet": {"path": contract.LIVE_PATH, "port": "http"},
+                                      "periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 3}
     tolerations = [_gpu_toleration(gpu), *placement.tolerations]
     spec: dict[str, Any] = {
         "restartPolicy": "Always" if role == ROLE_HEAD else "Never",
@@ -362,7 +370,9 @@ def render_head_pod(t: Target, name: str | None = None, role: str = ROLE_HEAD) -
     return pod
 
 
-def render_replica_pod(t: Target, index: int, head_ip: str, head_uid: str, head_restarts: int = 0) -> dict[str, Any]:
+def render_replica_pod(
+    t: Target, index: int, head_ip: str, head_uid: str, head_restarts: int = 0
+) -> dict[str, Any]:
     """A headless stage-0 replica. Replicas never re-register after a head restart, so each one
     is bound to one head incarnation (its IP in the args; its UID and container restart count in
     annotations)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from omnistage_engine_patches import contract
+
 from ..api import EffectiveCacheMode
 from .common import Target
 
@@ -17,10 +19,12 @@ def _cache_keys(mode: str, size_gib: float) -> dict[str, Any]:
     size, which is what each replica's receiver cache is built with."""
     if mode == EffectiveCacheMode.NOT_APPLICABLE:
         return {}
-    if mode == EffectiveCacheMode.DISABLED or size_gib == 0:
+    record = contract.CACHE_MODES[mode]
+    if record.vllm_cache_type is None or size_gib == 0:
         return {"mm_processor_cache_gb": 0}
-    sender = "shm" if mode == EffectiveCacheMode.SHM else "lru"
-    return {"mm_processor_cache_gb": size_gib, "mm_processor_cache_type": sender}
+    # The processor-only frontends have no vLLM knob: they keep the lru size the plugin builds on.
+    return {"mm_processor_cache_gb": size_gib,
+            "mm_processor_cache_type": record.vllm_cache_type if record.sender else "lru"}
 
 
 # Engine settings with one name in EngineSpec, StageEngineSpec and the deploy YAML; unset

@@ -59,14 +59,28 @@ def render_pipeline_deploy_config(t: Target) -> dict[str, Any]:
 
 def remote_stage_deploy(s: StageSpec, shipped_stage: dict[str, Any]) -> dict[str, Any]:
     tp = s.engine.tensor_parallel_size or shipped_stage.get("tensor_parallel_size", 1)
-    return {"num_replicas": 1, "devices": pod_devices(tp), **engine_keys(s.engine), **s.engine.stage_overrides}
+    return {
+        "num_replicas": 1,
+        "devices": pod_devices(tp),
+        **engine_keys(s.engine),
+        **s.engine.stage_overrides,
+    }
 
 
 def use_nixl(config: dict[str, Any], edges: Sequence[tuple[int, int]], base_port: int) -> None:
     """Every connected edge on one NIXL spec. The shipped connector's extra stays: it carries model
     tuning the stage processors read from the connector (Qwen3-Omni's codec chunk frames)."""
-    config["connectors"] = {NIXL_CONNECTOR: {"name": NIXL, "extra": {
-        **shipped_edge_extra(config), "backends": list(NIXL_BACKENDS), "host": NIXL_HOST, "zmq_port": base_port}}}
+    config["connectors"] = {
+        NIXL_CONNECTOR: {
+            "name": NIXL,
+            "extra": {
+                **shipped_edge_extra(config),
+                "backends": list(NIXL_BACKENDS),
+                "host": NIXL_HOST,
+                "zmq_port": base_port,
+            },
+        }
+    }
     by_id = {s["stage_id"]: s for s in config["stages"]}
     for s in config["stages"]:
         for refs in CONNECTOR_REFS:

@@ -56,10 +56,14 @@ def config_size_problem(t: Target) -> tuple[str, str] | None:
     if size <= CONFIGMAP_LIMIT:
         return None
     # The stage overrides are the free-form part of the config: name the biggest.
-    overrides = {"spec.engine.stageOverrides": t.spec.engine.stage_overrides,
-                 **{f"spec.stages[{i}].stageOverrides": s.stage_overrides for i, s in enumerate(t.spec.stages)}}
+    overrides = {
+        "spec.engine.stageOverrides": t.spec.engine.stage_overrides,
+        **{f"spec.stages[{i}].stageOverrides": s.stage_overrides for i, s in enumerate(t.spec.stages)},
+    }
     field, biggest = max(overrides.items(), key=lambda kv: len(yaml.safe_dump(kv[1] or {})))
-    return field, (f"the rendered deploy config (ConfigMap {cm['metadata']['name']}) is {size:,} bytes, over the "
-                   f"{CONFIGMAP_LIMIT:,} bytes (1 MiB) the API server lets a ConfigMap hold; {field} makes "
-                   f"{len(yaml.safe_dump(biggest or {})):,} bytes of it: shrink it (vLLM's own defaults need no "
-                   "override; large data belongs in the model directory or a volume)")
+    return field, (
+        f"the rendered deploy config (ConfigMap {cm['metadata']['name']}) is {size:,} bytes, over the "
+        f"{CONFIGMAP_LIMIT:,} bytes (1 MiB) the API server lets a ConfigMap hold; {field} makes "
+        f"{len(yaml.safe_dump(biggest or {})):,} bytes of it: shrink it (vLLM's own defaults need no "
+        "override; large data belongs in the model directory or a volume)"
+    )

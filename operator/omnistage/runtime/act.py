@@ -3,18 +3,15 @@ Every object a write returns goes into the watch-fed store (informer.STATE.wrote
 pass does not act again on a change the watch has not delivered yet.
 
 The one thing it does not do inline is a draining `leave`: the head's leave endpoint answers only
-when the replica is drained (up to spec.engine.drainTimeoutSeconds), so it runs on a small executor
-of its own (DRAINS). Its outcome is recorded by pod uid and read by the next pass's plan (which then
+when the replica is drained (up to spec.engine.drainTimeoutSeconds), so it runs on the drains'
+executor (drains.py, DRAINS). Its outcome is recorded by pod uid and read by the next pass's plan (which then
 deletes the pod), and the OmniStage is queued again as soon as the leave returns.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from kubernetes.client.exceptions import ApiException
@@ -22,100 +19,18 @@ from kubernetes.client.exceptions import ApiException
 from .. import api
 from ..api.conditions import EventReason, PodReason, Reason
 from ..control import actions
-from ..control.actions import DRAIN_DONE, DRAIN_FAILED, DRAIN_RUNNING, Action
+from ..control.actions import Action
 from ..names import C_JOINED, L_ROLE
 from . import credentials, head_client, kube
+from .drains import DRAINS, Drains
+from .events import EmitFn
 from .head_client import HeadClient, HeadRefused, HeadUnreachable
 from .informer import STATE
-from .workqueue import FairPool
 
 log = logging.getLogger(__name__)
 
-# Emits a Kubernetes Event on the OmniStage: (type "Normal"|"Warning", reason, message).
-EmitFn = Callable[[str, str, str], None]
 
 
-# A drain mostly waits on its head. One OmniStage drains at most DRAINS_PER_OMNISTAGE pods at once (a
-# scale-down by 4 side by side, as before): a tenant whose head hangs its leaves holds a quarter of the
-# workers, never all of them, and its other leaves wait in its own line.
-DRAIN_WORKERS = 16
-DRAINS_PER_OMNISTAGE = 4
-
-
-def drain_deadline(drain_seconds: int) -> float:
-    """How long one pod's leaves may hold a drain worker: head_client.leave's own bound (3 attempts of
-    connect + drain + read, and the backoff between them; a pool pod's stages leave side by side),
-    and room for a busy machine. Past it the worker is stuck (workqueue.Progress)."""
-    return 3 * (head_client.CONNECT_SECONDS + drain_seconds + head_client.READ_SECONDS) + 60.0
-
-
-class Drains:
-    """Draining leaves, off the reconcile workers: a bounded pool, fair between OmniStages, and the
-    state of each by pod uid (in memory only: after an operator restart the plan sees no record for a
-    pod that carries the `leaving` annotation and simply starts the leave again; the head's leave is
-    idempotent)."""
-
-    def __init__(self, workers: int = DRAIN_WORKERS, per_omnistage: int = DRAINS_PER_OMNISTAGE):
-        self._pool = FairPool("drain", workers, per_omnistage)
-        self.progress = self._pool.progress
-        self._lock = threading.Lock()
-        self._state: dict[tuple[str, str], dict[str, str]] = {}  # (namespace, name) -> pod uid -> DRAIN_*
-        self.on_done: Callable[[str, str], None] = lambda namespace, name: None  # set by handlers: enqueue
-
-    def states(self, namespace: str, name: str) -> dict[str, str]:
-        with self._lock:
-            return dict(self._state.get((namespace, name), {}))
-
-    def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
-        with self._lock:
-            if uid is None:
-                self._state.pop((namespace, name), None)
-            else:
-                self._state.get((namespace, name), {}).pop(uid, None)
-
-    def _set(self, key: tuple[str, str], uid: str, state: str) -> None:
-        with self._lock:
-            self._state.setdefault(key, {})[uid] = state
-
-    def start(self, namespace: str, name: str, client: HeadClient, a: actions.StartLeave, emit: EmitFn) -> None:
-        key = (namespace, name)
-        with self._lock:
-            if self._state.get(key, {}).get(a.uid) == DRAIN_RUNNING:
-                return
-            self._state.setdefault(key, {})[a.uid] = DRAIN_RUNNING
-
-        def leave(stage: int, replica_id: int) -> str:
-            who = f"replica {replica_id}" + (f" of stage {stage}" if stage else "")
-            try:
-                ack = head_client.leave(client, replica_id, a.drain_seconds, stage)
-                drained = ack.get("drained", True)
-                emit("Normal" if drained else "Warning", EventReason.LEFT if drained else EventReason.DRAIN_TIMEOUT,
-                     f"{who} ({a.pod}) left the engine"
-                     + ("" if drained else f" after the {a.drain_seconds}s drain timeout with requests in flight"))
-                return DRAIN_DONE
-            except (HeadUnreachable, HeadRefused) as err:
-                # The head cannot route to a replica it cannot reach either; its heartbeat timeout
-                # detaches the replica. Deleting keeps the scale-down moving.
-                emit("Warning", EventReason.LEAVE_FAILED, f"leave for {who} ({a.pod}) failed ({err}); deleting anyway")
-            except Exception:  # never lose the record: a stuck RUNNING would hold the pod forever
-                log.exception("leave for %s/%s failed", namespace, a.pod)
-            return DRAIN_FAILED
-
-        def run() -> None:
-            # A pool pod's stages drain side by side: its deletion waits for the slowest, not the sum.
-            if len(a.leaves) == 1:
-                states = [leave(*a.leaves[0])]
-            else:
-                with ThreadPoolExecutor(max_workers=len(a.leaves), thread_name_prefix="omnistage-leave") as each:
-                    states = list(each.map(lambda sr: leave(*sr), a.leaves))
-            self._set(key, a.uid, DRAIN_FAILED if DRAIN_FAILED in states else DRAIN_DONE)
-            self.on_done(namespace, name)
-
-        self._pool.submit(key, run, drain_deadline(a.drain_seconds),
-                          f"the leave of pod {a.pod} ({namespace}/{name})")
-
-
-DRAINS = Drains()
 
 
 class Acted(NamedTuple):
@@ -178,13 +93,14 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
     """Execute in order; return what could not be done that status should say. A child the API server
     refuses (a 422 Invalid, a quota's 403, a 404, a 409) is said in a Warning Event and in the result,
     and the actions after it still run: one refused child does not stop the others.
-    `other`: the client of a head change's other head, for the actions it decided (OnOtherHead).
+    `other`: the client of a head change's second head, for the actions its set decided (OnSuccessor,
+    OnPredecessor).
     `token`: the OmniStage's membership token, which each replica or pool pod's credential is
     derived from (written before the pod: credentials.py)."""
     problems: list[str] = []
     children: list[str] = []  # refused by the API server
     refused: set[str] = set()  # pods whose join failed in this run: not marked joined
-    head_time = HeadTime()  # this head's calls in this run (an OnOtherHead's head has its own)
+    head_time = HeadTime()  # this head's calls in this run (the second head's actions have their own)
     for a in planned:
         if isinstance(a, actions.PostEvent):
             emit(a.type, a.reason, a.message)
@@ -201,13 +117,20 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
                 continue
             if done.result != "unchanged":
                 STATE.wrote(done.obj)
-                emit("Normal", EventReason.CONFIG_RENDERED if kind == "ConfigMap" else EventReason.CHILD_SYNCED,
-                     f"{kind} {meta['name']} {done.result}" + _differed(done.drift, "it had "))
+                emit(
+                    "Normal",
+                    EventReason.CONFIG_RENDERED if kind == "ConfigMap" else EventReason.CHILD_SYNCED,
+                    f"{kind} {meta['name']} {done.result}" + _differed(done.drift, "it had "),
+                )
             if done.left:
-                emit("Warning", EventReason.CHILD_SYNCED,
-                     f"{kind} {meta['name']} still differs from what the operator renders after a restore"
-                     + _differed(done.left, "") + ": the API server, a mutating webhook or another controller "
-                     "writes it; the operator leaves it until it changes again")
+                emit(
+                    "Warning",
+                    EventReason.CHILD_SYNCED,
+                    f"{kind} {meta['name']} still differs from what the operator renders after a restore"
+                    + _differed(done.left, "")
+                    + ": the API server, a mutating webhook or another controller "
+                    "writes it; the operator leaves it until it changes again",
+                )
         elif isinstance(a, actions.CreatePod):
             why = credentials.ensure(a.obj, token, emit)
             if why is not None:
@@ -235,7 +158,7 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
                 emit("Normal", a.reason, a.message)
         elif isinstance(a, actions.Annotate):
             STATE.wrote(kube.patch_pod_annotations(namespace, a.name, a.annotations))
-        elif isinstance(a, actions.OnOtherHead):
+        elif isinstance(a, actions.BesideServing):
             theirs = act(namespace, list(a.actions), other, emit, owner, drains, token=token)
             problems += theirs.problems
             children += theirs.refused
@@ -265,7 +188,11 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
             try:
                 with head_time:
                     ack = head_client.join(client, a.pod, a.ip, a.stage)
-                kind = f"pool pod {a.pod} joined stage {a.stage}" if a.stage else f"replica pod {a.pod} joined the engine"
+                kind = (
+                    f"pool pod {a.pod} joined stage {a.stage}"
+                    if a.stage
+                    else f"replica pod {a.pod} joined the engine"
+                )
                 emit("Normal", EventReason.JOINED, f"{kind} as replica {ack.get('replicaId')}")
             except HeadRefused as err:
                 refused.add(a.pod)
@@ -279,9 +206,15 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
         elif isinstance(a, actions.MarkJoined):
             if a.joined and a.pod in refused:
                 continue
-            pod = kube.patch_pod_condition(namespace, a.pod, a.uid, C_JOINED, a.joined,
-                                           PodReason.JOINED if a.joined else PodReason.NOT_JOINED,
-                                           "the head routes to it" if a.joined else "the head does not route to it")
+            pod = kube.patch_pod_condition(
+                namespace,
+                a.pod,
+                a.uid,
+                C_JOINED,
+                a.joined,
+                PodReason.JOINED if a.joined else PodReason.NOT_JOINED,
+                "the head routes to it" if a.joined else "the head does not route to it",
+            )
             if pod is not None:
                 STATE.wrote(pod)
         else:  # pragma: no cover - a new action type without an executor is a programming error
@@ -294,7 +227,9 @@ def write_pool_statuses(namespace: str, statuses: dict[str, dict[str, Any]]) -> 
     for name, status in statuses.items():
         pool = STATE.pools.get(namespace, name)
         try:
-            STATE.wrote(kube.patch_status(namespace, name, status, (pool or {}).get("status"), api.POOL_PLURAL))
+            STATE.wrote(
+                kube.patch_status(namespace, name, status, (pool or {}).get("status"), api.POOL_PLURAL)
+            )
         except ApiException as err:
             if err.status != 404:  # deleted since the watch delivered it: nothing to describe
                 raise

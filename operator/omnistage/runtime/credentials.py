@@ -50,17 +50,23 @@ def ensure(pod: dict[str, Any], master_token: str | None, emit: Emit) -> str | N
     owners = secret["metadata"].get("ownerReferences") or []
     if ours and not ours & {ref.get("uid") for ref in owners}:
         who = ", ".join(f"{ref.get('kind')} {ref.get('name')}" for ref in owners) or "no owner"
-        why = (f"pod {name} not created: Secret {secret_name}, its membership credential's name, is not this "
-               f"OmniStage's (owned by {who}); the operator mounts no Secret it did not write: delete or rename it")
+        why = (
+            f"pod {name} not created: Secret {secret_name}, its membership credential's name, is not this "
+            f"OmniStage's (owned by {who}); the operator mounts no Secret it did not write: delete or rename "
+            "it"
+        )
         emit("Warning", EventReason.CHILD_SYNCED, why)
         return why
     if (secret.get("data") or {}).get(TOKEN_KEY) != want["data"][TOKEN_KEY]:
         # Ours, from an earlier master token (NAME-membership was deleted while the operator was down):
         # the pod starts, but its preStop leave will be refused; the operator's own leave still drains it.
-        emit("Warning", EventReason.CHILD_SYNCED,
-             f"Secret {secret_name} holds a credential from an earlier membership token: pod {name}'s preStop "
-             "hook cannot leave the head with it (the operator still drains the pods it deletes). Delete the "
-             "Secret; the operator writes it again before the next pod of that name")
+        emit(
+            "Warning",
+            EventReason.CHILD_SYNCED,
+            f"Secret {secret_name} holds a credential from an earlier membership token: pod {name}'s preStop "
+            "hook cannot leave the head with it (the operator still drains the pods it deletes). Delete the "
+            "Secret; the operator writes it again before the next pod of that name",
+        )
     return None
 
 

@@ -42,7 +42,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..api.conditions import timestamp
-from . import kube
+from . import kube, memory
+
+# Emits a Kubernetes Event on the OmniStage: (type "Normal"|"Warning", reason, message).
+EmitFn = Callable[[str, str, str], None]
 
 REPOST_SECONDS = 1800.0
 QUIET_SECONDS = 600.0  # client-go's defaultAggregateIntervalInSeconds: both windows are this one
@@ -143,3 +146,4 @@ class Correlator:
 
 
 EVENTS = Correlator()
+memory.register(EVENTS.forget)

@@ -19,7 +19,7 @@ import kopf
 
 from .. import api
 from . import leader, memory, metrics, probes
-from .act import DRAINS
+from .drains import DRAINS
 from .events import EVENTS
 from .headview import probe
 from .informer import STATE

@@ -5,7 +5,7 @@ contract module, so the two sides cannot drift apart.
 Calls are idempotent on the engine side, so transient failures (head still starting, connection
 refused, 5xx) are retried with backoff; a 4xx is an answer and is returned to the caller.
 
-Timeouts are tight: these calls run on the reconcile workers (a draining leave runs on act.DRAINS),
+Timeouts are tight: these calls run on the reconcile workers (a draining leave runs on drains.DRAINS),
 and a head that does not answer within them is reported unreachable rather than waited for. An
 unreachable head costs at most about CONNECT_SECONDS x attempts + the backoff per call.
 
@@ -96,8 +96,16 @@ def _call(op: str, method: str, head: HeadClient, path: str, body: dict[str, Any
     return data
 
 
-def _conditional_call(op: str, method: str, head: HeadClient, path: str, body: dict[str, Any] | None,
-                      timeout: float, attempts: int, etag: str | None) -> tuple[dict[str, Any] | None, str | None]:
+def _conditional_call(
+    op: str,
+    method: str,
+    head: HeadClient,
+    path: str,
+    body: dict[str, Any] | None,
+    timeout: float,
+    attempts: int,
+    etag: str | None,
+) -> tuple[dict[str, Any] | None, str | None]:
     """(answer, its ETag); (None, etag) when the head answered 304 to If-None-Match: etag."""
     delay, last = 0.2, None
     headers = {"Authorization": f"Bearer {head.token}", "Content-Type": "application/json"}
@@ -152,17 +160,9 @@ def _conditional_call(op: str, method: str, head: HeadClient, path: str, body: d
     raise HeadUnreachable(f"{op} at {head.url(path)}: no answer ({reason})")
 
 
-def report(head: HeadClient, attempts: int = 2) -> dict[str, Any]:
-    """What the head process really runs (contract.EngineReport)."""
-    return _call("report", "GET", head, contract.ENGINE_PATH, None, timeout=READ_SECONDS, attempts=attempts)
-
-
-def listing(head: HeadClient, attempts: int = 2) -> dict[str, Any]:
-    return _call("list", "GET", head, contract.MEMBERSHIP_PATH, None, timeout=READ_SECONDS,
-                 attempts=attempts)
-
-
-def report_if_changed(head: HeadClient, etag: str | None, attempts: int = 2) -> tuple[dict[str, Any] | None, str | None]:
+def report_if_changed(
+    head: HeadClient, etag: str | None, attempts: int = 2
+) -> tuple[dict[str, Any] | None, str | None]:
     """The report and its ETag; (None, etag) while the report behind `etag` still stands."""
     return _conditional_call("report", "GET", head, contract.ENGINE_PATH, None, READ_SECONDS, attempts, etag)
 
@@ -171,7 +171,9 @@ def listing_if_changed(head: HeadClient, etag: str | None,
                        attempts: int = 2) -> tuple[dict[str, Any] | None, str | None]:
     """The listing and its ETag; (None, etag) while the head's boot id and membership epoch are
     those behind `etag`: the cheap probe a pass at rest makes instead of a listing."""
-    return _conditional_call("list", "GET", head, contract.MEMBERSHIP_PATH, None, READ_SECONDS, attempts, etag)
+    return _conditional_call(
+        "list", "GET", head, contract.MEMBERSHIP_PATH, None, READ_SECONDS, attempts, etag
+    )
 
 
 def join(head: HeadClient, pod: str, ip: str, stage: int = 0) -> dict[str, Any]:
@@ -181,7 +183,11 @@ def join(head: HeadClient, pod: str, ip: str, stage: int = 0) -> dict[str, Any]:
 
 def leave(head: HeadClient, replica_id: int, drain_seconds: int, stage: int = 0) -> dict[str, Any]:
     """Stop routing to the replica, drain it up to `drain_seconds`, detach it, drop its metrics.
-    The head answers when drained, so a draining leave (drain_seconds > 0) belongs on act.DRAINS."""
-    body: contract.LeaveRequest = {"stage": stage, "replicaId": replica_id, "drainTimeoutSeconds": drain_seconds}
+    The head answers when drained, so a draining leave (drain_seconds > 0) belongs on drains.DRAINS."""
+    body: contract.LeaveRequest = {
+        "stage": stage,
+        "replicaId": replica_id,
+        "drainTimeoutSeconds": drain_seconds,
+    }
     return _call("leave", "POST", head, contract.LEAVE_PATH, body, timeout=drain_seconds + READ_SECONDS,
                  attempts=3 if drain_seconds else 2)

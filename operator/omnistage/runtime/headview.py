@@ -1,6 +1,6 @@
 """What a pass knows of a head, and how it asks: one conditional GET per pass (304 at rest: ETags
 of the listing and the report), a retry only for a head that answered before, and a backoff for
-one that did not. The answers are kept per head incarnation (memory.HEADS) between passes."""
+one that did not. The answers are kept per head incarnation (HEADS) between passes."""
 
 from __future__ import annotations
 
@@ -39,12 +39,30 @@ class HeadView:
     asked: int = 0  # ask_head calls on this view: a probe's answer is kept only if none came between
 
 
+# The last answers of each OmniStage's head (ask_head keeps them, with their ETags); held here, and
+# dropped with the OmniStage through memory.forget.
+HEADS: dict[memory.Key, HeadView] = {}
+
+
+def second_head(namespace: str, name: str) -> memory.Key:
+    """The HEADS key of a head change's other head (Observed.other)."""
+    return namespace, f"{name}/second-head"
+
+
+def _forget(namespace: str, name: str) -> None:
+    HEADS.pop((namespace, name), None)
+    HEADS.pop(second_head(namespace, name), None)
+
+
+memory.register(_forget)
+
+
 def view_for(key: memory.Key, head_uid: str | None, head_rv: str | None) -> HeadView:
     """The view of this head incarnation (a new head starts with none); a head pod that changed
     (readiness, IP) is worth a dial at once, backoff or not."""
-    view = memory.HEADS.get(key)
+    view = HEADS.get(key)
     if view is None or view.head_uid != head_uid:
-        view = memory.HEADS[key] = HeadView(head_uid)
+        view = HEADS[key] = HeadView(head_uid)
     if view.head_rv != head_rv:
         view.head_rv, view.retry_at = head_rv, 0.0
     return view
@@ -52,7 +70,11 @@ def view_for(key: memory.Key, head_uid: str | None, head_rv: str | None) -> Head
 
 def settled(report: dict[str, Any] | None) -> bool:
     """A report that no longer changes within this boot (the engine and its frontend are built)."""
-    return report is not None and report.get("distributed") is not None and report.get("frontendCache") is not None
+    return (
+        report is not None
+        and report.get("distributed") is not None
+        and report.get("frontendCache") is not None
+    )
 
 
 def ask_head(client: HeadClient, view: HeadView, distributed: bool) -> tuple[
@@ -123,7 +145,7 @@ def probe(namespace: str, name: str) -> bool:
     head in between and the head is the same (else a pass read it, or its new head's events queue
     one): dropped, and no pass queued for it."""
     key = (namespace, name)
-    rest, view = memory.RESTING.get(key), memory.HEADS.get(key)
+    rest, view = memory.RESTING.get(key), HEADS.get(key)
     if rest is None:
         return True
     if rest.client is None or view is None:
@@ -139,10 +161,10 @@ def probe(namespace: str, name: str) -> bool:
     if not lock.acquire(blocking=False):
         return False  # a pass runs now: it asks the head itself
     try:
-        if (memory.HEADS.get(key) is not view or view.asked + 1 != mine.asked
+        if (HEADS.get(key) is not view or view.asked + 1 != mine.asked
                 or memory.RESTING.get(key) is not rest):
             return False
-        memory.HEADS[key] = mine
+        HEADS[key] = mine
     finally:
         lock.release()
     return said(mine, *answers) != rest.fingerprint[-1]

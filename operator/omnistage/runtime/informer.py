@@ -28,6 +28,7 @@ from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
 from .. import api
+from ..api.child_kinds import CHILD_KINDS, ChildKind
 from ..names import L_MANAGED_BY, L_OMNISTAGE, MANAGED_BY
 from . import kube, leader
 
@@ -202,7 +203,9 @@ class Informer:
         while True:
             resp = fn(*args, **kw, limit=LIST_PAGE, _continue=more, _preload_content=False)
             data = json.loads(resp.data)
-            items += [{**o, "kind": o.get("kind") or self.kind} for o in data.get("items") or [] if self._keeps(o)]
+            items += [
+                {**o, "kind": o.get("kind") or self.kind} for o in data.get("items") or [] if self._keeps(o)
+            ]
             more = data["metadata"].get("continue")
             if not more:
                 break
@@ -232,7 +235,9 @@ class Informer:
                 if isinstance(err, ApiException) and err.status == 410:
                     log.info("%s watch (%s): resourceVersion too old; relisting", self.kind, scope or "all")
                     continue
-                log.warning("%s watch (%s) failed: %s; relisting in %.0fs", self.kind, scope or "all", err, backoff)
+                log.warning(
+                    "%s watch (%s) failed: %s; relisting in %.0fs", self.kind, scope or "all", err, backoff
+                )
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)
 
@@ -276,18 +281,13 @@ def _core_lister(namespaced: str, cluster: str):
     return pick
 
 
-def _net_lister(scope: str | None):
-    c = kube.networking()
-    if scope is None:
-        return c.list_network_policy_for_all_namespaces, ()
-    return c.list_namespaced_network_policy, (scope,)
-
-
-def _pdb_lister(scope: str | None):
-    c = kube.policy()
-    if scope is None:
-        return c.list_pod_disruption_budget_for_all_namespaces, ()
-    return c.list_namespaced_pod_disruption_budget, (scope,)
+def _child_lister(c: ChildKind):
+    def pick(scope: str | None):
+        group = kube.group_api(c.group)
+        if scope is None:
+            return getattr(group, f"list_{c.client_name}_for_all_namespaces"), ()
+        return getattr(group, f"list_namespaced_{c.client_name}"), (scope,)
+    return pick
 
 
 OWNED = f"{L_MANAGED_BY}={MANAGED_BY}"
@@ -311,8 +311,14 @@ class ClusterState:
         # event reached it.
         # Every OmniStage listed (at a start, on becoming leader) is queued at once, as kopf's resume
         # handler did, rather than at the resync's first tick.
-        self.omnistages = Informer(api.KIND, _custom_lister(api.PLURAL), None, lambda o: o["metadata"]["name"],
-                                   significant=_new_generation, notify_listed=True)
+        self.omnistages = Informer(
+            api.KIND,
+            _custom_lister(api.PLURAL),
+            None,
+            lambda o: o["metadata"]["name"],
+            significant=_new_generation,
+            notify_listed=True,
+        )
         # Pools are indexed by the OmniStage they name: its pass decides for their pods and status.
         self.pools = Informer(api.POOL_KIND, _custom_lister(api.POOL_PLURAL), None,
                               lambda o: (o.get("spec") or {}).get("omniStage"), significant=_new_generation)
@@ -322,15 +328,8 @@ class ClusterState:
         # watched and only those an OmniStage controls are kept.
         self.pods = Informer("Pod", _core_lister("list_namespaced_pod", "list_pod_for_all_namespaces"), None,
                              _omnistage_controller, trim=_trim_pod, owned_only=True)
-        self.children = {
-            "ConfigMap": Informer("ConfigMap", _core_lister("list_namespaced_config_map",
-                                                            "list_config_map_for_all_namespaces"),
-                                  OWNED, _label(L_OMNISTAGE)),
-            "Service": Informer("Service", _core_lister("list_namespaced_service", "list_service_for_all_namespaces"),
-                                OWNED, _label(L_OMNISTAGE)),
-            "NetworkPolicy": Informer("NetworkPolicy", _net_lister, OWNED, _label(L_OMNISTAGE)),
-            "PodDisruptionBudget": Informer("PodDisruptionBudget", _pdb_lister, OWNED, _label(L_OMNISTAGE)),
-        }
+        self.children = {c.kind: Informer(c.kind, _child_lister(c), OWNED, _label(L_OMNISTAGE))
+                         for c in CHILD_KINDS}
         self.started = False
 
     def informers(self) -> list[Informer]:

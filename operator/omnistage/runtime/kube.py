@@ -14,6 +14,7 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
 from .. import api
+from ..api.child_kinds import BY_KIND
 from ..api.conditions import timestamp
 from ..names import EVENT_SOURCE, FIELD_MANAGER
 from . import metrics
@@ -100,12 +101,22 @@ def post_event(involved: dict[str, Any], etype: str, reason: str, message: str, 
     meta = involved["metadata"]
     now = timestamp()
     body = {
-        "apiVersion": "v1", "kind": "Event",
+        "apiVersion": "v1",
+        "kind": "Event",
         "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-        "involvedObject": {"apiVersion": involved["apiVersion"], "kind": involved["kind"], "name": meta["name"],
-                           "namespace": meta["namespace"], "uid": meta.get("uid")},
-        "type": etype, "reason": reason, "message": message[:EVENT_MESSAGE_LIMIT],
-        "source": {"component": EVENT_SOURCE}, "firstTimestamp": first_timestamp or now, "lastTimestamp": now,
+        "involvedObject": {
+            "apiVersion": involved["apiVersion"],
+            "kind": involved["kind"],
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid"),
+        },
+        "type": etype,
+        "reason": reason,
+        "message": message[:EVENT_MESSAGE_LIMIT],
+        "source": {"component": EVENT_SOURCE},
+        "firstTimestamp": first_timestamp or now,
+        "lastTimestamp": now,
         "count": count,
     }
     try:
@@ -147,13 +158,12 @@ def _creator(kind: str):
     }[kind]
 
 
+def group_api(group: str) -> Any:  # the client's API object of a child kind's group (api/child_kinds.py)
+    return {"": core, "networking.k8s.io": networking, "policy": policy}[group]()
+
+
 def _applier(kind: str):
-    return {
-        "ConfigMap": core().patch_namespaced_config_map,
-        "Service": core().patch_namespaced_service,
-        "NetworkPolicy": networking().patch_namespaced_network_policy,
-        "PodDisruptionBudget": policy().patch_namespaced_pod_disruption_budget,
-    }[kind]
+    return getattr(group_api(BY_KIND[kind].group), f"patch_namespaced_{BY_KIND[kind].client_name}")
 
 
 def read(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -183,12 +193,21 @@ def create(obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         raise RuntimeError(f"{obj['kind']} {meta['name']} vanished right after a conflict")
     owner, mine = _controller(existing), _controller(obj) or {}
     if obj["kind"] == "Pod" and (owner or {}).get("uid") != mine.get("uid"):
-        whose = (f"its controller is {owner.get('kind')} {owner.get('name')} (uid {owner.get('uid')})" if owner
-                 else "it has no controller")
-        conflict.body = json.dumps({"message": (
-            f"pod {meta['name']} already exists and is not {mine.get('kind')} {mine.get('name')}'s: "
-            f"{whose}. The operator does not adopt a pod it did not make (it would count it, and send its "
-            f"head the membership token); delete or rename pod {meta['name']} and the operator creates its own")})
+        whose = (
+            f"its controller is {owner.get('kind')} {owner.get('name')} (uid {owner.get('uid')})"
+            if owner
+            else "it has no controller"
+        )
+        conflict.body = json.dumps(
+            {
+                "message": (
+                    f"pod {meta['name']} already exists and is not {mine.get('kind')} {mine.get('name')}'s: "
+                    f"{whose}. The operator does not adopt a pod it did not make (it would count it, and "
+                    f"send its head the membership token); delete or rename pod {meta['name']} and the "
+                    "operator creates its own"
+                )
+            }
+        )
         raise conflict
     return _with_kind(existing, obj["kind"]), False
 
@@ -281,8 +300,15 @@ def apply(obj: dict[str, Any], compare: tuple[str, ...], existing: dict[str, Any
 
 def _server_side_apply(obj: dict[str, Any]) -> dict[str, Any]:
     meta = obj["metadata"]
-    resp = _applier(obj["kind"])(meta["name"], meta["namespace"], obj, field_manager=FIELD_MANAGER, force=True,
-                                 _content_type="application/apply-patch+yaml", _preload_content=False)
+    resp = _applier(obj["kind"])(
+        meta["name"],
+        meta["namespace"],
+        obj,
+        field_manager=FIELD_MANAGER,
+        force=True,
+        _content_type="application/apply-patch+yaml",
+        _preload_content=False,
+    )
     return _with_kind(json.loads(resp.data), obj["kind"])  # raw: every field, as the watch delivers it
 
 
@@ -354,14 +380,10 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def delete_pod(namespace: str, name: str, uid: str | None = None,
-               grace_seconds: int | None = None) -> dict[str, Any] | None:
-    """Delete a pod (only the incarnation `uid`, when given): the pod as the deletion left it
-    (deletionTimestamp set), or None when it was already gone."""
-    body = client.V1DeleteOptions(
-        preconditions=client.V1Preconditions(uid=uid) if uid else None,
-        grace_period_seconds=grace_seconds,
-    )
+def delete_pod(namespace: str, name: str, uid: str | None = None) -> dict[str, Any] | None:
+    """Delete a pod (only the incarnation `uid`, when given) with its own grace period: the pod as
+    the deletion left it (deletionTimestamp set), or None when it was already gone."""
+    body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid) if uid else None)
     try:
         gone = core().delete_namespaced_pod(name, namespace, body=body)
     except ApiException as e:
@@ -389,7 +411,8 @@ def patch_pod_condition(namespace: str, name: str, uid: str, ctype: str, status:
 
 
 def patch_pod_labels(namespace: str, name: str, uid: str, labels: dict[str, str | None]) -> dict[str, Any]:
-    """Labels of this incarnation of the pod only (a uid precondition: a same-name successor is not touched)."""
+    """Labels of this incarnation of the pod only (a uid precondition: a same-name successor is not
+    touched)."""
     pod = core().patch_namespaced_pod(name, namespace, {"metadata": {"labels": labels, "uid": uid}})
     return _with_kind(api_client().sanitize_for_serialization(pod), "Pod")
 
@@ -435,7 +458,9 @@ def create_lease(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, A
     return _lease_write(coordination().create_namespaced_lease, namespace, _lease(namespace, name, spec))
 
 
-def replace_lease(namespace: str, name: str, resource_version: str, spec: dict[str, Any]) -> dict[str, Any] | None:
+def replace_lease(
+    namespace: str, name: str, resource_version: str, spec: dict[str, Any]
+) -> dict[str, Any] | None:
     """Update (PUT) the Lease only if it is still at `resource_version`; None when another replica
     wrote it in between (409). The precondition is what makes two replicas unable to both win."""
     return _lease_write(coordination().replace_namespaced_lease, name, namespace,
@@ -449,9 +474,14 @@ def watch_lease(namespace: str, name: str, resource_version: str, idle_timeout: 
     ReadTimeoutError: that silence is what a follower waits for."""
     w = watch.Watch()
     try:
-        for event in w.stream(coordination().list_namespaced_lease, namespace, field_selector=f"metadata.name={name}",
-                              resource_version=resource_version, timeout_seconds=300,
-                              _request_timeout=(5, idle_timeout)):
+        for event in w.stream(
+            coordination().list_namespaced_lease,
+            namespace,
+            field_selector=f"metadata.name={name}",
+            resource_version=resource_version,
+            timeout_seconds=300,
+            _request_timeout=(5, idle_timeout),
+        ):
             if event["type"] in ("ADDED", "MODIFIED"):
                 yield api_client().sanitize_for_serialization(event["object"])
             elif event["type"] == "DELETED":

@@ -44,7 +44,9 @@ log = logging.getLogger(__name__)
 
 LEASE_DURATION = 20.0  # s a follower waits, after it last saw the Lease change, before taking it
 RENEW_DEADLINE = 15.0  # s after its last successful renewal a leader stops acting
-RENEW_PERIOD = 10.0    # s between a leader's renewals (6 writes a minute; two retries fit before RENEW_DEADLINE)
+RENEW_PERIOD = (
+    10.0  # s between a leader's renewals (6 writes a minute; two retries fit before RENEW_DEADLINE)
+)
 RETRY_PERIOD = 2.0     # s between retries after a failure, and a follower's looks when it cannot watch
 
 LEADER = Gauge("omnistage_operator_leader", "1 while this operator replica holds the leader Lease.")
@@ -177,7 +179,11 @@ class Elector:
 
     def _next(self, failed: bool = False) -> float:
         self.is_leading()  # logs a transition as soon as it happens
-        return self.timing.renew_period if self._renewed_at is not None and not failed else self.timing.retry_period
+        return (
+            self.timing.renew_period
+            if self._renewed_at is not None and not failed
+            else self.timing.retry_period
+        )
 
     def follow(self) -> float:
         """While another replica holds the Lease: watch it, instead of polling, until it may be taken
@@ -195,8 +201,9 @@ class Elector:
                 if left <= 0:
                     self._fresh = True  # silent for the whole lease: what is known is current
                     return 0.0
-                for event in self.client.watch_lease(self.namespace, self.name, lease["metadata"]["resourceVersion"],
-                                                     left + 0.5):
+                for event in self.client.watch_lease(
+                    self.namespace, self.name, lease["metadata"]["resourceVersion"], left + 0.5
+                ):
                     self.observe(event)
                     if self._stop.is_set() or not self._following():
                         return 0.0  # released (or deleted): decide at once
@@ -248,9 +255,18 @@ class Elector:
         try:
             lease = self.client.read_lease(self.namespace, self.name)
             if lease and (lease.get("spec") or {}).get("holderIdentity") == self.identity:
-                spec = {**lease["spec"], "holderIdentity": None, "leaseDurationSeconds": 1, "renewTime": self.wall()}
-                self.client.replace_lease(self.namespace, self.name, lease["metadata"]["resourceVersion"], spec)
-                log.warning("leader election: %s released Lease %s/%s", self.identity, self.namespace, self.name)
+                spec = {
+                    **lease["spec"],
+                    "holderIdentity": None,
+                    "leaseDurationSeconds": 1,
+                    "renewTime": self.wall(),
+                }
+                self.client.replace_lease(
+                    self.namespace, self.name, lease["metadata"]["resourceVersion"], spec
+                )
+                log.warning(
+                    "leader election: %s released Lease %s/%s", self.identity, self.namespace, self.name
+                )
         except Exception:  # the Lease then expires after LEASE_DURATION instead
             log.exception("leader election: releasing Lease %s/%s failed", self.namespace, self.name)
 

@@ -1,5 +1,7 @@
-"""Everything the operator holds in process memory per OmniStage, and the one forget() that drops
-it when the OmniStage is gone. None of it is state the cluster lacks: after a restart each piece
+"""What the operator holds in process memory per OmniStage, and the one forget() that drops it when
+the OmniStage is gone: the lock, the token and the rest are held here; each other store (the heads'
+answers in headview, the drains in act, the Event counts, the metric series) registers its own
+forget, so this module imports none of them. None of it is state the cluster lacks: after a restart each piece
 is rebuilt (the token read again, the head asked again, a `leaving` pod's leave issued again), so
 an operator restart converges. Kept apart from the pass so that what a pass remembers is listed
 in one place; kopf's per-object memo does not fit, as the passes run on the operator's own
@@ -9,16 +11,9 @@ workers, outside kopf handlers.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-from . import metrics
-from .act import DRAINS
-from .events import EVENTS
-
-if TYPE_CHECKING:
-    from .head_client import HeadClient
-    from .headview import HeadView
+from typing import Any
 
 Key = tuple[str, str]  # (namespace, name)
 
@@ -58,15 +53,6 @@ class Tokens:
 
 TOKENS = Tokens()
 
-# The last answers of each OmniStage's head (headview.ask_head keeps them, with their ETags).
-HEADS: dict[Key, HeadView] = {}
-
-
-def second_head(namespace: str, name: str) -> Key:
-    """The HEADS key of a head change's other head (Observed.other)."""
-    return namespace, f"{name}/second-head"
-
-
 @dataclass(frozen=True)
 class Resting:
     """What a pass read when it found its OmniStage at rest (no change, no problem, status as
@@ -74,22 +60,27 @@ class Resting:
     nothing: a later pass that reads the same skips the plan, and the resync only probes the head."""
 
     fingerprint: tuple[Any, ...]
-    client: HeadClient | None
+    client: Any  # the head_client.HeadClient to ask, or None (not imported: this module is a leaf)
     distributed: bool
 
 
 RESTING: dict[Key, Resting] = {}
 
 
+_FORGETS: list[Callable[[str, str], None]] = []
+
+
+def register(forget_one: Callable[[str, str], None]) -> None:
+    """A store that holds something per OmniStage: `forget_one(namespace, name)` drops it."""
+    _FORGETS.append(forget_one)
+
+
 def forget(namespace: str, name: str) -> None:
-    """Drop everything held for a deleted OmniStage: its lock, token, head answers, rest, drain
-    states, Event counts and metric series."""
+    """Drop everything held for a deleted OmniStage: its lock, token and rest, and what every
+    registered store holds (head answers, drain states, Event counts, metric series)."""
     with _locks_guard:
         _locks.pop((namespace, name), None)
     TOKENS.forget(namespace, name)
-    HEADS.pop((namespace, name), None)
-    HEADS.pop(second_head(namespace, name), None)
     RESTING.pop((namespace, name), None)
-    DRAINS.forget(namespace, name)
-    EVENTS.forget(namespace, name)
-    metrics.forget(namespace, name)
+    for forget_one in _FORGETS:
+        forget_one(namespace, name)

@@ -11,10 +11,15 @@ from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from . import memory
+
 RECONCILE_SECONDS = Histogram(
     "omnistage_reconcile_duration_seconds", "Time one reconcile of an OmniStage took.", ["namespace", "name"])
 RECONCILE_ERRORS = Counter(
-    "omnistage_reconcile_errors_total", "Reconciles that raised, by error type.", ["namespace", "name", "error"])
+    "omnistage_reconcile_errors_total",
+    "Reconciles that raised, by error type.",
+    ["namespace", "name", "error"],
+)
 MEMBERSHIP_CALLS = Counter(
     "omnistage_membership_calls_total", "Calls to the engine head's membership endpoint.", ["op", "result"])
 MEMBERSHIP_SECONDS = Histogram(
@@ -54,6 +59,9 @@ def forget(namespace: str, name: str) -> None:
     STATUS.observe(namespace, name, None)
 
 
+memory.register(forget)
+
+
 class StatusCollector(Collector):
     """Reads the status each reconcile last wrote; nothing here is state the operator acts on."""
 
@@ -75,21 +83,33 @@ class StatusCollector(Collector):
     def collect(self):
         replicas = GaugeMetricFamily("omnistage_replicas", "Stage-0 engine replicas by state.",
                                      labels=["namespace", "name", "state"])
-        conditions = GaugeMetricFamily("omnistage_condition", "OmniStage conditions (1 when the status matches).",
-                                       labels=["namespace", "name", "type", "status"])
+        conditions = GaugeMetricFamily(
+            "omnistage_condition",
+            "OmniStage conditions (1 when the status matches).",
+            labels=["namespace", "name", "type", "status"],
+        )
         patches = GaugeMetricFamily(
-            "omnistage_engine_patch", "Engine patch outcomes the head reported (1 for the outcome in effect).",
-            labels=["namespace", "name", "patch", "outcome"])
+            "omnistage_engine_patch",
+            "Engine patch outcomes the head reported (1 for the outcome in effect).",
+            labels=["namespace", "name", "patch", "outcome"],
+        )
         with self._lock:
             items = list(self._status.items())
         for (ns, name), st in items:
-            for state, key in (("desired", "desiredReplicas"), ("existing", "replicas"), ("ready", "readyReplicas"),
-                               ("registered", "registeredReplicas"), ("updated", "updatedReplicas")):
+            for state, key in (
+                ("desired", "desiredReplicas"),
+                ("existing", "replicas"),
+                ("ready", "readyReplicas"),
+                ("registered", "registeredReplicas"),
+                ("updated", "updatedReplicas"),
+            ):
                 if key in st:
                     replicas.add_metric([ns, name, state], st[key])
             for c in st.get("conditions", []):
                 for status in ("True", "False"):
-                    conditions.add_metric([ns, name, c["type"], status], 1.0 if c["status"] == status else 0.0)
+                    conditions.add_metric(
+                        [ns, name, c["type"], status], 1.0 if c["status"] == status else 0.0
+                    )
             for patch, outcome in ((st.get("engine") or {}).get("patches") or {}).items():
                 for value in contract.OUTCOMES:
                     patches.add_metric([ns, name, patch, value], 1.0 if outcome == value else 0.0)

@@ -31,7 +31,8 @@ from ..render import render_secret, target_from
 from ..render.common import Target
 from ..render.pods import TOKEN_KEY
 from . import act as act_step
-from . import credentials, kube, memory
+from . import credentials, headview, kube, memory
+from . import drains as drains_step
 from .act import EmitFn as Emit
 from .head_client import HeadClient
 from .headview import ask_head, said, view_for
@@ -55,7 +56,7 @@ def reconcile(namespace: str, name: str, emit: Emit | None,
         # A miss is read once: the OmniStage may be newer than its watch event (kopf saw it first).
         obj = STATE.omnistages.get(namespace, name) or kube.get_omnistage(namespace, name)
         if obj is None or obj["metadata"].get("deletionTimestamp"):
-            act_step.DRAINS.forget(namespace, name)
+            drains_step.DRAINS.forget(namespace, name)
             STATUS.observe(namespace, name, None)
             _orphaned_pools(namespace, name)
             return None  # children go with it through their ownerReferences
@@ -99,8 +100,10 @@ def _orphaned_pools(namespace: str, name: str) -> None:
     """Pools naming an OmniStage that does not exist say so (their pods, owned by the OmniStage, went
     with it)."""
     fitted = pools.fit(None, name, STATE.pools.owned(namespace, name))
-    act_step.write_pool_statuses(namespace, {f.name: s for f in fitted
-                                             if (s := pool_status(f, None, [])) != (f.obj.get("status") or {})})
+    act_step.write_pool_statuses(
+        namespace,
+        {f.name: s for f in fitted if (s := pool_status(f, None, [])) != (f.obj.get("status") or {})},
+    )
 
 
 def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
@@ -165,8 +168,12 @@ def ensure_token(t: Target, emit: Emit, read: bool = False) -> tuple[str | None,
     if secret is None:
         secret, created = kube.create(render_secret(t, held or secrets.token_urlsafe(32)))
         if created and held is not None:
-            emit("Normal", EventReason.CHILD_SYNCED, f"Secret {name} re-created from the membership token the "
-                 "operator holds: it had been deleted, and engine pods mount it")
+            emit(
+                "Normal",
+                EventReason.CHILD_SYNCED,
+                f"Secret {name} re-created from the membership token the "
+                "operator holds: it had been deleted, and engine pods mount it",
+            )
     why = _not_ours(secret, t)
     if why is not None:
         log.warning("%s/%s: %s", t.namespace, t.name, why)
@@ -183,16 +190,23 @@ def _not_ours(secret: dict[str, Any], t: Target) -> str | None:
     if not any(ref.get("uid") == t.uid for ref in refs):
         owners = ", ".join(f"{ref.get('kind')} {ref.get('name')} (uid {ref.get('uid')})" for ref in refs)
         earlier = any(ref.get("kind") == api.KIND and ref.get("name") == t.name for ref in refs)
-        return (f"Secret {meta['name']} is not this OmniStage's: its ownerReferences name "
-                f"{owners or 'no owner'}, not uid {t.uid}"
-                + ("; it is an earlier OmniStage's of this name, which the garbage collector removes"
-                   if earlier else "")
-                + ". The operator does not adopt a membership token it did not issue, and creates or deletes no "
-                f"engine pod until it is gone: delete Secret {meta['name']} (or, if something else needs it, "
-                "re-create it under another name) and the operator creates its own")
+        return (
+            f"Secret {meta['name']} is not this OmniStage's: its ownerReferences name "
+            f"{owners or 'no owner'}, not uid {t.uid}"
+            + (
+                "; it is an earlier OmniStage's of this name, which the garbage collector removes"
+                if earlier
+                else ""
+            )
+            + ". The operator does not adopt a membership token it did not issue, and creates or deletes no "
+            f"engine pod until it is gone: delete Secret {meta['name']} (or, if something else needs it, "
+            "re-create it under another name) and the operator creates its own"
+        )
     if TOKEN_KEY not in (secret.get("data") or {}):
-        return (f"Secret {meta['name']} has no key {TOKEN_KEY!r}: delete it and the operator creates it again "
-                "(it may not update Secrets)")
+        return (
+            f"Secret {meta['name']} has no key {TOKEN_KEY!r}: delete it and the operator creates it again "
+            "(it may not update Secrets)"
+        )
     return None
 
 
@@ -204,17 +218,20 @@ def observe(obj: dict[str, Any], t: Target, token: str | None, problems: tuple[s
     No token (ensure_token refused the Secret and holds none): no head is asked."""
     # Its pods are those whose controller ownerReference names its uid, whatever their labels say;
     # their labels as the operator wrote them, and the strays to restore or delete (control/identity.py).
-    owned, strays = identity.sort_out(t, [p for p in STATE.pods.owned(t.namespace, t.name)
-                                          if identity.owner_uid(p) == t.uid],
-                                      {pool["metadata"]["name"] for pool in STATE.pools.owned(t.namespace, t.name)})
+    owned, strays = identity.sort_out(
+        t,
+        [p for p in STATE.pods.owned(t.namespace, t.name) if identity.owner_uid(p) == t.uid],
+        {pool["metadata"]["name"] for pool in STATE.pools.owned(t.namespace, t.name)},
+    )
     head, second = pods.heads([p for p in owned if pods.role(p) in HEAD_ROLES])
     engines = tuple(p for p in owned if pods.role(p) in (ROLE_REPLICA, ROLE_POOL))
     theirs = tuple(r for r in engines if second is not None and pods.head_uid(r) == pods.uid(second))
-    drains = act_step.DRAINS.states(t.namespace, t.name)
+    drains = drains_step.DRAINS.states(t.namespace, t.name)
     other = other_client = None
     if second is not None:
-        other, other_client = _observe_set(obj, t, token, second, theirs, memory.second_head(t.namespace, t.name),
-                                           drains)
+        other, other_client = _observe_set(
+            obj, t, token, second, theirs, headview.second_head(t.namespace, t.name), drains
+        )
     observed, client = _observe_set(obj, t, token, head, tuple(r for r in engines if r not in theirs),
                                     (t.namespace, t.name), drains)
     return replace(observed, problems=problems, refused=children,
@@ -231,7 +248,9 @@ def _observe_set(obj: dict[str, Any], t: Target, token: str | None, head: dict[s
         client = HeadClient(pods.ip(head), t.spec.engine.membership_port, token)
     report = listing = None
     report_problem = listing_problem = None
-    if client is not None and pods.answers(head):  # Ready, or started: read a head whose engines are silent too
+    if client is not None and pods.answers(
+        head
+    ):  # Ready, or started: read a head whose engines are silent too
         view = view_for(key, pods.uid(head), _rv(head))
         report, listing, report_problem, listing_problem = ask_head(client, view, t.distributed)
         if view.token_refused:  # 401: the Secret was replaced; read it again next pass
@@ -253,7 +272,7 @@ def _rv(obj: dict[str, Any] | None) -> str | None:
 def _fingerprint(o: Observed, t: Target) -> tuple[Any, ...]:
     children = tuple(sorted((c["kind"], c["metadata"]["name"], _rv(c)) for inf in STATE.children.values()
                             for c in inf.owned(t.namespace, t.name)))
-    view = memory.HEADS.get((t.namespace, t.name))
+    view = headview.HEADS.get((t.namespace, t.name))
     return (_rv(o.obj), _rv(o.head), tuple(sorted(_rv(r) or "" for r in o.replicas)),
             tuple(sorted(_rv(p) or "" for p in o.pools)), children,
             o.head_addressable, tuple(sorted(o.drains.items())), o.problems,
