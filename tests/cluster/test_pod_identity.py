@@ -15,6 +15,7 @@ item 5; weakness 6 bullet 4, weakness 7 bullet 1), on the real API server with t
 
 from __future__ import annotations
 
+import errno
 import http.server
 import json
 import threading
@@ -118,7 +119,18 @@ def _look_alike(kubectl, namespace: str, tmp_path, name: str, like: dict[str, An
 def _listen_at(kubectl, wait_for, namespace: str, name: str) -> Listener:
     ip = wait_for(f"pod {name}'s address", lambda: ((_pod(kubectl, namespace, name) or {}).get("status") or {})
                   .get("podIP"), timeout=60, interval=0.2)
-    return Listener(ip, 8090)
+
+    def bound() -> Listener | None:
+        # kwok hands out a freed IP at once, and an earlier test's head may still be stopping there (a
+        # kubelet frees an IP with its sandbox): wait for the address, as the stand-in runtime does.
+        try:
+            return Listener(ip, 8090)
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            return None
+
+    return wait_for(f"{ip}:8090 free for {name}'s listener", bound, timeout=60, interval=0.5)
 
 
 def test_a_look_alike_head_is_never_sent_the_token(kubectl, wait_for, namespace, operator, tmp_path):
