@@ -88,3 +88,26 @@ def test_a_child_whose_environment_differs_on_what_the_imports_read_is_refused(s
     assert not (tmp_path / "no.log").exists()
     child = z.spawn("zygote_probe", ["0"], {**env, "NOT_READ_AT_IMPORT": "1"}, str(tmp_path), tmp_path / "yes.log")
     assert child.wait(60) == 0
+
+
+def test_one_server_per_process_whatever_the_environment(monkeypatch):
+    """The cluster tier's runtimes (one per test module) share one server. Keyed on the environment
+    too, each module got its own, as pytest's PYTEST_CURRENT_TEST names the running test: 20 s of
+    imports per module, and its first OmniStage's processes started plain."""
+    made = []
+
+    class Server:
+        def __init__(self, *args):
+            made.append(args)
+
+        def alive(self) -> bool:
+            return True
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(zygote, "Zygote", Server)
+    monkeypatch.setattr(zygote, "_SHARED", {})
+    first = zygote.shared("python", {"PYTEST_CURRENT_TEST": "tests/cluster/test_a.py::t (setup)"}, "/tree", "a.log")
+    second = zygote.shared("python", {"PYTEST_CURRENT_TEST": "tests/cluster/test_b.py::t (setup)"}, "/tree", "b.log")
+    assert first is second and len(made) == 1

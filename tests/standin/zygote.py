@@ -326,11 +326,13 @@ _SHARED_LOCK = threading.Lock()
 
 
 def shared(python: str, env: dict[str, str], cwd: str, log_path: str | os.PathLike) -> Zygote:
-    """The fork server every runtime of this process uses (one per interpreter, environment and working
-    directory; a new one if the last exited), closed at exit. The cluster tier starts a runtime per test
-    module: each with its own server would import for 10-35 s again while its first OmniStage's
-    processes start plain, on the same two cores."""
-    key = (python, cwd, tuple(sorted(env.items())))
+    """The fork server every runtime of this process uses (one per interpreter and working directory; a
+    new one if the last exited), closed at exit. The cluster tier starts a runtime per test module: each
+    with its own server would import for 10-35 s again while its first OmniStage's processes start
+    plain, on the same two cores. The environment is not part of the key: it changes under pytest
+    (PYTEST_CURRENT_TEST names the running test), and what of it the imports read is checked for each
+    child anyway (a child that differs there is refused and starts plain)."""
+    key = (python, cwd)
     with _SHARED_LOCK:
         server = _SHARED.get(key)
         if server is None or not server.alive():
