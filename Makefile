@@ -14,13 +14,12 @@ real-engine-env:
 	bash hack/real-engine-env.sh >/dev/null
 
 # Every tier that can run here: unit, engine (CPU), cluster (local control plane started by the fixture)
-# and real engines (tests/cluster/real: the rendered pods' own vllm serve commands on the CPU); then
-# the engine tier's negative controls (test-negative). Without the runs marked `full` (disruptions
+# and real engines (tests/cluster/real: the rendered pods' own vllm serve commands on the CPU); the
+# engine tier's negative controls (test-negative) run beside the tiers from the engine tier on. Without the runs marked `full` (disruptions
 # under a request stream, minutes of engine restarts each): `make test-full` adds them.
 test: setup real-engine-env
 	@OMNISTAGE_VENV=$(VENV) bash hack/demo.sh down-if-running
-	$(PY) -m pytest tests -m "not full" --durations=25
-	$(PY) -m tests.engine.negative_controls
+	$(PY) -m pytest tests -m "not full" --durations=25 --negative-controls
 
 # make test, then the full runs of the real-engine tier, then the whole kind tier (make e2e-kind).
 test-full: test

@@ -15,6 +15,8 @@ import os
 import threading
 import time
 from collections import defaultdict
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,8 +54,36 @@ def _counted_sleep(seconds: float) -> None:
         _slept[0] += time.monotonic() - t0
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--negative-controls", action="store_true",
+                     help="run the engine tier's negative controls beside this run (make test): started when "
+                          "it reaches tests/engine, waited for at its end; a failed control fails the run")
+
+
+_beside: list[Any] = []  # the negative controls' runner, with --negative-controls
+
+
 def pytest_configure(config: pytest.Config) -> None:
     time.sleep = _counted_sleep  # modules that call time.sleep; a `from time import sleep` is not counted
+    if config.getoption("--negative-controls"):
+        from tests.engine.negative_controls import Beside
+
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        _beside.append(Beside(Path(f"/tmp/omnistage-tests/negative-controls-{stamp}-{os.getpid()}.log")))
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    if _beside and _beside[0].proc is None and tier(nodeid) == "engine":
+        _beside[0].start()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not _beside:
+        return
+    code, waited, table = _beside[0].finish()
+    _beside.append((code, waited, table))
+    if code != 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -95,9 +125,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    tr = terminalreporter
+    if len(_beside) == 2:
+        runner, (code, waited, table) = _beside
+        tr.section("the negative controls, run beside the tiers from the engine tier on")
+        for line in table:
+            tr.write_line(line)
+        tr.write_line(f"their output: {runner.log}; waited {waited:.0f} s for them after the last test"
+                      + ("" if code == 0 else f"; FAILED (exit {code})"), red=code != 0, bold=code != 0)
     if not _SPENT:
         return
-    tr = terminalreporter
     tr.section("where the time went, by tier (seconds)")
     tr.write_line(f"{'tier':<14} {'tests':>6} {'set-up':>8} {'calls':>8} {'teardown':>9} {'total':>8} {'budget':>7}"
                   f"   {'waiting in set-up + calls':>25}")
