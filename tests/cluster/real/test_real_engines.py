@@ -198,13 +198,14 @@ def test_scale_down_under_load_loses_nothing(stage):
     """`kubectl scale --replicas=1` while a bounded stream of requests runs: every request gets a
     complete answer (the operator drains the leaving replica before deleting its pod)."""
     model = client.served_model(stage.base())
-    payloads = [(f"stream #{i + 1}", client.body(model, "audio", 50 + i % 4, max_tokens=64)) for i in range(200)]
-    stop_at = time.monotonic() + 240
+    stop = threading.Event()  # set 5 s after the pod is gone: the stream ends with what is in flight
+    payloads = ((f"stream #{i + 1}", client.body(model, "audio", 50 + i % 4, max_tokens=64))
+                for i in range(200) if not stop.is_set())
     results: list[client.Result] = []
     done = threading.Event()
 
     def stream() -> None:
-        results.extend(client.run_many(stage.base(), payloads, concurrency=4, deadline=stop_at))
+        results.extend(client.run_many(stage.base(), payloads, concurrency=4, deadline=time.monotonic() + 240))
         done.set()
 
     t = threading.Thread(target=stream)
@@ -217,8 +218,8 @@ def test_scale_down_under_load_loses_nothing(stage):
         "get", "pod", leaving, "-n", stage.namespace, check=False).returncode != 0
         and stage.get()["status"].get("replicas") == 1, timeout=300, interval=1)
     stage.timings["scale 2->1 under load: pod gone"] = time.monotonic() - t_scale
-    time.sleep(5)
-    stop_at = time.monotonic()  # stop sending; wait for what is in flight
+    time.sleep(5)  # requests keep coming after the leave: they go to the head's own replica
+    stop.set()
     t.join(300)
     lost = [r for r in results if not r.complete]
     left = left_at_head(stage.head.listing(include_all=True), replica_id) or {}
