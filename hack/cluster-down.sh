@@ -21,8 +21,11 @@ for c in kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
   if [[ -r /proc/$pid/cmdline ]] && [[ "$(tr '\0' ' ' < "/proc/$pid/cmdline")" == *"/$c "* ]]; then
     log "stopping $c (pid $pid)"
     kill "$pid" 2>/dev/null
-    for _ in $(seq 50); do running "$pid" || break; sleep 0.2; done
-    if running "$pid"; then log "$c ignored SIGTERM for 10s; killing it"; kill -9 "$pid" 2>/dev/null; fi
+    # The API server spends its graceful shutdown draining watches (past 10 s here, every time); it
+    # holds no state of its own (etcd does), so it gets 2 s. The others 10 s.
+    grace=10; [[ $c == kube-apiserver ]] && grace=2
+    for _ in $(seq $((grace * 5))); do running "$pid" || break; sleep 0.2; done
+    if running "$pid"; then log "$c still running ${grace}s after SIGTERM; killing it"; kill -9 "$pid" 2>/dev/null; fi
   fi
   rm -f "$f"
 done
