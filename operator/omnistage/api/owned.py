@@ -10,8 +10,9 @@ from typing import Any
 from omnistage_engine_patches import contract
 
 from . import podtemplate as pt
+from .engine_spec import EnvVar
 from .security import ARGV_EXPANSION, MEMBERSHIP_SECRET_SUFFIX, host_path_allowed, operator_allowed_host_paths
-from .specs import EnvVar, OmniStageSpec
+from .specs import OmniStageSpec
 
 # Flags the operator owns on the engine command line (vllm 0.30.0 / vllm-omni 0.30.0 spellings,
 # short aliases included); spec.engine.extraArgs may set none of them in any form vLLM's parser
