@@ -1,6 +1,7 @@
 """What in an OmniStage spec is the operator's: the flags it renders on the engine command line, the
-environment it sets, the deploy-config keys of a stage. validation.py (and pipeline_rules.py, for
-spec.stages and spec.transport) refuse them, as CEL and in Python, from these predicates."""
+environment it sets, the deploy-config keys of a stage. The rules (field_rules.py, template_checks.py;
+pipeline_rules.py for spec.stages and spec.transport) refuse them, as CEL and in Python, from these
+predicates."""
 
 from __future__ import annotations
 
