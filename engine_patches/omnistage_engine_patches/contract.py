@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TypedDict
 
 # ---- the head's membership port -----------------------------------------------------------------
-#: Every path below but LIVE_PATH is served on this port of the head alone (membership_api starts a
+#: Every path below but LIVE_PATH is served on this port of the head alone (membership_server starts a
 #: second HTTP server beside vLLM's), never on the public OpenAI port: the NetworkPolicy admits only
 #: the operator's namespace and the OmniStage's own pods to it. The operator renders the port
 #: (spec.engine.membershipPort) as the head container's port of this name and as MEMBERSHIP_PORT_ENV.
@@ -119,7 +119,7 @@ PATCHES = (FRONTEND_CACHE, UUID_SCOPE, REPLICA_METRICS, MM_CACHE_METRICS, MEMBER
            REPLICA_AWARE_CACHE, REPLICA_AFFINITY, REGISTRATION_REPORT, ENGINE_LIVENESS)
 #: The key a headless replica adds to the stage config it registers with (vllm-omni's
 #: ``register_stage_with_omni_master``): {patch name: outcome} in that replica's process. The head
-#: lists it as that member's ``"patches"`` in the membership listing (membership_api's ``Replica``).
+#: lists it as that member's ``"patches"`` in the membership listing (membership_routes' ``Replica``).
 REGISTRATION_PATCHES_KEY = "omnistage_patches"
 
 # A patch's outcome in this process.
@@ -268,7 +268,7 @@ class Listing(TypedDict):
 
 
 class JoinRequest(TypedDict, total=False):
-    """POST JOIN_PATH: join the (stage, pod) replica registered from `ip` (membership_api.JoinBody)."""
+    """POST JOIN_PATH: join the (stage, pod) replica registered from `ip` (membership_requests.JoinBody)."""
 
     stage: int
     pod: str
@@ -277,7 +277,7 @@ class JoinRequest(TypedDict, total=False):
 
 
 class LeaveRequest(TypedDict, total=False):
-    """POST LEAVE_PATH: one of replicaId, pod or ip picks the replica (membership_api.LeaveBody)."""
+    """POST LEAVE_PATH: one of replicaId, pod or ip picks the replica (membership_requests.LeaveBody)."""
 
     stage: int
     replicaId: int

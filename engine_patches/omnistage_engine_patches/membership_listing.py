@@ -1,4 +1,4 @@
-"""What a live head's membership listing reads (GET contract.MEMBERSHIP_PATH, :mod:`.membership_api`):
+"""What a live head's membership listing reads (GET contract.MEMBERSHIP_PATH, :mod:`.membership_routes`):
 the head's live objects (``HeadReads``: the master's routes and registrations, the stage pools,
 the coordinator's UP replicas) and the read model built from them (``snapshot``). The commands
 (join, leave) and the bridge onto the orchestrator's loop are :mod:`.membership_ops`'.

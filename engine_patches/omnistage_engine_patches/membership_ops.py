@@ -1,5 +1,5 @@
 """The live head's membership operations: list (:mod:`.membership_listing`), join, leave (what
-:mod:`.membership_api` serves).
+:mod:`.membership_routes` serves).
 
 This module reads and changes the real vllm-omni 0.30.0 objects of a distributed head and holds
 no membership truth of its own beyond what :mod:`.patches.membership` keeps (which pod a replica

@@ -17,7 +17,7 @@ pytest.importorskip(
 )
 
 from omnistage import known_pipelines
-from omnistage.api.validation import MULTI_STAGE_PIPELINES, SINGLE_STAGE_EXAMPLES
+from omnistage.api.field_rules import MULTI_STAGE_PIPELINES, SINGLE_STAGE_EXAMPLES
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -89,8 +89,12 @@ PLUGIN_FLOORS = {
     "endpoint": (
         "omnistage_engine_patches",
         "omnistage_engine_patches.membership_api",
+        "omnistage_engine_patches.membership_auth",
         "omnistage_engine_patches.membership_listing",
         "omnistage_engine_patches.membership_ops",
+        "omnistage_engine_patches.membership_requests",
+        "omnistage_engine_patches.membership_routes",
+        "omnistage_engine_patches.membership_server",
         "omnistage_engine_patches.report",
         "omnistage_engine_patches.prestop",
         "omnistage_engine_patches.stages",

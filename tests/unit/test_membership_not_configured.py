@@ -7,7 +7,7 @@ import logging
 from types import SimpleNamespace
 
 import pytest
-from omnistage_engine_patches import contract, membership_api
+from omnistage_engine_patches import contract, membership_auth
 from omnistage_engine_patches.membership_listing import MembershipError
 
 SECRET_PATH = "/var/run/secrets/omnistage-tenant-a/membership/token"
@@ -15,7 +15,7 @@ SECRET_PATH = "/var/run/secrets/omnistage-tenant-a/membership/token"
 
 @pytest.fixture(autouse=True)
 def _fresh_cache(monkeypatch):
-    monkeypatch.setattr(membership_api, "_token_cache", {"key": None, "token": None})
+    monkeypatch.setattr(membership_auth, "_token_cache", {"key": None, "token": None})
 
 
 def _refusal(monkeypatch, caplog, **env: str) -> MembershipError:
@@ -25,10 +25,10 @@ def _refusal(monkeypatch, caplog, **env: str) -> MembershipError:
         monkeypatch.setenv(name, value)
     request = SimpleNamespace(headers={"authorization": "Bearer guess"})
     with (
-        caplog.at_level(logging.ERROR, logger=membership_api.logger.name),
+        caplog.at_level(logging.ERROR, logger=membership_auth.logger.name),
         pytest.raises(MembershipError) as err,
     ):
-        membership_api._authorize(request)
+        membership_auth.authorize(request)
     return err.value
 
 

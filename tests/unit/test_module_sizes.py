@@ -14,12 +14,11 @@ CEILING = 400
 PRODUCT = (ROOT / "operator" / "omnistage", ROOT / "engine_patches" / "omnistage_engine_patches")
 # Over the ceiling when this test came (after the rewrap to 110 columns; control/plan.py, at 473 then,
 # left with the straight decision, render/pods.py, at 442, once its exploded argument lists were
-# compacted); generated modules are not written by hand and are not counted.
+# compacted, api/specs.py, at 556, once its parts had modules of their own, api/validation.py, at 478,
+# once its rows had, membership_api.py, at 592, once the endpoint's routes, tokens, bodies and server
+# had); generated modules are not written by hand and are not counted.
 OVER = {
-    "engine_patches/omnistage_engine_patches/membership_api.py": 592,
-    "operator/omnistage/api/specs.py": 556,
     "operator/omnistage/runtime/kube.py": 492,
-    "operator/omnistage/api/validation.py": 478,
 }
 GENERATED = {"operator/omnistage/known_pipelines.py"}
 

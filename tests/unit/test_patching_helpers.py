@@ -126,9 +126,9 @@ def test_the_join_and_leave_bodies_are_the_contracts_on_both_sides():
     pytest.importorskip("fastapi", reason="the endpoint needs fastapi (it comes with vLLM)")
     import typing
 
-    from omnistage_engine_patches import contract, membership_api
+    from omnistage_engine_patches import contract, membership_requests
 
-    for model, shape in ((membership_api.JoinBody, contract.JoinRequest),
-                         (membership_api.LeaveBody, contract.LeaveRequest)):
+    for model, shape in ((membership_requests.JoinBody, contract.JoinRequest),
+                         (membership_requests.LeaveBody, contract.LeaveRequest)):
         keys = {f.alias or name for name, f in model.model_fields.items()}
         assert keys == set(typing.get_type_hints(shape)), model.__name__

@@ -541,11 +541,11 @@ def test_operator_only_template_rules_are_the_ones_over_the_cel_budget():
     check of each volume's path, a string with no bound, costs past the budget). Everything else is
     refused by the API server too (the lists the other rules walk are bounded:
     hack/gen-podtemplate-schema.py's BOUNDS)."""
-    from omnistage.api import template_rules
+    from omnistage.api import template_checks
 
     operator_only = [r.broken for r in SPEC_RULES if r.cel is None and r.field.startswith(".template")]
-    assert sorted(operator_only, key=lambda f: f.__name__) == [template_rules.engine_owned_mount_items,
-                                                                template_rules.host_path_volume_items]
+    assert sorted(operator_only, key=lambda f: f.__name__) == [template_checks.engine_owned_mount_items,
+                                                                template_checks.host_path_volume_items]
 
 
 # ---- the schema: generated from the Kubernetes OpenAPI document, embedded in the CRD ----------------

@@ -2,7 +2,7 @@
 
 This module only changes upstream behaviour through wrappers and keeps the small state the
 engine lacks; the operations that read and change a live head (list, join, leave) live in
-:mod:`.membership_ops`, the HTTP layer in :mod:`.membership_api`. The split keeps what runs inside
+:mod:`.membership_ops`, the HTTP layer in :mod:`.membership_routes`. The split keeps what runs inside
 vllm-omni's own code paths (every pick, every attach) apart from what runs once per API call.
 
 Switch it off with ``OMNISTAGE_DISABLE_PATCHES=membership``. The wrappers (upstream behaviour is

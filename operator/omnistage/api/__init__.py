@@ -1,5 +1,6 @@
 """The OmniStage API (group serving.omnistage.io, version v1alpha1): its identity here, its models in
-specs.py (what a user writes) and statuses.py (what the operator reports).
+specs.py and the parts it is made of (cache_spec.py, engine_spec.py, pod_specs.py, stage_specs.py:
+what a user writes) and statuses.py (what the operator reports).
 
 The spec models are re-exported here, so `from omnistage.api import OmniStageSpec` is the one import
 callers use; the status models are imported as `api.statuses`.
@@ -10,32 +11,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from .. import names
-from .specs import (
-    DEFAULT_ENGINE_IMAGE,
-    ENGINE_IMAGE_ENV,
-    CacheMode,
-    CacheSpec,
+from .cache_spec import CacheMode, CacheSpec, EffectiveCacheMode
+from .engine_spec import DEFAULT_ENGINE_IMAGE, ENGINE_IMAGE_ENV, EngineSpec, EnvVar, operator_engine_image
+from .pod_specs import (
     DisruptionBudgetSpec,
-    EffectiveCacheMode,
-    EngineSpec,
-    EnvVar,
     GpuSpec,
     HostPathSource,
-    Membership,
-    ModelKind,
     ModelVolumeSpec,
-    OmniStagePoolSpec,
-    OmniStageSpec,
     PlacementSpec,
     PvcSource,
     RolloutSpec,
-    StageEngineSpec,
-    StageSpec,
-    TransportMode,
-    TransportProtocol,
-    TransportSpec,
-    operator_engine_image,
 )
+from .specs import Membership, ModelKind, OmniStagePoolSpec, OmniStageSpec
+from .stage_specs import StageEngineSpec, StageSpec, TransportMode, TransportProtocol, TransportSpec
 
 GROUP = names.GROUP  # defined with the labels under it; the API's identity (group, version, kinds) reads here
 VERSION = "v1alpha1"

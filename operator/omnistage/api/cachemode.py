@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from omnistage_engine_patches import contract
 
-from .specs import CacheMode, EffectiveCacheMode, Membership, ModelKind
+from .cache_spec import CacheMode, EffectiveCacheMode
+from .specs import Membership, ModelKind
 
 SENDER_CACHE_WITH_DYNAMIC_MEMBERSHIP = (
     f"spec.cache.mode {' and '.join(contract.SENDER_CACHE_MODES)} need membership: static and replicas: 1: "

@@ -1,6 +1,7 @@
 """What in an OmniStage spec is the operator's: the flags it renders on the engine command line, the
-environment it sets, the deploy-config keys of a stage. validation.py (and pipeline_rules.py, for
-spec.stages and spec.transport) refuse them, as CEL and in Python, from these predicates."""
+environment it sets, the deploy-config keys of a stage. The rules (field_rules.py, template_checks.py;
+pipeline_rules.py for spec.stages and spec.transport) refuse them, as CEL and in Python, from these
+predicates."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any
 from omnistage_engine_patches import contract
 
 from . import podtemplate as pt
+from .engine_spec import EnvVar
 from .security import ARGV_EXPANSION, MEMBERSHIP_SECRET_SUFFIX, host_path_allowed, operator_allowed_host_paths
-from .specs import EnvVar, OmniStageSpec
+from .specs import OmniStageSpec
 
 # Flags the operator owns on the engine command line (vllm 0.30.0 / vllm-omni 0.30.0 spellings,
 # short aliases included); spec.engine.extraArgs may set none of them in any form vLLM's parser

@@ -13,7 +13,8 @@ from .owned import (
     owned_stage_key,
     walk,
 )
-from .specs import CONNECTOR_PORT_SPAN, OmniStageSpec, TransportMode, TransportProtocol
+from .specs import OmniStageSpec
+from .stage_specs import CONNECTOR_PORT_SPAN, TransportMode, TransportProtocol
 
 
 def multi_stage_problems(spec: OmniStageSpec) -> list[tuple[str, str]]:

@@ -8,7 +8,7 @@ namespaces, no privilege, no host directories but the ones an administrator allo
 operator's Secrets). The rules about one field are here, as FieldRule (CEL on the field's schema and
 the same check in Python, run by pydantic, so OmniStage and OmniStagePool share them); the rules
 that compare fields or walk spec.template are rows of validation.SPEC_RULES, whose predicates
-(owned.py, template_rules.py) take their lists from here.
+(owned.py, template_checks.py) take their lists from here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .. import names
 
 @dataclass(frozen=True)
 class FieldRule:
-    """A rule about one field's value, written twice like validation.Rule: as CEL on the field's
+    """A rule about one field's value, written twice like rule.Rule: as CEL on the field's
     schema (`self` is the value; the API server names the field) and in Python, run by pydantic when a
     spec is parsed (`omnistage render`, the reconcile loop), with one message."""
 

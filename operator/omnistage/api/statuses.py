@@ -8,9 +8,10 @@ from enum import StrEnum
 from pydantic import ConfigDict, Field
 
 from . import either
+from .cache_spec import EffectiveCacheMode
 from .conditions import STAGE_TYPES
 from .conditions import TYPES as CONDITION_TYPES
-from .specs import EffectiveCacheMode, _Model
+from .model_base import ApiModel
 
 
 class MemberState(StrEnum):
@@ -27,7 +28,7 @@ class MemberState(StrEnum):
 POOL_MEMBER_STATES = (MemberState.PENDING, MemberState.JOINING, MemberState.JOINED, MemberState.SILENT)
 
 
-class _Status(_Model):
+class _Status(ApiModel):
     """A part of a status. status.py builds status through these (so it holds only keys the CRD
     schema has); what an older operator wrote and a pass carries forward may hold keys this one
     does not know, which are dropped rather than failing the pass."""
