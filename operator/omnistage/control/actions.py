@@ -148,8 +148,10 @@ class Observed:
     listing: dict[str, Any] | None = None
     listing_problem: str | None = None
     drains: Mapping[str, str] = field(default_factory=dict)  # pod uid -> DRAIN_* (act's drain executor)
-    problems: tuple[str, ...] = ()  # what the previous act step could not do (joins refused, ...)
-    refused: tuple[str, ...] = ()  # the children the API server refused in that step, with its words
+    # What this pass's act step could not do, for its status (plan.described): joins refused, ...; and
+    # the children the API server refused in that step, with its words.
+    problems: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()
     pools: tuple[dict[str, Any], ...] = ()  # the OmniStagePools whose spec.omniStage names it
     # A head change in progress (control/headswap.py): the second head with its own replicas and
     # what it said, read like the first. `head` above is the one the Services select (ROLE_HEAD).
