@@ -9,7 +9,8 @@ The steps run in dependency order (children, head, head restart, stale replicas,
 scale, membership) on one Pass (state.py), which records what each decided, so that a pod deleted
 early in the pass is not counted, joined or deleted again by a later step. Each step is a function
 of that state in the module named for what it decides; this module holds their order, once for the
-serving set and once for the other set of a head change (headswap.py), and plan().
+serving set and once for the set beside it during a head change (the successor's or the
+predecessor's: headswap.py), and plan().
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ SERVING_STEPS: tuple[Callable[[Pass], None], ...] = (
     liveness.announce,
     stages.announce,
 )
-# The other set's while a head change runs (headswap.begin makes it): its membership and its replicas.
-OTHER_SET_STEPS: tuple[Callable[[Pass], None], ...] = (
+# The steps of the set beside the serving one while a head change runs (the successor's or the predecessor's:
+# headswap.begin makes it): its membership and its replicas.
+BESIDE_SERVING_STEPS: tuple[Callable[[Pass], None], ...] = (
     head.engine_report,
     head.membership_read,
     rollout.retire_stale,
@@ -101,7 +103,7 @@ def decide(t: Target, o: Observed, at: str | None = None) -> Pass:
     for step in SERVING_STEPS:
         step(p)
     if p.change.swap is not None:
-        for step in OTHER_SET_STEPS:
+        for step in BESIDE_SERVING_STEPS:
             step(p.change.swap.beside)
         headswap.finish(p)
     return p
@@ -149,5 +151,5 @@ def mounts_membership_secret(actions: list[Action], o: Observed) -> bool:
             isinstance(a, CreatePod) or (isinstance(a, BesideServing) and creates(a.actions)) for a in acts
         )
 
-    seen = [o.head, *o.replicas, *((o.other.head, *o.other.replicas) if o.other is not None else ())]
+    seen = [o.head, *o.replicas, *((o.beside.head, *o.beside.replicas) if o.beside is not None else ())]
     return creates(actions) or any(pod is not None and pods.mounting(pod) for pod in seen)

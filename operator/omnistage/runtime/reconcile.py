@@ -119,7 +119,7 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
         act_step.act(obj["metadata"]["namespace"], decided.actions, None, emit, obj["metadata"]["name"])
         return decided.status
     token, secret_refused = ensure_token(t, emit)
-    observed, (client, other_client) = observe(obj, t, token, secret_refused)
+    observed, (client, beside_client) = observe(obj, t, token, secret_refused)
     key, fingerprint = (t.namespace, t.name), _fingerprint(observed, t)
     rest = memory.RESTING.get(key)
     if rest is not None and rest.fingerprint == fingerprint:
@@ -133,13 +133,14 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
             d = decision(t, observed)
         else:  # and the credentials of the replica and pool pods mounting theirs
             mounting = credentials.ensure_mounting(_engine_pods(observed), token, emit)
-    acted = act_step.act(t.namespace, d.plan.actions, client, emit, t.name, other=other_client, token=token)
+    acted = act_step.act(t.namespace, d.plan.actions, client, emit, t.name, beside=beside_client, token=token)
     problems = mounting + acted.problems
     changed = _changes(d.plan.actions) or bool(problems) or bool(acted.refused)
-    # A head change never rests: the resync probes only the head the Services select, and the other
-    # head's news (a replica registered there) must reach a pass too. Nor does a refused Secret: the
-    # resync's next pass reads it again (whoever deletes it causes no event the operator can watch).
-    if (not changed and not d.plan.pools and d.plan.status == obj.get("status") and observed.other is None
+    # A head change never rests: the resync probes only the serving head, the one the Services select,
+    # and the news of the head beside it (a replica registered there) must reach a pass too. Nor does
+    # a refused Secret: the resync's next pass reads it again (whoever deletes it causes no event the
+    # operator can watch).
+    if (not changed and not d.plan.pools and d.plan.status == obj.get("status") and observed.beside is None
             and secret_refused is None):
         memory.RESTING[key] = memory.Resting(fingerprint, client, t.distributed)
     else:
@@ -223,7 +224,8 @@ def _not_ours(secret: dict[str, Any], t: Target) -> str | None:
 def observe(obj: dict[str, Any], t: Target, token: str | None, secret_refused: str | None = None
             ) -> tuple[Observed, tuple[HeadClient | None, HeadClient | None]]:
     """The pods from the watches, and what a Ready head runs and who its members are (tight timeouts).
-    During a head change, the second head and its replicas too (Observed.other), with its client.
+    During a head change, the set beside the serving one too (Observed.beside: the successor head or
+    the predecessor, and its replicas), with its client.
     No token (ensure_token refused the Secret and holds none): no head is asked."""
     # Its pods are those whose controller ownerReference names its uid, whatever their labels say;
     # their labels as the operator wrote them, and the strays to restore or delete (control/identity.py).
@@ -232,19 +234,20 @@ def observe(obj: dict[str, Any], t: Target, token: str | None, secret_refused: s
         [p for p in STATE.pods.owned(t.namespace, t.name) if identity.owner_uid(p) == t.uid],
         {pool["metadata"]["name"] for pool in STATE.pools.owned(t.namespace, t.name)},
     )
-    head, second = pods.heads([p for p in owned if pods.role(p) in HEAD_ROLES])
+    head, beside_head = pods.heads([p for p in owned if pods.role(p) in HEAD_ROLES])
     engines = tuple(p for p in owned if pods.role(p) in (ROLE_REPLICA, ROLE_POOL))
-    theirs = tuple(r for r in engines if second is not None and pods.head_uid(r) == pods.uid(second))
+    beside_replicas = tuple(r for r in engines
+                            if beside_head is not None and pods.head_uid(r) == pods.uid(beside_head))
     drains = drains_step.DRAINS.states(t.namespace, t.name)
-    other = other_client = None
-    if second is not None:
-        other, other_client = _observe_set(
-            obj, t, token, second, theirs, headview.second_head(t.namespace, t.name), drains
+    beside = beside_client = None
+    if beside_head is not None:
+        beside, beside_client = _observe_set(
+            obj, t, token, beside_head, beside_replicas, headview.beside_serving(t.namespace, t.name), drains
         )
-    observed, client = _observe_set(obj, t, token, head, tuple(r for r in engines if r not in theirs),
-                                    (t.namespace, t.name), drains)
+    serving_replicas = tuple(r for r in engines if r not in beside_replicas)
+    observed, client = _observe_set(obj, t, token, head, serving_replicas, (t.namespace, t.name), drains)
     return replace(observed, pools=tuple(STATE.pools.owned(t.namespace, t.name)),
-                   other=other, secret_refused=secret_refused, strays=strays), (client, other_client)
+                   beside=beside, secret_refused=secret_refused, strays=strays), (client, beside_client)
 
 
 def _observe_set(obj: dict[str, Any], t: Target, token: str | None, head: dict[str, Any] | None,
@@ -269,8 +272,8 @@ def _observe_set(obj: dict[str, Any], t: Target, token: str | None, head: dict[s
 
 
 def _engine_pods(o: Observed) -> list[dict[str, Any]]:
-    """The replica and pool pods of both heads' sets."""
-    return [*o.replicas, *(o.other.replicas if o.other is not None else ())]
+    """The replica and pool pods of the serving set and of the one beside it."""
+    return [*o.replicas, *(o.beside.replicas if o.beside is not None else ())]
 
 
 def _rv(obj: dict[str, Any] | None) -> str | None:
