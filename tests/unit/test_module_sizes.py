@@ -14,11 +14,11 @@ CEILING = 400
 PRODUCT = (ROOT / "operator" / "omnistage", ROOT / "engine_patches" / "omnistage_engine_patches")
 # Over the ceiling when this test came (after the rewrap to 110 columns; control/plan.py, at 473 then,
 # left with the straight decision, render/pods.py, at 442, once its exploded argument lists were
-# compacted); generated modules are not written by hand and are not counted.
+# compacted, runtime/kube.py, at 492, split into the client, drift.py and lease.py); generated modules
+# are not written by hand and are not counted.
 OVER = {
     "engine_patches/omnistage_engine_patches/membership_api.py": 592,
     "operator/omnistage/api/specs.py": 556,
-    "operator/omnistage/runtime/kube.py": 492,
     "operator/omnistage/api/validation.py": 478,
 }
 GENERATED = {"operator/omnistage/known_pipelines.py"}

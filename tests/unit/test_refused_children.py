@@ -18,7 +18,7 @@ from omnistage.control.plan import decision, described, plan
 from omnistage.runtime import act as act_module
 from omnistage.runtime import reconcile as reconcile_module
 from omnistage.runtime.act import API_MESSAGE_LIMIT, act
-from omnistage.runtime.kube import Applied
+from omnistage.runtime.drift import Applied
 
 from .test_plan import AT, cond, situation
 
@@ -39,7 +39,7 @@ CHILDREN = [child("ConfigMap", "o-config"), child("Service", "o"), child("Servic
 
 @pytest.fixture
 def cluster(monkeypatch):
-    """kube.apply refuses whatever `refuse` names (name -> ApiException); records what it applied."""
+    """drift.apply refuses whatever `refuse` names (name -> ApiException); records what it applied."""
     state = {"refuse": {}, "applied": []}
 
     def apply(obj, compare, existing):
@@ -49,7 +49,7 @@ def cluster(monkeypatch):
         state["applied"].append(obj["metadata"]["name"])
         return Applied("created", obj)
 
-    monkeypatch.setattr(act_module.kube, "apply", apply)
+    monkeypatch.setattr(act_module.drift, "apply", apply)
     monkeypatch.setattr(act_module.STATE, "wrote", lambda obj: None)
     return state
 

@@ -21,7 +21,7 @@ from ..api.conditions import EventReason, PodReason, Reason
 from ..control import actions
 from ..control.actions import Action
 from ..names import C_JOINED, L_ROLE
-from . import credentials, head_client, kube
+from . import credentials, drift, head_client, kube
 from .drains import DRAINS, Drains
 from .events import EmitFn
 from .head_client import HeadClient, HeadRefused, HeadUnreachable
@@ -107,7 +107,7 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
         elif isinstance(a, actions.EnsureChild):
             meta, kind = a.obj["metadata"], a.obj["kind"]
             try:
-                done = kube.apply(a.obj, a.compare, STATE.of(kind).get(meta["namespace"], meta["name"]))
+                done = drift.apply(a.obj, a.compare, STATE.of(kind).get(meta["namespace"], meta["name"]))
             except ApiException as err:
                 if namespace_going(err):
                     raise
@@ -236,7 +236,7 @@ def write_pool_statuses(namespace: str, statuses: dict[str, dict[str, Any]]) -> 
 
 
 def _differed(drift: tuple[str, ...], lead: str, most: int = 4) -> str:
-    """The first few of kube.drifted()'s lines, for an Event."""
+    """The first few of drift.drifted()'s lines, for an Event."""
     if not drift:
         return ""
     more = f"; and {len(drift) - most} more" if len(drift) > most else ""
