@@ -25,7 +25,7 @@ from ..api.conditions import EventReason, Reason, timestamp
 from ..api.validation import InvalidSpec
 from ..control import identity, pods, pools
 from ..control.actions import Action, EnsureChild, Observed, PostEvent
-from ..control.plan import decision, described, mounts_membership_secret, plan
+from ..control.plan import Plan, decision, described, mounts_membership_secret, plan
 from ..control.status import failed_status, pool_status
 from ..names import HEAD_ROLES, ROLE_POOL, ROLE_REPLICA
 from ..render import render_secret, target_from
@@ -118,12 +118,15 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
         decided = plan(t, Observed(obj))
         act_step.act(obj["metadata"]["namespace"], decided.actions, None, emit, obj["metadata"]["name"])
         return decided.status
+    # token
     token, secret_refused = ensure_token(t, emit)
+    # observe
     observed, (client, beside_client) = observe(obj, t, token, secret_refused)
     key, fingerprint = (t.namespace, t.name), _fingerprint(observed, t)
     rest = memory.RESTING.get(key)
     if rest is not None and rest.fingerprint == fingerprint:
         return obj.get("status") or {}  # nothing read changed since a pass that found it at rest
+    # decide; the membership Secret is made sure of only when an engine pod is about to mount it
     d = decision(t, observed)
     mounting: list[str] = []
     if secret_refused is None and mounts_membership_secret(d.plan.actions, observed):
@@ -133,24 +136,31 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
             d = decision(t, observed)
         else:  # and the credentials of the replica and pool pods mounting theirs
             mounting = credentials.ensure_mounting(_engine_pods(observed), token, emit)
+    # act
     acted = act_step.act(t.namespace, d.plan.actions, client, emit, t.name, beside=beside_client, token=token)
-    problems = mounting + acted.problems
-    changed = _changes(d.plan.actions) or bool(problems) or bool(acted.refused)
-    # A head change never rests: the resync probes only the serving head, the one the Services select,
-    # and the news of the head beside it (a replica registered there) must reach a pass too. Nor does
-    # a refused Secret: the resync's next pass reads it again (whoever deletes it causes no event the
-    # operator can watch).
-    if (not changed and not d.plan.pools and d.plan.status == obj.get("status") and observed.beside is None
-            and secret_refused is None):
+    problems, refused = tuple(mounting + acted.problems), tuple(acted.refused)
+    if _rests(obj, observed, d.plan, problems, refused):
         memory.RESTING[key] = memory.Resting(fingerprint, client, t.distributed)
     else:
         memory.RESTING.pop(key, None)
+    # describe
     if _status_needs_a_fresh_read(d.plan.actions):
-        observed, _ = observe(obj, t, token, secret_refused)
-        d = decision(t, observed)  # only its status is used: its actions are the next pass's
-    result = described(d, tuple(problems), tuple(acted.refused))
+        d = decision(t, observe(obj, t, token, secret_refused)[0])  # its actions are the next pass's
+    result = described(d, problems, refused)
     act_step.write_pool_statuses(t.namespace, result.pools)
     return result.status
+
+
+def _rests(obj: dict[str, Any], observed: Observed, decided: Plan, problems: tuple[str, ...],
+           refused: tuple[str, ...]) -> bool:
+    """The pass found the OmniStage at rest: it changed nothing, and act had nothing to say. A head
+    change never rests: the resync probes only the serving head, the one the Services select, and the
+    news of the head beside it (a replica registered there) must reach a pass too. Nor does a refused
+    Secret: the resync's next pass reads it again (whoever deletes it causes no event the operator
+    can watch)."""
+    return (not _changes(decided.actions) and not problems and not refused and not decided.pools
+            and decided.status == obj.get("status") and observed.beside is None
+            and observed.secret_refused is None)
 
 
 def _status_needs_a_fresh_read(actions: list[Action]) -> bool:
