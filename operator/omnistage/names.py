@@ -50,9 +50,10 @@ C_JOINED = f"{GROUP}/joined"
 
 # ---- roles and components --------------------------------------------------------------------------
 ROLE_HEAD = "head"  # the head the Services select: the one serving
-# A head change without an outage (control/headswap.py) runs a second head beside the first. The role
-# label is what moves the Services: a successor is ROLE_NEXT_HEAD until it serves, then ROLE_HEAD,
-# while the head it replaces turns ROLE_OLD_HEAD (out of the Services) and drains.
+# A head change without an outage (control/headswap.py) runs a successor head beside the serving one.
+# The role label is what moves the Services: a successor is ROLE_NEXT_HEAD until it serves, then
+# ROLE_HEAD, while the head it replaces, its predecessor, turns ROLE_OLD_HEAD (out of the Services)
+# and drains.
 ROLE_NEXT_HEAD = "next-head"
 ROLE_OLD_HEAD = "old-head"
 HEAD_ROLES = (ROLE_HEAD, ROLE_NEXT_HEAD, ROLE_OLD_HEAD)

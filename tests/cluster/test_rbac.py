@@ -63,33 +63,33 @@ REVIEWED: dict[tuple[str, str, str], str] = {
     ("", "pods/status", "patch"): "kube.patch_pod_condition (the joined readiness gate)",
     ("", "configmaps", "list"): "informer.py",
     ("", "configmaps", "watch"): "informer.py",
-    ("", "configmaps", "create"): "kube.apply (server-side apply creating it)",
-    ("", "configmaps", "patch"): "kube.apply",
+    ("", "configmaps", "create"): "drift.apply (server-side apply creating it)",
+    ("", "configmaps", "patch"): "drift.apply",
     ("", "services", "list"): "informer.py",
     ("", "services", "watch"): "informer.py",
-    ("", "services", "create"): "kube.apply (server-side apply creating it)",
-    ("", "services", "patch"): "kube.apply",
+    ("", "services", "create"): "drift.apply (server-side apply creating it)",
+    ("", "services", "patch"): "drift.apply",
     ("", "secrets", "get"): "kube.read (membership token, once per OmniStage: memory.TOKENS)",
     ("", "secrets", "create"): "kube.create (membership token)",
     ("networking.k8s.io", "networkpolicies", "list"): "informer.py",
     ("networking.k8s.io", "networkpolicies", "watch"): "informer.py",
-    ("networking.k8s.io", "networkpolicies", "create"): "kube.apply (server-side apply creating it)",
-    ("networking.k8s.io", "networkpolicies", "patch"): "kube.apply",
+    ("networking.k8s.io", "networkpolicies", "create"): "drift.apply (server-side apply creating it)",
+    ("networking.k8s.io", "networkpolicies", "patch"): "drift.apply",
     ("", "events", "create"): "kube.post_event (the operator's Events)",
     ("policy", "poddisruptionbudgets", "list"): "informer.py",
     ("policy", "poddisruptionbudgets", "watch"): "informer.py",
-    ("policy", "poddisruptionbudgets", "create"): "kube.apply (server-side apply creating it)",
-    ("policy", "poddisruptionbudgets", "patch"): "kube.apply",
+    ("policy", "poddisruptionbudgets", "create"): "drift.apply (server-side apply creating it)",
+    ("policy", "poddisruptionbudgets", "patch"): "drift.apply",
 }
 
 # The leader-election Role (rbac.yaml, in the operator's namespace): (group, resource, verb,
 # resourceNames) -> who needs it. The Role must be exactly these.
 LEASE = "omnistage-operator"
 REVIEWED_LEASE: dict[tuple[str, str, str, tuple[str, ...]], str] = {
-    ("coordination.k8s.io", "leases", "create", ()): "kube.create_lease (first replica up)",
-    ("coordination.k8s.io", "leases", "get", (LEASE,)): "kube.read_lease (first look, after a conflict)",
-    ("coordination.k8s.io", "leases", "update", (LEASE,)): "kube.replace_lease (renew, take over, release)",
-    ("coordination.k8s.io", "leases", "watch", (LEASE,)): "kube.watch_lease (a follower, metadata.name selector)",
+    ("coordination.k8s.io", "leases", "create", ()): "lease.create_lease (first replica up)",
+    ("coordination.k8s.io", "leases", "get", (LEASE,)): "lease.read_lease (first look, after a conflict)",
+    ("coordination.k8s.io", "leases", "update", (LEASE,)): "lease.replace_lease (renew, take over, release)",
+    ("coordination.k8s.io", "leases", "watch", (LEASE,)): "lease.watch_lease (a follower, metadata.name selector)",
 }
 LEASES = "leases.coordination.k8s.io"
 

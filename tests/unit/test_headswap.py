@@ -55,21 +55,23 @@ def old_head(t, role=names.ROLE_HEAD, **kw):
     return pod
 
 
-def observed(t, obj, h, replicas=(), members=(), other=None, drains=None):
+def observed(t, obj, h, replicas=(), members=(), beside=None, drains=None):
     """One head and its replicas as a pass reads them: what a Ready head says (its own replica at its
-    IP), `other` the second set of a head change."""
+    IP), `beside` the set beside the serving one during a head change (the successor's or the
+    predecessor's)."""
     serves = h is not None and pods.ready(h)
     ls = listing(*members)
     if serves:
         ls["stages"]["0"][0]["host"] = pods.ip(h)
     return Observed(obj=obj, head=h, replicas=tuple(replicas), head_addressable=serves,
-                    report=report(t) if serves else None, listing=ls if serves else None, other=other,
+                    report=report(t) if serves else None, listing=ls if serves else None, beside=beside,
                     drains=drains or {})
 
 
-def new_set(t, obj, other, drains=None):
-    """The successor as the head the Services select, with no replicas yet, beside `other`."""
-    return observed(t, obj, successor(t, role=names.ROLE_HEAD), other=other, drains=drains)
+def new_set(t, obj, beside, drains=None):
+    """The successor as the head the Services select, with no replicas yet, beside `beside` (its
+    predecessor's set)."""
+    return observed(t, obj, successor(t, role=names.ROLE_HEAD), beside=beside, drains=drains)
 
 
 def old_set(t, n=3):
@@ -104,7 +106,7 @@ def test_the_successor_gets_its_first_replicas_within_max_surge_and_the_services
     t = target_from(obj)
     rs = old_set(t)
     ms = [member(r, i) for i, r in enumerate(rs, 1)]
-    o = observed(t, obj, old_head(t), rs, ms, other=observed(t, obj, successor(t)))
+    o = observed(t, obj, old_head(t), rs, ms, beside=observed(t, obj, successor(t)))
     actions, status, _ = plan(t, o, AT)
     made = inner(actions, CreatePod)
     # maxSurge 2: the successor and one replica, bound to it, under a name the old set does not use.
@@ -116,7 +118,7 @@ def test_the_successor_gets_its_first_replicas_within_max_surge_and_the_services
     assert surge["status"] == "True" and "0/1 of its first replicas joined" in surge["message"]
     # That replica joined at the successor: the Services move, successor first.
     nr = new_replica(t, 3)
-    o = observed(t, obj, old_head(t), rs, ms, other=observed(t, obj, successor(t), [nr], [member(nr, 1)]))
+    o = observed(t, obj, old_head(t), rs, ms, beside=observed(t, obj, successor(t), [nr], [member(nr, 1)]))
     actions, _, _ = plan(t, o, AT)
     assert of(actions, SetRole) == [SetRole("qwen3-omni-head-abcdef", NEXT_UID, names.ROLE_HEAD),
                                     SetRole("qwen3-omni-head", HEAD_UID, names.ROLE_OLD_HEAD)]
@@ -128,7 +130,7 @@ def test_a_successor_that_is_not_ready_moves_nothing_and_is_joined_to_by_nobody(
     t = target_from(obj)
     rs = old_set(t)
     o = observed(t, obj, old_head(t), rs, [member(r, i) for i, r in enumerate(rs, 1)],
-                 other=observed(t, obj, successor(t, ready=False)))
+                 beside=observed(t, obj, successor(t, ready=False)))
     actions, _, _ = plan(t, o, AT)
     assert of(actions, SetRole) == [] and of(actions, DeletePod) == [] and inner(actions, Join) == []
     # maxSurge 1 by default: the successor is the surge; its first replicas come after the move.
@@ -160,12 +162,12 @@ def test_the_old_set_drains_all_at_once_and_the_new_set_grows_into_its_gpus():
     assert [(a.name, a.reason) for a in of(actions, DeletePod)] == [("qwen3-omni-head", "RetiredHead")]
 
 
-def test_no_gpu_for_a_second_head_says_so_then_replaces_the_head_in_place():
+def test_no_gpu_for_a_successor_head_says_so_then_replaces_the_head_in_place():
     obj = omnistage(3)
     t = target_from(obj)
     rs = old_set(t)
     ms = [member(r, i) for i, r in enumerate(rs, 1)]
-    o = observed(t, obj, old_head(t), rs, ms, other=observed(t, obj, successor(t, unschedulable=True)))
+    o = observed(t, obj, old_head(t), rs, ms, beside=observed(t, obj, successor(t, unschedulable=True)))
     actions, status, _ = plan(t, o, AT)
     assert of(actions, DeletePod) == []  # said first, in status and an Event
     surge = cond(status, Type.ROLLOUT_SURGE)
@@ -174,7 +176,7 @@ def test_no_gpu_for_a_second_head_says_so_then_replaces_the_head_in_place():
     assert any(isinstance(a, PostEvent) and a.type == "Warning" for a in actions)
     # The next pass (the condition written): the old head goes; the pending successor gets its GPU.
     obj = {**obj, "status": status}
-    o = observed(t, obj, old_head(t), rs, ms, other=observed(t, obj, successor(t, unschedulable=True)))
+    o = observed(t, obj, old_head(t), rs, ms, beside=observed(t, obj, successor(t, unschedulable=True)))
     actions, _, _ = plan(t, o, AT)
     assert [a.name for a in of(actions, DeletePod)] == ["qwen3-omni-head"]
 
@@ -200,7 +202,7 @@ def test_a_successor_whose_head_died_is_the_head_at_once():
     t = target_from(obj)
     gone = old_head(t)
     gone["metadata"]["deletionTimestamp"] = "2026-11-30T11:59:00Z"
-    o = observed(t, obj, gone, [], [], other=observed(t, obj, successor(t)))
+    o = observed(t, obj, gone, [], [], beside=observed(t, obj, successor(t)))
     actions, _, _ = plan(t, o, AT)
     assert of(actions, SetRole) == [SetRole("qwen3-omni-head-abcdef", NEXT_UID, names.ROLE_HEAD)]
     assert of(actions, CreatePod) == []  # no NAME-head beside it

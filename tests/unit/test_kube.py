@@ -1,6 +1,6 @@
 """kube.request_kind: how the operator's own API request counter (omnistage_operator_api_requests_total)
 names a request; the names are the API server's (apiserver_request_total), so the two can be compared.
-kube.drifted and kube.apply: children compared whole, restored exactly, and free at rest."""
+drift.drifted and drift.apply: children compared whole, restored exactly, and free at rest."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from omnistage.render import (
     render_network_policy,
     target_from,
 )
-from omnistage.runtime import kube
+from omnistage.runtime import drift
 from omnistage.runtime.kube import request_kind
 
 from .conftest import SAMPLE
@@ -65,7 +65,7 @@ def test_request_kind(method, url, query, want):
 
 
 # ----- children compared whole (issue 27 item 5, "children come back") ------------------------------------
-# kube.drifted: what a child as the API server holds it says beyond what the operator renders. SSA with
+# drift.drifted: what a child as the API server holds it says beyond what the operator renders. SSA with
 # one field manager cannot remove a field another manager set, so a containment check (the check before)
 # let every tamper below stand.
 
@@ -123,7 +123,7 @@ CHILDREN = ["api", "master", "NetworkPolicy", "PodDisruptionBudget", "ConfigMap"
 @pytest.mark.parametrize("which", CHILDREN)
 def test_a_child_as_the_api_server_holds_it_has_not_drifted(which):
     obj = rendered(which)
-    assert kube.drifted(obj, served(obj), COMPARE[obj["kind"]]) == []
+    assert drift.drifted(obj, served(obj), COMPARE[obj["kind"]]) == []
 
 
 def _tampered(which: str, change) -> tuple[dict, dict]:
@@ -205,8 +205,8 @@ TAMPERS = [
 )
 def test_a_tampered_child_has_drifted(which, change, line):
     obj, have = _tampered(which, change)
-    drift = kube.drifted(obj, have, COMPARE[obj["kind"]])
-    assert any(d.startswith(line) for d in drift), drift
+    found = drift.drifted(obj, have, COMPARE[obj["kind"]])
+    assert any(d.startswith(line) for d in found), found
 
 
 def test_server_assigned_values_are_any_value_and_defaults_only_their_own():
@@ -214,29 +214,29 @@ def test_server_assigned_values_are_any_value_and_defaults_only_their_own():
     have = served(obj)
     have["spec"].update(clusterIP="10.0.0.9", clusterIPs=["10.0.0.9", "fd00::9"], ipFamilies=["IPv4", "IPv6"],
                         ipFamilyPolicy="PreferDualStack")
-    assert kube.drifted(obj, have, ("spec",)) == []
+    assert drift.drifted(obj, have, ("spec",)) == []
     port = {"name": "p", "port": 80}  # a port rendered without targetPort and protocol: the server's defaults
     obj["spec"]["ports"], have["spec"]["ports"] = [port], [{**port, "targetPort": 80, "protocol": "TCP"}]
-    assert kube.drifted(obj, have, ("spec",)) == []
+    assert drift.drifted(obj, have, ("spec",)) == []
     have["spec"]["ports"][0]["targetPort"] = 81
-    assert kube.drifted(obj, have, ("spec",)) == ["spec.ports[0].targetPort: 81, not 80"]
+    assert drift.drifted(obj, have, ("spec",)) == ["spec.ports[0].targetPort: 81, not 80"]
 
 
-# ----- kube.apply: what it costs, and the restore -----------------------------------------------------
+# ----- drift.apply: what it costs, and the restore -----------------------------------------------------
 
 
 class FakeServer:
-    """The patch calls kube.apply makes, recorded; each answers with `answer(kind of patch, body)`."""
+    """The patch calls drift.apply makes, recorded; each answers with `answer(kind of patch, body)`."""
 
     def __init__(self, monkeypatch, answer):
         self.calls: list[tuple[str, object]] = []
         self.answer = answer
-        monkeypatch.setattr(kube, "_applier", lambda kind: self.patch)
+        monkeypatch.setattr(drift, "_applier", lambda kind: self.patch)
 
     def patch(self, name, namespace, body, field_manager=None, force=None, _content_type=None,
               _preload_content=True):
         kind = {"application/apply-patch+yaml": "apply", "application/json-patch+json": "json"}[_content_type]
-        assert field_manager == kube.FIELD_MANAGER and (force is True) == (kind == "apply")
+        assert field_manager == drift.FIELD_MANAGER and (force is True) == (kind == "apply")
         self.calls.append((kind, copy.deepcopy(body)))
         return type("Response", (), {"data": json.dumps(self.answer(kind, body)).encode()})()
 
@@ -258,7 +258,7 @@ def test_an_unchanged_child_costs_no_request(monkeypatch, which):
     server = FakeServer(monkeypatch, lambda kind, body: pytest.fail("no request at rest"))
     obj = rendered(which)
     have = served(obj)
-    done = kube.apply(obj, COMPARE[obj["kind"]], have)
+    done = drift.apply(obj, COMPARE[obj["kind"]], have)
     assert done.result == "unchanged" and done.obj is have and server.calls == []
 
 
@@ -275,7 +275,7 @@ def test_a_tampered_spec_is_replaced_whole_keeping_what_the_server_assigned(monk
         return restored
 
     server = FakeServer(monkeypatch, answer)
-    done = kube.apply(obj, ("spec",), have)
+    done = drift.apply(obj, ("spec",), have)
     assert [kind for kind, _ in server.calls] == ["json"]  # labels held: no apply; one request
     [op] = server.calls[0][1]
     kept = {k: SERVICE_DEFAULTS_1_36[k] for k in ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy")}
@@ -285,7 +285,7 @@ def test_a_tampered_spec_is_replaced_whole_keeping_what_the_server_assigned(monk
         "value": {**obj["spec"], **(kept if obj["kind"] == "Service" else {})},
     }
     assert done.result == "updated" and any(d.startswith(line) for d in done.drift) and done.left == ()
-    assert kube.drifted(obj, done.obj, ("spec",)) == []
+    assert drift.drifted(obj, done.obj, ("spec",)) == []
 
 
 def test_a_configmap_loses_what_it_gained(monkeypatch):
@@ -293,7 +293,7 @@ def test_a_configmap_loses_what_it_gained(monkeypatch):
         "ConfigMap", lambda h: h.update(binaryData={"x": "eA=="}) or h["data"].update(extra="x")
     )
     server = FakeServer(monkeypatch, lambda kind, ops: _json_patched(have, ops))
-    done = kube.apply(obj, COMPARE["ConfigMap"], have)
+    done = drift.apply(obj, COMPARE["ConfigMap"], have)
     assert server.calls == [("json", [{"op": "add", "path": "/data", "value": obj["data"]},
                                       {"op": "add", "path": "/binaryData", "value": None}])]
     assert "binaryData" not in done.obj and done.obj["data"] == obj["data"]
@@ -303,14 +303,14 @@ def test_a_label_taken_away_is_applied_back_and_the_spec_left_alone(monkeypatch)
     obj, have = _tampered("master", lambda h: h["metadata"]["labels"].pop("app.kubernetes.io/managed-by"))
     applied = served(obj)
     server = FakeServer(monkeypatch, lambda kind, body: applied)
-    done = kube.apply(obj, ("spec",), have)
+    done = drift.apply(obj, ("spec",), have)
     assert [kind for kind, _ in server.calls] == ["apply"] and done.result == "updated" and done.left == ()
 
 
 def test_what_the_server_puts_back_is_said_once_and_not_fought(monkeypatch):
     """A field the API server or a webhook writes again after the restore: one restore, then left
     (each write is a watch event and a pass: fighting it would be a loop)."""
-    monkeypatch.setattr(kube, "UNRESTORABLE", {})
+    monkeypatch.setattr(drift, "UNRESTORABLE", {})
     obj, have = _tampered("api", lambda h: h["spec"].update(trafficDistribution="PreferClose"))
 
     def answer(kind, ops):
@@ -318,10 +318,10 @@ def test_what_the_server_puts_back_is_said_once_and_not_fought(monkeypatch):
                                                      "trafficDistribution": "PreferClose"}}
 
     server = FakeServer(monkeypatch, answer)
-    done = kube.apply(obj, ("spec",), have)
+    done = drift.apply(obj, ("spec",), have)
     assert len(server.calls) == 1 and done.left == ('spec.trafficDistribution: "PreferClose", not rendered',)
-    again = kube.apply(obj, ("spec",), done.obj)
+    again = drift.apply(obj, ("spec",), done.obj)
     assert again.result == "unchanged" and len(server.calls) == 1
     # Someone changes it again (another drift): restored again, once.
     _nodeport(done.obj)
-    assert kube.apply(obj, ("spec",), done.obj).result == "updated" and len(server.calls) == 2
+    assert drift.apply(obj, ("spec",), done.obj).result == "updated" and len(server.calls) == 2

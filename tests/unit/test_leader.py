@@ -45,7 +45,7 @@ def test_timing_must_stop_a_leader_before_a_follower_may_start():
 
 
 class Store:
-    """One Lease with resourceVersion preconditions (409 -> None, as kube.py returns). It cannot be
+    """One Lease with resourceVersion preconditions (409 -> None, as lease.py returns). It cannot be
     watched, so a follower reads it every round (the polling fallback)."""
 
     def __init__(self):

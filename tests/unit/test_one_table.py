@@ -40,7 +40,7 @@ def test_the_cache_modes_are_the_contracts_table():
 
 def test_every_child_kind_is_granted_watched_applied_and_ensured():
     """api/child_kinds.CHILD_KINDS is the one list of child kinds: the install's ClusterRole grants each
-    what the informer and kube.apply do with it, the informer watches exactly these, and the plan
+    what the informer and drift.apply do with it, the informer watches exactly these, and the plan
     ensures only these (with the fields the table says it owns)."""
     import yaml
     from omnistage.api.child_kinds import CHILD_KINDS, CHILD_VERBS

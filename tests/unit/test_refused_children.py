@@ -8,16 +8,17 @@ nothing after it was applied and the only trace was a log line. No API server: k
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from kubernetes.client.exceptions import ApiException
 from omnistage.api.conditions import Reason, Type
 from omnistage.control.actions import CreatePod, EnsureChild
-from omnistage.control.plan import plan
+from omnistage.control.plan import decision, described, plan
 from omnistage.runtime import act as act_module
 from omnistage.runtime import reconcile as reconcile_module
 from omnistage.runtime.act import API_MESSAGE_LIMIT, act
-from omnistage.runtime.kube import Applied
+from omnistage.runtime.drift import Applied
 
 from .test_plan import AT, cond, situation
 
@@ -38,7 +39,7 @@ CHILDREN = [child("ConfigMap", "o-config"), child("Service", "o"), child("Servic
 
 @pytest.fixture
 def cluster(monkeypatch):
-    """kube.apply refuses whatever `refuse` names (name -> ApiException); records what it applied."""
+    """drift.apply refuses whatever `refuse` names (name -> ApiException); records what it applied."""
     state = {"refuse": {}, "applied": []}
 
     def apply(obj, compare, existing):
@@ -48,7 +49,7 @@ def cluster(monkeypatch):
         state["applied"].append(obj["metadata"]["name"])
         return Applied("created", obj)
 
-    monkeypatch.setattr(act_module.kube, "apply", apply)
+    monkeypatch.setattr(act_module.drift, "apply", apply)
     monkeypatch.setattr(act_module.STATE, "wrote", lambda obj: None)
     return state
 
@@ -106,6 +107,20 @@ def test_status_says_which_children_were_refused():
     # Once nothing is refused, the condition says so again.
     _, status, _ = plan(t, situation(3)[1], AT)
     assert cond(status, Type.REPLICA_FAILURE)["reason"] == Reason.NO_FAILURE
+
+
+@pytest.mark.parametrize("problems, refused", [
+    ((), ()),
+    (("replica pod o-replica-1 has not joined yet: not registered",), ()),
+    ((), ("Service o: 403 exceeded quota: q, requested: services=1",)),
+    (("Pod o-replica-3: 403 forbidden",), ("Pod o-replica-3: 403 forbidden",)),
+])
+def test_a_pass_describes_its_own_decision_with_what_act_could_not_do(problems, refused):
+    """reconcile describes a pass that wrote no pod with the decision it acted on, told act's report
+    (plan.described), instead of observing and deciding again: the same status a second plan said."""
+    for t, o in (situation(3), situation(2, pods_=lambda t: []), situation(4)):
+        assert described(decision(t, o, AT), problems, refused) == plan(
+            t, replace(o, problems=problems, refused=refused), AT)
 
 
 class _Store:

@@ -106,7 +106,7 @@ class RestoreLabels:
 
 @dataclass(frozen=True)
 class BesideServing:
-    """During a head change, the set beside the serving one (Observed.other) decided these: its own
+    """During a head change, the set beside the serving one (Observed.beside) decided these: its own
     head answers their membership calls. One of the two below, by that set's role."""
     actions: tuple[Action, ...]
 
@@ -116,7 +116,7 @@ class OnSuccessor(BesideServing):
 
 
 class OnPredecessor(BesideServing):
-    """Draining: the old head's set decided these (its leaves go to the old head)."""
+    """Draining: the predecessor head's set decided these (its leaves go to the predecessor)."""
 
 
 Action = (PostEvent | EnsureChild | CreatePod | DeletePod | Annotate | SetRole | RestoreLabels | StartLeave
@@ -148,12 +148,16 @@ class Observed:
     listing: dict[str, Any] | None = None
     listing_problem: str | None = None
     drains: Mapping[str, str] = field(default_factory=dict)  # pod uid -> DRAIN_* (act's drain executor)
-    problems: tuple[str, ...] = ()  # what the previous act step could not do (joins refused, ...)
-    refused: tuple[str, ...] = ()  # the children the API server refused in that step, with its words
+    # What this pass's act step could not do, for its status (plan.described): joins refused, ...; and
+    # the children the API server refused in that step, with its words.
+    problems: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()
     pools: tuple[dict[str, Any], ...] = ()  # the OmniStagePools whose spec.omniStage names it
-    # A head change in progress (control/headswap.py): the second head with its own replicas and
-    # what it said, read like the first. `head` above is the one the Services select (ROLE_HEAD).
-    other: Observed | None = None
+    # A head change in progress (control/headswap.py): the set beside the serving one, read like it:
+    # the successor head (ROLE_NEXT_HEAD, while surging) or the predecessor (ROLE_OLD_HEAD, while
+    # draining) with its own replicas and what it said. `head` above is the serving one (ROLE_HEAD),
+    # the one the Services select.
+    beside: Observed | None = None
     # Why the membership Secret is not used (reconcile.ensure_token: a Secret of its name that the
     # OmniStage does not own): nothing is created or deleted until it is fixed.
     secret_refused: str | None = None

@@ -5,19 +5,24 @@ head in place without stopping service: its replicas are bound to it (they never
 and a new head serves only once it has loaded the model. So, when spec.rollout allows a surge:
 
   1. surging: a successor head (ROLE_NEXT_HEAD, outside the Services) is created beside the
-     serving one with its first min(maxSurge - 1, replicas - 1) replicas, while the old set serves;
+     serving one with its first min(maxSurge - 1, replicas - 1) replicas, while the serving set serves;
   2. moving: once the successor is Ready and those replicas joined, the role labels move the
      Services: the successor turns ROLE_HEAD first (both heads are selected for a moment, never
-     neither), then the old head ROLE_OLD_HEAD;
-  3. draining: the old head's replicas leave it, drained, all at once (no new request reaches them),
-     the new set grows into the GPUs they free (never more than replicas + maxSurge pods in all),
-     and the old head is deleted once they are gone; its preStop hook waits for what it accepted.
+     neither), then the head it replaces, its predecessor, ROLE_OLD_HEAD;
+  3. draining: the predecessor's replicas leave it, drained, all at once (no new request reaches
+     them), the serving set grows into the GPUs they free (never more than replicas + maxSurge pods
+     in all), and the predecessor is deleted once they are gone; its preStop hook waits for what it
+     accepted.
+
+The three names are the heads' role labels', in every layer: serving (ROLE_HEAD), successor
+(ROLE_NEXT_HEAD), predecessor (ROLE_OLD_HEAD); the set of either of the last two is the one beside
+the serving set (Observed.beside, Swap.beside, BesideServing).
 
 Each set is a state.Pass of its own (its head, its replicas, what its head said), so every rule of
 a pass holds in both; this module only says how many replicas each gets and when the labels move.
 Without a surge (maxSurge 0, a multi-stage pipeline, a head that serves nothing anyway) or when
-the successor finds no node (no GPU free for a second head), the head is replaced in place as
-before, and RolloutSurge says so one pass before the old head is deleted.
+the successor finds no node (no GPU free for a successor head), the head is replaced in place as
+before, and RolloutSurge says so one pass before the head is deleted.
 """
 
 from __future__ import annotations
@@ -33,12 +38,12 @@ from .state import Pass, Phase, Swap, outdated
 
 
 def in_place_why(p: Pass) -> str | None:
-    """Why this head change cannot run a second head beside the first (None: it can)."""
+    """Why this head change cannot run a successor head beside the serving one (None: it can)."""
     if p.t.spec.rollout.max_surge < 1:
         return "spec.rollout.maxSurge is 0"
     if p.t.spec.stages:
-        return ("a multi-stage head serves only once a pool pod of every stage is bound to it: a second head "
-                "would need a second pipeline's GPUs")
+        return ("a multi-stage head serves only once a pool pod of every stage is bound to it: a successor "
+                "head would need a second pipeline's GPUs")
     if not pods.ready(p.head):
         return f"head pod {pods.name(p.head)} is not Ready (it serves nothing to hand over)"
     return None
@@ -46,9 +51,9 @@ def in_place_why(p: Pass) -> str | None:
 
 def begin(p: Pass) -> None:
     """Before the serving set's steps: start, follow or give up a head change (p.change)."""
-    t, head, beside = p.t, p.head, p.o.other
-    second = beside.head if beside is not None else None  # the successor, or the predecessor
-    if second is None:
+    t, head, beside = p.t, p.head, p.o.beside
+    beside_head = beside.head if beside is not None else None  # the successor, or the predecessor
+    if beside_head is None:
         if head is None or pods.terminating(head) or pods.terminal(head) or not outdated(p):
             return
         why = in_place_why(p)
@@ -74,13 +79,13 @@ def begin(p: Pass) -> None:
         return
     # The set beside is a pass of its own; its head is compared with the same rendered template.
     q = Pass(t, beside, p.at, want_head=p.want_head)
-    q.change.neighbours, p.change.neighbours = p.o.replicas, beside.replicas  # replica names are shared
-    if pods.role(second) in (ROLE_OLD_HEAD, ROLE_HEAD):  # the predecessor: the Services moved to p's head
-        if pods.role(second) == ROLE_HEAD:  # the move was cut off between its two patches: finish it
-            p.actions.append(SetRole(pods.name(second), pods.uid(second), ROLE_OLD_HEAD))
+    q.change.names_held, p.change.names_held = p.o.replicas, beside.replicas  # replica names are shared
+    if pods.role(beside_head) in (ROLE_OLD_HEAD, ROLE_HEAD):  # the predecessor: the Services moved to p's
+        if pods.role(beside_head) == ROLE_HEAD:  # the move was cut off between its two patches: finish it
+            p.actions.append(SetRole(pods.name(beside_head), pods.uid(beside_head), ROLE_OLD_HEAD))
         _draining(p, q)
         return
-    successor = second  # ROLE_NEXT_HEAD
+    successor = beside_head  # ROLE_NEXT_HEAD
     if head is None or pods.terminating(head) or pods.terminal(head):
         # Nothing serves to hand over from (the old head died, or was replaced in place): the
         # successor is the head now.
@@ -91,7 +96,7 @@ def begin(p: Pass) -> None:
     if stuck and not pods.terminating(successor):
         # The successor takes the old head's GPU: the old head is deleted (on the pass after the one
         # whose status says so) and the successor, scheduled then, is promoted as above.
-        _in_place(p, f"no node can take a second head ({pods.name(successor)}: {stuck})",
+        _in_place(p, f"no node can take the successor head ({pods.name(successor)}: {stuck})",
                   Reason.NO_CAPACITY_FOR_SURGE)
         return
     p.change.keep_head = True
@@ -134,8 +139,8 @@ def _draining(p: Pass, predecessor: Pass) -> None:
 
 
 def finish(p: Pass) -> None:
-    """After both sets' steps (plan.py runs the other set's): its actions wrapped for act, then the
-    Services' move (surging) or the old head's deletion (draining)."""
+    """After both sets' steps (plan.py runs the one beside the serving set): its actions wrapped for
+    act, then the Services' move (surging) or the predecessor's deletion (draining)."""
     swap = p.change.swap
     beside = swap.beside
     if beside.actions:
@@ -199,7 +204,7 @@ def describe(p: Pass) -> Cond | None:
         Type.ROLLOUT_SURGE,
         True,
         Reason.SURGING,
-        f"head change: the Services moved to {pods.name(p.head) if p.head else '?'}; the previous head "
+        f"head change: the Services moved to {pods.name(p.head) if p.head else '?'}; its predecessor "
         f"{pods.name(predecessor.head)} drains ({len(predecessor.o.replicas)} replicas left), the new set "
         f"grows into their GPUs ({bounds})",
     )

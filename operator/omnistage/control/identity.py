@@ -112,10 +112,10 @@ def _what(t: Target, pod: dict[str, Any], pool_names: set[str]) -> tuple[str, st
 
 def restore_head_roles(t: Target, heads: list[dict[str, Any]]) -> dict[str, str]:
     """Head pod uid -> the role it takes, for heads whose role label is not a head's role. Alone, it
-    is the head. Beside a head change's other head, it takes the role the other's leaves it: beside a
-    successor or an old head it is the head; beside the head it is the successor when it runs the
-    template now and the other does not, else the old head (which drains: the safe guess, a successor
-    is started again). Two without a role: the older first."""
+    is the head. During a head change, it takes the role the other head's leaves it: beside a
+    successor or a predecessor it is the serving head; beside the serving head it is the successor
+    when it runs the template now and the serving one does not, else the predecessor (which drains:
+    the safe guess, a successor is started again). Two without a role: the older first."""
     valid = {pods.uid(h): pods.role(h) for h in heads if pods.role(h) in HEAD_ROLES}
     lost = sorted((h for h in heads if pods.uid(h) not in valid), key=pods.created)
     out: dict[str, str] = {}

@@ -9,12 +9,14 @@ The steps run in dependency order (children, head, head restart, stale replicas,
 scale, membership) on one Pass (state.py), which records what each decided, so that a pod deleted
 early in the pass is not counted, joined or deleted again by a later step. Each step is a function
 of that state in the module named for what it decides; this module holds their order, once for the
-serving set and once for the other set of a head change (headswap.py), and plan().
+serving set and once for the set beside it during a head change (the successor's or the
+predecessor's: headswap.py), and plan().
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from ..api.conditions import Cond, Reason, Type, merge, timestamp
@@ -32,17 +34,40 @@ class Plan(NamedTuple):
     pools: dict[str, dict[str, Any]]  # OmniStagePool name -> its status, for those that changed
 
 
+class Decision(NamedTuple):
+    """plan()'s answer and the steps' state its status describes: a pass describes it again, told what
+    its act step could not do (described), instead of deciding again."""
+    plan: Plan
+    made: Pass | None  # None: an invalid spec or a refused Secret (their status reads no act report)
+
+
 def plan(t: Target | InvalidSpec, o: Observed, at: str | None = None) -> Plan:
     """The one decision. `t` is the validated target or the InvalidSpec it raised; `at` is the
     timestamp for condition transitions (a parameter, so the function stays pure)."""
+    return decision(t, o, at).plan
+
+
+def decision(t: Target | InvalidSpec, o: Observed, at: str | None = None) -> Decision:
     at = at or timestamp()
     generation = o.obj["metadata"].get("generation")
     if isinstance(t, InvalidSpec):
-        return _invalid(t, o, generation, at)
+        return Decision(_invalid(t, o, generation, at), None)
     if o.secret_refused:
-        return _secret_refused(t, o, generation, at)
+        return Decision(_secret_refused(t, o, generation, at), None)
     p = decide(t, o, at)
-    return Plan(p.actions, status.omnistage_status(p, generation, at), status.pool_statuses(p, at))
+    made = Plan(p.actions, status.omnistage_status(p, generation, at), status.pool_statuses(p, at))
+    return Decision(made, p)
+
+
+def described(d: Decision, problems: tuple[str, ...], refused: tuple[str, ...]) -> Plan:
+    """The decision's plan, its status told what the act step could not do (`problems`, the children
+    the API server `refused`: what status reads as Observed.problems and .refused). The steps do not
+    read them, so the decision stands as made: only its status is written again."""
+    if d.made is None or (not problems and not refused):
+        return d.plan
+    p = d.made
+    p.o = replace(p.o, problems=problems, refused=refused)
+    return d.plan._replace(status=status.omnistage_status(p, p.o.obj["metadata"].get("generation"), p.at))
 
 
 # The steps, in dependency order, each a function of the pass's state. The serving set's:
@@ -61,8 +86,9 @@ SERVING_STEPS: tuple[Callable[[Pass], None], ...] = (
     liveness.announce,
     stages.announce,
 )
-# The other set's while a head change runs (headswap.begin makes it): its membership and its replicas.
-OTHER_SET_STEPS: tuple[Callable[[Pass], None], ...] = (
+# The steps of the set beside the serving one while a head change runs (the successor's or the predecessor's:
+# headswap.begin makes it): its membership and its replicas.
+BESIDE_SERVING_STEPS: tuple[Callable[[Pass], None], ...] = (
     head.engine_report,
     head.membership_read,
     rollout.retire_stale,
@@ -77,7 +103,7 @@ def decide(t: Target, o: Observed, at: str | None = None) -> Pass:
     for step in SERVING_STEPS:
         step(p)
     if p.change.swap is not None:
-        for step in OTHER_SET_STEPS:
+        for step in BESIDE_SERVING_STEPS:
             step(p.change.swap.beside)
         headswap.finish(p)
     return p
@@ -125,5 +151,5 @@ def mounts_membership_secret(actions: list[Action], o: Observed) -> bool:
             isinstance(a, CreatePod) or (isinstance(a, BesideServing) and creates(a.actions)) for a in acts
         )
 
-    seen = [o.head, *o.replicas, *((o.other.head, *o.other.replicas) if o.other is not None else ())]
+    seen = [o.head, *o.replicas, *((o.beside.head, *o.beside.replicas) if o.beside is not None else ())]
     return creates(actions) or any(pod is not None and pods.mounting(pod) for pod in seen)

@@ -229,11 +229,12 @@ def free_indices(replicas: list[dict[str, Any]], count: int) -> list[int]:
 
 
 def heads(candidates: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """(the head the Services select, the other head of a head change). Of several, one not
-    terminating first, then the newest: when the move of the Services was cut off between its two
-    label patches (two ROLE_HEAD pods), the newer is the successor and the older is the other."""
+    """(the serving head, the one the Services select; the head beside it during a head change, its
+    successor or its predecessor). Of several, one not terminating first, then the newest: when the
+    move of the Services was cut off between its two label patches (two ROLE_HEAD pods), the newer is
+    the serving one and the older its predecessor."""
     def pick(of: list[dict[str, Any]]) -> dict[str, Any] | None:
         return min(of, key=lambda h: (terminating(h), _neg(created(h)))) if of else None
-    active = pick([h for h in candidates if role(h) == ROLE_HEAD])
-    rest = [h for h in candidates if h is not active and role(h) in HEAD_ROLES]
-    return active, pick(rest)
+    serving = pick([h for h in candidates if role(h) == ROLE_HEAD])
+    rest = [h for h in candidates if h is not serving and role(h) in HEAD_ROLES]
+    return serving, pick(rest)

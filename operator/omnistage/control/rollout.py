@@ -203,7 +203,7 @@ def _scale(p: Pass, pool: Pool | None, desired: int, why: str) -> None:
     # Pool pods too are created once the head has an IP, not once it is Ready: the head turns Ready
     # only after one replica of each remote stage registered.
     if len(staying) < desired + extra and p.head_live():
-        every = [r for r in p.o.replicas + p.change.neighbours if pods.pool(r) == name]
+        every = [r for r in p.o.replicas + p.change.names_held if pods.pool(r) == name]
         for i in pods.free_indices(every, desired + extra - len(staying)):
             want = p.want_pool_pod(pool, i) if pool else p.want_replica(i)
             kind = "pool pod" if pool else "replica pod"

@@ -24,7 +24,7 @@ DEFAULT_POOL_DRAIN = OmniStagePoolSpec.model_fields["drain_timeout_seconds"].def
 
 class Phase(StrEnum):
     SURGING = "surging"  # the successor starts beside the serving head
-    DRAINING = "draining"  # the Services moved; the old head's set drains
+    DRAINING = "draining"  # the Services moved; the predecessor's set drains
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Swap:
 
     phase: Phase
     successor: Pass | None = None  # surging: the successor head's set
-    predecessor: Pass | None = None  # draining: the old head's set
+    predecessor: Pass | None = None  # draining: the predecessor head's set (ROLE_OLD_HEAD)
     first: int = 0  # replicas the successor gets before the Services move
 
     @property
@@ -54,7 +54,9 @@ class HeadChange:
     keep_head: bool = False  # an outdated head is not deleted by head.head_pod
     create_head: bool = True  # a missing head is created by head.head_pod
     replica_target: int | None = None  # stage-0 replicas this set gets (None: t.replica_pods)
-    neighbours: tuple[dict[str, Any], ...] = ()  # the other set's replicas (their names are taken)
+    # The replicas of the set across the head change (the serving set's for the one beside it, and the
+    # other way round): they hold replica names this set does not give out.
+    names_held: tuple[dict[str, Any], ...] = ()
     swap: Swap | None = None  # the two sets, while both run
     in_place: tuple[str, str] | None = None  # (reason, why) a head change cannot surge
 

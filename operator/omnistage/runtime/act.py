@@ -21,7 +21,7 @@ from ..api.conditions import EventReason, PodReason, Reason
 from ..control import actions
 from ..control.actions import Action
 from ..names import C_JOINED, L_ROLE
-from . import credentials, head_client, kube
+from . import credentials, drift, head_client, kube
 from .drains import DRAINS, Drains
 from .events import EmitFn
 from .head_client import HeadClient, HeadRefused, HeadUnreachable
@@ -89,25 +89,25 @@ class HeadTime:
 
 
 def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: EmitFn, owner: str,
-        drains: Drains = DRAINS, other: HeadClient | None = None, token: str | None = None) -> Acted:
+        drains: Drains = DRAINS, beside: HeadClient | None = None, token: str | None = None) -> Acted:
     """Execute in order; return what could not be done that status should say. A child the API server
     refuses (a 422 Invalid, a quota's 403, a 404, a 409) is said in a Warning Event and in the result,
     and the actions after it still run: one refused child does not stop the others.
-    `other`: the client of a head change's second head, for the actions its set decided (OnSuccessor,
-    OnPredecessor).
+    `client`: the serving head's client. `beside`: during a head change, the client of the head beside
+    it (the successor or the predecessor), for the actions its set decided (OnSuccessor, OnPredecessor).
     `token`: the OmniStage's membership token, which each replica or pool pod's credential is
     derived from (written before the pod: credentials.py)."""
     problems: list[str] = []
     children: list[str] = []  # refused by the API server
     refused: set[str] = set()  # pods whose join failed in this run: not marked joined
-    head_time = HeadTime()  # this head's calls in this run (the second head's actions have their own)
+    head_time = HeadTime()  # this head's calls in this run (the head beside it has its own)
     for a in planned:
         if isinstance(a, actions.PostEvent):
             emit(a.type, a.reason, a.message)
         elif isinstance(a, actions.EnsureChild):
             meta, kind = a.obj["metadata"], a.obj["kind"]
             try:
-                done = kube.apply(a.obj, a.compare, STATE.of(kind).get(meta["namespace"], meta["name"]))
+                done = drift.apply(a.obj, a.compare, STATE.of(kind).get(meta["namespace"], meta["name"]))
             except ApiException as err:
                 if namespace_going(err):
                     raise
@@ -159,9 +159,9 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
         elif isinstance(a, actions.Annotate):
             STATE.wrote(kube.patch_pod_annotations(namespace, a.name, a.annotations))
         elif isinstance(a, actions.BesideServing):
-            theirs = act(namespace, list(a.actions), other, emit, owner, drains, token=token)
-            problems += theirs.problems
-            children += theirs.refused
+            beside_acted = act(namespace, list(a.actions), beside, emit, owner, drains, token=token)
+            problems += beside_acted.problems
+            children += beside_acted.refused
         elif isinstance(a, actions.SetRole):
             STATE.wrote(kube.patch_pod_labels(namespace, a.name, a.uid, {L_ROLE: a.role}))
         elif isinstance(a, actions.RestoreLabels):
@@ -236,7 +236,7 @@ def write_pool_statuses(namespace: str, statuses: dict[str, dict[str, Any]]) -> 
 
 
 def _differed(drift: tuple[str, ...], lead: str, most: int = 4) -> str:
-    """The first few of kube.drifted()'s lines, for an Event."""
+    """The first few of drift.drifted()'s lines, for an Event."""
     if not drift:
         return ""
     more = f"; and {len(drift) - most} more" if len(drift) > most else ""

@@ -44,14 +44,15 @@ class HeadView:
 HEADS: dict[memory.Key, HeadView] = {}
 
 
-def second_head(namespace: str, name: str) -> memory.Key:
-    """The HEADS key of a head change's other head (Observed.other)."""
-    return namespace, f"{name}/second-head"
+def beside_serving(namespace: str, name: str) -> memory.Key:
+    """The HEADS key of the head beside the serving one during a head change (Observed.beside: the
+    successor or the predecessor). The serving head's key is (namespace, name)."""
+    return namespace, f"{name}/beside-serving"
 
 
 def _forget(namespace: str, name: str) -> None:
     HEADS.pop((namespace, name), None)
-    HEADS.pop(second_head(namespace, name), None)
+    HEADS.pop(beside_serving(namespace, name), None)
 
 
 memory.register(_forget)

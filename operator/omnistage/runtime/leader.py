@@ -109,7 +109,7 @@ class Elector:
                  client: LeaseClient | None = None, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], str] = micro_time):
         if client is None:
-            from . import kube as client  # the one API client; imported late so tests can inject theirs
+            from . import lease as client  # the Lease verbs; imported late so tests can inject theirs
         self.namespace, self.identity, self.name, self.timing = namespace, identity, name, timing
         self.client, self.clock, self.wall = client, clock, wall
         self._renewed_at: float | None = None

@@ -1,5 +1,6 @@
-"""The one idempotent reconcile pass: ensure the token, observe, plan (pure: plan.py), act
-(act.py), then status.
+"""The one idempotent reconcile pass, a straight line as KubeRay's RayCluster reads: ensure the
+token, observe, decide (pure: control/plan.py), act (act.py), describe (the status: the decision's,
+told what act could not do; read again only when _status_needs_a_fresh_read).
 
 What the API server holds is read from the watch-fed store (informer.STATE), never re-read: a pass
 talks to the API server only to write, and to read the membership Secret (which no watch may see)
@@ -24,7 +25,7 @@ from ..api.conditions import EventReason, Reason, timestamp
 from ..api.validation import InvalidSpec
 from ..control import identity, pods, pools
 from ..control.actions import Action, EnsureChild, Observed, PostEvent
-from ..control.plan import mounts_membership_secret, plan
+from ..control.plan import Plan, decision, described, mounts_membership_secret, plan
 from ..control.status import failed_status, pool_status
 from ..names import HEAD_ROLES, ROLE_POOL, ROLE_REPLICA
 from ..render import render_secret, target_from
@@ -107,6 +108,8 @@ def _orphaned_pools(namespace: str, name: str) -> None:
 
 
 def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
+    """token -> observe -> decide -> act -> describe, each once; a second read only when
+    _status_needs_a_fresh_read."""
     try:
         t: Target | InvalidSpec = target_from(obj)
     except InvalidSpec as err:
@@ -115,41 +118,59 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
         decided = plan(t, Observed(obj))
         act_step.act(obj["metadata"]["namespace"], decided.actions, None, emit, obj["metadata"]["name"])
         return decided.status
-    token, refused = ensure_token(t, emit)
-    observed, (client, other_client) = observe(obj, t, token, refused=refused)
+    # token
+    token, secret_refused = ensure_token(t, emit)
+    # observe
+    observed, (client, beside_client) = observe(obj, t, token, secret_refused)
     key, fingerprint = (t.namespace, t.name), _fingerprint(observed, t)
     rest = memory.RESTING.get(key)
     if rest is not None and rest.fingerprint == fingerprint:
         return obj.get("status") or {}  # nothing read changed since a pass that found it at rest
-    decided = plan(t, observed)
+    # decide; the membership Secret is made sure of only when an engine pod is about to mount it
+    d = decision(t, observed)
     mounting: list[str] = []
-    if refused is None and mounts_membership_secret(decided.actions, observed):
-        token, refused = ensure_token(t, emit, read=True)  # re-created if it was deleted
-        if refused is not None:
-            observed = replace(observed, secret_refused=refused)
-            decided = plan(t, observed)
+    if secret_refused is None and mounts_membership_secret(d.plan.actions, observed):
+        token, secret_refused = ensure_token(t, emit, read=True)  # re-created if it was deleted
+        if secret_refused is not None:
+            observed = replace(observed, secret_refused=secret_refused)
+            d = decision(t, observed)
         else:  # and the credentials of the replica and pool pods mounting theirs
             mounting = credentials.ensure_mounting(_engine_pods(observed), token, emit)
-    acted = act_step.act(t.namespace, decided.actions, client, emit, t.name, other=other_client, token=token)
-    problems = mounting + acted.problems
-    changed = _changes(decided.actions) or bool(problems) or bool(acted.refused)
-    # A head change never rests: the resync probes only the head the Services select, and the other
-    # head's news (a replica registered there) must reach a pass too. Nor does a refused Secret: the
-    # resync's next pass reads it again (whoever deletes it causes no event the operator can watch).
-    if (not changed and not decided.pools and decided.status == obj.get("status") and observed.other is None
-            and refused is None):
+    # act
+    acted = act_step.act(t.namespace, d.plan.actions, client, emit, t.name, beside=beside_client, token=token)
+    problems, refused = tuple(mounting + acted.problems), tuple(acted.refused)
+    if _rests(obj, observed, d.plan, problems, refused):
         memory.RESTING[key] = memory.Resting(fingerprint, client, t.distributed)
     else:
         memory.RESTING.pop(key, None)
-    if changed:
-        # Status says what is true after the pass, not before it: read again (only when the pass
-        # changed something, so a pass at rest costs no extra request) and let the plan describe it.
-        # Its actions are left for the next pass, which the changed pods trigger anyway.
-        observed, _ = observe(obj, t, token, problems=tuple(problems), refused=refused,
-                              children=tuple(acted.refused))
-        decided = plan(t, observed)
-    act_step.write_pool_statuses(t.namespace, decided.pools)
-    return decided.status
+    # describe
+    if _status_needs_a_fresh_read(d.plan.actions):
+        d = decision(t, observe(obj, t, token, secret_refused)[0])  # its actions are the next pass's
+    result = described(d, problems, refused)
+    act_step.write_pool_statuses(t.namespace, result.pools)
+    return result.status
+
+
+def _rests(obj: dict[str, Any], observed: Observed, decided: Plan, problems: tuple[str, ...],
+           refused: tuple[str, ...]) -> bool:
+    """The pass found the OmniStage at rest: it changed nothing, and act had nothing to say. A head
+    change never rests: the resync probes only the serving head, the one the Services select, and the
+    news of the head beside it (a replica registered there) must reach a pass too. Nor does a refused
+    Secret: the resync's next pass reads it again (whoever deletes it causes no event the operator
+    can watch)."""
+    return (not _changes(decided.actions) and not problems and not refused and not decided.pools
+            and decided.status == obj.get("status") and observed.beside is None
+            and observed.secret_refused is None)
+
+
+def _status_needs_a_fresh_read(actions: list[Action]) -> bool:
+    """The act step wrote pods or a head's membership (or started a drain): status says what is true
+    after the pass, and what these writes leave is known only by reading it (a created pod's uid and
+    phase, the replica id and epoch a join got, the pods the head now lists). The decision made on
+    that read describes the status; its actions are left for the next pass, which the changed pods
+    trigger anyway. Any other pass (events, children, nothing) is described by its own decision, told
+    what act could not do, and costs no request."""
+    return _changes(actions)
 
 
 def ensure_token(t: Target, emit: Emit, read: bool = False) -> tuple[str | None, str | None]:
@@ -210,11 +231,11 @@ def _not_ours(secret: dict[str, Any], t: Target) -> str | None:
     return None
 
 
-def observe(obj: dict[str, Any], t: Target, token: str | None, problems: tuple[str, ...] = (),
-            refused: str | None = None, children: tuple[str, ...] = ()
+def observe(obj: dict[str, Any], t: Target, token: str | None, secret_refused: str | None = None
             ) -> tuple[Observed, tuple[HeadClient | None, HeadClient | None]]:
     """The pods from the watches, and what a Ready head runs and who its members are (tight timeouts).
-    During a head change, the second head and its replicas too (Observed.other), with its client.
+    During a head change, the set beside the serving one too (Observed.beside: the successor head or
+    the predecessor, and its replicas), with its client.
     No token (ensure_token refused the Secret and holds none): no head is asked."""
     # Its pods are those whose controller ownerReference names its uid, whatever their labels say;
     # their labels as the operator wrote them, and the strays to restore or delete (control/identity.py).
@@ -223,20 +244,20 @@ def observe(obj: dict[str, Any], t: Target, token: str | None, problems: tuple[s
         [p for p in STATE.pods.owned(t.namespace, t.name) if identity.owner_uid(p) == t.uid],
         {pool["metadata"]["name"] for pool in STATE.pools.owned(t.namespace, t.name)},
     )
-    head, second = pods.heads([p for p in owned if pods.role(p) in HEAD_ROLES])
+    head, beside_head = pods.heads([p for p in owned if pods.role(p) in HEAD_ROLES])
     engines = tuple(p for p in owned if pods.role(p) in (ROLE_REPLICA, ROLE_POOL))
-    theirs = tuple(r for r in engines if second is not None and pods.head_uid(r) == pods.uid(second))
+    beside_replicas = tuple(r for r in engines
+                            if beside_head is not None and pods.head_uid(r) == pods.uid(beside_head))
     drains = drains_step.DRAINS.states(t.namespace, t.name)
-    other = other_client = None
-    if second is not None:
-        other, other_client = _observe_set(
-            obj, t, token, second, theirs, headview.second_head(t.namespace, t.name), drains
+    beside = beside_client = None
+    if beside_head is not None:
+        beside, beside_client = _observe_set(
+            obj, t, token, beside_head, beside_replicas, headview.beside_serving(t.namespace, t.name), drains
         )
-    observed, client = _observe_set(obj, t, token, head, tuple(r for r in engines if r not in theirs),
-                                    (t.namespace, t.name), drains)
-    return replace(observed, problems=problems, refused=children,
-                   pools=tuple(STATE.pools.owned(t.namespace, t.name)),
-                   other=other, secret_refused=refused, strays=strays), (client, other_client)
+    serving_replicas = tuple(r for r in engines if r not in beside_replicas)
+    observed, client = _observe_set(obj, t, token, head, serving_replicas, (t.namespace, t.name), drains)
+    return replace(observed, pools=tuple(STATE.pools.owned(t.namespace, t.name)),
+                   beside=beside, secret_refused=secret_refused, strays=strays), (client, beside_client)
 
 
 def _observe_set(obj: dict[str, Any], t: Target, token: str | None, head: dict[str, Any] | None,
@@ -261,8 +282,8 @@ def _observe_set(obj: dict[str, Any], t: Target, token: str | None, head: dict[s
 
 
 def _engine_pods(o: Observed) -> list[dict[str, Any]]:
-    """The replica and pool pods of both heads' sets."""
-    return [*o.replicas, *(o.other.replicas if o.other is not None else ())]
+    """The replica and pool pods of the serving set and of the one beside it."""
+    return [*o.replicas, *(o.beside.replicas if o.beside is not None else ())]
 
 
 def _rv(obj: dict[str, Any] | None) -> str | None:
