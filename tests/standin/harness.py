@@ -32,7 +32,7 @@ from omnistage_engine_patches import contract
 
 from tests.support.status import condition, is_true, pod_ready
 
-from .runtime import is_loopback
+from .commands import is_loopback
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUP = "serving.omnistage.io"
