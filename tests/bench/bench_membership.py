@@ -21,6 +21,7 @@ hack/cluster-up.sh if it is not running). Network rule: only loopback is dialled
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -48,6 +49,7 @@ from tests.standin.harness import (
 )
 from tests.standin.runtime import StandinRuntime
 from tests.support.kubectl import Kubectl, cached_binary
+from tests.support.waits import wait_for
 
 NAME = "qwen3-omni"
 SAMPLE = ROOT / "manifests" / "samples" / "omnistage.yaml"
@@ -59,21 +61,8 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def wait(description: str, predicate, timeout: float = READY_TIMEOUT, interval: float = 0.05) -> Any:
-    """Bounded poll with a progress line every 10 s."""
-    start = time.monotonic()
-    report = start + 10
-    while True:
-        value = predicate()
-        if value:
-            return value
-        now = time.monotonic()
-        if now - start > timeout:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {description}")
-        if now > report:
-            log(f"  still waiting for {description} ({now - start:.0f}s)")
-            report = now + 10
-        time.sleep(interval)
+# A bench polls every 50 ms: its figures are seconds measured by these waits.
+wait = functools.partial(wait_for, timeout=READY_TIMEOUT, interval=0.05, say="bench")
 
 
 class PodCreations:

@@ -40,6 +40,7 @@ import pytest
 from tests.standin.harness import TESTS_PROBE_HEADS_EVERY, OperatorProcess
 from tests.standin.runtime import StandinRuntime
 from tests.support.kubectl import Kubectl, cached_binary, k8s_bin_dir
+from tests.support.waits import wait_for as _wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -123,26 +124,6 @@ def _kubectl_binary() -> str:
     if USE_EXISTING and shutil.which("kubectl"):
         return shutil.which("kubectl")  # kind users have one; no need to build Kubernetes for it
     pytest.fail("no kubectl: run `make k8s-bins`, or set OMNISTAGE_KUBECTL")
-
-
-def _wait_for(description: str, predicate: Callable[[], Any], timeout: float = 60,
-              interval: float = 0.5) -> Any:
-    """Poll predicate until it returns something truthy; print progress; bounded by timeout."""
-    start = time.monotonic()
-    next_report = start + 5
-    print(f"[wait] {description} (up to {timeout:.0f}s)", flush=True)
-    while True:
-        value = predicate()
-        now = time.monotonic()
-        if value:
-            print(f"[wait] {description}: done after {now - start:.1f}s", flush=True)
-            return value
-        if now - start >= timeout:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {description}; last value {value!r}")
-        if now >= next_report:
-            print(f"[wait]   still waiting for {description} ({now - start:.0f}s)", flush=True)
-            next_report = now + 5
-        time.sleep(interval)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ pods show that the simulated H200 nodes are what the scheduler sees.
 
 from __future__ import annotations
 
-import copy
 import ipaddress
 import json
 import re
@@ -17,6 +16,8 @@ from typing import Any
 import pytest
 import yaml
 from omnistage.api.child_names import MAX_OMNISTAGE_NAME, MAX_POOL_NAME
+
+from tests.support.patches import apply_merge_patch
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "manifests" / "samples" / "omnistage.yaml"
@@ -192,19 +193,7 @@ def test_rbac_is_enforced(omnistage_crd, kubectl, namespace):
     assert denied.returncode != 0 and "Forbidden" in denied.stderr, denied.stderr
 
 
-def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in patch.items():
-        if value is _DELETE:
-            out.pop(key, None)
-        elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-_DELETE = object()
+_DELETE = None  # a JSON merge patch's null: the field is removed
 
 # (id, change to the sample's spec, text the API server's answer must contain: the field, and
 # for the CEL rules the start of the rule's message, which says what to change).
@@ -374,7 +363,7 @@ INVALID = [
 @pytest.mark.parametrize(("change", "expected"), [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
 def test_invalid_omnistage_is_rejected(omnistage_crd, kubectl, namespace, change, expected):
     obj = _sample()
-    obj["spec"] = _merge(obj["spec"], change)
+    obj["spec"] = apply_merge_patch(obj["spec"], change)
     obj["metadata"] = {"name": "invalid"}
     out = kubectl("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj), check=False)
     print(out.stderr)
@@ -473,7 +462,7 @@ ACCEPTED = [
 @pytest.mark.parametrize("change", [c[1] for c in ACCEPTED], ids=[c[0] for c in ACCEPTED])
 def test_api_server_accepts(omnistage_crd, kubectl, namespace, change):
     obj = _sample()
-    obj["spec"] = _merge(obj["spec"], change)
+    obj["spec"] = apply_merge_patch(obj["spec"], change)
     obj["metadata"] = {"name": "accepted"}
     out = kubectl("create", "--dry-run=server", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj), check=False)
     assert out.returncode == 0, out.stderr

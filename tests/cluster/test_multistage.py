@@ -25,7 +25,8 @@ import pytest
 import yaml
 
 from tests.cluster.test_operator import READY_TIMEOUT, events, get_stage
-from tests.standin.harness import L_OMNISTAGE, HeadEndpoint, condition, is_true, pod_ready
+from tests.standin.harness import L_OMNISTAGE, HeadEndpoint
+from tests.support.status import condition, is_true, pod_ready
 
 # The operator and the stand-in runtime: conftest.py's module fixtures `operator` and `standin`.
 pytestmark = pytest.mark.usefixtures("operator_log_on_failure")

@@ -29,9 +29,7 @@ from tests.standin.harness import (
     L_OMNISTAGE,
     L_ROLE,
     HeadEndpoint,
-    condition,
     converged,
-    is_true,
     left_at_head,
     remote_members,
     replica_series,
@@ -41,6 +39,7 @@ from tests.standin.harness import (
     engine_pods as _engine_pods,
 )
 from tests.support.specs import with_spec_changes
+from tests.support.status import condition, is_true
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "manifests" / "samples" / "omnistage.yaml"

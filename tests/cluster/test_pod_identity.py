@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 
 from tests.cluster.test_operator import H200, NAME, apply, engine_pods, events, get_stage, wait_ready
-from tests.standin.harness import TESTS_PROBE_HEADS_EVERY, condition, service_addresses
+from tests.standin.harness import TESTS_PROBE_HEADS_EVERY, service_addresses
+from tests.support.status import condition
 
 RESTORE_TIMEOUT = 20.0
 ROLE = "serving.omnistage.io/role"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.standin.harness import condition
+from tests.support.status import condition
 
 from .test_operator import NAME, apply, engine_pods, events, get_stage, sample
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.cluster.test_operator import NAME, apply, engine_pods, events, get_stage, sample, wait_ready
-from tests.standin.harness import condition
+from tests.support.status import condition
 
 RESTORE_TIMEOUT = 20.0
 SECRET = f"{NAME}-membership"

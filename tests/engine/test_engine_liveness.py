@@ -33,7 +33,7 @@ from omnistage_engine_patches import contract
 
 from tests.engine import test_membership_api as shared
 from tests.engine.test_membership_api import _OPENER, _get_with_etag, bind_request, fresh_picks, start_replica
-from tests.standin.engine import wait_for
+from tests.standin.engine import wait_quietly
 
 # The membership tests' fixtures: a stand-in head with its HTTP app.
 text_config, token_file, http_app, head = shared.text_config, shared.token_file, shared.http_app, shared.head
@@ -75,10 +75,11 @@ def test_regression_a_silent_replica_is_kept_unroutable_and_serves_again(head):
     pool = engine.stage0
     t0 = time.monotonic()
     with heartbeats_held(replica.coord):
-        wait_for(lambda: api.members(all=True)[rid]["coordinatorStatus"] == contract.COORD_SILENT, 3 * TIMEOUT,
-                 what="the replica to be listed silent")
+        wait_quietly("the replica to be listed silent",
+                     lambda: api.members(all=True)[rid]["coordinatorStatus"] == contract.COORD_SILENT,
+                     3 * TIMEOUT)
         went_silent = time.monotonic() - t0
-        wait_for(lambda: "silentSeconds" in api.members()[rid], 2, what="its silence to be timed")
+        wait_quietly("its silence to be timed", lambda: "silentSeconds" in api.members()[rid], 2)
         m = api.members()[rid]
         assert (m["state"], m["attached"], m["pod"]) == (contract.ATTACHED, True, "replica-a")
         assert m["silentSeconds"] >= 0
@@ -89,8 +90,9 @@ def test_regression_a_silent_replica_is_kept_unroutable_and_serves_again(head):
         time.sleep(2 * 0.5)  # two more watcher ticks: still kept
         assert rid in engine.attached_replica_ids()
     t1 = time.monotonic()
-    wait_for(lambda: api.members()[rid]["coordinatorStatus"] == contract.COORD_UP, 2 * TIMEOUT,
-             what="its heartbeats to resume")
+    wait_quietly("its heartbeats to resume",
+                 lambda: api.members()[rid]["coordinatorStatus"] == contract.COORD_UP,
+                 2 * TIMEOUT)
     back = time.monotonic() - t1
     assert rid in set(fresh_picks(engine, 6))  # routable again
     print(f"silent after {went_silent:.1f}s without heartbeats (timeout {TIMEOUT}s); serving {back:.1f}s after "
@@ -105,8 +107,9 @@ def test_a_leave_detaches_a_silent_replica(head):
     rid = replica.replica_id
     assert api.join("replica-a", replica.bind_ip)[0] == 200
     replica.kill()  # no DOWN: heartbeats stop for good
-    wait_for(lambda: api.members()[rid]["coordinatorStatus"] == contract.COORD_SILENT, 3 * TIMEOUT,
-             what="the replica to be listed silent")
+    wait_quietly("the replica to be listed silent",
+                 lambda: api.members()[rid]["coordinatorStatus"] == contract.COORD_SILENT,
+                 3 * TIMEOUT)
     status, body = api.leave(pod="replica-a", replicaId=rid, drainTimeoutSeconds=0)
     assert (status, body["state"], body["detached"]) == (200, "left", True), body
     assert rid not in engine.attached_replica_ids()
@@ -118,15 +121,17 @@ def test_regression_the_head_s_own_engine_is_not_killed_by_a_stall(head):
     local = engine.stage0.clients[0]
     _, _, etag = _get_with_etag(api, contract.MEMBERSHIP_PATH, None)
     with heartbeats_held(engine._runtime.local_coord_client):
-        wait_for(lambda: api.members()[0]["coordinatorStatus"] == contract.COORD_SILENT, 3 * TIMEOUT,
-                 what="the head's own engine to be listed silent")
+        wait_quietly("the head's own engine to be listed silent",
+                     lambda: api.members()[0]["coordinatorStatus"] == contract.COORD_SILENT,
+                     3 * TIMEOUT)
         # The operator's conditional probe sees it: the ETag it holds no longer matches.
         assert _get_with_etag(api, contract.MEMBERSHIP_PATH, etag)[0] == 200
         assert engine.stage0.clients[0] is local and not local.shut_down.is_set()
         status, body = live(api)
         assert (status, body["localEngine"]) == (200, contract.LOCAL_SILENT), body
-    wait_for(lambda: api.members()[0]["coordinatorStatus"] == contract.COORD_UP, 2 * TIMEOUT,
-             what="its heartbeats to resume")
+    wait_quietly("its heartbeats to resume",
+                 lambda: api.members()[0]["coordinatorStatus"] == contract.COORD_UP,
+                 2 * TIMEOUT)
     assert engine.stage0.clients[0] is local
     assert live(api) == (200, {"localEngine": contract.LOCAL_LIVE, "reason": "stage-0 replica 0 attached"})
 
@@ -148,17 +153,20 @@ def test_regression_the_head_is_ready_only_while_it_can_route_to_a_live_engine(h
     engine, api = head(heartbeat_timeout=TIMEOUT)
     assert health(api) == 200
     with heartbeats_held(engine._runtime.local_coord_client):
-        wait_for(lambda: api.members()[0]["coordinatorStatus"] == contract.COORD_SILENT, 3 * TIMEOUT,
-                 what="the head's own engine to be listed silent")
+        wait_quietly("the head's own engine to be listed silent",
+                     lambda: api.members()[0]["coordinatorStatus"] == contract.COORD_SILENT,
+                     3 * TIMEOUT)
         assert health(api) == 503
-    wait_for(lambda: health(api) == 200, 2 * TIMEOUT, what="/health 200 once its heartbeats resume")
+    wait_quietly("/health 200 once its heartbeats resume", lambda: health(api) == 200, 2 * TIMEOUT)
     replica = start_replica(engine)
     assert api.join("replica-a", replica.bind_ip)[0] == 200
-    wait_for(lambda: api.members()[replica.replica_id]["coordinatorStatus"] == contract.COORD_UP, 2 * TIMEOUT,
-             what="the replica's first heartbeat")
+    wait_quietly("the replica's first heartbeat",
+                 lambda: api.members()[replica.replica_id]["coordinatorStatus"] == contract.COORD_UP,
+                 2 * TIMEOUT)
     with heartbeats_held(engine._runtime.local_coord_client):
-        wait_for(lambda: api.members()[0]["coordinatorStatus"] == contract.COORD_SILENT, 3 * TIMEOUT,
-                 what="the head's own engine to be listed silent again")
+        wait_quietly("the head's own engine to be listed silent again",
+                     lambda: api.members()[0]["coordinatorStatus"] == contract.COORD_SILENT,
+                     3 * TIMEOUT)
         assert health(api) == 200  # the replica serves: still routable
 
 
@@ -179,7 +187,7 @@ def test_a_replica_that_said_down_is_detached_and_listed_until_it_leaves(head):
     rid = replica.replica_id
     assert api.join("replica-a", replica.bind_ip)[0] == 200
     replica.down()
-    wait_for(lambda: api.members().get(rid, {}).get("state") == contract.DETACHED, 10, what="the detach")
+    wait_quietly("the detach", lambda: api.members().get(rid, {}).get("state") == contract.DETACHED, 10)
     assert rid not in engine.attached_replica_ids()
     assert api.leave(pod="replica-a", replicaId=rid, drainTimeoutSeconds=0)[0] == 200
     assert rid not in api.members()

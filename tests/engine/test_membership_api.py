@@ -59,7 +59,7 @@ from tests.standin.engine import (
     build_vllm_config,
     free_port,
     standin_head,
-    wait_for,
+    wait_quietly,
 )
 from tests.standin.replica import SimulatedReplica
 from tests.support.tiny_models import build_config_only_model
@@ -186,7 +186,9 @@ def head(text_config, token_file, monkeypatch):
         server, api = serve_head_app(StandinEngineClient(engine), ip, monkeypatch)
         stack.append(server)
         # The coordinator has published the head-local replica: the head is fully up.
-        wait_for(lambda: api.members().get(0, {}).get("coordinatorStatus") == "up", 10, what="the local replica UP")
+        wait_quietly("the local replica UP",
+                     lambda: api.members().get(0, {}).get("coordinatorStatus") == "up",
+                     10)
         return engine, api
 
     yield make
@@ -196,13 +198,14 @@ def head(text_config, token_file, monkeypatch):
 
 def start_replica(engine: Any, *, seen_up: bool = True) -> SimulatedReplica:
     replica = SimulatedReplica(engine._omni_master_address, engine._omni_master_port, loopback_ip()).start()
-    wait_for(lambda: replica.replica_id in engine.attached_replica_ids(), 10, what="attach")
+    wait_quietly("attach", lambda: replica.replica_id in engine.attached_replica_ids(), 10)
     if seen_up:
         # vllm-omni's watcher detaches a replica only after it has seen it UP (see
         # test_replica_metrics.join); a live replica is in that state.
         controller = engine.orchestrator._membership
         addr = engine.stage0.clients[replica.replica_id].client_addresses["input_address"]
-        wait_for(lambda: (0, addr) in controller._observed_up_attached_addrs, 10, what="the watcher to see it UP")
+        wait_quietly("the watcher to see it UP", lambda: (0, addr) in controller._observed_up_attached_addrs,
+                     10)
     return replica
 
 
@@ -390,7 +393,7 @@ def test_leave_drains_in_flight_requests_then_detaches(head):
             target=lambda: result.update(zip(("status", "body"), api.leave(pod="replica-a", replicaId=rid,
                                                                              drainTimeoutSeconds=20))))
         leaving.start()
-        wait_for(lambda: api.members()[rid]["draining"], 10, what="draining")
+        wait_quietly("draining", lambda: api.members()[rid]["draining"], 10)
         assert api.members()[rid]["state"] == "draining"
         # New requests are no longer routed there; the in-flight one still is (sticky).
         assert rid not in fresh_picks(engine, 6)
@@ -505,7 +508,7 @@ def test_leave_during_attach_leaves_no_zombie(head):
         status, body = api.leave(ip=ip, drainTimeoutSeconds=5)
         assert (status, body["state"], body["detached"]) == (200, "left", False)
         # The attach that was in flight completes, and the head detaches it at once.
-        wait_for(lambda: engine._runtime.remote_clients, 10, what="the attach to complete")
+        wait_quietly("the attach to complete", lambda: engine._runtime.remote_clients, 10)
         time.sleep(0.3)
         assert rid not in engine.attached_replica_ids()
         assert engine._runtime.remote_clients[0].shut_down.is_set()
@@ -524,7 +527,7 @@ def test_replica_dropped_by_the_head(head):
     assert api.join("replica-a", replica.bind_ip)[0] == 200
     replica.down()
     # Listed detached until a leave (the operator replaces its pod, then tells the head to forget it).
-    wait_for(lambda: api.members().get(rid, {}).get("state") == "detached", 10, what="the head to drop it")
+    wait_quietly("the head to drop it", lambda: api.members().get(rid, {}).get("state") == "detached", 10)
     assert api.members(all=True)[rid]["state"] == "detached"
     assert replica_lines(api.metrics(), rid) == []
     status, body = api.join("replica-a", replica.bind_ip, waitSeconds=0)
@@ -677,7 +680,7 @@ def test_conditional_gets_are_the_operators_cheap_probe(head):
     assert replica.replica_id in {m["replicaId"] for m in moved["stages"]["0"]}
     assert _get_with_etag(api, BASE_PATH, etag2)[0] == 304
     replica.down()  # the head drops it: the epoch moves again
-    wait_for(lambda: _get_with_etag(api, BASE_PATH, etag2)[0] == 200, 10, what="the detach to move the epoch")
+    wait_quietly("the detach to move the epoch", lambda: _get_with_etag(api, BASE_PATH, etag2)[0] == 200, 10)
     # Another boot of the head (same epoch) is a change; pages of every route are never 304.
     epoch = api.list()["epoch"]
     assert _get_with_etag(api, BASE_PATH, f'"{"0" * 32}.{epoch}"')[0] == 200
@@ -782,8 +785,9 @@ def test_a_failed_attach_is_recorded_as_detached(head):
         replica = SimulatedReplica(engine._omni_master_address, engine._omni_master_port, ip).start()
         try:
             rid = replica.replica_id
-            wait_for(lambda: api.members(all=True).get(rid, {}).get("state") == "detached", 10,
-                     what="the failed attach to be recorded")
+            wait_quietly("the failed attach to be recorded",
+                         lambda: api.members(all=True).get(rid, {}).get("state") == "detached",
+                         10)
             # Listed detached until a leave (the newest 64 such): the operator sees what the head dropped.
             assert api.members()[rid]["state"] == "detached"
             status, body = api.join("replica-a", ip, waitSeconds=0)
@@ -902,21 +906,23 @@ def test_standin_processes(tmp_path):
             except OSError:
                 return False
 
-        wait_for(healthy, 180, 0.5, what=f"the head's /health (log: {tmp_path / 'head.log'})")
-        wait_for(lambda: any(m["host"] == replica_ip for m in api.members().values()), 180, 0.5,
-                 what=f"the replica to register (log: {tmp_path / 'replica.log'})")
+        wait_quietly(f"the head's /health (log: {tmp_path / 'head.log'})", healthy, 180, interval=0.5)
+        wait_quietly(f"the replica to register (log: {tmp_path / 'replica.log'})",
+                     lambda: any(m["host"] == replica_ip for m in api.members().values()),
+                     180, interval=0.5)
         status, body = api.join("replica-a", replica_ip)
         assert status == 200 and body["replicaId"] == 1 and body["local"] is False
         assert replica_lines(api.metrics(), 1)
         # The head lists a replica as soon as it allocated its route, a moment before the replica has
         # read the reply; a SIGTERM in between exits without DOWN (nothing registered yet, as far as
         # the replica knows), and the head then waits out its 30 s heartbeat timeout (seen in CI).
-        wait_for(lambda: b" up (coord=" in (tmp_path / "replica.log").read_bytes(), 60, 0.1,
-                 what="the replica to log that it is up (then a signal leads to DOWN)")
+        wait_quietly("the replica to log that it is up (then a signal leads to DOWN)",
+                     lambda: b" up (coord=" in (tmp_path / "replica.log").read_bytes(),
+                     60, interval=0.1)
         replica.send_signal(signal.SIGTERM)
         assert replica.wait(30) == 0
-        wait_for(lambda: api.members().get(1, {}).get("state") == "detached", 15,
-                 what="the head to detach the replica after its DOWN")
+        wait_quietly("the head to detach the replica after its DOWN",
+                     lambda: api.members().get(1, {}).get("state") == "detached", 15)
         assert api.leave(pod="replica-a", drainTimeoutSeconds=5)[1]["state"] == "left"
         children = [int(pid) for pid in subprocess.run(["ps", "-o", "pid=", "--ppid", str(head.pid)],
                                                           check=False, capture_output=True, text=True).stdout.split()]
@@ -931,7 +937,7 @@ def test_standin_processes(tmp_path):
                 return True
             return False
 
-        wait_for(lambda: all(gone(pid) for pid in children), 10, what="the coordinator process to exit")
+        wait_quietly("the coordinator process to exit", lambda: all(gone(pid) for pid in children), 10)
     finally:
         for proc in (replica, head):
             if proc.poll() is None:

@@ -51,7 +51,7 @@ from tests.standin.engine import (
     StandinEngineClient,
     build_http_app,
     free_port,
-    wait_for,
+    wait_quietly,
 )
 from tests.standin.multistage import (
     CONNECTOR_BASE_PORT,
@@ -115,7 +115,7 @@ def live(engine) -> LiveHead:
                 raise
         return bool(found)
 
-    wait_for(located, 30, what="the head's orchestrator running")
+    wait_quietly("the head's orchestrator running", located, 30)
     return found[-1]
 
 
@@ -130,10 +130,12 @@ def attach(head: PipelineHead, stage_id: int, ip: str | None = None):
     engine = head.engine
     replica = head.replica(stage_id, ip or loopback_ip())
     rid = replica.replica_id
-    wait_for(lambda: rid in engine.attached_replica_ids(stage_id), 15, what=f"stage {stage_id} replica {rid} attach")
+    wait_quietly(f"stage {stage_id} replica {rid} attach",
+                 lambda: rid in engine.attached_replica_ids(stage_id), 15)
     addr = engine.client(stage_id, rid).client_addresses["input_address"]
     controller = engine.orchestrator._membership
-    wait_for(lambda: (stage_id, addr) in controller._observed_up_attached_addrs, 15, what="the watcher to see it UP")
+    wait_quietly("the watcher to see it UP",
+                 lambda: (stage_id, addr) in controller._observed_up_attached_addrs, 15)
     return replica
 
 
@@ -149,10 +151,11 @@ def watcher_saw_up(engine, stage_id: int, replica_id: int) -> None:
     """Wait until the membership watcher has seen the replica UP. vllm-omni detaches an initial
     slot (a client it does not track) only when a tick saw it UP and a later one does not; a DOWN
     before the watcher's next 0.5 s tick after the UP goes unnoticed (upstream, 0.30.0)."""
-    wait_for(lambda: hub_sees_up(engine, stage_id, replica_id), 15, what=f"stage {stage_id} replica {replica_id} UP")
+    wait_quietly(f"stage {stage_id} replica {replica_id} UP",
+                 lambda: hub_sees_up(engine, stage_id, replica_id), 15)
     controller = engine.orchestrator._membership
     seen = controller._watch_generation
-    wait_for(lambda: controller._watch_generation >= seen + 2, 15, what="two watcher ticks")
+    wait_quietly("two watcher ticks", lambda: controller._watch_generation >= seen + 2, 15)
 
 
 # ---- startup: the head waits for every remote stage -------------------------------------------
@@ -169,8 +172,9 @@ def test_head_blocks_until_each_remote_stage_registered(pipeline):
     talker = head.replica(1, talker_ip)
     assert talker.replica_id == 0  # the planned slot, not a fresh id
     # The stage-1 slot is bootstrapped: its head-side client exists ...
-    wait_for(lambda: head.runtimes and any(c.stage_id == 1 for c in head.runtimes[0].clients_created), 30,
-             what="the stage-1 head-side client")
+    wait_quietly("the stage-1 head-side client",
+                 lambda: head.runtimes and any(c.stage_id == 1 for c in head.runtimes[0].clients_created),
+                 30)
     # ... and the head still blocks on stage 2 (bounded wait: it would be up within it otherwise).
     head.thread.join(2.0)
     assert head.thread.is_alive() and head.engine is None and head.error is None
@@ -213,7 +217,7 @@ def test_listing_covers_every_stage_and_the_initial_remote_slots(pipeline):
     engine = head.engine
     extra_talker, extra_code2wav = attach(head, 1), attach(head, 2)
     initial = {r.stage_id: r for r in head.replicas[:2]}
-    wait_for(lambda: all(hub_sees_up(engine, s, 0) for s in (1, 2)), 15, what="the initial slots UP")
+    wait_quietly("the initial slots UP", lambda: all(hub_sees_up(engine, s, 0) for s in (1, 2)), 15)
     stages = listing(engine)
     assert sorted(stages) == ["0", "1", "2"]
     assert list(stages["0"]) == [0] and stages["0"][0]["local"] is True
@@ -238,7 +242,7 @@ def test_join_and_leave_per_stage_and_replica_id(pipeline):
     ops = live(engine)
     talker0 = head.replicas[0]
     extra = attach(head, 1)
-    wait_for(lambda: hub_sees_up(engine, 1, 0), 15, what="the initial talker UP")
+    wait_quietly("the initial talker UP", lambda: hub_sees_up(engine, 1, 0), 15)
     joined = asyncio.run(ops.join(1, "talker-0", talker0.bind_ip))
     assert (joined["stage"], joined["replicaId"], joined["pod"], joined["state"]) == (1, 0, "talker-0", "attached")
     assert joined["metricsRegistered"] is True  # the talker's vllm:* series, as for a stage-0 replica
@@ -250,7 +254,7 @@ def test_join_and_leave_per_stage_and_replica_id(pipeline):
     leaving = threading.Thread(target=lambda: result.update(asyncio.run(
         ops.leave(1, pod="talker-0", drain_timeout=30))))
     leaving.start()
-    wait_for(lambda: listing(engine)["1"][0]["draining"], 15, what="draining")
+    wait_quietly("draining", lambda: listing(engine)["1"][0]["draining"], 15)
     assert set(fresh_picks(engine, 6, stage_id=1)) == {extra.replica_id}  # no new requests to the drained one
     assert engine.on_loop(lambda: talkers.get_bound_replica_id("chat-1")) == 0  # the bound one stays
     engine.on_loop(lambda: talkers.release_binding("chat-1"))  # it finishes
@@ -298,7 +302,7 @@ def test_route_joined_only_holds_dynamic_replicas_of_every_stage(pipeline, monke
     engine = head.engine
     ops = live(engine)
     talker, code2wav = attach(head, 1), attach(head, 2)
-    wait_for(lambda: hub_sees_up(engine, 1, 0) and hub_sees_up(engine, 2, 0), 15, what="the initial slots UP")
+    wait_quietly("the initial slots UP", lambda: hub_sees_up(engine, 1, 0) and hub_sees_up(engine, 2, 0), 15)
     stages = listing(engine)
     for stage_id, replica in ((1, talker), (2, code2wav)):
         assert stages[str(stage_id)][replica.replica_id]["held"] is True
@@ -318,11 +322,12 @@ def test_down_and_kill_per_stage(pipeline):
     engine = head.engine
     talker, code2wav = attach(head, 1), attach(head, 2)
     code2wav.down()
-    wait_for(lambda: code2wav.replica_id not in engine.attached_replica_ids(2), 15, what="the DOWN detach")
+    wait_quietly("the DOWN detach", lambda: code2wav.replica_id not in engine.attached_replica_ids(2), 15)
     assert engine.attached_replica_ids(1) == [0, talker.replica_id]
     talker.kill()
-    wait_for(lambda: listing(engine, include_all=True)["1"][talker.replica_id]["coordinatorStatus"] == "silent",
-             40, interval=0.2, what="the heartbeat timeout")
+    wait_quietly("the heartbeat timeout",
+                 lambda: listing(engine, include_all=True)["1"][talker.replica_id]["coordinatorStatus"] == "silent",
+                 40, interval=0.2)
     assert engine.attached_replica_ids(1) == [0, talker.replica_id]  # kept, not shut down
     assert engine.attached_replica_ids(2) == [0]
     stages = listing(engine, include_all=True)
@@ -391,7 +396,7 @@ def test_orchestrator_routes_every_stage_with_the_bound_upstream_endpoint(pipeli
     head = pipeline()
     engine = head.engine
     extra = attach(head, 1)
-    wait_for(lambda: hub_sees_up(engine, 1, 0) and hub_sees_up(engine, 2, 0), 15, what="the initial slots UP")
+    wait_quietly("the initial slots UP", lambda: hub_sees_up(engine, 1, 0) and hub_sees_up(engine, 2, 0), 15)
     ids = [f"req-{i}" for i in range(4)]
     for rid in ids:
         submit(engine, rid)
@@ -425,12 +430,13 @@ def test_async_chunk_prewarm_binds_downstream_replicas_at_admission(pipeline, mo
     monkeypatch.setenv(contract.CONNECTOR_PORTS_ENV, contract.PORTS_PER_POD)
     head = pipeline(async_chunk=True)
     engine = head.engine
-    wait_for(lambda: hub_sees_up(engine, 1, 0) and hub_sees_up(engine, 2, 0), 15, what="the initial slots UP")
+    wait_quietly("the initial slots UP", lambda: hub_sees_up(engine, 1, 0) and hub_sees_up(engine, 2, 0), 15)
     clients = [engine.client(s, 0) for s in range(3)]
     for client in clients:
         client.auto_finish = False
     submit(engine, "chunked")
-    wait_for(lambda: all(c.request_ids == ["chunked"] for c in clients), 15, what="admission to reach every stage")
+    wait_quietly("admission to reach every stage", lambda: all(c.request_ids == ["chunked"] for c in clients),
+                 15)
     bound = [engine.on_loop(lambda p=p: p.get_bound_replica_id("chunked")) for p in engine.stage_pools]
     assert bound == [0, 0, 0]
     talker_req, code2wav_req = clients[1].received[0], clients[2].received[0]
@@ -450,7 +456,7 @@ def test_losing_a_stage2_replica_fails_exactly_its_requests(pipeline):
     head = pipeline(async_chunk=True)
     engine = head.engine
     extra = attach(head, 2)
-    wait_for(lambda: hub_sees_up(engine, 1, 0) and hub_sees_up(engine, 2, 0), 15, what="the initial slots UP")
+    wait_quietly("the initial slots UP", lambda: hub_sees_up(engine, 1, 0) and hub_sees_up(engine, 2, 0), 15)
     for pool in engine.stage_pools:
         for client in pool.clients:
             client.auto_finish = False
@@ -458,7 +464,8 @@ def test_losing_a_stage2_replica_fails_exactly_its_requests(pipeline):
     for rid in ids:
         submit(engine, rid)
     code2wav = engine.stage_pools[2]
-    wait_for(lambda: sum(len(c.received) for c in code2wav.clients) == 4, 15, what="admission of every request")
+    wait_quietly("admission of every request", lambda: sum(len(c.received) for c in code2wav.clients) == 4,
+                 15)
     bound = {rid: engine.on_loop(lambda rid=rid: code2wav.get_bound_replica_id(rid)) for rid in ids}
     lost = {rid for rid, r in bound.items() if r == extra.replica_id}
     kept = set(ids) - lost
@@ -487,17 +494,17 @@ def test_draining_a_talker_waits_for_the_whole_request(pipeline):
     head = pipeline()
     engine = head.engine
     ops = live(engine)
-    wait_for(lambda: hub_sees_up(engine, 1, 0) and hub_sees_up(engine, 2, 0), 15, what="the initial slots UP")
+    wait_quietly("the initial slots UP", lambda: hub_sees_up(engine, 1, 0) and hub_sees_up(engine, 2, 0), 15)
     code2wav = engine.client(2, 0)
     code2wav.auto_finish = False
     submit(engine, "long")
-    wait_for(lambda: code2wav.request_ids == ["long"], 15, what="the request to reach code2wav")
+    wait_quietly("the request to reach code2wav", lambda: code2wav.request_ids == ["long"], 15)
     assert "long" in engine.client(1, 0).request_ids  # the talker's step is done
     result: dict[str, Any] = {}
     leaving = threading.Thread(target=lambda: result.update(asyncio.run(ops.leave(1, replica_id=0,
                                                                                   drain_timeout=60))))
     leaving.start()
-    wait_for(lambda: listing(engine)["1"][0]["draining"], 15, what="draining")
+    wait_quietly("draining", lambda: listing(engine)["1"][0]["draining"], 15)
     assert listing(engine)["1"][0]["inFlight"] == 1
     leaving.join(1.0)
     assert leaving.is_alive()  # still draining: the request is bound to the talker until it finishes
@@ -527,7 +534,7 @@ def test_health_is_503_while_a_stage_has_no_live_replica(pipeline, monkeypatch):
         watcher_saw_up(engine, 2, 0)
         assert health() == 200
         head.replicas[1].down()  # the only code2wav
-        wait_for(lambda: engine.attached_replica_ids(2) == [], 15, what="the head to drop it")
+        wait_quietly("the head to drop it", lambda: engine.attached_replica_ids(2) == [], 15)
         assert health() == 503
         assert listing(engine, include_all=True)["2"][0]["state"] == "detached"  # an initial slot, dropped
         attach(head, 2)
@@ -544,12 +551,13 @@ def test_connector_port_of_replica_id_16(pipeline, monkeypatch):
     engine = head.engine
     for _ in range(16):  # ids 1..16 (0 is the planned slot)
         head.replica(1, loopback_ip(), up=False)
-    wait_for(lambda: 16 in engine.attached_replica_ids(1), 30, what="stage-1 replica 16 to attach")
+    wait_quietly("stage-1 replica 16 to attach", lambda: 16 in engine.attached_replica_ids(1), 30)
     info = engine.client(1, 16).get_payload_sender_info()
     assert info == {"host": head.replicas[-1].bind_ip, "zmq_port": CONNECTOR_BASE_PORT + 1}
     monkeypatch.delenv(contract.CONNECTOR_PORTS_ENV)  # a head without the operator's setting
     late = head.replica(1, loopback_ip(), up=False)
     assert late.replica_id == 17
-    wait_for(lambda: listing(engine, include_all=True)["1"][17]["state"] == "detached", 30,
-             what="the failed attach of replica 17")
+    wait_quietly("the failed attach of replica 17",
+                 lambda: listing(engine, include_all=True)["1"][17]["state"] == "detached",
+                 30)
     assert 17 not in engine.attached_replica_ids(1)

@@ -41,7 +41,7 @@ from omnistage_engine_patches.patches import registration_report
 from vllm_omni.engine import stage_engine_startup
 
 from tests.engine.conftest import loopback_ip, patch_applied
-from tests.standin.engine import StandinEngineClient, wait_for
+from tests.standin.engine import StandinEngineClient, wait_quietly
 from tests.standin.multistage import (
     MultiStageOptions,
     PipelineHead,
@@ -71,11 +71,13 @@ def head(tmp_path_factory):
             replica = StageReplica(pipeline.bind_ip, pipeline.master_port, loopback_ip(), stage_id=stage_id)
             pipeline.replicas.append(replica.register().up())
             rid = replica.replica_id
-            wait_for(lambda s=stage_id, r=rid: r in engine.attached_replica_ids(s), 15,
-                     what=f"stage {stage_id} replica {rid} attach")
+            wait_quietly(f"stage {stage_id} replica {rid} attach",
+                         lambda s=stage_id, r=rid: r in engine.attached_replica_ids(s),
+                         15)
         # UP reaches the head's hub through the coordinator a moment after each replica sent it.
-        wait_for(lambda: all(m["coordinatorStatus"] == "up" for m in members(pipeline).values()), 15,
-                 what="every replica UP at the head")
+        wait_quietly("every replica UP at the head",
+                     lambda: all(m["coordinatorStatus"] == "up" for m in members(pipeline).values()),
+                     15)
         yield pipeline
     finally:
         pipeline.stop()

@@ -35,7 +35,7 @@ from omnistage_engine_patches.membership_ops import LiveHead
 from omnistage_engine_patches.patches import mm_cache_metrics, replica_metrics
 from prometheus_client import REGISTRY
 
-from tests.standin.engine import build_vllm_config, standin_head, wait_for
+from tests.standin.engine import build_vllm_config, standin_head, wait_quietly
 from tests.standin.replica import SimulatedReplica
 from tests.support.tiny_models import build_config_only_model
 
@@ -90,7 +90,8 @@ def bookkeeping(engine: Any) -> dict[str, Any]:
 
 def join(engine: Any, ip: str, *, seen_up: bool = False) -> SimulatedReplica:
     replica = SimulatedReplica(engine._omni_master_address, engine._omni_master_port, ip).start()
-    wait_for(lambda: replica.replica_id in engine.attached_replica_ids(), 10, what=f"replica {replica.replica_id}")
+    wait_quietly(f"replica {replica.replica_id}", lambda: replica.replica_id in engine.attached_replica_ids(),
+                 10)
     # The pool lists the replica in the middle of the attach's step on the orchestrator's loop (the
     # patch registers its series right after, in the same step): a no-op on that loop waits it out.
     engine.on_loop(lambda: None)
@@ -100,7 +101,8 @@ def join(engine: Any, ip: str, *, seen_up: bool = False) -> SimulatedReplica:
         # (an upstream race). A live replica has long been seen UP: wait for that state.
         controller = engine.orchestrator._membership
         addr = engine.stage0.clients[replica.replica_id].client_addresses["input_address"]
-        wait_for(lambda: (0, addr) in controller._observed_up_attached_addrs, 10, what="the watcher to see it UP")
+        wait_quietly("the watcher to see it UP", lambda: (0, addr) in controller._observed_up_attached_addrs,
+                     10)
     return replica
 
 
@@ -145,7 +147,7 @@ def test_series_removed_when_replica_departs(text_config, how):
     with standin_head(text_config, loopback_ip(), stats_interval=0.1, heartbeat_timeout=timeout) as engine:
         replica = join(engine, loopback_ip(), seen_up=True)
         rid = replica.replica_id
-        wait_for(lambda: replica_samples(str(rid)), 5, what="series of the new replica")
+        wait_quietly("series of the new replica", lambda: replica_samples(str(rid)), 5)
         local_before = set(replica_samples("0"))
         if how == "leave":
             result = leave(engine, rid)
@@ -158,12 +160,13 @@ def test_series_removed_when_replica_departs(text_config, how):
             # the operator makes it leave (its pod is gone); that leave removes its series.
             replica.kill()
             controller = engine.orchestrator._membership
-            wait_for(lambda: any(rep.status == "error" for rep in controller._hub.get_replica_list().replicas),
-                     15, what=f"replica {rid} timed out")
+            wait_quietly(f"replica {rid} timed out",
+                         lambda: any(rep.status == "error" for rep in controller._hub.get_replica_list().replicas),
+                         15)
             assert rid in engine.attached_replica_ids()
             leave(engine, rid)
-        wait_for(lambda: rid not in engine.attached_replica_ids(), 15, what=f"replica {rid} detached")
-        wait_for(lambda: not replica_samples(str(rid)), 5, what=f"replica {rid}'s series removed")
+        wait_quietly(f"replica {rid} detached", lambda: rid not in engine.attached_replica_ids(), 15)
+        wait_quietly(f"replica {rid}'s series removed", lambda: not replica_samples(str(rid)), 5)
         books = bookkeeping(engine)
         assert (0, rid) not in books["orchestrator"]
         assert ("0", str(rid)) not in books["stat_logger"].values()
@@ -172,8 +175,9 @@ def test_series_removed_when_replica_departs(text_config, how):
         assert set(replica_samples("0")) == local_before
         # The head-local replica still records: its gauge follows its stats batches.
         engine._runtime.stage_pools[0].clients[0].reported_running = 4
-        wait_for(lambda: replica_samples("0").get(("vllm:num_requests_running", (("model_name", "tiny"),))) == 4,
-                 5, what="the local replica's gauge to update")
+        wait_quietly("the local replica's gauge to update",
+                     lambda: replica_samples("0").get(("vllm:num_requests_running", (("model_name", "tiny"),))) == 4,
+                     5)
 
 
 def test_late_stats_batch_from_departed_replica_does_not_resurrect_series(text_config):
@@ -213,7 +217,7 @@ def test_churn_keeps_label_sets_bounded(text_config):
             client = engine.stage0.clients[replica.replica_id]
             # Each replica serves its stats path before it leaves (so its series exist with or
             # without the patch: upstream registers them on the first stats tick).
-            wait_for(lambda c=client: c.stats_emitted >= 2, 5, what="a stats tick")
+            wait_quietly("a stats tick", lambda c=client: c.stats_emitted >= 2, 5)
             leave(engine, replica.replica_id)
             replica.down()
         elapsed = time.monotonic() - started
@@ -247,8 +251,9 @@ def test_replicas_added_after_start_record_stats_without_error(text_config):
         for n, replica in ((5, second), (6, third)):
             clients[replica.replica_id].reported_running = n
         for n, replica in ((5, second), (6, third)):
-            wait_for(lambda n=n, r=replica: replica_samples(str(r.replica_id)).get(gauge) == n, 10,
-                     what=f"replica {replica.replica_id}'s stats to be recorded")
+            wait_quietly(f"replica {replica.replica_id}'s stats to be recorded",
+                         lambda n=n, r=replica: replica_samples(str(r.replica_id)).get(gauge) == n,
+                         10)
         idx = engine.orchestrator._stage_replica_to_engine_idx
         assert len(set(idx.values())) == len(idx), "one engine index per live replica"
         assert engine.is_alive(), "the orchestrator thread survived every stats tick"
@@ -286,7 +291,8 @@ def test_frontend_mm_cache_hits_and_queries(make_vllm_config):
         assert value("vllm:mm_cache_hits_total") == 0.0
         for image in (1, 1, 2, 1):  # the chat route: the frontend cache is consulted per item
             asyncio.run(renderer.render_chat_async([_chat(image)], ChatParams()))
-        wait_for(lambda: value("vllm:mm_cache_queries_total") == 4.0, 10, what="frontend queries to be exported")
+        wait_quietly("frontend queries to be exported", lambda: value("vllm:mm_cache_queries_total") == 4.0,
+                     10)
         assert value("vllm:mm_cache_hits_total") == 2.0
         # Per-replica mm cache series stay what vLLM records for them (nothing, under omni).
         assert REGISTRY.get_sample_value("vllm:mm_cache_queries_total", {**labels, "replica": "0"}) == 0.0

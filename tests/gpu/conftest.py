@@ -26,7 +26,7 @@ import yaml
 from tests.standin.harness import membership_port
 from tests.support.kubectl import Kubectl
 
-from .checks import GpuOmniStage, converged, operator_leader, wait_for
+from .checks import GpuOmniStage, operator_leader, stage_converged, wait_gpu
 from .support import (
     MANIFESTS,
     OPERATOR_NAME,
@@ -116,7 +116,7 @@ def operator_in_cluster(settings: Settings, kubectl: Kubectl) -> Iterator[Instal
                         f"{OPERATOR_NAME} in the cluster (install it, docs/install.md)")
         dep = found[0]
         ns, name = dep["metadata"]["namespace"], dep["metadata"]["name"]
-        wait_for(f"Deployment {ns}/{name} Available", lambda: _deployment_available(kubectl, ns, name), timeout=300)
+        wait_gpu(f"Deployment {ns}/{name} Available", lambda: _deployment_available(kubectl, ns, name), timeout=300)
         image = dep["spec"]["template"]["spec"]["containers"][0]["image"]
         yield InstalledOperator(ns, name, False, image)
         return
@@ -167,7 +167,7 @@ def gpu_omnistage(settings: Settings, kubectl: Kubectl, operator_in_cluster: Ins
         obj = kubectl.json("get", "omnistage", name, "-n", ns)
         stage = GpuOmniStage(ns, name, obj["spec"].get("replicas", 1), obj["spec"]["engine"]["httpPort"],
                              obj["spec"]["gpu"]["count"], False, membership_port(obj))
-        wait_for(f"{ns}/{name} Ready", lambda: converged(kubectl, stage, stage.replicas), settings.ready_timeout)
+        wait_gpu(f"{ns}/{name} Ready", lambda: stage_converged(kubectl, stage, stage.replicas), settings.ready_timeout)
         yield stage
         return
     ns = settings.namespace or f"omnistage-gpu-{uuid.uuid4().hex[:5]}"
@@ -182,8 +182,8 @@ def gpu_omnistage(settings: Settings, kubectl: Kubectl, operator_in_cluster: Ins
     stage = GpuOmniStage(ns, name, settings.replicas, stored["spec"]["engine"]["httpPort"],
                          stored["spec"]["gpu"]["count"], True, membership_port(stored))
     try:
-        wait_for(f"{ns}/{name} Ready with {stage.replicas} registered replicas",
-                 lambda: converged(kubectl, stage, stage.replicas), settings.ready_timeout)
+        wait_gpu(f"{ns}/{name} Ready with {stage.replicas} registered replicas",
+                 lambda: stage_converged(kubectl, stage, stage.replicas), settings.ready_timeout)
         yield stage
     finally:
         print(f"[gpu] {ns}/{name} at the end:\n" + kubectl("describe", "omnistage", name, "-n", ns, check=False).stdout,

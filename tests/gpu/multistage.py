@@ -20,6 +20,8 @@ from typing import Any
 from omnistage.api import conditions
 from omnistage.known_pipelines import SHIPPED_DEPLOY
 
+from tests.support.status import condition, pod_ready
+
 from .support import Settings
 
 API_GROUP = "serving.omnistage.io"
@@ -132,16 +134,6 @@ def memory_budget(stage: dict[str, Any], stage_ids: Iterable[int]) -> float:
 
 
 # ----- converged: the pipeline as kubectl and the head show it -------------------------------------
-
-def condition(obj: Mapping[str, Any] | None, ctype: str) -> dict[str, Any]:
-    return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c.get("type") == ctype), {})
-
-
-def pod_ready(pod: Mapping[str, Any]) -> bool:
-    st = pod.get("status") or {}
-    return st.get("phase") == "Running" and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
-
 
 def live_members(listing: Mapping[str, Any] | None, stage: int) -> list[dict[str, Any]]:
     """The head's remote replicas of `stage` that still serve (its own local replica excluded)."""

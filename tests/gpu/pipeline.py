@@ -25,7 +25,7 @@ from omnistage_engine_patches import contract
 from tests.standin.harness import L_OMNISTAGE, L_ROLE, HeadEndpoint, membership_port
 
 from . import multistage as ms
-from .checks import wait_for
+from .checks import wait_gpu
 from .support import ROOT, Settings
 
 FIELD_MANAGER = "omnistage-gpu-tests"
@@ -107,7 +107,7 @@ def wait_converged(kubectl: Any, p: Pipeline, what: str, timeout: float) -> floa
         last = found
         return not found
 
-    wait_for(f"{p.namespace}/{p.name} {what}", done, timeout)
+    wait_gpu(f"{p.namespace}/{p.name} {what}", done, timeout)
     return time.monotonic() - start
 
 

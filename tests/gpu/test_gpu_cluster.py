@@ -18,9 +18,10 @@ import pytest
 from omnistage.control.engine_truth import required_patches
 from omnistage_engine_patches import contract
 
-from tests.standin.harness import condition, left_at_head, pod_ready
+from tests.standin.harness import left_at_head
+from tests.support.status import condition, pod_ready
 
-from .checks import converged, head, operator_leader, wait_for
+from .checks import head, operator_leader, stage_converged, wait_gpu
 from .support import ENGINE_IMAGE_ENV, OPERATOR_CONTAINER, OPERATOR_NAME, ROOT, allocatable_gpus, gpus_needed
 
 # No pytest-timeout limit (the project's default is 600 s, less than one model load): every wait in
@@ -64,7 +65,7 @@ def test_operator_runs_in_the_cluster_from_the_install_manifests(kubectl, operat
         holder = operator_leader(kubectl, op.namespace)
         return holder if holder in names else None
 
-    leading = wait_for("an operator pod holding the Lease", leader_among_them, timeout=120, interval=5)
+    leading = wait_gpu("an operator pod holding the Lease", leader_among_them, timeout=120, interval=5)
     print(f"[gpu] operator pods {sorted(names)}, leader {leading}")
     for pod in running:
         assert pod["spec"]["serviceAccountName"] == OPERATOR_NAME
@@ -78,7 +79,7 @@ def test_operator_runs_in_the_cluster_from_the_install_manifests(kubectl, operat
 
 def test_ready_with_the_cache_guarantee_proven_on_the_live_engine(kubectl, gpu_omnistage, settings):
     stage = gpu_omnistage
-    obj = converged(kubectl, stage, stage.replicas)
+    obj = stage_converged(kubectl, stage, stage.replicas)
     assert obj is not None, "the OmniStage is not converged"
     st = obj["status"]
     cache = condition(obj, "CacheConsistent")
@@ -138,7 +139,7 @@ def test_scale_up_joins_a_replica_and_scale_down_drains_it(kubectl, gpu_omnistag
     up = stage.replicas + 1
     kubectl("scale", "omnistage", stage.name, "-n", stage.namespace, f"--replicas={up}")
     try:
-        grown = wait_for(f"{stage.name} at {up} replicas", lambda: converged(kubectl, stage, up),
+        grown = wait_gpu(f"{stage.name} at {up} replicas", lambda: stage_converged(kubectl, stage, up),
                          settings.ready_timeout)
         new = [m for m in grown["status"]["members"] if m["pod"] not in before]
         assert len(new) == 1 and new[0]["state"] == "Joined", grown["status"]["members"]
@@ -147,7 +148,7 @@ def test_scale_up_joins_a_replica_and_scale_down_drains_it(kubectl, gpu_omnistag
         assert rid in joined_series and rid not in series_before, (rid, series_before, joined_series)
     finally:
         kubectl("scale", "omnistage", stage.name, "-n", stage.namespace, f"--replicas={stage.replicas}")
-    wait_for(f"{stage.name} back at {stage.replicas} replicas", lambda: converged(kubectl, stage, stage.replicas),
+    wait_gpu(f"{stage.name} back at {stage.replicas} replicas", lambda: stage_converged(kubectl, stage, stage.replicas),
              settings.ready_timeout)
     # The victim is the newest replica, the one that joined: told to leave and drained before deletion.
     assert left_at_head(hd.listing(include_all=True), int(rid)) is not None

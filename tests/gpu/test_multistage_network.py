@@ -19,7 +19,7 @@ from omnistage_engine_patches import contract
 
 from . import multistage as ms
 from . import pipeline as pl
-from .checks import wait_for
+from .checks import wait_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multistage(ms.NETWORK), pytest.mark.timeout(0)]
 
@@ -113,7 +113,7 @@ def test_speech_pool_scaled_under_load(kubectl, network, settings, gpu_nodes):
     timeouts_before = pl.reason_count(pl.events(kubectl, p.namespace), "DrainTimeout", names)
     leaving: list[tuple[float, float]] = []
     with pl.api(kubectl, p) as base, pl.Load(base, p.model, clients) as load:
-        wait_for(f"{2 * clients} spoken answers under load", lambda: load.reached(2 * clients), timeout,
+        wait_gpu(f"{2 * clients} spoken answers under load", lambda: load.reached(2 * clients), timeout,
                  interval=5)
         pl.scale_pool(kubectl, p, pool, 2)
         try:
@@ -122,7 +122,7 @@ def test_speech_pool_scaled_under_load(kubectl, network, settings, gpu_nodes):
             ips = {q["metadata"]["name"]: q["status"]["podIP"] for q in grown[pool]}
             assert len(set(ips) - before) == 1, sorted(ips)
             served = load.ok()
-            wait_for("more answers with two speech pods", lambda: load.reached(served + 2 * clients), timeout,
+            wait_gpu("more answers with two speech pods", lambda: load.reached(served + 2 * clients), timeout,
                      interval=5)
         finally:
             start = time.monotonic()
@@ -132,7 +132,7 @@ def test_speech_pool_scaled_under_load(kubectl, network, settings, gpu_nodes):
         _, _, _, shrunk = pl.read(kubectl, p)
         gone = set(ips) - {q["metadata"]["name"] for q in shrunk[pool]}
         served = load.ok()
-        wait_for("answers after the scale-down", lambda: load.reached(served + clients), timeout, interval=5)
+        wait_gpu("answers after the scale-down", lambda: load.reached(served + clients), timeout, interval=5)
     outcomes = load.outcomes
     timed_out = pl.reason_count(pl.events(kubectl, p.namespace), "DrainTimeout", names) > timeouts_before
     print(f"[gpu] load while scaling {pool} 1 -> 2 -> 1: {ms.summary(outcomes)}, leave window "

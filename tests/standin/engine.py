@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -33,6 +34,8 @@ from vllm_omni.engine.stage_pool import StagePool
 from vllm_omni.engine.stage_runtime import DistStageRuntime
 from vllm_omni.entrypoints.omni_base import OmniBase
 from vllm_omni.outputs.output_processor import MultimodalOutputProcessor
+
+from tests.support.waits import wait_for
 
 from . import require_loopback
 
@@ -412,9 +415,6 @@ class StandinEngine(AsyncOmniEngine):
     def attached_replica_ids(self, stage_id: int = 0) -> list[int]:
         return self.stage_pools[stage_id].live_replica_ids()
 
-    def wait_for(self, predicate, timeout: float, interval: float = 0.05, what: str = "condition") -> None:
-        wait_for(predicate, timeout, interval, what)
-
     def on_loop(self, fn, timeout: float = 30.0) -> Any:
         """Run ``fn()`` (sync or async) on the orchestrator's loop, where the pool, the
         membership controller and the stat logger live, and return its result."""
@@ -426,13 +426,9 @@ class StandinEngine(AsyncOmniEngine):
         return asyncio.run_coroutine_threadsafe(call(), self.orchestrator_loop).result(timeout)
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition") -> None:
-    """Poll ``predicate`` until true; bounded (raises TimeoutError after ``timeout`` seconds)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+# The engine tier's waits: in one process, many and short, so every 50 ms and without progress lines
+# (a stand-in head's own waits would go to its pod log).
+wait_quietly = functools.partial(wait_for, interval=0.05, say=None)
 
 
 def free_port(ip: str) -> int:
@@ -472,7 +468,7 @@ class HttpServerThread:
 
     def __enter__(self) -> Self:
         self.thread.start()
-        wait_for(lambda: self.server.started, 30, what="the HTTP server to start")
+        wait_quietly("the HTTP server to start", lambda: self.server.started, 30)
         return self
 
     def __exit__(self, *exc: object) -> None:

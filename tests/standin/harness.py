@@ -30,7 +30,9 @@ from typing import Any
 
 from omnistage_engine_patches import contract
 
-from .runtime import is_loopback
+from tests.support.status import condition, is_true, pod_ready
+
+from .commands import is_loopback
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUP = "serving.omnistage.io"
@@ -307,14 +309,6 @@ def port_forward(kubectl: Callable[..., Any], namespace: str, target: str, port:
 
 # ----- readers -------------------------------------------------------------------------------------
 
-def condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any]:
-    return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c.get("type") == ctype), {})
-
-
-def is_true(obj: dict[str, Any] | None, ctype: str) -> bool:
-    return condition(obj, ctype).get("status") == "True"
-
-
 def stage0(listing: dict[str, Any] | None) -> list[dict[str, Any]]:
     return list(((listing or {}).get("stages") or {}).get("0") or [])
 
@@ -351,12 +345,6 @@ def engine_pods(kubectl: Callable[..., Any], namespace: str, name: str, role: st
     return [p for p in items if include_terminating or not p["metadata"].get("deletionTimestamp")]
 
 
-def pod_ready(pod: dict[str, Any]) -> bool:
-    st = pod.get("status") or {}
-    return st.get("phase") == "Running" and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
-
-
 def service_addresses(kubectl: Callable[..., Any], namespace: str, service: str) -> list[str]:
     """The addresses a Service routes new connections to: its selector's pods that are Ready and not
     terminating (the EndpointSlice controller's rule, applied here because the local cluster's pod
@@ -370,19 +358,29 @@ def service_addresses(kubectl: Callable[..., Any], namespace: str, service: str)
             if not p["metadata"].get("deletionTimestamp") and pod_ready(p) and (p.get("status") or {}).get("podIP")]
 
 
-def converged(kubectl: Callable[..., Any], namespace: str, name: str, replicas: int) -> dict[str, Any] | None:
-    """The OmniStage if it is Ready for its current generation with `replicas` engine pods running and
-    registered, AND its status and the engine agree with the pods that exist now. A status can still
-    describe pods that were just replaced under the same names; "Ready" alone is not enough."""
+def converged(kubectl: Callable[..., Any], namespace: str, name: str, replicas: int, *,
+              head: HeadEndpoint | None = None, also: tuple[str, ...] = (),
+              say: str | None = None) -> dict[str, Any] | None:
+    """The OmniStage if it is Ready (and every condition in `also` True) for its current generation with
+    `replicas` engine pods ready and registered, AND its status and the engine agree with the pods that
+    exist now: every replica pod Joined at its IP, and the head's own listing (through `head`, by default
+    the stage's HeadEndpoint) naming exactly those. A status can still describe pods that were just
+    replaced under the same names; "Ready" alone is not enough. `say`: a progress line tagged so
+    while the status is not there yet (the GPU tier's waits are minutes long)."""
     proc = kubectl("get", "omnistage", name, "-n", namespace, "-o", "json", check=False)
     if proc.returncode != 0:
         return None
     obj = json.loads(proc.stdout)
     st = obj.get("status") or {}
     pods = engine_pods(kubectl, namespace, name)
-    if not (is_true(obj, "Ready") and st.get("observedGeneration") == obj["metadata"]["generation"]
+    if not (all(is_true(obj, ctype) for ctype in ("Ready", *also))
+            and st.get("observedGeneration") == obj["metadata"]["generation"]
             and st.get("registeredReplicas") == replicas and st.get("replicas") == replicas
             and len(pods) == replicas and all(pod_ready(p) for p in pods)):
+        if say:
+            print(f"[{say}]   {name}: " + " ".join(f"{c}={condition(obj, c).get('reason')}" for c in ("Ready", *also))
+                  + f" ready {st.get('readyReplicas')}/{replicas} registered {st.get('registeredReplicas')}",
+                  flush=True)
         return None
     now = {p["metadata"]["name"]: (p.get("status") or {}).get("podIP") for p in pods
            if p["metadata"]["labels"].get(L_ROLE) == "replica"}
@@ -390,6 +388,6 @@ def converged(kubectl: Callable[..., Any], namespace: str, name: str, replicas: 
     if set(members) != set(now) or any(members[pod][1] != ip for pod, ip in now.items()) or \
             any(m.get("state") != "Joined" for m in st.get("members") or []):
         return None
-    listing = HeadEndpoint(kubectl, namespace, name).listing()
+    listing = (head or HeadEndpoint(kubectl, namespace, name)).listing()
     at_head = {m.get("pod"): (m.get("replicaId"), m.get("host")) for m in remote_members(listing)}
     return obj if listing is not None and at_head == members else None

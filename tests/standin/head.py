@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         StandinEngineClient,
         build_http_app,
         build_vllm_config,
+        wait_quietly,
     )
 
     for outcome in _patching.outcomes().values():
@@ -172,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             engine = StandinEngine(vllm_config, startup_timeout=args.startup_timeout, **engine_kwargs)
         if args.replicas_expected > 1:
             logger.info("waiting for %d stage-0 replicas to attach", args.replicas_expected)
-            engine.wait_for(lambda: len(engine.attached_replica_ids()) >= args.replicas_expected,
-                            timeout=args.startup_timeout, interval=0.2, what="the expected replicas")
+            wait_quietly("the expected replicas",
+                         lambda: len(engine.attached_replica_ids()) >= args.replicas_expected,
+                         args.startup_timeout, interval=0.2)
         from omnistage_engine_patches.report import BOOT_ID
 
         app = build_http_app(StandinEngineClient(engine), args.bind_ip, args.http_port)

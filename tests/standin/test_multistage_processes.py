@@ -1,8 +1,8 @@
 """Issue 12: the processes the stand-in container runtime starts for a three-stage OmniStage, run
 without a cluster: the head of a Qwen3-Omni-shaped pipeline and one pool pod hosting stages 1 and 2.
 
-The command lines are the runtime's own (``runtime.head_argv`` / ``runtime.pool_argv`` from pod
-args shaped like render/pods.py's, the environment from ``runtime._child_env``), so this is what a
+The command lines are the runtime's own (``commands.head_argv`` / ``commands.pool_argv`` from pod
+args shaped like render/pods.py's, the environment from ``commands._child_env``), so this is what a
 head pod with a three-stage deploy config and a pool pod get on the local control plane.
 
 REAL in those processes (vllm 0.30.0 / vllm-omni 0.30.0 and this project's patches, see
@@ -40,7 +40,7 @@ from typing import Any
 
 import pytest
 
-from tests.standin import runtime
+from tests.standin import commands
 
 # Slow and real: processes with vLLM and vllm-omni (engine tier), not the pure runtime tests.
 pytestmark = [
@@ -75,7 +75,7 @@ def free_port(ip: str) -> int:
 
 def status(url: str, token: str | None = None) -> int | None:
     """HTTP status of a GET (loopback only); None when nothing answers."""
-    assert runtime.is_loopback(urllib.parse.urlparse(url).hostname), f"network rule: {url}"
+    assert commands.is_loopback(urllib.parse.urlparse(url).hostname), f"network rule: {url}"
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
         with _OPENER.open(req, timeout=5) as resp:
@@ -121,7 +121,7 @@ class Proc:
     def __init__(self, name: str, argv: list[str], ip: str, pod: dict[str, Any], log: Path):
         self.name, self.log = name, log
         with open(log, "wb") as f:
-            self.popen = subprocess.Popen(argv, cwd=ROOT, env=runtime._child_env(ip, pod), stdin=subprocess.DEVNULL,
+            self.popen = subprocess.Popen(argv, cwd=ROOT, env=commands._child_env(ip, pod), stdin=subprocess.DEVNULL,
                                           stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         print(f"started {name} pid {self.popen.pid}: {' '.join(argv[1:])}", flush=True)
 
@@ -170,8 +170,8 @@ def head(start, tmp_path, stage_init_timeout: int) -> tuple[Proc, str, str, int,
     pod = _pod("x-head", ip, args, [{"name": "OMNISTAGE_MEMBERSHIP_PORT", "value": str(membership_port)}])
     token = tmp_path / "token"
     token.write_text(TOKEN)
-    args = [runtime._expand(a, pod) for a in args]
-    argv = runtime.head_argv(sys.executable, runtime.HEAD_MODULE, args, ip, token, stages=3)
+    args = [commands._expand(a, pod) for a in args]
+    argv = commands.head_argv(sys.executable, commands.HEAD_MODULE, args, ip, token, stages=3)
     argv += ["--model-dir", str(tmp_path / "model")]
     return start("head", argv, ip, pod), ip, f"http://{ip}:{http_port}", master_port, f"http://{ip}:{membership_port}"
 
@@ -192,7 +192,7 @@ def test_three_stage_head_serves_once_the_pool_pod_registered_stages_1_and_2(sta
                  "--omni-master-port", str(master_port), "--omni-replica-address", "$(POD_IP)",
                  "--worker-backend", "multi_process"]
     pod = _pod("x-talker-0", pool_ip, pool_args)
-    argv = runtime.pool_argv(sys.executable, runtime.REPLICA_MODULE, [runtime._expand(a, pod) for a in pool_args],
+    argv = commands.pool_argv(sys.executable, commands.REPLICA_MODULE, [commands._expand(a, pod) for a in pool_args],
                              pool_ip)
     pool = start("pool", argv, pool_ip, pod)
     # The pool process imports vLLM before it registers: the head must stay dark all that time.

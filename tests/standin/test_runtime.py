@@ -8,29 +8,29 @@ from types import SimpleNamespace
 import pytest
 from kubernetes.client.rest import ApiException
 
-from tests.standin import runtime
+from tests.standin import commands, podwatch, processes, runtime
 from tests.standin.harness import http_get, left_at_head, remote_members, replica_series
 
 
 def _pod(role: str, args: list[str], ip: str = "127.77.1.5", **container) -> dict:
     return {
         "metadata": {"name": f"x-{role}", "namespace": "ns", "uid": "u1",
-                     "labels": {runtime.L_ROLE: role, runtime.L_OMNISTAGE: "x"}},
+                     "labels": {commands.L_ROLE: role, commands.L_OMNISTAGE: "x"}},
         "spec": {"containers": [{"name": "engine", "args": args, **container}], "volumes": [], "restartPolicy": "Never"},
         "status": {"phase": "Running", "podIP": ip},
     }
 
 
 def test_arg_forms():
-    assert runtime._arg(["--port", "8000"], "--port") == "8000"
-    assert runtime._arg(["--port=8001"], "--port") == "8001"
-    assert runtime._arg(["--portx", "1"], "--port") is None
+    assert commands._arg(["--port", "8000"], "--port") == "8000"
+    assert commands._arg(["--port=8001"], "--port") == "8001"
+    assert commands._arg(["--portx", "1"], "--port") is None
 
 
 @pytest.mark.parametrize(("ip", "ok"), [("127.0.0.1", True), ("127.77.3.9", True), ("203.0.113.9", False),
                                         ("198.18.0.1", False), ("::1", False), ("", False), (None, False)])
 def test_loopback_only(ip, ok):
-    assert runtime.is_loopback(ip) is ok
+    assert commands.is_loopback(ip) is ok
 
 
 def test_replica_command_from_pod_args():
@@ -45,19 +45,19 @@ def test_replica_command_from_pod_args():
 def test_replica_with_non_loopback_master_is_refused():
     rt = runtime.StandinRuntime(kubeconfig="unused", quiet=True)
     pod = _pod("replica", ["--omni-master-address", "203.0.113.7", "--omni-master-port", "25000"])
-    with pytest.raises(runtime._Refused, match="network rule"):
+    with pytest.raises(commands._Refused, match="network rule"):
         rt._command(pod, "replica", "127.77.1.5")
 
 
 def test_head_master_address_expands_pod_ip():
     pod = _pod("head", ["--omni-master-address", "$(POD_IP)"])
-    assert runtime._expand("$(POD_IP)", pod) == "127.77.1.5"
+    assert commands._expand("$(POD_IP)", pod) == "127.77.1.5"
 
 
 def test_exit_codes_like_a_container():
-    assert runtime._exit_code(-9) == 137
-    assert runtime._exit_code(-15) == 143
-    assert runtime._exit_code(3) == 3
+    assert processes._exit_code(-9) == 137
+    assert processes._exit_code(-15) == 143
+    assert processes._exit_code(3) == 3
 
 
 def test_http_get_refuses_other_hosts():
@@ -113,7 +113,7 @@ def _pool_pod(master: str = "127.77.1.2") -> dict:
             "--deploy-config", CONFIG, "--omni-master-address", master, "--omni-master-port", "25000",
             "--omni-replica-address", "$(POD_IP)", "--worker-backend", "multi_process"]
     pod = _pod("pool", args, command=["python3", "-m", "omnistage_engine_patches.stages"])
-    pod["metadata"]["labels"].update({runtime.L_COMPONENT: "pool", "serving.omnistage.io/pool": "x-talker"})
+    pod["metadata"]["labels"].update({commands.L_COMPONENT: "pool", "serving.omnistage.io/pool": "x-talker"})
     return pod
 
 
@@ -143,7 +143,7 @@ def _runtime(tmp_path, api: FakeApi) -> runtime.StandinRuntime:
 
 
 def test_pod_watch_selects_engine_and_pool_pods():
-    assert runtime.SELECTOR == "serving.omnistage.io/component in (engine,pool)"
+    assert podwatch.SELECTOR == "serving.omnistage.io/component in (engine,pool)"
 
 
 def test_three_stage_configmap_starts_a_three_stage_head(tmp_path):
@@ -163,21 +163,21 @@ def test_single_stage_head_command_is_unchanged(tmp_path):
 
 def test_head_waits_for_its_configmap(tmp_path):
     rt = _runtime(tmp_path, FakeApi({}))
-    with pytest.raises(runtime._NotYet, match="ConfigMap ns/x-config: not found yet"):
+    with pytest.raises(commands._NotYet, match="ConfigMap ns/x-config: not found yet"):
         rt._command(_head_pod(), "head", "127.74.251.5")
 
 
 def test_deploy_config_source():
     pod = _head_pod()
-    assert runtime.deploy_config_source(pod) == ("x-config", "deploy.yaml")
+    assert commands.deploy_config_source(pod) == ("x-config", "deploy.yaml")
     pod["spec"]["volumes"][0]["configMap"]["items"] = [{"key": "pipeline.yaml", "path": "deploy.yaml"}]
-    assert runtime.deploy_config_source(pod) == ("x-config", "pipeline.yaml")
+    assert commands.deploy_config_source(pod) == ("x-config", "pipeline.yaml")
     pod["spec"]["containers"][0]["volumeMounts"] = []  # no mount there: the operator's naming
-    assert runtime.deploy_config_source(pod) == ("x-config", "deploy.yaml")
-    assert runtime.deploy_config_source(_pod("head", ["serve", "m"])) is None
-    assert runtime.count_stages(STAGES_3) == 3
-    assert runtime.count_stages(STAGES_1) == 1
-    assert runtime.count_stages("pipeline: qwen3_omni_moe\n") == 1
+    assert commands.deploy_config_source(pod) == ("x-config", "deploy.yaml")
+    assert commands.deploy_config_source(_pod("head", ["serve", "m"])) is None
+    assert commands.count_stages(STAGES_3) == 3
+    assert commands.count_stages(STAGES_1) == 1
+    assert commands.count_stages("pipeline: qwen3_omni_moe\n") == 1
 
 
 def test_pool_pod_runs_one_replica_process_for_all_its_stages():
@@ -188,25 +188,25 @@ def test_pool_pod_runs_one_replica_process_for_all_its_stages():
 
 
 def test_pool_pod_refusals():
-    with pytest.raises(runtime._Refused, match="network rule"):
-        runtime.pool_argv("py", "m", _pool_pod("203.0.113.7")["spec"]["containers"][0]["args"], "127.77.1.5")
-    with pytest.raises(runtime._Refused, match="no '--'"):
-        runtime.pool_argv("py", "m", ["--stage-id", "1", "vllm", "serve"], "127.77.1.5")
-    with pytest.raises(runtime._Refused, match="no valid --stage-id"):
-        runtime.pool_argv("py", "m", ["--", "vllm", "--stage-id", "1", "--omni-master-address", "127.0.0.1",
+    with pytest.raises(commands._Refused, match="network rule"):
+        commands.pool_argv("py", "m", _pool_pod("203.0.113.7")["spec"]["containers"][0]["args"], "127.77.1.5")
+    with pytest.raises(commands._Refused, match="no '--'"):
+        commands.pool_argv("py", "m", ["--stage-id", "1", "vllm", "serve"], "127.77.1.5")
+    with pytest.raises(commands._Refused, match="no valid --stage-id"):
+        commands.pool_argv("py", "m", ["--", "vllm", "--stage-id", "1", "--omni-master-address", "127.0.0.1",
                                       "--omni-master-port", "1"], "127.77.1.5")
 
 
 GATE = "serving.omnistage.io/joined"
 
 
-def _gated_runtime(conditions: list[dict]) -> tuple[runtime.StandinRuntime, runtime.Proc, list[dict]]:
+def _gated_runtime(conditions: list[dict]) -> tuple[runtime.StandinRuntime, processes.Proc, list[dict]]:
     rt = runtime.StandinRuntime(kubeconfig="unused", quiet=True)
     pod = _pod("replica", [])
     pod["spec"]["readinessGates"] = [{"conditionType": GATE}]
     pod["status"]["conditions"] = conditions
     rt._pods[("ns", "x-replica")] = pod
-    p = runtime.Proc(namespace="ns", pod="x-replica", uid="u1", role="replica", ip="127.77.1.5", argv=[],
+    p = processes.Proc(namespace="ns", pod="x-replica", uid="u1", role="replica", ip="127.77.1.5", argv=[],
                      log_path=None, restart_policy="Never")
     sent: list[dict] = []
     rt._patch_status = lambda proc, status: sent.append(status) or True
@@ -241,7 +241,7 @@ def test_a_deleted_pod_s_pre_stop_hook_runs_before_sigterm(tmp_path):
 
     rt = runtime.StandinRuntime(kubeconfig="unused", quiet=True, state_dir=tmp_path)
     marker = tmp_path / "hook-ran"
-    p = runtime.Proc(namespace="ns", pod="x-replica", uid="u1", role="replica", ip="127.77.1.5", argv=[],
+    p = processes.Proc(namespace="ns", pod="x-replica", uid="u1", role="replica", ip="127.77.1.5", argv=[],
                      log_path=tmp_path / "log", restart_policy="Never")
     p.popen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     p.pre_stop, p.pre_stop_env, p.pre_stop_grace = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"], {}, 10

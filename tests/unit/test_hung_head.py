@@ -118,7 +118,7 @@ def test_a_hung_head_s_drains_leave_drain_workers_for_another_omnistage(heads, m
         drains.start("ns", "hostile", hung, StartLeave(f"h-{i}", f"uid-h{i}", ((0, i),), 0), lambda *e: None)
     t0 = time.monotonic()
     drains.start("ns", "other", ok, StartLeave("o-1", "uid-o1", ((0, 1),), 0), lambda *e: None)
-    finished = wait(lambda: "other" in done, timeout=10)
+    finished = wait("the other OmniStage's drain", lambda: "other" in done, timeout=10)
     took = time.monotonic() - t0
     print(f"\n[hung head] the other OmniStage's drain finished after {took:.2f}s")
     assert finished and took < 1.5, (
@@ -183,7 +183,8 @@ def test_healthz_fails_when_a_worker_runs_past_its_deadline(served):
     print(f"\n[liveness] {code} {body}")
     assert code == 503
     assert body["state"].startswith("a reconcile worker has run ns/wedged for 0 s, past its deadline of 0 s")
-    assert wait(lambda: served()[0] == 200, 5), "alive again once the worker moves on"
+    assert wait("its answer once the worker moves on", lambda: served()[0] == 200, timeout=5), \
+        "alive again once the worker moves on"
 
 
 def test_healthz_fails_when_a_queue_does_not_drain(served, monkeypatch):

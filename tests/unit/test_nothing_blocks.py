@@ -6,6 +6,7 @@ the removal of a deleted OmniStage's metric series."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -18,16 +19,12 @@ from omnistage.runtime.head_client import HeadClient, HeadUnreachable
 from omnistage.runtime.workqueue import WorkQueue
 from prometheus_client import REGISTRY
 
+from tests.support.waits import wait_for
+
 HEAD = HeadClient("127.0.0.1", 9, "token")
 
 
-def wait(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return False
+wait = functools.partial(wait_for, timeout=5.0, interval=0.01, say=None)
 
 
 # ---- the work queue ------------------------------------------------------------------------------
@@ -44,10 +41,10 @@ def test_a_slow_omnistage_does_not_delay_another():
     q.enqueue("ns", "slow")
     start = time.monotonic()
     q.enqueue("ns", "fast")
-    assert wait(lambda: "fast" in done)
+    assert wait("'fast' in done", lambda: "fast" in done)
     assert time.monotonic() - start < 1.0 and "slow" not in done
     release.set()
-    assert wait(lambda: "slow" in done)
+    assert wait("'slow' in done", lambda: "slow" in done)
 
 
 def test_one_omnistage_is_never_reconciled_twice_at_once_and_no_trigger_is_lost():
@@ -64,11 +61,11 @@ def test_one_omnistage_is_never_reconciled_twice_at_once_and_no_trigger_is_lost(
 
     q = WorkQueue(work, workers=4)
     assert q.enqueue("ns", "a") is True
-    assert wait(lambda: runs == ["a"])
+    assert wait("runs == ['a']", lambda: runs == ["a"])
     # Three triggers while it runs: one more pass afterwards, not three, and never in parallel.
     assert [q.enqueue("ns", "a") for _ in range(3)] == [False, False, False]
     gate.set()
-    assert wait(lambda: len(runs) == 2 and q.pending() == 0)
+    assert wait('len(runs) == 2 and q.pending() == 0', lambda: len(runs) == 2 and q.pending() == 0)
     time.sleep(0.1)
     assert runs == ["a", "a"] and overlaps == []
 
@@ -82,9 +79,9 @@ def test_a_failing_pass_does_not_stop_the_worker():
 
     q = WorkQueue(work, workers=1)
     q.enqueue("ns", "a")
-    assert wait(lambda: runs == ["a"] and q.pending() == 0)
+    assert wait("runs == ['a'] and q.pending() == 0", lambda: runs == ["a"] and q.pending() == 0)
     q.enqueue("ns", "b")
-    assert wait(lambda: runs == ["a", "b"])
+    assert wait("runs == ['a', 'b']", lambda: runs == ["a", "b"])
 
 
 # ---- drains --------------------------------------------------------------------------------------
@@ -109,12 +106,13 @@ def test_a_30s_drain_does_not_block_the_reconcile_pass(monkeypatch):
                    lambda *e: events.append(e), "ost", drains=drains).problems
     took = time.monotonic() - start
     assert problems == [] and took < 0.5, f"act waited {took:.2f}s for a drain"
-    assert wait(lambda: calls == [(2, 30)])
+    assert wait('calls == [(2, 30)]', lambda: calls == [(2, 30)])
     assert drains.states("ns", "ost") == {"uid-r2": DRAIN_RUNNING}
     # A second pass while it drains does not start a second leave.
     act("ns", [leave], HEAD, lambda *e: None, "ost", drains=drains)
     release.set()
-    assert wait(lambda: drains.states("ns", "ost") == {"uid-r2": DRAIN_DONE})
+    assert wait("the drain of uid-r2 DRAIN_DONE",
+                lambda: drains.states("ns", "ost") == {"uid-r2": DRAIN_DONE})
     assert calls == [(2, 30)] and finished == [("ns", "ost")]
     assert events == [("Normal", "Left", "replica 2 (r-2) left the engine")]
 
@@ -134,7 +132,8 @@ def test_a_leave_the_head_cannot_take_is_recorded_failed(monkeypatch):
         "ost",
         drains=drains,
     )
-    assert wait(lambda: drains.states("ns", "ost") == {"uid-r2": DRAIN_FAILED})
+    assert wait("the drain of uid-r2 DRAIN_FAILED",
+                lambda: drains.states("ns", "ost") == {"uid-r2": DRAIN_FAILED})
     assert events[0][:2] == ("Warning", "LeaveFailed")
 
 
@@ -151,7 +150,8 @@ def test_a_pool_pods_stages_drain_side_by_side(monkeypatch):
     monkeypatch.setattr(act_module.head_client, "leave", leave)
     act("ns", [StartLeave("speech-2", "uid-s2", ((1, 4), (2, 4)), 300)], HEAD, lambda *e: events.append(e),
         "ost", drains=drains)
-    assert wait(lambda: drains.states("ns", "ost") == {"uid-s2": DRAIN_DONE})
+    assert wait("the drain of uid-s2 DRAIN_DONE",
+                lambda: drains.states("ns", "ost") == {"uid-s2": DRAIN_DONE})
     assert sorted(calls) == [(1, 4), (2, 4)]
     assert sorted(events) == [
         ("Normal", "Left", f"replica 4 of stage {k} (speech-2) left the engine") for k in (1, 2)
@@ -181,7 +181,7 @@ def test_many_slow_drains_leave_the_reconcile_workers_free(monkeypatch):
     start = time.monotonic()
     for i in range(8):
         q.enqueue("ns", f"ost-{i}")
-    assert wait(lambda: len(passes) == 8)
+    assert wait('len(passes) == 8', lambda: len(passes) == 8)
     elapsed = time.monotonic() - start
     print(f"8 passes with a draining leave each: {elapsed * 1000:.0f} ms")
     assert elapsed < 0.5

@@ -32,6 +32,8 @@ from omnistage.control.plan import plan
 from omnistage.render import render_head_pod, render_replica_pod, target_from
 from omnistage_engine_patches import contract
 
+from tests.support.patches import apply_merge_patch
+
 from .conftest import SAMPLE
 
 HEAD_IP, HEAD_UID, BOOT = "127.77.0.10", "head-uid", "boot-1"
@@ -492,19 +494,6 @@ def test_each_pass_renders_the_desired_pods_once(monkeypatch):
     plan(t, o, AT)
     assert calls["head"] == 1
     assert sorted(calls["replica"]) == sorted(set(calls["replica"])) and calls["replica"]
-
-
-def apply_merge_patch(target, patch):
-    """RFC 7386, as the API server applies a status patch."""
-    out = dict(target)
-    for k, v in patch.items():
-        if v is None:
-            out.pop(k, None)
-        elif isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = apply_merge_patch(out[k], v)
-        else:
-            out[k] = v
-    return out
 
 
 def test_a_replaced_head_never_reads_as_an_engine_restart():

@@ -5,14 +5,15 @@ process still starting up is never killed."""
 
 from __future__ import annotations
 
+import functools
 import http.server
 import sys
 import threading
-import time
 
 import pytest
 
 from tests.standin import runtime
+from tests.support.waits import wait_for
 
 IP = "127.77.9.1"
 KEY = ("ns", "x-head")
@@ -93,12 +94,7 @@ def run(tmp_path, monkeypatch):
     rt.stop()
 
 
-def _wait(what, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not (value := what()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what.__doc__ or what}"
-        time.sleep(0.05)
-    return value
+_wait = functools.partial(wait_for, timeout=30.0, interval=0.05, say=None)
 
 
 def _actions(rt: runtime.StandinRuntime) -> list[str]:
@@ -120,16 +116,17 @@ def test_probe_spec_keeps_the_threshold_and_caps_period_and_timeout():
 
 def test_failed_liveness_kills_and_the_restart_policy_restarts(engine, run):
     rt = run(_pod(engine.port))
-    p = _wait(lambda: rt.process(*KEY))
-    _wait(lambda: engine.asked.count("/live") >= 3)  # live and ready: left running
+    p = _wait('rt.process(*KEY)', lambda: rt.process(*KEY))
+    _wait("three /live probes", lambda: engine.asked.count("/live") >= 3)  # live and ready: left running
     first_pid = p.pid
     assert p.alive() and p.starts == 1 and "unhealthy" not in _actions(rt)
 
     engine.codes["/live"] = 503  # the head's own engine is gone
-    event = _wait(lambda: next((e for e in rt.events if e["action"] == "unhealthy"), None))
+    event = _wait("an unhealthy event",
+                  lambda: next((e for e in rt.events if e["action"] == "unhealthy"), None))
     assert event["why"] == f"liveness probe failed 3 times (http://{IP}:{engine.port}/live): restarting"
     engine.codes["/live"] = 200
-    _wait(lambda: p.starts == 2 and p.alive())
+    _wait('p.starts == 2 and p.alive()', lambda: p.starts == 2 and p.alive())
     assert p.pid != first_pid
     actions = _actions(rt)
     assert [a for a in actions if a in ("unhealthy", "stop", "exited", "restart")] == [
@@ -143,26 +140,26 @@ def test_failed_liveness_kills_and_the_restart_policy_restarts(engine, run):
 def test_a_container_is_not_liveness_probed_before_its_readiness_probe_succeeded(engine, run):
     engine.codes.update({"/ready": 503, "/live": 503})
     rt = run(_pod(engine.port))
-    p = _wait(lambda: rt.process(*KEY))
-    _wait(lambda: engine.asked.count("/ready") >= 8)
+    p = _wait('rt.process(*KEY)', lambda: rt.process(*KEY))
+    _wait("engine.asked.count('/ready') >= 8", lambda: engine.asked.count("/ready") >= 8)
     assert "/live" not in engine.asked and p.alive() and p.starts == 1
 
     engine.codes["/ready"] = 200  # started: from now on its liveness counts
-    _wait(lambda: "unhealthy" in _actions(rt))
+    _wait("'unhealthy' in _actions(rt)", lambda: "unhealthy" in _actions(rt))
 
 
 def test_without_a_readiness_probe_liveness_counts_from_its_first_success(engine, run):
     engine.codes["/live"] = 503
     rt = run(_pod(engine.port, readiness=False))
-    p = _wait(lambda: rt.process(*KEY))
-    _wait(lambda: engine.asked.count("/live") >= 8)
+    p = _wait('rt.process(*KEY)', lambda: rt.process(*KEY))
+    _wait("engine.asked.count('/live') >= 8", lambda: engine.asked.count("/live") >= 8)
     assert p.alive() and p.starts == 1 and "unhealthy" not in _actions(rt)  # still starting up
 
     engine.codes["/live"] = 200
-    _wait(lambda: p.started)
+    _wait('p.started', lambda: p.started)
     engine.close()  # connection refused is a failure too
-    _wait(lambda: "unhealthy" in _actions(rt))
-    _wait(lambda: p.starts == 2)
+    _wait("'unhealthy' in _actions(rt)", lambda: "unhealthy" in _actions(rt))
+    _wait('p.starts == 2', lambda: p.starts == 2)
 
 
 def test_a_redirect_is_the_answer_not_followed(engine):
