@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from tests.standin import runtime
+from tests.standin import commands, kubelet, podstatus, runtime
 from tests.support.waits import wait_for
 
 IP = "127.77.9.1"
@@ -65,7 +65,7 @@ def _pod(port: int, readiness: bool = True) -> dict:
         container["readinessProbe"] = READY
     running = {"name": "engine", "restartCount": 0,
                "state": {"running": {"startedAt": "2025-01-01T00:00:00Z"}}}
-    labels = {runtime.L_ROLE: "head"}
+    labels = {commands.L_ROLE: "head"}
     return {"metadata": {"name": KEY[1], "namespace": KEY[0], "uid": "u1", "labels": labels},
             "spec": {"containers": [container], "restartPolicy": "Always"},
             "status": {"phase": "Running", "podIP": IP, "containerStatuses": [running]}}
@@ -74,8 +74,8 @@ def _pod(port: int, readiness: bool = True) -> dict:
 @pytest.fixture
 def run(tmp_path, monkeypatch):
     """start(pod) -> the runtime supervising that pod (no API server: status patches are recorded)."""
-    monkeypatch.setattr(runtime, "PROBE_PERIOD_CAP", 0.1)
-    monkeypatch.setattr(runtime, "TICK", 0.05)
+    monkeypatch.setattr(podstatus, "PROBE_PERIOD_CAP", 0.1)
+    monkeypatch.setattr(kubelet, "TICK", 0.05)
     rt = runtime.StandinRuntime(kubeconfig="unused", state_dir=tmp_path, quiet=True, stop_timeout=5)
     for sub in ("logs", "pids"):
         (tmp_path / sub).mkdir()
@@ -105,11 +105,11 @@ def test_probe_spec_keeps_the_threshold_and_caps_period_and_timeout():
     rt = runtime.StandinRuntime(kubeconfig="unused", quiet=True)
     container = _pod(8000)["spec"]["containers"][0]
     assert rt._probe_spec(container, IP, "livenessProbe") == {
-        "url": f"http://{IP}:8000/live", "period": runtime.PROBE_PERIOD_CAP, "failure_threshold": 3,
+        "url": f"http://{IP}:8000/live", "period": podstatus.PROBE_PERIOD_CAP, "failure_threshold": 3,
         "timeout": 10.0}
     assert rt._probe_spec(container, IP)["timeout"] == 1.0  # the kubelet's default timeoutSeconds
     container["livenessProbe"] = {**LIVE, "timeoutSeconds": 60}
-    assert rt._probe_spec(container, IP, "livenessProbe")["timeout"] == runtime.PROBE_TIMEOUT_CAP
+    assert rt._probe_spec(container, IP, "livenessProbe")["timeout"] == podstatus.PROBE_TIMEOUT_CAP
     container["livenessProbe"] = {"tcpSocket": {"port": "http"}}  # not an httpGet probe: not probed
     assert rt._probe_spec(container, IP, "livenessProbe") is None
 
@@ -166,4 +166,4 @@ def test_a_redirect_is_the_answer_not_followed(engine):
     """A probe dials the pod's IP only: a 3xx is a success, its Location is not visited."""
     engine.codes["/live"] = 302
     engine.location = "http://203.0.113.9:1/elsewhere"
-    assert runtime._probe_ok({"url": f"http://{IP}:{engine.port}/live", "timeout": 5})
+    assert podstatus._probe_ok({"url": f"http://{IP}:{engine.port}/live", "timeout": 5})
