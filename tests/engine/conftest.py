@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import hashlib
 import io
 import itertools
 import os
+import tempfile
 import threading
 import uuid
 from pathlib import Path
@@ -122,11 +124,33 @@ def shm_ring_name(monkeypatch: pytest.MonkeyPatch):
         os.unlink(f"/dev/shm/{name}")
 
 
+_BLOCKS = Path(tempfile.gettempdir()) / "omnistage-engine-blocks"
+_HELD: list[Any] = []  # the claimed block's lock, held for the life of this process (and its children)
+
+
+def _claim_block() -> int:
+    """One of 50 address blocks that no other process on this machine holds: a lock file, held until
+    the process ends. The pid modulo 50 alone let two concurrent runs share one (make test's engine
+    tier beside its negative controls: EADDRINUSE on a head's master port)."""
+    _BLOCKS.mkdir(exist_ok=True)
+    for k in range(50):
+        n = (os.getpid() + k) % 50
+        f = open(_BLOCKS / f"{n}.lock", "w")  # noqa: SIM115 -- held open for the life of the process
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            continue
+        _HELD.append(f)
+        return n
+    raise RuntimeError(f"all 50 engine-tier address blocks are held ({_BLOCKS}): 50 engine-tier runs at once?")
+
+
 def _loopback_addresses():
     """Loopback "pod IPs" (any 127/8 address binds on Linux without configuration), one sequence for
     every engine-tier module of this process, so no two of them hand out the same address; a /16
-    (127.76) no cluster test uses, a /24 block per process so parallel runs never meet."""
-    first = (os.getpid() % 50) * 4 + 1
+    (127.76) no cluster test uses, four /24 blocks per process, claimed, so parallel runs never meet."""
+    first = _claim_block() * 4 + 1
     for i in itertools.count():
         yield f"127.76.{first + i // 254}.{i % 254 + 1}"
 
