@@ -19,7 +19,7 @@ real-engine-env:
 # under a request stream, minutes of engine restarts each): `make test-full` adds them.
 test: setup real-engine-env
 	@OMNISTAGE_VENV=$(VENV) bash hack/demo.sh down-if-running
-	$(PY) -m pytest tests -m "not full" --durations=25 --negative-controls
+	$(PY) -m pytest tests -m "not full" --durations=25 --negative-controls --unit-beside
 
 # make test, then the full runs of the real-engine tier, then the whole kind tier (make e2e-kind).
 test-full: test

@@ -16,11 +16,12 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.standin import NO_CUDA_ENV
+from tests.support import beside
+from tests.support.beside import Beside
 
 # Before any test imports vllm-omni, for this process and every one it starts (tests/standin says why).
 os.environ.update(NO_CUDA_ENV)
@@ -58,32 +59,50 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--negative-controls", action="store_true",
                      help="run the engine tier's negative controls beside this run (make test): started when "
                           "it reaches tests/engine, waited for at its end; a failed control fails the run")
+    parser.addoption("--unit-beside", action="store_true",
+                     help="run tests/unit in a process of its own beside this run, from its start (make test), "
+                          "instead of in it; a failure there fails the run")
 
 
-_beside: list[Any] = []  # the negative controls' runner, with --negative-controls
+# The runs beside this one (tests/support/beside.py), each with the tier whose first test starts it
+# (None: the run's start).
+_beside: list[tuple[Beside, str | None]] = []
+_finished: list[tuple[Beside, int, float, list[str]]] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
     time.sleep = _counted_sleep  # modules that call time.sleep; a `from time import sleep` is not counted
+    log = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    if config.getoption("--unit-beside"):
+        _beside.append((beside.unit_tier(Path(f"/tmp/omnistage-tests/unit-beside-{log}")), None))
     if config.getoption("--negative-controls"):
-        from tests.engine.negative_controls import Beside
+        _beside.append((beside.negative_controls(Path(f"/tmp/omnistage-tests/negative-controls-{log}")), "engine"))
 
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        _beside.append(Beside(Path(f"/tmp/omnistage-tests/negative-controls-{stamp}-{os.getpid()}.log")))
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if config.getoption("--unit-beside") and collection_path == Path(__file__).parent / "unit":
+        return True  # the unit tier runs beside
+    return None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    for runner, at in _beside:
+        if at is None:
+            runner.start()
 
 
 def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
-    if _beside and _beside[0].proc is None and tier(nodeid) == "engine":
-        _beside[0].start()
+    for runner, at in _beside:
+        if runner.proc is None and at == tier(nodeid):
+            runner.start()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if not _beside:
-        return
-    code, waited, table = _beside[0].finish()
-    _beside.append((code, waited, table))
-    if code != 0:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    for runner, _ in _beside:
+        code, waited, lines = runner.finish()
+        _finished.append((runner, code, waited, lines))
+        if code != 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -126,12 +145,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     tr = terminalreporter
-    if len(_beside) == 2:
-        runner, (code, waited, table) = _beside
-        tr.section("the negative controls, run beside the tiers from the engine tier on")
-        for line in table:
+    for runner, code, waited, lines in _finished:
+        tr.section(runner.title)
+        for line in lines:
             tr.write_line(line)
-        tr.write_line(f"their output: {runner.log}; waited {waited:.0f} s for them after the last test"
+        tr.write_line(f"its output: {runner.log}; waited {waited:.0f} s for it after the last test"
                       + ("" if code == 0 else f"; FAILED (exit {code})"), red=code != 0, bold=code != 0)
     if not _SPENT:
         return

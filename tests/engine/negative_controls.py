@@ -190,34 +190,5 @@ def main(argv: list[str]) -> int:
     return 1 if any(v.problems for v in verdicts) else 0
 
 
-# ---- beside make test's pytest run (`pytest --negative-controls`, tests/conftest.py) ------------------
-
-class Beside:
-    """The controls in a process of their own beside a pytest run: started when the run reaches the
-    engine tier, waited for at its end. They are mostly waiting (heartbeat timeouts, polls), and the
-    tiers after the engine tier leave a core free often enough: side by side they cost `make test`
-    less than after it (measured: docs/design.md). Their output goes to a log; the table is printed."""
-
-    def __init__(self, log: Path):
-        self.log, self.proc, self.started_at = log, None, 0.0
-
-    def start(self) -> None:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tests.engine.negative_controls"], cwd=ROOT,
-                                         stdout=out, stderr=subprocess.STDOUT)
-        self.started_at = time.monotonic()
-
-    def finish(self) -> tuple[int, float, list[str]]:
-        """Exit code, seconds waited for them after the run's own tests, and the table's lines."""
-        if self.proc is None:
-            self.start()  # the run never reached the engine tier (a selection): they still run
-        t0 = time.monotonic()
-        code = self.proc.wait()
-        text = self.log.read_text(errors="replace")
-        table = text[text.find("[negative controls]"):].splitlines() if "[negative controls]" in text else []
-        return code, time.monotonic() - t0, table or text.splitlines()[-40:]
-
-
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
