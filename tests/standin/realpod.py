@@ -31,6 +31,7 @@ Product code in operator/ must never import this module.
 from __future__ import annotations
 
 import base64
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +58,9 @@ CPU_ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 # The test-only plugins the CPU image adds to VLLM_PLUGINS (tests/cpu_engine/cpu_platform): vllm-omni's
 # CPU platform, and the probe of what each engine core admitted.
 CPU_TEST_PLUGINS = ("omnistage_cpu", "omnistage_feature_probe")
+# The source folders of the engine plugin and the test-only CPU platform plugin in this checkout.
+PLUGIN_SOURCES = (Path(__file__).resolve().parents[2] / "engine_patches",
+                  Path(__file__).resolve().parents[1] / "cpu_engine" / "cpu_platform")
 VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
 
@@ -79,8 +83,13 @@ class EngineImage:
 
 
 def cpu_engine_image(venv: Path, models: dict[str, Path]) -> EngineImage:
-    """The CPU engine "image" of the real-engine tier and `make demo`: hack/real-engine-env.sh's venv."""
-    return EngineImage(bin_dir=venv / "bin", models=models, env={**OFFLINE_ENV, **CPU_ENGINE_ENV},
+    """The CPU engine "image" of the real-engine tier and `make demo`: hack/real-engine-env.sh's venv,
+    with THIS checkout's plugins first on PYTHONPATH (as the kind engine image puts them,
+    hack/kind/images.py). The venv's editable install points at whichever checkout ran
+    real-engine-env.sh: a second worktree or a clone would otherwise test another tree's plugin."""
+    plugins = os.pathsep.join(str(d) for d in PLUGIN_SOURCES)
+    return EngineImage(bin_dir=venv / "bin", models=models,
+                       env={**OFFLINE_ENV, **CPU_ENGINE_ENV, "PYTHONPATH": plugins},
                        extra_plugins=CPU_TEST_PLUGINS)
 
 

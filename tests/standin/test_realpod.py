@@ -132,3 +132,14 @@ def test_projected_service_account_volume(tmp_path):
     d = tmp_path / "volumes" / "kube-api-access-x"
     assert p.files[d / "token"] == (b"tok", 0o600)
     assert p.files[d / "ca.crt"][0] == b"CA" and p.files[d / "namespace"][0] == b"ns"
+
+
+def test_the_cpu_engine_image_imports_this_checkouts_plugins(tmp_path):
+    """The engine processes import the plugins of the tree under test, not the checkout the venv's
+    editable install points at (a second worktree once tested main's plugin: the hold route 404'd)."""
+    env = realpod.cpu_engine_image(tmp_path, {}).env
+    first = [Path(d) for d in env["PYTHONPATH"].split(":")]
+    root = Path(realpod.__file__).resolve().parents[2]
+    assert (first[0] / "omnistage_engine_patches" / "__init__.py") == \
+        root / "engine_patches" / "omnistage_engine_patches" / "__init__.py"
+    assert (first[1] / "omnistage_cpu_platform" / "__init__.py").exists()
