@@ -20,7 +20,7 @@ L_MANAGED_BY = "app.kubernetes.io/managed-by"
 OPERATOR_LABELS = (L_NAME, L_INSTANCE, L_MANAGED_BY)
 L_OMNISTAGE = f"{GROUP}/omnistage"
 L_COMPONENT = f"{GROUP}/component"   # COMPONENT_ENGINE or COMPONENT_POOL
-L_ROLE = f"{GROUP}/role"             # one of HEAD_ROLES, ROLE_REPLICA or ROLE_POOL
+L_ROLE = f"{GROUP}/role"             # one of HEAD_ROLES, REPLICA_ROLES or ROLE_POOL
 L_POOL = f"{GROUP}/pool"             # the OmniStagePool of a pool pod
 
 # ---- annotations -----------------------------------------------------------------------------------
@@ -58,6 +58,11 @@ ROLE_NEXT_HEAD = "next-head"
 ROLE_OLD_HEAD = "old-head"
 HEAD_ROLES = (ROLE_HEAD, ROLE_NEXT_HEAD, ROLE_OLD_HEAD)
 ROLE_REPLICA = "replica"
+# A stage-0 replica pod kept unjoined (spec.standby, control/standby.py): outside the replicas'
+# PodDisruptionBudget and the scale selector. Like a head's, its role label is state: a scale-up turns
+# it ROLE_REPLICA and joins it.
+ROLE_STANDBY = "standby"
+REPLICA_ROLES = (ROLE_REPLICA, ROLE_STANDBY)
 ROLE_POOL = "pool"
 # Stage-0 pods (head and replicas: what the OmniStage's scale selector counts) and the pods of the
 # OmniStagePools (stages >= 1, counted by each pool's own selector).

@@ -28,7 +28,7 @@ def test_scale_subresource_selects_counted_pods(build):
 def test_printer_columns_and_short_name():
     crd = build_crd()
     cols = [c["name"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]
-    assert cols == ["Desired", "Ready", "Registered", "Cache", "Status", "Reason", "Age"]
+    assert cols == ["Desired", "Ready", "Registered", "Standby", "Cache", "Status", "Reason", "Age"]
     assert crd["spec"]["names"]["shortNames"] == ["ost"]
 
 

@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import yaml
-from omnistage.names import A_HEAD_UID, A_TEMPLATE_HASH
+from omnistage.names import A_HEAD_UID, A_TEMPLATE_HASH, ROLE_STANDBY
 from omnistage.render import render_children, render_head_pod, render_replica_pod, selector, target_from
 
 from .conftest import SAMPLE
@@ -115,14 +115,29 @@ def test_one_replica_pod_per_extra_replica():
         "qwen3-omni-replica-1", "qwen3-omni-replica-2", "qwen3-omni-replica-3"]
 
 
+def selects(expression: str, labels: dict[str, str]) -> bool:
+    """A label selector as the API server reads the scale subresource's: `k=v` and `k!=v` terms."""
+    def term(t: str) -> bool:
+        if "!=" in t:
+            k, v = t.split("!=")
+            return labels.get(k) != v
+        k, v = t.split("=")
+        return labels.get(k) == v
+    return all(term(t) for t in expression.split(","))
+
+
 def test_selector_matches_head_and_replicas_only():
-    t = target(replicas=2)
-    wanted = dict(kv.split("=") for kv in selector(t).split(","))
+    """Not a standby (spec.standby): spec.replicas, status.replicas and an HPA count serving pods only.
+    On main's selector (no role term) the standby matched."""
+    t = target(replicas=2, standby=1)
     children = render_children(t, "tok", HEAD_IP, HEAD_UID)
     for pod in [children.head, *children.replicas]:
-        assert wanted.items() <= pod["metadata"]["labels"].items()
-    for other in [children.configmap, children.api_service, children.secret]:
-        assert not wanted.items() <= other["metadata"]["labels"].items()
+        assert selects(selector(t), pod["metadata"]["labels"])
+    standby = render_replica_pod(t, 1, HEAD_IP, HEAD_UID, role=ROLE_STANDBY)
+    assert standby["metadata"]["annotations"][A_TEMPLATE_HASH] == \
+        children.replicas[0]["metadata"]["annotations"][A_TEMPLATE_HASH]  # its role is not in its hash
+    for other in [standby, children.configmap, children.api_service, children.secret]:
+        assert not selects(selector(t), other["metadata"]["labels"])
 
 
 def test_config_change_changes_every_pod_hash():

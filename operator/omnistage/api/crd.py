@@ -133,6 +133,8 @@ def build_crd() -> dict[str, Any]:
          "description": "Engine pods that are Ready"},
         {"name": "Registered", "type": "integer", "jsonPath": ".status.registeredReplicas",
          "description": "Replicas the engine head acknowledged"},
+        {"name": "Standby", "type": "integer", "jsonPath": ".status.readyStandbyReplicas",
+         "description": "Standby pods one join away from serving (spec.standby)"},
         {"name": "Cache", "type": "string", "jsonPath": ".status.effectiveCacheMode",
          "description": "Resolved stage-0 frontend cache mode"},
         *READY_COLUMNS,

@@ -30,7 +30,7 @@ from .owned import (
 )
 from .rule import Rule, unless
 from .security import ALLOWED_HOST_PATHS_ENV
-from .specs import OmniStageSpec
+from .specs import Membership, OmniStageSpec
 from .template_checks import MEMBERSHIP_SECRETS, absent_or
 
 
@@ -73,6 +73,13 @@ FIELD_RULES = [
         SENDER_CACHE_WITH_DYNAMIC_MEMBERSHIP,
         unless(lambda s: not (s.cache.mode in contract.SENDER_CACHE_MODES
                                and membership_can_change(s.membership, s.replicas))),
+    ),
+    Rule(
+        ".standby",
+        "self.standby == 0 || self.membership == 'dynamic'",
+        "spec.standby needs spec.membership dynamic: a standby serves once the operator joins it at run "
+        "time, and a static set joins nobody after startup",
+        unless(lambda s: s.standby == 0 or s.membership == Membership.DYNAMIC),
     ),
     Rule(
         ".gpu.count",

@@ -19,6 +19,9 @@ from .pod_specs import DisruptionBudgetSpec, GpuSpec, ModelVolumeSpec, Placement
 from .security import MODEL_PATTERN
 from .stage_specs import StageSpec, TransportSpec
 
+# spec.standby's bound: standbys are GPUs held idle; more than this is a second deployment, not a warm spare.
+MAX_STANDBY = 16
+
 # Quantity strings as Kubernetes writes them (e.g. 16Gi, 512Mi, 1G).
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|K|M|G|T|P)?$"
 
@@ -71,6 +74,16 @@ class OmniStageSpec(ApiModel):
         le=256,
         description="Stage-0 engine replicas, head included (the head pod carries one). Change with `kubectl "
                     "scale`.",
+    )
+    standby: int = Field(
+        0,
+        ge=0,
+        le=MAX_STANDBY,
+        description="Standby replica pods kept beside the stage-0 replicas: started, registered with the "
+        "head and attached, but not joined, so the head routes nothing to them. A scale-up (kubectl scale, "
+        "an HPA) joins standbys first, a join only, and then starts pods to refill this count. Not counted "
+        "in spec.replicas, readyReplicas or the scale subresource. A standby holds its GPUs (docs/scaling.md: "
+        "the price). Needs spec.membership dynamic.",
     )
     membership: Membership = Field(
         Membership.DYNAMIC,

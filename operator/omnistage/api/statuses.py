@@ -22,6 +22,9 @@ class MemberState(StrEnum):
     JOINED = "Joined"
     SILENT = "Silent"  # joined, its heartbeats late past the heartbeat timeout: unroutable until they resume
     LEAVING = "Leaving"  # its retirement is decided: draining, then deleted
+    # A standby (spec.standby): registered with the head and attached, live, not joined: one join away
+    # from serving. A standby not there yet is Pending; one whose heartbeats are late is Silent.
+    STANDBY = "Standby"
 
 
 # An OmniStagePool's status lists only its pods that stay, so none of them is Leaving.
@@ -66,6 +69,9 @@ class MemberStatus(_Status):
     state: str = Field(description=f"{either(MemberState)}.")
     reason: str | None = Field(
         None, description="Why a Ready replica is not joined yet (e.g. CacheConsistent: CacheMismatch)."
+    )
+    standby: bool | None = Field(
+        None, description="A standby pod (spec.standby): not joined on purpose, not counted in replicas."
     )
 
 
@@ -116,6 +122,11 @@ class OmniStageStatus(_Status):
     replicas: int = Field(0, description="Stage-0 engine pods that exist (head included).")
     ready_replicas: int = Field(0, description="Engine pods that are Ready.")
     registered_replicas: int = Field(0, description="Engine replicas the head acknowledged (head included).")
+    standby_replicas: int = Field(
+        0, description="Standby pods that exist (spec.standby): not joined, not counted in replicas.")
+    ready_standby_replicas: int = Field(
+        0, description="Standby pods registered with the head, attached and live: each one join away from "
+        "serving.")
     updated_replicas: int = Field(0, description="Engine pods running the current config and pod template.")
     selector: str = Field("", description="Label selector of the counted pods (scale subresource).")
     effective_cache_mode: EffectiveCacheMode | None = Field(

@@ -24,6 +24,7 @@ from ..names import (
     L_ROLE,
     MANAGED_BY,
     ROLE_POOL,
+    ROLE_STANDBY,
 )
 
 
@@ -91,8 +92,10 @@ def selector_labels(t: Target, role: str | None = None, pool: str | None = None)
 
 
 def selector(t: Target) -> str:
-    """The scale subresource's selector: every stage-0 engine pod, head included, as spec.replicas counts."""
-    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(t).items()))
+    """The scale subresource's selector: every stage-0 engine pod, head included, as spec.replicas counts
+    (standbys are not: an HPA averaging over their idle engines would under-count the load)."""
+    pairs = [f"{k}={v}" for k, v in sorted(selector_labels(t).items())]
+    return ",".join([*pairs, f"{L_ROLE}!={ROLE_STANDBY}"])
 
 
 def pool_selector(t: Target, pool: str) -> str:

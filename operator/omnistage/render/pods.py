@@ -371,17 +371,20 @@ def render_head_pod(t: Target, name: str | None = None, role: str = ROLE_HEAD) -
 
 
 def render_replica_pod(
-    t: Target, index: int, head_ip: str, head_uid: str, head_restarts: int = 0
+    t: Target, index: int, head_ip: str, head_uid: str, head_restarts: int = 0, role: str = ROLE_REPLICA
 ) -> dict[str, Any]:
     """A headless stage-0 replica. Replicas never re-register after a head restart, so each one
     is bound to one head incarnation (its IP in the args; its UID and container restart count in
-    annotations)."""
+    annotations). `role`: ROLE_STANDBY for a standby (control/standby.py), the same pod otherwise: the
+    role is not part of the template hash, so a standby that joins is not rolled."""
     if not t.distributed:
         raise ValueError("a static single-replica OmniStage has no replica pods")
     name = replica_pod_name(t, index)
     spec = _pod_spec(t, ROLE_REPLICA, _replica_args(t, head_ip), head_ip=head_ip, name=name)
-    return _pod(t, name, ROLE_REPLICA, spec,
-                {A_HEAD_UID: head_uid, A_HEAD_RESTARTS: str(head_restarts), A_REPLICA_INDEX: str(index)})
+    pod = _pod(t, name, ROLE_REPLICA, spec,
+               {A_HEAD_UID: head_uid, A_HEAD_RESTARTS: str(head_restarts), A_REPLICA_INDEX: str(index)})
+    pod["metadata"]["labels"][L_ROLE] = role
+    return pod
 
 
 
