@@ -127,6 +127,11 @@ class Progress(StrEnum):
     SURGING_HEAD = "SurgingHead"  # a successor head starts beside the serving one
     MOVED_SERVICE = "MovedService"  # the Services select the successor now; the old head drains
     RETIRED_HEAD = "RetiredHead"  # the old head's replicas left; it is deleted
+    # Standbys (spec.standby, control/standby.py):
+    JOINED_STANDBY = "JoinedStandby"  # a scale-up turned a standby into a replica: a join only
+    REFILLING_STANDBY = "RefillingStandby"  # a standby pod is created to keep spec.standby of them
+    KEPT_STANDBY = "KeptStandby"  # a scale-down kept a replica pod that never joined as a standby
+    STANDBY_SCALED_DOWN = "StandbyScaledDown"  # a standby beyond spec.standby leaves (no drain), deleted
 
 
 class EventReason(StrEnum):

@@ -82,8 +82,8 @@ class OmniStageSpec(ApiModel):
         description="Standby replica pods kept beside the stage-0 replicas: started, registered with the "
         "head and attached, but not joined, so the head routes nothing to them. A scale-up (kubectl scale, "
         "an HPA) joins standbys first, a join only, and then starts pods to refill this count. Not counted "
-        "in spec.replicas, readyReplicas or the scale subresource. A standby holds its GPUs (docs/scaling.md: "
-        "the price). Needs spec.membership dynamic.",
+        "in spec.replicas, readyReplicas or the scale subresource. A standby holds its GPUs "
+        "(docs/scaling.md: the price). Needs spec.membership dynamic.",
     )
     membership: Membership = Field(
         Membership.DYNAMIC,

@@ -54,7 +54,8 @@ class Annotate:
 
 @dataclass(frozen=True)
 class SetRole:
-    """Patch a head pod's role label: what moves the Services from one head to its successor."""
+    """Patch an engine pod's role label: what moves the Services from one head to its successor, and
+    what turns a standby into a replica (or a replica that never joined into a standby)."""
     name: str
     uid: str
     role: str

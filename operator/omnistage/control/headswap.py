@@ -5,14 +5,15 @@ head in place without stopping service: its replicas are bound to it (they never
 and a new head serves only once it has loaded the model. So, when spec.rollout allows a surge:
 
   1. surging: a successor head (ROLE_NEXT_HEAD, outside the Services) is created beside the
-     serving one with its first min(maxSurge - 1, replicas - 1) replicas, while the serving set serves;
+     serving one with its first min(maxSurge - 1, replicas - 1) replicas and its spec.standby
+     standbys (the serving set's standbys are deleted: they serve nothing), while the serving set serves;
   2. moving: once the successor is Ready and those replicas joined, the role labels move the
      Services: the successor turns ROLE_HEAD first (both heads are selected for a moment, never
      neither), then the head it replaces, its predecessor, ROLE_OLD_HEAD;
   3. draining: the predecessor's replicas leave it, drained, all at once (no new request reaches
      them), the serving set grows into the GPUs they free (never more than replicas + maxSurge pods
-     in all), and the predecessor is deleted once they are gone; its preStop hook waits for what it
-     accepted.
+     in all, its standbys beside: it joins them first), and the predecessor is deleted once they are
+     gone; its preStop hook waits for what it accepted.
 
 The three names are the heads' role labels', in every layer: serving (ROLE_HEAD), successor
 (ROLE_NEXT_HEAD), predecessor (ROLE_OLD_HEAD); the set of either of the last two is the one beside
@@ -108,6 +109,9 @@ def begin(p: Pass) -> None:
         return
     desired = t.replica_pods
     q.change.replica_target = min(desired, t.spec.rollout.max_surge - 1)
+    # The standbys come up beside the successor (they are bound to the head they registered with); the
+    # serving set's go at once, no drain (they serve nothing), and give it their GPUs.
+    p.change.standby_target = 0
     p.change.swap = Swap(Phase.SURGING, successor=q, first=q.change.replica_target)
     p.progressing.append(Progress.SURGING_HEAD)
 
@@ -128,7 +132,7 @@ def _in_place(p: Pass, why: str, reason: Reason) -> None:
 
 def _draining(p: Pass, predecessor: Pass) -> None:
     t = p.t
-    predecessor.change.replica_target = 0
+    predecessor.change.replica_target = predecessor.change.standby_target = 0
     p.change.keep_head = True  # the next head change waits until this one is done
     old_pods = (0 if pods.terminating(predecessor.head) else 1) + len(predecessor.o.replicas)
     desired = t.replica_pods

@@ -13,10 +13,11 @@ scale selectors select by them) are **restored** when someone removed or changed
 they follow from the name and the OmniStage alone, a label patch puts the pod back in its Service at
 once, and replacing a head would stop serving and roll every replica for a change of labels only.
 A head's role label is the state of a head change (control/headswap.py), so a head that lost it
-takes the role that state leaves it (restore_head_roles). A pod the operator cannot place (an owned
-pod with a name it does not make, or a successor head whose template hash is not the one its name
-was made from: its annotation was edited) cannot be trusted and is deleted, as a pod with an
-annotation the operator did not write is replaced (pods.malformed).
+takes the role that state leaves it (restore_head_roles); a replica pod's role says whether it is a
+standby (spec.standby), and one that lost it takes the role its joined condition says (replica_role).
+A pod the operator cannot place (an owned pod with a name it does not make, or a successor head whose
+template hash is not the one its name was made from: its annotation was edited) cannot be trusted and
+is deleted, as a pod with an annotation the operator did not write is replaced (pods.malformed).
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ from ..names import (
     L_POOL,
     L_ROLE,
     OPERATOR_LABELS,
+    REPLICA_ROLES,
     ROLE_HEAD,
     ROLE_NEXT_HEAD,
     ROLE_OLD_HEAD,
     ROLE_POOL,
     ROLE_REPLICA,
+    ROLE_STANDBY,
 )
 from ..render.common import Target, labels
 from ..render.pods import head_pod_name, render_head_pod, replica_pod_name
@@ -75,6 +78,8 @@ def sort_out(t: Target, owned: list[dict[str, Any]], pool_names: set[str]
     for pod, role, pool in placed:
         if role == ROLE_HEAD:  # a head keeps its place in a head change
             role = lost.get(pods.uid(pod)) or pods.role(pod) or ROLE_HEAD
+        elif role == ROLE_REPLICA:  # a replica pod's role is state too: a standby stays one
+            role = pods.role(pod) if pods.role(pod) in REPLICA_ROLES else replica_role(t, pod)
         want = labels(t, role, pool)
         have = pod["metadata"].get("labels") or {}
         fix: dict[str, str | None] = {
@@ -87,6 +92,13 @@ def sort_out(t: Target, owned: list[dict[str, Any]], pool_names: set[str]
             pod = {**pod, "metadata": {**pod["metadata"], "labels": {**theirs, **want}}}
         out.append(pod)
     return out, tuple(strays)
+
+
+def replica_role(t: Target, pod: dict[str, Any]) -> str:
+    """The role of a replica pod that lost its role label: a replica while its joined condition says
+    the head routes to it, else a standby when the OmniStage keeps any (the scale step turns it back
+    into a replica with a join if replicas are short, so a wrong guess costs one relabel)."""
+    return ROLE_STANDBY if t.spec.standby and not pods.joined_condition(pod) else ROLE_REPLICA
 
 
 def _what(t: Target, pod: dict[str, Any], pool_names: set[str]) -> tuple[str, str | None] | str:

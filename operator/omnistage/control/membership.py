@@ -33,7 +33,7 @@ def sync(p: Pass) -> None:
     drain_disrupted(p)
     for name, pod in live.items():
         if not pods.containers_ready(pod) or pods.annotation(pod, A_LEAVING) is not None \
-                or pods.uid(pod) in p.handled:
+                or pods.uid(pod) in p.handled or p.standby(pod):  # a standby stays unjoined: unroutable
             continue
         joins = []
         for stage in pods.stage_ids(pod):
@@ -99,6 +99,7 @@ def mark_joined(p: Pass) -> None:
             continue
         # Live, not only joined: a silent engine leaves the Endpoints and the PodDisruptionBudget's
         # count until its heartbeats resume.
-        want = not leaving and all(p.engine_live(r, stage) for stage in pods.stage_ids(r))
+        # A standby is never routed to: its gate stays False.
+        want = not leaving and not p.standby(r) and all(p.engine_live(r, s) for s in pods.stage_ids(r))
         if want != pods.joined_condition(r):
             p.actions.append(MarkJoined(pods.name(r), pods.uid(r), want))

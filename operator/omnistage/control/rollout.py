@@ -1,7 +1,8 @@
 """Which engine pods go and which are made, as steps of a pass (plan.decide runs them in this
 order): retire_stale (pods of another head incarnation, a finished process, a deleted pool, or a
-retirement decided earlier), roll (outdated templates, within spec.rollout) and scale (to each
-group's desired count, plus a roll's surge).
+retirement decided earlier), roll (outdated templates, within spec.rollout; standbys first) and
+scale (to each group's desired count, plus a roll's surge; stage 0 joins its standbys first and keeps
+spec.standby of them: standby.py).
 
 Every pod that goes goes through retire(): the head is told first and the pod deleted once its
 replicas have left, so no request is cut off by the deletion. Pure, like the rest of the plan: the
@@ -17,7 +18,7 @@ from omnistage_engine_patches import contract
 from ..api.conditions import EventReason, Progress
 from ..names import A_LEAVING
 from ..render.common import Pool
-from . import liveness, pods
+from . import liveness, pods, standby
 from .actions import DRAIN_DONE, DRAIN_FAILED, Annotate, CreatePod, MarkJoined, StartLeave
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ _WHY = {
     Progress.ROLLED_REPLICA: "it belongs to a previous head",
     Progress.REPLACED_REPLICA: "its engine exited, it turned NotReady, or the head detached its engine",
     Progress.POOL_DELETED: "its OmniStagePool {pool} is gone",
+    Progress.STANDBY_SCALED_DOWN: "spec.standby is {standby}",
 }
 
 
@@ -56,7 +58,7 @@ def retire(p: Pass, pod: dict[str, Any], drain_seconds: int, reason: str, why: s
             p.actions.append(StartLeave(pods.name(pod), uid, leaves, drain_seconds))
         return  # DRAIN_RUNNING: the pod stays until the head let every stage's replica go
     # Left, never joined, or the head cannot be told (its heartbeat timeout detaches it).
-    kind = "pool pod" if pods.pool(pod) else "replica pod"
+    kind = "pool pod" if pods.pool(pod) else "standby pod" if p.standby(pod) else "replica pod"
     p.delete(pod, reason, f"deleted {kind} {pods.name(pod)}: {why}")
 
 
@@ -108,6 +110,15 @@ def retire_stale(p: Pass) -> None:
                 f"the head detached its engine (stage {mm.get('stage')} "
                 f"replica {mm.get('replicaId')}): its process exited or its heartbeats stopped for good",
             )
+        elif p.standby(r) and (mm := standby.detached(p, r) or standby.silent(p, r)) is not None:
+            # Nothing is routed to a standby, so nothing waits for it to resume: a new pod is the
+            # quickest way back to a standby a scale-up can join.
+            what = "dropped its engine" if mm.get("state") == contract.DETACHED else "heard no heartbeat"
+            why = (f"it is a standby and the head {what} (stage-0 replica {mm.get('replicaId')}, registered, "
+                   "never joined): a new standby replaces it")
+            # Said once: from the next pass on it is leaving (the branch above).
+            p.emit("Warning", Progress.REPLACED_REPLICA, f"standby pod {pods.name(r)}: {why}")
+            retire(p, r, 0, Progress.REPLACED_REPLICA, why)
         elif p.listing is not None and p.member_of(r) is not None and not pods.containers_ready(r):
             # Its container, not its Ready (that waits for the join): a replica the head
             # lists whose engine stopped answering.
@@ -139,10 +150,11 @@ def outdated(p: Pass, pool: Pool | None) -> list[dict[str, Any]]:
 
 
 def surge(p: Pass, pool: Pool | None) -> int:
-    """Pods a roll of the group may run beyond its desired count (its replacements, made first)."""
+    """Pods a roll of the group may run beyond its desired count (its replacements, made first: a
+    standby joined, else a new pod). Outdated standbys are no replicas: the refill replaces them."""
     if pool is None and p.change.replica_target == 0:
         return 0  # a head change's old set is emptied, not rolled
-    return min(p.t.spec.rollout.max_surge, len(outdated(p, pool)))
+    return min(p.t.spec.rollout.max_surge, sum(1 for r in outdated(p, pool) if not p.standby(r)))
 
 
 def surge_blocked(p: Pass, pool: Pool | None) -> str | None:
@@ -167,6 +179,9 @@ def roll(p: Pass) -> None:
     r = p.t.spec.rollout
     for pool, desired in groups(p):
         old = outdated(p, pool)
+        for s in [x for x in old if p.standby(x)]:  # they serve nothing: replaced first, all at once
+            retire(p, s, 0, Progress.ROLLING_REPLICA, "its pod template changed")
+        old = [x for x in old if not p.standby(x)]
         if not old:
             continue
         one_at_a_time = r.max_surge == 0 or surge_blocked(p, pool) is not None
@@ -190,29 +205,46 @@ def scale(p: Pass) -> None:
 
 
 def _scale(p: Pass, pool: Pool | None, desired: int, why: str) -> None:
+    """The group to `desired` pods (plus a roll's surge). Stage 0 keeps its standbys (standby.py) beside:
+    a scale-up joins them first, a scale-down keeps a victim that never joined as one, and the standbys
+    are then trimmed or refilled to spec.standby."""
     name = pool.name if pool else None
-    staying = p.staying(name)
-    extra = surge(p, pool)  # a roll's replacements, beyond desired until the outdated pods left
-    if len(staying) > desired + extra:
-        victims = pods.choose_victims(staying, len(staying) - desired - extra, serving=p.serves)
+    staying, standbys = standby.split(p, p.staying(name))  # a pool has no standbys
+    want = desired + surge(p, pool)  # a roll's replacements, beyond desired until the outdated pods left
+    new = 0
+    if len(staying) > want:
+        victims = pods.choose_victims(staying, len(staying) - want, serving=p.serves)
         if pool is None:
             victims = liveness.keep_one_live(p, victims)
         for victim in victims:
+            if pool is None and standby.keep(p, victim, standbys):
+                continue
             retire(p, victim, p.drain_of(victim), Progress.SCALED_DOWN, _why(p, Progress.SCALED_DOWN, victim))
-        return
+    elif len(staying) < want:
+        joined = standby.join(p, standbys, want - len(staying), why) if pool is None else 0
+        new = want - len(staying) - joined
+    refill = 0
+    if pool is None:
+        for s in standby.surplus(p, standbys):
+            retire(p, s, 0, Progress.STANDBY_SCALED_DOWN, _why(p, Progress.STANDBY_SCALED_DOWN, s))
+        refill = max(0, p.standby_desired() - len(standbys))
     # Pool pods too are created once the head has an IP, not once it is Ready: the head turns Ready
-    # only after one replica of each remote stage registered.
-    if len(staying) < desired + extra and p.head_live():
+    # only after one replica of each remote stage registered. Replicas first, then the standbys.
+    if (new or refill) and p.head_live():
         every = [r for r in p.o.replicas + p.change.names_held if pods.pool(r) == name]
-        for i in pods.free_indices(every, desired + extra - len(staying)):
-            want = p.want_pool_pod(pool, i) if pool else p.want_replica(i)
+        for n, i in enumerate(pods.free_indices(every, new + refill)):
+            if n >= new:
+                p.actions.append(standby.create(p, i))
+                continue
+            want_pod = p.want_pool_pod(pool, i) if pool else p.want_replica(i)
             kind = "pool pod" if pool else "replica pod"
-            p.actions.append(CreatePod(want, EventReason.SCALED_UP, f"created {kind} {{pod}} ({why})"))
+            p.actions.append(CreatePod(want_pod, EventReason.SCALED_UP, f"created {kind} {{pod}} ({why})"))
             p.progressing.append(Progress.SCALING_UP)
 
 
 def _why(p: Pass, reason: str, pod: dict[str, Any]) -> str:
     fitted = p.pool_of.get(pods.pool(pod) or "")
     replicas = fitted.pool.spec.replicas if fitted and fitted.pool else p.t.spec.replicas
-    why = _WHY.get(reason, "it was leaving").format(replicas=replicas, pool=pods.pool(pod))
+    why = _WHY.get(reason, "it was leaving").format(replicas=replicas, pool=pods.pool(pod),
+                                                     standby=p.standby_desired())
     return f"its pool's {why}" if fitted and reason == Progress.SCALED_DOWN else why

@@ -12,6 +12,7 @@ from typing import Any
 from omnistage_engine_patches import contract
 
 from ..api import OmniStagePoolSpec
+from ..names import ROLE_STANDBY
 from ..render import render_head_pod, render_replica_pod
 from ..render.common import Pool, Target
 from ..render.pods import render_pool_pod
@@ -54,6 +55,7 @@ class HeadChange:
     keep_head: bool = False  # an outdated head is not deleted by head.head_pod
     create_head: bool = True  # a missing head is created by head.head_pod
     replica_target: int | None = None  # stage-0 replicas this set gets (None: t.replica_pods)
+    standby_target: int | None = None  # standbys this set keeps (None: spec.standby)
     # The replicas of the set across the head change (the serving set's for the one beside it, and the
     # other way round): they hold replica names this set does not give out.
     names_held: tuple[dict[str, Any], ...] = ()
@@ -86,6 +88,7 @@ class Pass:
         self.want_head = want_head or render_head_pod(t)  # rendered once per pass
         self.change = HeadChange()  # set by headswap.begin
         self.scale_held: str | None = None  # why a stage-0 scale-down keeps a pod (liveness.keep_one_live)
+        self.roles: dict[str, str] = {}  # pod uid -> the role label this pass gives it (standby.py)
         self._want_replica: dict[int, dict[str, Any]] = {}
         self._want_pool_pod: dict[tuple[str, int], dict[str, Any]] = {}
         self.pools = pools.fit(t, t.name, o.pools)
@@ -202,6 +205,16 @@ class Pass:
         if self.change.replica_target is not None:
             return self.change.replica_target
         return self.t.replica_pods
+
+    def standby_desired(self) -> int:
+        """Standbys this set keeps (spec.standby; none in a static set, which has no replica pods)."""
+        if self.change.standby_target is not None:
+            return self.change.standby_target
+        return self.t.spec.standby if self.t.distributed else 0
+
+    def standby(self, pod: dict[str, Any]) -> bool:
+        """A standby pod (ROLE_STANDBY), as this pass leaves its role: kept unjoined, not a replica."""
+        return self.roles.get(pods.uid(pod), pods.role(pod)) == ROLE_STANDBY
 
     def holds_outdated_head(self) -> bool:
         """A head change runs (or waits to run in place): the head stays, its replicas are not rolled."""

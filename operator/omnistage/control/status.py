@@ -20,7 +20,7 @@ from ..api.statuses import MemberState
 from ..names import A_CONFIG_HASH, A_LEAVING
 from ..render import selector
 from ..render.common import Target, pool_selector
-from . import engine_truth, headswap, liveness, pods, pools, rollout
+from . import engine_truth, headswap, liveness, pods, pools, rollout, standby
 
 if TYPE_CHECKING:
     from .state import Pass
@@ -43,7 +43,8 @@ def _set(**fields: Any) -> dict[str, Any]:
 
 def omnistage_status(p: Pass, generation: int | None, at: str) -> dict[str, Any]:
     t, previous, head = p.t, p.previous, p.head
-    live = p.live(None)  # stage-0 replicas: what spec.replicas and the scale selector count
+    # stage-0 replicas: what spec.replicas and the scale selector count; the standbys beside them
+    live, standbys = standby.split(p, p.live(None))
     head_staying = p.head_staying()
     engine_pods = ([head] if head_staying else []) + live
     # Serving as the head lists it: a head whose own engine is silent or gone is not counted.
@@ -51,7 +52,7 @@ def omnistage_status(p: Pass, generation: int | None, at: str) -> dict[str, Any]
     updated = (1 if pods.template_hash(head) == pods.template_hash(p.want_head) else 0) + sum(
         1 for r in live if pods.template_hash(r) == pods.template_hash(p.want_replica(pods.index(r)))
         and pods.head_uid(r) == pods.uid(head)) if head_staying else 0
-    members = _members(p, live)
+    members = _members(p, live + standbys)
     joined = sum(1 for m in members if m.state == MemberState.JOINED)
     if t.distributed:
         head_registered = (mm := p.head_engine()) is not None and contract.is_live(mm)
@@ -67,6 +68,8 @@ def omnistage_status(p: Pass, generation: int | None, at: str) -> dict[str, Any]
                 replicas=len(engine_pods),
                 ready_replicas=len(ready_pods),
                 registered_replicas=(1 if head_registered else 0) + joined,
+                standby_replicas=len(standbys),
+                ready_standby_replicas=sum(1 for s in standbys if standby.warm(p, s)),
                 updated_replicas=updated,
                 selector=selector(t),
                 effective_cache_mode=str(t.cache.mode),
@@ -96,6 +99,8 @@ def _members(p: Pass, live: list[dict[str, Any]]) -> list[statuses.MemberStatus]
         mm = p.member_of(r)
         if pods.annotation(r, A_LEAVING) or pods.uid(r) in p.handled or pods.terminating(r):
             state = MemberState.LEAVING
+        elif p.standby(r):
+            state = standby.state(p, r)
         elif liveness.silent(p, r) is not None:
             state = MemberState.SILENT
         elif mm is not None and mm.get("pod") == pods.name(r):
@@ -111,7 +116,8 @@ def _members(p: Pass, live: list[dict[str, Any]]) -> list[statuses.MemberStatus]
                 ip=pods.ip(r),
                 replica_id=mm.get("replicaId") if mm else None,
                 state=str(state),
-                **_set(reason=f"{Type.CACHE_CONSISTENT}: {p.verdict.reason}" if held else None),
+                **_set(reason=f"{Type.CACHE_CONSISTENT}: {p.verdict.reason}" if held else None,
+                       standby=p.standby(r) or None),
             )
         )
     return out
@@ -120,11 +126,12 @@ def _members(p: Pass, live: list[dict[str, Any]]) -> list[statuses.MemberStatus]
 def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dict[str, Any]], joined: int,
                 head_registered: bool, stages: list[dict[str, Any]]) -> list[Cond]:
     t, head = p.t, p.head
-    live = p.live(None)
+    live = standby.split(p, p.live(None))[0]
     head_ready = p.head_serves()
     head_engine = liveness.head_engine_problem(p)
-    others = [mm for mm in p.members() if not contract.is_head_local(mm, pods.ip(head))
-              and mm.get("state") != contract.LEFT] if t.distributed else []
+    kept = standby.held(p)  # the standbys' registrations: unjoined on purpose
+    others = [mm for mm in p.members() if not contract.is_head_local(mm, pods.ip(head)) and mm.get("state")
+              != contract.LEFT and mm.get("replicaId") not in kept] if t.distributed else []
     problem = p.membership_problem or p.scale_held or (p.o.problems[0] if p.o.problems else None)
     desired = t.spec.replicas
     replica_desired = t.replica_pods
@@ -228,12 +235,8 @@ def rollout_condition(p: Pass) -> Cond:
     outdated = [pods.name(r) for r in p.live() if p.want(r) is not None
                 and pods.template_hash(r) != pods.template_hash(p.want(r))] if p.head_live() else []
     if not outdated:
-        return Cond(
-            Type.ROLLOUT_SURGE,
-            True,
-            Reason.NOT_ROLLING,
-            "every replica and pool pod runs the current template",
-        )
+        return Cond(Type.ROLLOUT_SURGE, True, Reason.NOT_ROLLING,
+                    "every replica, standby and pool pod runs the current template")
     r = p.t.spec.rollout
     bounds = f"maxSurge {r.max_surge}, maxUnavailable {r.max_unavailable}"
     blocked = "; ".join(filter(None, (rollout.surge_blocked(p, pool) for pool, _ in rollout.groups(p))))
@@ -246,12 +249,8 @@ def rollout_condition(p: Pass) -> Cond:
             f"time, each drained before its replacement can start and the next only once that one "
             f"joined ({bounds})",
         )
-    return Cond(
-        Type.ROLLOUT_SURGE,
-        True,
-        Reason.SURGING,
-        f"{len(outdated)} pods to roll: replacements join before outdated pods are drained ({bounds})",
-    )
+    return Cond(Type.ROLLOUT_SURGE, True, Reason.SURGING, f"{len(outdated)} pods to roll: standbys first, "
+                f"replacements join before outdated pods are drained ({bounds})")
 
 
 def _head(p: Pass) -> statuses.HeadStatus | None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..api.conditions import EventReason
 from ..control import pods as pod_rules
-from ..names import L_ROLE, ROLE_POOL, ROLE_REPLICA
+from ..names import L_ROLE, REPLICA_ROLES, ROLE_POOL
 from ..render.network import render_pod_credential
 from ..render.pods import TOKEN_KEY
 from . import kube
@@ -29,8 +29,8 @@ Emit = Callable[[str, str, str], None]
 
 
 def needs_credential(pod: dict[str, Any]) -> bool:
-    """Replica and pool pods mount their own credential; a head mounts the master token."""
-    return (pod["metadata"].get("labels") or {}).get(L_ROLE) in (ROLE_REPLICA, ROLE_POOL)
+    """Replica pods (standbys too) and pool pods mount their own credential; a head the master token."""
+    return (pod["metadata"].get("labels") or {}).get(L_ROLE) in (*REPLICA_ROLES, ROLE_POOL)
 
 
 def ensure(pod: dict[str, Any], master_token: str | None, emit: Emit) -> str | None:

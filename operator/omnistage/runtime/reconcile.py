@@ -27,7 +27,7 @@ from ..control import identity, pods, pools
 from ..control.actions import Action, EnsureChild, Observed, PostEvent
 from ..control.plan import Plan, decision, described, mounts_membership_secret, plan
 from ..control.status import failed_status, pool_status
-from ..names import HEAD_ROLES, ROLE_POOL, ROLE_REPLICA
+from ..names import HEAD_ROLES, REPLICA_ROLES, ROLE_POOL
 from ..render import render_secret, target_from
 from ..render.common import Target
 from ..render.pods import TOKEN_KEY
@@ -245,7 +245,7 @@ def observe(obj: dict[str, Any], t: Target, token: str | None, secret_refused: s
         {pool["metadata"]["name"] for pool in STATE.pools.owned(t.namespace, t.name)},
     )
     head, beside_head = pods.heads([p for p in owned if pods.role(p) in HEAD_ROLES])
-    engines = tuple(p for p in owned if pods.role(p) in (ROLE_REPLICA, ROLE_POOL))
+    engines = tuple(p for p in owned if pods.role(p) in (*REPLICA_ROLES, ROLE_POOL))  # standbys too
     beside_replicas = tuple(r for r in engines
                             if beside_head is not None and pods.head_uid(r) == pods.uid(beside_head))
     drains = drains_step.DRAINS.states(t.namespace, t.name)

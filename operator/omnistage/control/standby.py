@@ -1,0 +1,147 @@
+"""Warm standbys (spec.standby, issue 30): stage-0 replica pods kept started, registered with the head
+and attached, but not joined, so the head holds them unroutable (contract.ROUTE_JOINED_ONLY_ENV). A
+scale-up joins one at once instead of waiting a cold start.
+
+A standby is a replica pod whose role label is ROLE_STANDBY: outside the replicas' PodDisruptionBudget
+(an unready standby never blocks an eviction, and evicting one takes nothing out of serving) and the
+scale selector (spec.replicas, readyReplicas and an HPA count serving pods only). The label is state,
+like a head's role: a scale-up turns a standby ROLE_REPLICA and membership.sync joins it in the same
+pass; the standbys are then refilled with new pods.
+
+A replica that left cannot be a standby again: the head's leave detaches it (handle_unregister), a
+join never picks a replica that left (membership_ops.join: state.has_left), and a replica process
+never registers again. So a scale-down drains and deletes a joined replica as before (the refill
+makes a new standby); only a replica pod that never joined (still loading, or just turned replica)
+is kept as a standby, by its label alone.
+
+Pure, like the rest of the plan: these steps append to the Pass's actions. rollout.py calls them for
+stage 0 (pool pods have no standbys).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from omnistage_engine_patches import contract
+
+from ..api.conditions import Progress
+from ..api.statuses import MemberState
+from ..names import A_LEAVING, L_ROLE, ROLE_REPLICA, ROLE_STANDBY
+from . import pods
+from .actions import CreatePod, SetRole
+
+if TYPE_CHECKING:
+    from .state import Pass
+
+
+def registration(p: Pass, pod: dict[str, Any]) -> contract.Member | None:
+    """The head's entry for a standby: registered from its address and not joined under any pod name,
+    the newest of them (replica ids rise and are never reused: an older one from the same address is
+    an earlier pod's)."""
+    ip = pods.ip(pod)
+    if not ip or p.head is None:
+        return None
+    regs = [mm for mm in p.members() if mm.get("host") == ip and not mm.get("pod")
+            and not contract.is_head_local(mm, pods.ip(p.head))]
+    return max(regs, key=lambda mm: mm.get("replicaId", -1), default=None)
+
+
+def warm(p: Pass, pod: dict[str, Any]) -> bool:
+    """One join away from serving: its engine runs and the head holds it attached, heartbeats on time."""
+    mm = registration(p, pod)
+    return pods.containers_ready(pod) and mm is not None and contract.is_live(mm)
+
+
+def silent(p: Pass, pod: dict[str, Any]) -> contract.Member | None:
+    """A standby's registration whose heartbeats are late (a join would route to a stalled engine)."""
+    mm = registration(p, pod)
+    return mm if mm is not None and mm.get("coordinatorStatus") == contract.COORD_SILENT else None
+
+
+def detached(p: Pass, pod: dict[str, Any]) -> contract.Member | None:
+    """A standby the head dropped (its process said DOWN or died, or it stayed silent past the
+    coordinator's timeout): it never registers again, so it is replaced."""
+    mm = registration(p, pod)
+    return mm if mm is not None and mm.get("state") == contract.DETACHED else None
+
+
+def split(p: Pass, staying: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the replicas, the standbys) of stage-0 pods, as this pass leaves their roles."""
+    return [r for r in staying if not p.standby(r)], [r for r in staying if p.standby(r)]
+
+
+def _rank(p: Pass, pod: dict[str, Any]) -> tuple:
+    """Which standby joins first: a warm one, then one whose engine runs, then the oldest (lowest index
+    on a tie); a silent one last."""
+    return (silent(p, pod) is not None, not warm(p, pod), not pods.containers_ready(pod),
+            pods.created(pod), pods.index(pod))
+
+
+def _relabel(p: Pass, pod: dict[str, Any], role: str) -> None:
+    p.roles[pods.uid(pod)] = role
+    p.actions.append(SetRole(pods.name(pod), pods.uid(pod), role))
+
+
+def join(p: Pass, standbys: list[dict[str, Any]], count: int, why: str) -> int:
+    """A scale-up short of `count` replicas turns up to that many standbys into replicas (membership.sync
+    joins them in this pass: a join only) and takes them out of `standbys`; returns how many."""
+    chosen = sorted(standbys, key=lambda s: _rank(p, s))[:max(0, count)]
+    for s in chosen:
+        standbys.remove(s)
+        _relabel(p, s, ROLE_REPLICA)
+        p.progressing.append(Progress.JOINED_STANDBY)
+        state = "joins now" if warm(p, s) else "joins once its engine registered"
+        p.emit("Normal", Progress.JOINED_STANDBY, f"standby pod {pods.name(s)} {state} ({why}): "
+               "a new standby refills spec.standby")
+    return len(chosen)
+
+
+def never_joined(p: Pass, pod: dict[str, Any]) -> bool:
+    """The head never joined this pod (read, not guessed): no member under its name, its joined
+    condition False, no retirement decided."""
+    if p.listing is None or pods.joined_condition(pod) or pods.annotation(pod, A_LEAVING) is not None:
+        return False
+    return not any(mm.get("pod") == pods.name(pod) for mm in p.members())
+
+
+def keep(p: Pass, victim: dict[str, Any], standbys: list[dict[str, Any]]) -> bool:
+    """A scale-down victim that never joined becomes a standby while the standbys are short of
+    spec.standby (its label only: nothing to drain). One that joined cannot (the module's word): False."""
+    if len(standbys) >= p.standby_desired() or not never_joined(p, victim):
+        return False
+    _relabel(p, victim, ROLE_STANDBY)
+    standbys.append(victim)
+    p.progressing.append(Progress.KEPT_STANDBY)
+    p.emit("Normal", Progress.KEPT_STANDBY, f"replica pod {pods.name(victim)} is kept as a standby "
+           f"(spec.replicas {p.t.spec.replicas}, spec.standby {p.t.spec.standby}): it never joined")
+    return True
+
+
+def surplus(p: Pass, standbys: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Standbys beyond spec.standby, those farthest from serving first: they leave with no drain (the
+    head routes nothing to them) and are deleted."""
+    return pods.choose_victims(standbys, len(standbys) - p.standby_desired(), serving=lambda s: warm(p, s))
+
+
+def create(p: Pass, index: int) -> CreatePod:
+    """A standby pod: the replica pod of that index, its role ROLE_STANDBY (not part of its hash)."""
+    want = p.want_replica(index)
+    meta = want["metadata"]
+    pod = {**want, "metadata": {**meta, "labels": {**meta["labels"], L_ROLE: ROLE_STANDBY}}}
+    p.progressing.append(Progress.REFILLING_STANDBY)
+    return CreatePod(pod, Progress.REFILLING_STANDBY, f"created standby pod {{pod}} (spec.standby "
+                     f"{p.standby_desired()}): registered and attached, not joined until a scale-up")
+
+
+def state(p: Pass, pod: dict[str, Any]) -> MemberState:
+    """A staying standby's status.members state: Standby once it is one join away, Silent while its
+    heartbeats are late (the next pass replaces it), Pending while it loads and registers."""
+    if warm(p, pod):
+        return MemberState.STANDBY
+    return MemberState.SILENT if silent(p, pod) is not None else MemberState.PENDING
+
+
+def held(p: Pass) -> set[int]:
+    """The replica ids the head lists for the standbys: registered, unjoined on purpose (membership is
+    in sync with them there)."""
+    return {mm["replicaId"] for s in p.live(None) if p.standby(s) and (mm := registration(p, s)) is not None}
