@@ -29,6 +29,7 @@ from omnistage.control.actions import (
 from omnistage.control.identity import sort_out
 from omnistage.control.plan import plan
 from omnistage.render import render_disruption_budget, target_from
+from omnistage.runtime import metrics
 from omnistage_engine_patches import contract
 
 from .test_headswap import inner, observed, old_head, old_set, successor
@@ -281,7 +282,7 @@ def test_the_disruption_budget_counts_serving_replicas_only():
     assert selector.items() <= replica(t, 1)["metadata"]["labels"].items()
 
 
-# ---- identity and validation -----------------------------------------------------------------
+# ---- identity, validation, metrics -----------------------------------------------------------------
 
 def test_a_standby_keeps_its_role_and_one_that_lost_it_is_restored_by_its_gate():
     t = target_from(omnistage(2, standby=1))
@@ -311,3 +312,13 @@ def test_spec_standby_is_bounded_and_needs_dynamic_membership(spec, words):
     [(field, message)] = err.value.problems
     assert field == "spec.standby" and words in message
 
+
+def test_the_metrics_count_standbys():
+    metrics.STATUS.observe("serving", "standby-metrics", {"replicas": 2, "standbyReplicas": 2,
+                                                          "readyStandbyReplicas": 1})
+    try:
+        family = next(f for f in metrics.STATUS.collect() if f.name == "omnistage_replicas")
+        got = {s.labels["state"]: s.value for s in family.samples if s.labels["name"] == "standby-metrics"}
+        assert got == {"existing": 2, "standby": 2, "standby_ready": 1}
+    finally:
+        metrics.STATUS.observe("serving", "standby-metrics", None)

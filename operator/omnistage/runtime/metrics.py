@@ -102,6 +102,8 @@ class StatusCollector(Collector):
                 ("ready", "readyReplicas"),
                 ("registered", "registeredReplicas"),
                 ("updated", "updatedReplicas"),
+                ("standby", "standbyReplicas"),  # standbys (spec.standby): in none of the counts above
+                ("standby_ready", "readyStandbyReplicas"),
             ):
                 if key in st:
                     replicas.add_metric([ns, name, state], st[key])
