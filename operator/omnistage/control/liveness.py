@@ -4,7 +4,8 @@ The head's membership listing is the truth: a member is *live* when it is attach
 heartbeats are on time (``contract.is_live``), *silent* when they stopped past the heartbeat
 timeout (the engine_liveness patch keeps it attached and unroutable until they resume) and
 *detached* when the head dropped it (its process said DOWN or died, or it was silent for the
-coordinator's 600 s). Pod readiness follows from it, never the other way round.
+coordinator's 600 s). Pod readiness follows from it, never the other way round. A standby's liveness
+is its registration's (standby.py: silent or detached, it is replaced at once, not kept).
 
 Pure: reads the Pass, appends to its actions.
 """
