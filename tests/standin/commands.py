@@ -30,6 +30,7 @@ LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 L_COMPONENT = "serving.omnistage.io/component"
 L_ROLE = "serving.omnistage.io/role"
 HEAD_ROLES = ("head", "next-head", "old-head")  # omnistage.names.HEAD_ROLES
+ROLE_STANDBY = "standby"  # omnistage.names.ROLE_STANDBY: a replica pod kept unjoined (spec.standby)
 L_OMNISTAGE = "serving.omnistage.io/omnistage"
 HEAD_MODULE = "tests.standin.head"
 REPLICA_MODULE = "tests.standin.replica"

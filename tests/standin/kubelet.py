@@ -28,6 +28,7 @@ from tests.standin.commands import (
     HEAD_ROLES,
     L_ROLE,
     REPLICA_MODULE,
+    ROLE_STANDBY,
     ROOT,
     _arg,
     _base_env,
@@ -302,8 +303,10 @@ class StandinRuntime(PodWatch, Containers, Lifecycle, PodStatus):
         ns, name = key
         uid = pod["metadata"]["uid"]
         labels = pod["metadata"].get("labels") or {}
-        # A head change's second head (next-head, old-head) is a head: the label picks the Services, not the process.
-        role = "head" if labels.get(L_ROLE, "") in HEAD_ROLES else labels.get(L_ROLE, "")
+        # A head change's second head (next-head, old-head) is a head, and a standby a replica: the label picks
+        # the Services and the disruption budget, not the process.
+        role = labels.get(L_ROLE, "")
+        role = "head" if role in HEAD_ROLES else "replica" if role == ROLE_STANDBY else role
         ip = pod["status"]["podIP"]
         once = (ns, name, uid)
         if not is_loopback(ip):
