@@ -25,6 +25,7 @@ API_PREFIX = "/omnistage/v1"
 MEMBERSHIP_PATH = API_PREFIX + "/membership"  # GET: the listing
 JOIN_PATH = MEMBERSHIP_PATH + "/join"  # POST
 LEAVE_PATH = MEMBERSHIP_PATH + "/leave"  # POST
+HOLD_PATH = MEMBERSHIP_PATH + "/hold"  # POST: a joined replica stands by (drained, attached, unroutable)
 ENGINE_PATH = API_PREFIX + "/engine"  # GET: the EngineReport (any head, distributed or not)
 #: GET, no token, on the PUBLIC port (the kubelet probes it there, by the port name "http"): the
 #: head's liveness. 200 while its own stage-0 engine lives (silent included), 503 once it is gone
@@ -208,6 +209,7 @@ E_NOT_DISTRIBUTED = "NotDistributed"
 E_REPLICA_NOT_REGISTERED = "ReplicaNotRegistered"
 E_REPLICA_NOT_ATTACHED = "ReplicaNotAttached"
 E_REPLICA_DETACHED = "ReplicaDetached"
+E_REPLICA_LEFT = "ReplicaLeft"
 E_FRONTEND_CACHE_UNSAFE = "FrontendCacheUnsafe"
 
 
@@ -277,7 +279,8 @@ class JoinRequest(TypedDict, total=False):
 
 
 class LeaveRequest(TypedDict, total=False):
-    """POST LEAVE_PATH: one of replicaId, pod or ip picks the replica (membership_requests.LeaveBody)."""
+    """POST LEAVE_PATH and HOLD_PATH: one of replicaId, pod or ip picks the replica
+    (membership_requests.LeaveBody)."""
 
     stage: int
     replicaId: int

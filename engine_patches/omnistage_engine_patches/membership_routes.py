@@ -53,6 +53,18 @@ Routes (all JSON)::
        replica is restored and the answer is 500 ``DetachFailed``.
        404 UnknownReplica / UnknownStage, 409 HeadLocalReplica, 409 PodMismatch
 
+  POST /omnistage/v1/membership/hold
+       body as leave's (master token only)
+       200 {"bootId", "epoch", "stage", "replicaId", "pod": null, "host", "state": "attached",
+            "held": true, "drained": bool, "timedOut": bool, "detached": false, "inFlightAtHold": int,
+            "waitedSeconds": float, "metricsRegistered": bool}
+       A joined replica stands by (the operator's spec.standby): no new request is routed to it,
+       its pod name is dropped, and its in-flight requests finish where they are (waited for up to
+       ``drainTimeoutSeconds``; its metric series go once none is left). It stays attached and
+       held: a join routes to it again. Idempotent.
+       409 ReplicaLeft / ReplicaDetached (it can never serve again: a process registers once),
+       409 ReplicaNotAttached, 409 HeadLocalReplica, 404 UnknownReplica / UnknownStage
+
   Replica = {"stage", "replicaId", "host", "pod", "local", "state", "registered", "attached",
              "held", "coordinatorStatus": "up"|"silent"|"absent", "silentSeconds"?, "queueLength",
              "inFlight", "draining", "metricsRegistered", "patches"?}
@@ -257,6 +269,14 @@ async def leave(request: Request) -> JSONResponse:
     return await _command(request, LeaveBody, lambda head, body: head.leave(
         body.stage, replica_id=body.replica_id, pod=body.pod or None, ip=body.ip or None,
         drain_timeout=body.drain_timeout_seconds), check=own_pod_only)
+
+
+@router.post(contract.HOLD_PATH)
+async def hold(request: Request) -> JSONResponse:
+    # The master token only: a pod has no say in whether it stands by.
+    return await _command(request, LeaveBody, lambda head, body: head.hold(
+        body.stage, replica_id=body.replica_id, pod=body.pod or None, ip=body.ip or None,
+        drain_timeout=body.drain_timeout_seconds))
 
 
 def membership_app(state: Any) -> FastAPI:

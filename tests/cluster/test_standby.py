@@ -2,7 +2,9 @@
 (tests/standin: the real vllm-omni master server and coordinator with this project's membership
 endpoint at the head, replicas registering through vllm-omni's own client code): a standby is
 registered and held unjoined by the head, `kubectl scale` up joins it (the same pod: no new pod for
-the first replica), and a new standby refills.
+the first replica), a new standby refills, and a scale-down while the standbys are short makes the
+head hold a joined replica as a standby (the same pod again). One OmniStage for the whole sequence:
+each step starts from the state the last one left.
 
 Timings are printed, never asserted. Network rule: only loopback is dialled.
 """
@@ -55,7 +57,7 @@ def _settled(kubectl, namespace: str, head: HeadEndpoint, replicas: int, standby
     return obj, listing, by_role
 
 
-def test_a_standby_is_held_unjoined_and_a_scale_up_joins_it_then_refills(
+def test_a_standby_is_held_a_scale_up_joins_it_it_refills_and_a_scale_down_holds_a_replica(
         kubectl, wait_for, namespace, operator, standin, tmp_path):
     apply(kubectl, namespace, tmp_path, sample(replicas=2, standby=1))
     head = HeadEndpoint(kubectl, namespace, NAME)
@@ -97,3 +99,22 @@ def test_a_standby_is_held_unjoined_and_a_scale_up_joins_it_then_refills(
     assert {"JoinedStandby", "RefillingStandby"} <= reasons, sorted(reasons)
     print(f"kubectl scale 2 -> 3: standby {spare_name} joined at the head after {joined_at:.1f}s "
           f"(stand-in engines); a new standby {refill['metadata']['name']} one join away after {refilled_at:.1f}s")
+
+    # Scale-down while the standbys are short (spec.standby 1 -> 2): a joined replica is held by the head,
+    # not made to leave: the same pod, no new one, a standby one join away.
+    victims = {p["metadata"]["uid"]: p["metadata"]["name"] for p in by_role["replica"]}
+    started = time.monotonic()
+    kubectl("patch", "omnistage", NAME, "-n", namespace, "--type", "merge", "-p",
+            '{"spec": {"replicas": 2, "standby": 2}}')
+    obj, listing, by_role = wait_for(
+        "2 serving and 2 standbys, one of them the replica the scale-down held",
+        lambda: _settled(kubectl, namespace, head, 2, 2, last), timeout=READY_TIMEOUT, interval=1.0)
+    held_at = time.monotonic() - started
+    kept = [p for p in by_role["standby"] if p["metadata"]["uid"] in victims]
+    assert len(kept) == 1, "the scale-down kept a joined replica as a standby (the same pod)"
+    ids = {p["metadata"]["uid"] for p in by_role["replica"] + by_role["standby"]}
+    assert ids <= set(victims) | {refill["metadata"]["uid"]}, "no new pod: a hold, not a refill"
+    reasons = {e.get("reason") for e in kubectl.json("get", "events", "-n", namespace)["items"]}
+    assert {"KeptStandby", "StandingBy"} <= reasons, sorted(reasons)
+    print(f"kubectl patch replicas 3 -> 2, standby 1 -> 2: replica {kept[0]['metadata']['name']} held as a standby "
+          f"after {held_at:.1f}s (no pod created or deleted)")

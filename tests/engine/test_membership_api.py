@@ -116,6 +116,9 @@ class Api:
     def leave(self, **body: Any) -> tuple[int, dict[str, Any]]:
         return self.call("POST", BASE_PATH + "/leave", {"stage": 0, **body})
 
+    def hold(self, **body: Any) -> tuple[int, dict[str, Any]]:
+        return self.call("POST", BASE_PATH + "/hold", {"stage": 0, **body})
+
     def metrics(self) -> str:
         with _OPENER.open(self.url + "/metrics", timeout=30) as resp:
             return resp.read().decode()
@@ -734,6 +737,59 @@ def test_route_joined_only_holds_a_replica_until_it_is_joined(head, monkeypatch)
         assert set(fresh_picks(engine, 8)) == {0, rid}, "routable once joined"
     finally:
         replica.down()
+
+
+def test_hold_makes_a_joined_replica_stand_by_and_a_join_routes_to_it_again(head, monkeypatch):
+    """A standby from a scale-down (spec.standby): hold drains a joined replica, lets its request in
+    flight finish where it is (nothing detached), drops its pod name and its metric series, and keeps
+    it attached and held: fresh picks skip it. A join under another pod name routes to it again; a
+    replica that left cannot stand by (a process registers once)."""
+    monkeypatch.setenv(contract.ROUTE_JOINED_ONLY_ENV, "1")
+    engine, api = head()
+    replica = start_replica(engine)
+    rid = replica.replica_id
+    try:
+        assert api.join("replica-a", replica.bind_ip)[0] == 200
+        assert rid in fresh_picks(engine, 8)
+        bind_request(engine, rid, "chat-1")
+        result: dict[str, Any] = {}
+        holding = threading.Thread(target=lambda: result.update(zip(("status", "body"), api.hold(
+            replicaId=rid, drainTimeoutSeconds=20))))
+        holding.start()
+        wait_quietly("held", lambda: api.members()[rid]["held"], 10)
+        assert rid not in fresh_picks(engine, 6), "a held replica gets no new request"
+        assert engine.on_loop(lambda: engine.stage0.pick("chat-1")) == rid, "its request in flight stays"
+        time.sleep(0.3)
+        assert holding.is_alive(), "hold waits while a request is in flight"
+        engine.on_loop(lambda: engine.stage0.release_binding("chat-1"))
+        holding.join(30)
+        status, body = result["status"], result["body"]
+        assert status == 200, body
+        assert (body["state"], body["held"], body["drained"], body["detached"], body["pod"]) == (
+            "attached", True, True, False, None)
+        assert body["inFlightAtHold"] == 0 and body["metricsRegistered"] is False
+        member = api.members()[rid]
+        assert (member["state"], member["attached"], member["held"], member["pod"]) == ("attached", True, True, None)
+        assert rid in engine.attached_replica_ids() and replica_lines(api.metrics(), rid) == []
+        assert set(fresh_picks(engine, 8)) == {0}
+        assert api.hold(replicaId=rid, drainTimeoutSeconds=0)[0] == 200  # idempotent
+        status, body = api.join("replica-b", replica.bind_ip)  # a scale-up joins the standby
+        assert status == 200 and (body["replicaId"], body["held"], body["pod"]) == (rid, False, "replica-b")
+        assert rid in fresh_picks(engine, 8)
+        assert api.leave(replicaId=rid, drainTimeoutSeconds=0)[1]["state"] == "left"
+        status, body = api.hold(replicaId=rid)
+        assert (status, body["error"]) == (409, contract.E_REPLICA_LEFT), body
+        assert api.hold(replicaId=0)[0] == 409  # the head's own replica
+    finally:
+        replica.down()
+
+
+def test_a_pod_credential_cannot_hold(head):
+    """Standing by is the operator's decision: a pod credential may only make its own pod leave."""
+    _engine, api = head()
+    pod_api = Api(api.url, api.membership, token=contract.pod_credential(TOKEN, "replica-a"))
+    status, body = pod_api.hold(pod="replica-a")
+    assert status == 403 and "bootId" not in body, body
 
 
 def test_without_the_gate_registration_alone_routes(head, monkeypatch):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from dataclasses import replace
 
 from omnistage.control.actions import DRAIN_DONE, DRAIN_FAILED, DRAIN_RUNNING, Annotate, StartLeave
 from omnistage.runtime import act as act_module
@@ -94,7 +95,7 @@ def test_a_30s_drain_does_not_block_the_reconcile_pass(monkeypatch):
     drains.on_done = lambda ns, name: finished.append((ns, name))
     calls = []
 
-    def slow_leave(client, replica_id, drain_seconds, stage=0):
+    def slow_leave(client, replica_id, drain_seconds, stage=0, hold=False):
         calls.append((replica_id, drain_seconds))
         release.wait(10)  # stands in for the head draining for up to drain_seconds
         return {"drained": True}
@@ -117,10 +118,34 @@ def test_a_30s_drain_does_not_block_the_reconcile_pass(monkeypatch):
     assert events == [("Normal", "Left", "replica 2 (r-2) left the engine")]
 
 
+def test_a_hold_runs_on_the_drain_pool_and_leaves_no_record_once_done(monkeypatch):
+    """A standby's hold (StartLeave.hold): the head's hold path, off the reconcile worker; once it
+    returned the record is dropped (the pod stays), and a failed one is recorded failed (the plan
+    replaces that standby)."""
+    drains, finished, events, calls = Drains(workers=1), [], [], []
+    drains.on_done = lambda ns, name: finished.append((ns, name))
+
+    def leave(client, replica_id, drain_seconds, stage=0, hold=False):
+        calls.append((replica_id, hold))
+        if replica_id == 3:
+            raise HeadUnreachable("hold at head: timed out")
+        return {"drained": True, "held": hold}
+
+    monkeypatch.setattr(act_module.head_client, "leave", leave)
+    hold = StartLeave("r-2", "uid-r2", ((0, 2),), 30, hold=True)
+    act("ns", [hold], HEAD, lambda *e: events.append(e), "ost", drains=drains)
+    assert wait("the hold returned", lambda: finished == [("ns", "ost")])
+    assert calls == [(2, True)] and drains.states("ns", "ost") == {}
+    assert events == [("Normal", "StandingBy", "replica 2 (r-2) stands by: held unroutable by the head")]
+    act("ns", [replace(hold, pod="r-3", uid="uid-r3", leaves=((0, 3),))], HEAD, lambda *e: None, "ost",
+        drains=drains)
+    assert wait("the failed hold recorded", lambda: drains.states("ns", "ost") == {"uid-r3": "failed"})
+
+
 def test_a_leave_the_head_cannot_take_is_recorded_failed(monkeypatch):
     drains, events = Drains(workers=1), []
 
-    def unreachable(client, replica_id, drain_seconds, stage=0):
+    def unreachable(client, replica_id, drain_seconds, stage=0, hold=False):
         raise HeadUnreachable("leave at head: timed out")
 
     monkeypatch.setattr(act_module.head_client, "leave", unreachable)
@@ -142,7 +167,7 @@ def test_a_pool_pods_stages_drain_side_by_side(monkeypatch):
     sum), an Event for each, and the pod's drain DONE only when both returned."""
     drains, events, calls, both = Drains(workers=1), [], [], threading.Barrier(2, timeout=10)
 
-    def leave(client, replica_id, drain_seconds, stage=0):
+    def leave(client, replica_id, drain_seconds, stage=0, hold=False):
         calls.append((stage, replica_id))
         both.wait()  # returns only when the other stage's leave runs at the same time
         return {"drained": True}
@@ -162,7 +187,7 @@ def test_many_slow_drains_leave_the_reconcile_workers_free(monkeypatch):
     """Measured: 8 OmniStages each scaling down while their heads drain for 1 s; the passes of all
     of them finish in well under one drain."""
     monkeypatch.setattr(act_module.head_client, "leave",
-                        lambda c, r, d, stage=0: (time.sleep(1.0), {"drained": True})[1])
+                        lambda c, r, d, stage=0, hold=False: (time.sleep(1.0), {"drained": True})[1])
     drains = Drains(workers=2)
     passes = []
 

@@ -1,6 +1,6 @@
 """Warm standbys (spec.standby, control/standby.py, issue 30) on the plan's table: a standby is created
-and held unjoined, a scale-up joins it first and refills it, a scale-down keeps a pod that never
-joined as one (a replica that joined is drained and deleted: the head's leave detaches it for good),
+and held unjoined, a scale-up joins it first and refills it, a scale-down keeps a replica as one (by
+its label if it never joined, and the head's hold if it did: never a leave, which detaches for good),
 extra standbys go without a drain, rollouts and head changes replace them first, a stalled standby is
 replaced, and status, the disruption budget and the metrics count serving replicas apart from them.
 
@@ -8,6 +8,8 @@ On main's code every test here fails: spec.standby is an unknown field there (In
 render_replica_pod takes no role."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 from omnistage import names
@@ -152,7 +154,7 @@ def test_scale_up_joins_the_warm_standby_before_a_loading_one():
     assert [j.pod for j in of(actions, Join)] == ["qwen3-omni-replica-3"]
 
 
-# ---- scale-down: a pod that never joined is kept as a standby; a joined one is drained ------------
+# ---- scale-down: a replica is kept as a standby (held if it joined) while the standbys are short ---
 
 def test_scale_down_keeps_a_replica_that_never_joined_as_a_standby():
     def pods_(t):
@@ -166,15 +168,64 @@ def test_scale_down_keeps_a_replica_that_never_joined_as_a_standby():
     assert status["standbyReplicas"] == 1
 
 
-def test_scale_down_drains_a_joined_replica_and_the_refill_makes_a_new_standby():
-    """The head's leave detaches a replica and a join never picks one that left, so it cannot stand by."""
+def test_scale_down_holds_a_joined_replica_as_a_standby():
+    """Standbys short: the joined victim is relabelled, NotReady, and the head holds it (drained,
+    attached, unroutable): no leave, no deletion, no new pod."""
     t, o = situation(2, 1, lambda t: [replica(t, 1), replica(t, 2)],
                      lambda rs: [member(rs[0], 1), member(rs[1], 2)])
+    actions, status, _ = plan(t, o, AT)
+    assert roles(actions) == [("qwen3-omni-replica-2", names.ROLE_STANDBY)]
+    assert [(a.pod, a.leaves, a.drain_seconds, a.hold) for a in of(actions, StartLeave)] == [
+        ("qwen3-omni-replica-2", ((0, 2),), t.spec.engine.drain_timeout_seconds, True)]
+    assert MarkJoined("qwen3-omni-replica-2", "uid-r2", False) in of(actions, MarkJoined)
+    assert of(actions, DeletePod) == [] and of(actions, CreatePod) == [] and of(actions, Annotate) == []
+    assert "drained and held unroutable by the head" in events(actions, Progress.KEPT_STANDBY)[0]
+    assert status["replicas"] == 2 and status["standbyReplicas"] == 1
+    # Its hold is under way: not one join away yet.
+    assert status["readyStandbyReplicas"] == 0
+
+
+def test_a_standby_the_head_routes_to_is_held_again_and_once_held_it_stands_by():
+    """A standby still joined under its name (an operator restart cut its hold short, or a pod
+    relabelled by hand) is held; while the hold runs nothing more; once the head holds it, at rest."""
+    def joined_standby(t):
+        return [replica(t, 1), standby(t, 2)]
+    t, o = situation(2, 1, joined_standby, lambda rs: [member(rs[0], 1), member(rs[1], 2)])
     actions, _, _ = plan(t, o, AT)
-    assert [(a.pod, a.drain_seconds) for a in of(actions, StartLeave)] == [
-        ("qwen3-omni-replica-2", t.spec.engine.drain_timeout_seconds)]
+    assert [(a.pod, a.hold) for a in of(actions, StartLeave)] == [("qwen3-omni-replica-2", True)]
+    assert of(actions, Join) == [] and of(actions, DeletePod) == []
+    running = replace(o, drains={"uid-r2": "running"})
+    assert of(plan(t, running, AT)[0], StartLeave) == []
+    t, o = situation(2, 1, joined_standby, lambda rs: [member(rs[0], 1), registered(rs[1], 2)])
+    actions, status, _ = plan(t, o, AT)
+    assert changes(actions) == [] and status["readyStandbyReplicas"] == 1
+
+
+def test_a_standby_whose_hold_failed_is_replaced():
+    t, o = situation(2, 1, lambda t: [replica(t, 1), standby(t, 2)],
+                     lambda rs: [member(rs[0], 1), member(rs[1], 2)])
+    failed = replace(o, drains={"uid-r2": "failed"})
+    actions, _, _ = plan(t, failed, AT)
+    assert [(d.name, d.reason) for d in of(actions, DeletePod)] == [
+        ("qwen3-omni-replica-2", Progress.REPLACED_REPLICA)]
+    assert any("its hold failed" in e for e in events(actions, Progress.REPLACED_REPLICA))
+
+
+def test_scale_down_with_the_standbys_full_drains_and_deletes():
+    """Beyond spec.standby a scale-down makes the replica leave, as without standbys."""
+    t, o = situation(2, 1, lambda t: [replica(t, 1), replica(t, 2), standby(t, 3)],
+                     lambda rs: [member(rs[0], 1), member(rs[1], 2), registered(rs[2], 3)])
+    actions, _, _ = plan(t, o, AT)
+    assert [(a.pod, a.hold) for a in of(actions, StartLeave)] == [("qwen3-omni-replica-2", False)]
+    assert roles(actions) == [] and of(actions, CreatePod) == []
+
+
+def test_a_silent_victim_is_not_kept_as_a_standby():
+    t, o = situation(2, 1, lambda t: [replica(t, 1), replica(t, 2)],
+                     lambda rs: [member(rs[0], 1), member(rs[1], 2, coordinator=contract.COORD_SILENT)])
+    actions, _, _ = plan(t, o, AT)
     assert roles(actions) == []
-    assert created(actions) == [("qwen3-omni-replica-3", names.ROLE_STANDBY)]
+    assert [(a.pod, a.hold) for a in of(actions, StartLeave)] == [("qwen3-omni-replica-2", False)]
 
 
 # ---- too many standbys: they go without a drain ----------------------------------------------------

@@ -147,6 +147,7 @@ class EventReason(StrEnum):
     LEFT = "Left"
     DRAIN_TIMEOUT = "DrainTimeout"
     LEAVE_FAILED = "LeaveFailed"
+    STANDING_BY = "StandingBy"  # a hold returned: the replica is a standby, unroutable, attached
     DISRUPTED = "Disrupted"  # someone else deletes a joined replica or pool pod: drained within its grace
     CREATE_REFUSED = "CreateRefused"  # the API server refused a pod (admission, quota): message has its words
     ENGINE_SILENT = "EngineSilent"  # a joined engine's heartbeats stopped: unroutable, kept (engine_liveness)

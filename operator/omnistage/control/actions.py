@@ -70,6 +70,9 @@ class StartLeave:
     uid: str
     leaves: tuple[tuple[int, int], ...]
     drain_seconds: int
+    # A standby (control/standby.py): the head drains it and holds it attached, unroutable, instead of
+    # detaching it; the pod stays.
+    hold: bool = False
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,11 @@ status.py describes what the decision leaves. Keeping the decision pure lets a t
 observation always yields the same actions.
 
 The steps run in dependency order (children, head, head restart, stale replicas, template roll,
-scale, membership) on one Pass (state.py), which records what each decided, so that a pod deleted
-early in the pass is not counted, joined or deleted again by a later step. Each step is a function
-of that state in the module named for what it decides; this module holds their order, once for the
-serving set and once for the set beside it during a head change (the successor's or the
-predecessor's: headswap.py), and plan().
+scale, standbys' holds, membership) on one Pass (state.py), which records what each decided, so
+that a pod deleted early in the pass is not counted, joined or deleted again by a later step. Each
+step is a function of that state in the module named for what it decides; this module holds their
+order, once for the serving set and once for the set beside it during a head change (the
+successor's or the predecessor's: headswap.py), and plan().
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ..api.conditions import Cond, Reason, Type, merge, timestamp
 from ..api.conditions import get as condition
 from ..api.validation import InvalidSpec
 from ..render.common import Target
-from . import children, head, headswap, identity, liveness, membership, pods, rollout, stages, status
+from . import children, head, headswap, identity, liveness, membership, pods, rollout, stages, standby, status
 from .actions import Action, BesideServing, CreatePod, Observed, PostEvent
 from .state import Pass
 
@@ -81,6 +81,7 @@ SERVING_STEPS: tuple[Callable[[Pass], None], ...] = (
     rollout.retire_stale,
     rollout.roll,
     rollout.scale,
+    standby.hold,
     membership.sync,
     membership.mark_joined,
     liveness.announce,
@@ -93,6 +94,7 @@ BESIDE_SERVING_STEPS: tuple[Callable[[Pass], None], ...] = (
     head.membership_read,
     rollout.retire_stale,
     rollout.scale,
+    standby.hold,
     membership.sync,
     membership.mark_joined,
 )

@@ -110,6 +110,10 @@ def retire_stale(p: Pass) -> None:
                 f"the head detached its engine (stage {mm.get('stage')} "
                 f"replica {mm.get('replicaId')}): its process exited or its heartbeats stopped for good",
             )
+        elif standby.hold_failed(p, r):
+            why = "it is a standby the head still routes to and its hold failed: a new standby replaces it"
+            p.emit("Warning", Progress.REPLACED_REPLICA, f"standby pod {pods.name(r)}: {why}")
+            retire(p, r, p.drain_of(r), Progress.REPLACED_REPLICA, why)
         elif p.standby(r) and (mm := standby.detached(p, r) or standby.silent(p, r)) is not None:
             # Nothing is routed to a standby, so nothing waits for it to resume: a new pod is the
             # quickest way back to a standby a scale-up can join.

@@ -8,11 +8,12 @@ scale selector (spec.replicas, readyReplicas and an HPA count serving pods only)
 like a head's role: a scale-up turns a standby ROLE_REPLICA and membership.sync joins it in the same
 pass; the standbys are then refilled with new pods.
 
-A replica that left cannot be a standby again: the head's leave detaches it (handle_unregister), a
-join never picks a replica that left (membership_ops.join: state.has_left), and a replica process
-never registers again. So a scale-down drains and deletes a joined replica as before (the refill
-makes a new standby); only a replica pod that never joined (still loading, or just turned replica)
-is kept as a standby, by its label alone.
+A scale-down keeps a replica as a standby while the standbys are short of spec.standby: one that
+never joined by its label alone, a joined one by its label and the head's hold (membership_ops.hold:
+drained, its requests in flight finish, kept attached and unroutable under no pod name). It is never
+made to leave: a replica that left is detached, and a replica process registers only once. A standby
+the head still routes to under its name (a hold not done yet, cut short by an operator restart, or a
+pod relabelled by hand) is held again (hold); one whose hold failed is replaced (rollout.retire_stale).
 
 Pure, like the rest of the plan: these steps append to the Pass's actions. rollout.py calls them for
 stage 0 (pool pods have no standbys).
@@ -28,7 +29,7 @@ from ..api.conditions import Progress
 from ..api.statuses import MemberState
 from ..names import A_LEAVING, L_ROLE, ROLE_REPLICA, ROLE_STANDBY
 from . import pods
-from .actions import CreatePod, SetRole
+from .actions import DRAIN_FAILED, CreatePod, MarkJoined, SetRole, StartLeave
 
 if TYPE_CHECKING:
     from .state import Pass
@@ -104,17 +105,53 @@ def never_joined(p: Pass, pod: dict[str, Any]) -> bool:
     return not any(mm.get("pod") == pods.name(pod) for mm in p.members())
 
 
-def keep(p: Pass, victim: dict[str, Any], standbys: list[dict[str, Any]]) -> bool:
-    """A scale-down victim that never joined becomes a standby while the standbys are short of
-    spec.standby (its label only: nothing to drain). One that joined cannot (the module's word): False."""
-    if len(standbys) >= p.standby_desired() or not never_joined(p, victim):
+def _keepable(p: Pass, pod: dict[str, Any]) -> bool:
+    """It can stand by: it never joined, or it is joined and live at the head (a hold keeps it attached);
+    a silent or dropped engine, or one whose retirement is decided, goes the usual way."""
+    if pods.annotation(pod, A_LEAVING) is not None or pods.uid(pod) in p.handled:
         return False
+    return never_joined(p, pod) or all(p.engine_live(pod, stage) for stage in pods.stage_ids(pod))
+
+
+def keep(p: Pass, victim: dict[str, Any], standbys: list[dict[str, Any]]) -> bool:
+    """A scale-down victim becomes a standby while the standbys are short of spec.standby: its label
+    now, and (hold, later in this pass) the head's hold if it was joined: nothing is lost, nothing
+    restarts."""
+    if len(standbys) >= p.standby_desired() or not _keepable(p, victim):
+        return False
+    was_joined = not never_joined(p, victim)
     _relabel(p, victim, ROLE_STANDBY)
     standbys.append(victim)
     p.progressing.append(Progress.KEPT_STANDBY)
+    how = "drained and held unroutable by the head" if was_joined else "it never joined"
     p.emit("Normal", Progress.KEPT_STANDBY, f"replica pod {pods.name(victim)} is kept as a standby "
-           f"(spec.replicas {p.t.spec.replicas}, spec.standby {p.t.spec.standby}): it never joined")
+           f"(spec.replicas {p.t.spec.replicas}, spec.standby {p.t.spec.standby}): {how}")
     return True
+
+
+def hold(p: Pass) -> None:
+    """Every standby the head still lists joined under its name is held: NotReady first (its joined gate),
+    then the head drains it and keeps it attached, unroutable, under no name (StartLeave with hold)."""
+    for s in p.live(None):
+        uid = pods.uid(s)
+        if not p.standby(s) or uid in p.handled or pods.annotation(s, A_LEAVING) is not None:
+            continue
+        leaves = tuple((stage, mm["replicaId"]) for stage in pods.stage_ids(s)
+                       if (mm := p.member_of(s, stage)) is not None and mm.get("pod") == pods.name(s)
+                       and mm.get("state") in (contract.ATTACHED, contract.DRAINING))
+        if not leaves or not p.head_talks():
+            continue
+        p.handled.add(uid)
+        if pods.gated(s) and pods.joined_condition(s):
+            p.actions.append(MarkJoined(pods.name(s), uid, False))
+        if p.o.drains.get(uid) is None:  # running: wait; failed: rollout.retire_stale replaces it
+            p.actions.append(StartLeave(pods.name(s), uid, leaves, p.drain_of(s), hold=True))
+        p.progressing.append(Progress.KEPT_STANDBY)
+
+
+def hold_failed(p: Pass, pod: dict[str, Any]) -> bool:
+    """A standby whose hold the head refused or never answered, still joined under its name."""
+    return p.standby(pod) and p.o.drains.get(pods.uid(pod)) == DRAIN_FAILED and p.joined(pod, 0)
 
 
 def surplus(p: Pass, standbys: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,7 +1,8 @@
 """Draining leaves, off the reconcile workers: the executor they run on and the state of each, by pod
 uid. act.py starts them (a StartLeave action), the next pass's observe reads their states
 (reconcile.observe), and the pass after a leave returned deletes the pod; the OmniStage is queued
-again as soon as a leave returns (on_done, set by handlers.py)."""
+again as soon as a leave returns (on_done, set by handlers.py). A hold (a standby's, StartLeave.hold)
+runs here too; once it returned its record is dropped, as the pod stays."""
 
 from __future__ import annotations
 
@@ -75,8 +76,13 @@ class Drains:
         def leave(stage: int, replica_id: int) -> str:
             who = f"replica {replica_id}" + (f" of stage {stage}" if stage else "")
             try:
-                ack = head_client.leave(client, replica_id, a.drain_seconds, stage)
+                ack = head_client.leave(client, replica_id, a.drain_seconds, stage, hold=a.hold)
                 drained = ack.get("drained", True)
+                if a.hold:
+                    emit("Normal", EventReason.STANDING_BY, f"{who} ({a.pod}) stands by: held unroutable by "
+                         "the head" + ("" if drained else f", its requests in flight still finishing after "
+                                                           f"{a.drain_seconds}s"))
+                    return DRAIN_DONE
                 emit(
                     "Normal" if drained else "Warning",
                     EventReason.LEFT if drained else EventReason.DRAIN_TIMEOUT,
@@ -109,7 +115,10 @@ class Drains:
                     max_workers=len(a.leaves), thread_name_prefix="omnistage-leave"
                 ) as each:
                     states = list(each.map(lambda sr: leave(*sr), a.leaves))
-            self._set(key, a.uid, DRAIN_FAILED if DRAIN_FAILED in states else DRAIN_DONE)
+            if a.hold and DRAIN_FAILED not in states:
+                self.forget(namespace, name, a.uid)  # a standby stays: nothing more to record
+            else:
+                self._set(key, a.uid, DRAIN_FAILED if DRAIN_FAILED in states else DRAIN_DONE)
             self.on_done(namespace, name)
 
         self._pool.submit(key, run, drain_deadline(a.drain_seconds),

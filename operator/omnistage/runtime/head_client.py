@@ -181,13 +181,16 @@ def join(head: HeadClient, pod: str, ip: str, stage: int = 0) -> dict[str, Any]:
     return _call("join", "POST", head, contract.JOIN_PATH, body, timeout=JOIN_SECONDS, attempts=2)
 
 
-def leave(head: HeadClient, replica_id: int, drain_seconds: int, stage: int = 0) -> dict[str, Any]:
-    """Stop routing to the replica, drain it up to `drain_seconds`, detach it, drop its metrics.
-    The head answers when drained, so a draining leave (drain_seconds > 0) belongs on drains.DRAINS."""
+def leave(head: HeadClient, replica_id: int, drain_seconds: int, stage: int = 0, hold: bool = False
+          ) -> dict[str, Any]:
+    """Stop routing to the replica, drain it up to `drain_seconds`, detach it, drop its metrics; with
+    `hold`, keep it attached and unroutable instead (a standby: a join routes to it again). The head
+    answers when drained, so a draining leave (drain_seconds > 0) belongs on drains.DRAINS."""
     body: contract.LeaveRequest = {
         "stage": stage,
         "replicaId": replica_id,
         "drainTimeoutSeconds": drain_seconds,
     }
-    return _call("leave", "POST", head, contract.LEAVE_PATH, body, timeout=drain_seconds + READ_SECONDS,
+    op, path = ("hold", contract.HOLD_PATH) if hold else ("leave", contract.LEAVE_PATH)
+    return _call(op, "POST", head, path, body, timeout=drain_seconds + READ_SECONDS,
                  attempts=3 if drain_seconds else 2)
