@@ -116,11 +116,12 @@ def test_one_replica_pod_per_extra_replica():
 
 
 def selects(expression: str, labels: dict[str, str]) -> bool:
-    """A label selector as the API server reads the scale subresource's: `k=v` and `k!=v` terms."""
+    """A label selector's `k=v` and `k notin (v)` terms, as this selector writes them (the real parse:
+    `kubectl scale` on the stand-in cluster tier, which refuses `!=` in a scale selector)."""
     def term(t: str) -> bool:
-        if "!=" in t:
-            k, v = t.split("!=")
-            return labels.get(k) != v
+        if " notin (" in t:
+            k, values = t.split(" notin (")
+            return labels.get(k) not in values.rstrip(")").split(",")
         k, v = t.split("=")
         return labels.get(k) == v
     return all(term(t) for t in expression.split(","))

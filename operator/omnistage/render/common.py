@@ -95,7 +95,8 @@ def selector(t: Target) -> str:
     """The scale subresource's selector: every stage-0 engine pod, head included, as spec.replicas counts
     (standbys are not: an HPA averaging over their idle engines would under-count the load)."""
     pairs = [f"{k}={v}" for k, v in sorted(selector_labels(t).items())]
-    return ",".join([*pairs, f"{L_ROLE}!={ROLE_STANDBY}"])
+    # "notin", not "!=": kubectl scale parses the selector into a LabelSelector, which has no "!=".
+    return ",".join([*pairs, f"{L_ROLE} notin ({ROLE_STANDBY})"])
 
 
 def pool_selector(t: Target, pool: str) -> str:
