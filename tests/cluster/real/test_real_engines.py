@@ -9,7 +9,10 @@ runtime's real mode).
 
 The OmniStage starts with the head alone (dynamic membership: the frontend runs the processor-only
 cache from the start), is scaled to a second replica, loses that replica to a SIGKILL, gets it
-replaced, and is scaled back down under load. The tests run in file order and share it.
+replaced, and is scaled back down under load. Then it keeps a warm standby (spec.standby): held
+at the head and served nothing, joined by `kubectl scale` (seconds to its first request printed) and
+refilled, and a scale-down under load turns the joined replica back into a standby by the head's
+hold. The tests run in file order and share it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import pytest
 from tests.cluster.real.realstage import (
     CACHE_MISS,
     HEAD_READY_TIMEOUT,
+    JOIN_TIMEOUT,
     RealOmniStage,
     count,
     print_table,
@@ -229,3 +233,125 @@ def test_scale_down_under_load_loses_nothing(stage):
           f"in flight at detach {left.get('inFlightAtDetach')}")
     assert done.is_set() and results, "the stream did not finish"
     assert not lost, client.table(lost)
+
+
+# ---- warm standbys (spec.standby, issue 30) on the same OmniStage: the head alone serves from here on --
+
+
+def _standby_pods(stage) -> list[dict[str, Any]]:
+    sel = f"serving.omnistage.io/omnistage={stage.name},serving.omnistage.io/role=standby"
+    return [p for p in stage.kubectl.json("get", "pods", "-n", stage.namespace, "-l", sel)["items"]
+            if not p["metadata"].get("deletionTimestamp")]
+
+
+def _held(stage, pod: dict[str, Any]) -> dict[str, Any] | None:
+    """The head's entry for a standby pod: registered from its address, attached, held, under no name."""
+    ip = (pod.get("status") or {}).get("podIP")
+    listing = stage.head.listing() or {}
+    return next((m for m in (listing.get("stages") or {}).get("0") or []
+                 if ip and m.get("host") == ip and not m.get("pod") and m.get("held")
+                 and m.get("state") == "attached"), None)
+
+
+def test_a_standby_is_held_warm_and_serves_nothing(stage):
+    """spec.standby 1: a replica pod starts, registers and is attached, and the head holds it: the
+    requests that follow are all served by the head's own replica (per-replica counts from the head's
+    metrics), and status counts it apart from the serving replicas."""
+    t0 = time.monotonic()
+    stage.kubectl("patch", "omnistage", NAME, "-n", stage.namespace, "--type", "merge", "-p",
+                  '{"spec": {"standby": 1}}')
+    stage.wait_for("a standby one join away (real engine start-up)", lambda: (
+        (st := stage.get().get("status", {})).get("readyStandbyReplicas") == 1 and st.get("replicas") == 1
+        and len(pods := _standby_pods(stage)) == 1 and _held(stage, pods[0]) is not None),
+        timeout=JOIN_TIMEOUT, interval=2)
+    stage.timings["standby: patched -> one join away"] = time.monotonic() - t0
+    [spare] = _standby_pods(stage)
+    held = _held(stage, spare)
+    print(f"[real] standby {spare['metadata']['name']} (replica {held['replicaId']}) held at the head "
+          f"{stage.timings['standby: patched -> one join away']:.0f}s after the patch")
+    model = client.served_model(stage.base())
+    before = stage.served_by()
+    rows = [send_attributed(stage, client.body(model, "audio", 60 + i), f"beside a standby #{i + 1}")
+            for i in range(6)]
+    print_table("six requests beside a standby", rows)
+    assert all(r.complete for r, _ in rows), client.table([r for r, _ in rows])
+    after = stage.served_by()
+    assert after.get(str(held["replicaId"]), 0) == before.get(str(held["replicaId"]), 0) == 0, after
+    assert {replica for _, replica in rows} == {"0"}, rows
+    status = stage.get()["status"]
+    assert (status["replicas"], status["standbyReplicas"]) == (1, 1), status
+
+
+def test_kubectl_scale_joins_the_standby_in_seconds_and_a_new_one_refills(stage):
+    """`kubectl scale` 1 -> 2 joins the standby (the same pod, a join only) and the next requests
+    reach it: the seconds from kubectl scale to the first request it served are printed, split."""
+    [spare] = _standby_pods(stage)
+    name, uid = spare["metadata"]["name"], spare["metadata"]["uid"]
+    replica_id = str(_held(stage, spare)["replicaId"])
+    model = client.served_model(stage.base())
+    t_scale = stage.scale(2)
+    joined_at = stage.wait_for(f"{name} joined at the head", lambda: next(
+        (time.monotonic() - t_scale for m in (stage.head.listing() or {}).get("stages", {}).get("0", [])
+         if m.get("pod") == name and not m.get("held")), None), timeout=120, interval=0.1)
+    rows, served_at = [], None
+    while served_at is None and len(rows) < 8:
+        rows.append(send_attributed(stage, client.body(model, "audio", 70 + len(rows), max_tokens=8),
+                                    f"after the scale #{len(rows) + 1}"))
+        if rows[-1][1] == replica_id:
+            served_at = time.monotonic() - t_scale
+    print_table("requests after kubectl scale 1 -> 2 with a standby", rows)
+    stage.timings["scale 1->2 with a standby: joined at the head"] = joined_at
+    stage.timings["scale 1->2 with a standby: first request it served"] = served_at or float("nan")
+    print(f"[real] kubectl scale 1 -> 2 with a standby: joined at the head +{joined_at:.2f}s, first request "
+          f"served by it +{served_at}s (the requests between take seconds each on this CPU)")
+    assert served_at is not None, f"the joined standby {name} (replica {replica_id}) served none of {len(rows)}"
+    replicas = stage.kubectl.json("get", "pod", name, "-n", stage.namespace)
+    assert replicas["metadata"]["uid"] == uid and replicas["metadata"]["labels"]["serving.omnistage.io/role"] == \
+        "replica", "the standby itself joined: no new pod"
+    refill = stage.wait_for("a new standby pod", lambda: next(
+        (p for p in _standby_pods(stage) if p["metadata"]["uid"] != uid), None), timeout=120, interval=1)
+    print(f"[real] refill: standby pod {refill['metadata']['name']} created")
+
+
+def test_scale_down_holds_a_joined_replica_as_a_standby_and_loses_nothing(stage):
+    """replicas 2 -> 1 and standby 1 -> 2 while a bounded stream runs: the joined replica is drained and
+    held by the head (no leave, no pod deleted), every request gets a complete answer, and nothing is
+    routed to it after the hold."""
+    [victim] = stage.replica_pods()
+    uid = stage.kubectl.json("get", "pod", victim, "-n", stage.namespace)["metadata"]["uid"]
+    model = client.served_model(stage.base())
+    stop = threading.Event()
+    payloads = ((f"stream #{i + 1}", client.body(model, "audio", 80 + i % 4, max_tokens=64))
+                for i in range(200) if not stop.is_set())
+    results: list[client.Result] = []
+    stream = threading.Thread(target=lambda: results.extend(client.run_many(
+        stage.base(), payloads, concurrency=4, deadline=time.monotonic() + 240)))
+    stream.start()
+    time.sleep(5)
+    t0 = time.monotonic()
+    stage.kubectl("patch", "omnistage", NAME, "-n", stage.namespace, "--type", "merge", "-p",
+                  '{"spec": {"replicas": 1, "standby": 2}}')
+    stage.wait_for(f"{victim} held as a standby, its hold done (nothing in flight there, its series gone)",
+                   lambda: next((p for p in _standby_pods(stage) if p["metadata"]["uid"] == uid
+                                 and (m := _held(stage, p)) and m.get("inFlight") == 0
+                                 and not m.get("metricsRegistered")), None), timeout=300, interval=1)
+    stage.timings["scale 2->1 under load: held as a standby"] = time.monotonic() - t0
+    # Requests keep coming after the hold: nothing is routed to the standby (sampled at the head).
+    busiest = 0
+    for _ in range(20):
+        [pod] = [p for p in _standby_pods(stage) if p["metadata"]["uid"] == uid]
+        busiest = max(busiest, (_held(stage, pod) or {"inFlight": -1})["inFlight"])
+        time.sleep(0.5)
+    stop.set()
+    stream.join(300)
+    rows = [send_attributed(stage, client.body(model, "audio", 90 + i), f"after the hold #{i + 1}") for i in range(4)]
+    print_table("after the scale-down into a standby", rows)
+    lost = [r for r in results if not r.complete]
+    print(f"\n[real] scale-down into a standby under load: {len(results)} requests, {len(lost)} without a complete "
+          f"answer; {victim} held {stage.timings['scale 2->1 under load: held as a standby']:.1f}s after the "
+          f"patch; most requests in flight on it after the hold: {busiest}")
+    assert results and not stream.is_alive(), "the stream did not finish"
+    assert not lost, client.table(lost)
+    assert busiest == 0, "a held standby had a request in flight"
+    assert {replica for _, replica in rows} == {"0"}, rows
+    assert stage.kubectl("get", "pod", victim, "-n", stage.namespace, check=False).returncode == 0
