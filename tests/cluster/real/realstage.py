@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
 from tests.cpu_engine import client
@@ -98,6 +99,19 @@ class RealOmniStage:
                                  f"serving.omnistage.io/omnistage={self.name},serving.omnistage.io/role=replica")
         return sorted(p["metadata"]["name"] for p in pods["items"] if not p["metadata"].get("deletionTimestamp"))
 
+    def standby_pods(self) -> list[dict[str, Any]]:
+        """The standby pods (spec.standby: role label standby), not terminating."""
+        pods = self.kubectl.json("get", "pods", "-n", self.namespace, "-l",
+                                 f"serving.omnistage.io/omnistage={self.name},serving.omnistage.io/role=standby")
+        return [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
+
+    def held(self, pod: dict[str, Any]) -> dict[str, Any] | None:
+        """The head's entry for a standby pod: registered from its address, attached and held, under no
+        pod name (one join away); None until it is."""
+        ip = (pod.get("status") or {}).get("podIP")
+        return next((m for m in stage0(self.head.listing() or {}) if ip and m.get("host") == ip
+                     and not m.get("pod") and m.get("held") and m.get("state") == "attached"), None)
+
     def members(self) -> list[dict[str, Any]]:
         return self.get().get("status", {}).get("members") or []
 
@@ -146,6 +160,23 @@ class RealOmniStage:
             if ns == self.namespace and (role is None or p.role == role) and p.log_path.exists():
                 out[pod] = p.log_path.read_text(errors="replace")
         return out
+
+
+def pod_pss_gib(stage: RealOmniStage, pod: str) -> float | None:
+    """The proportional set size of a pod's processes (its command and every process it spawned: vLLM's
+    engine core and worker), in GiB; None when it does not run."""
+    p = stage.runtime.processes().get((stage.namespace, pod))
+    if p is None or not p.alive():
+        return None
+    total = 0
+    try:
+        root = psutil.Process(p.pid)
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                total += proc.memory_full_info().pss
+    except psutil.NoSuchProcess:
+        return None
+    return total / 2**30
 
 
 def count(pattern: str, text: str) -> int:

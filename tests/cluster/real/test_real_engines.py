@@ -30,6 +30,7 @@ from tests.cluster.real.realstage import (
     JOIN_TIMEOUT,
     RealOmniStage,
     count,
+    pod_pss_gib,
     print_table,
     send_attributed,
     tiny_omnistage,
@@ -238,21 +239,6 @@ def test_scale_down_under_load_loses_nothing(stage):
 # ---- warm standbys (spec.standby, issue 30) on the same OmniStage: the head alone serves from here on --
 
 
-def _standby_pods(stage) -> list[dict[str, Any]]:
-    sel = f"serving.omnistage.io/omnistage={stage.name},serving.omnistage.io/role=standby"
-    return [p for p in stage.kubectl.json("get", "pods", "-n", stage.namespace, "-l", sel)["items"]
-            if not p["metadata"].get("deletionTimestamp")]
-
-
-def _held(stage, pod: dict[str, Any]) -> dict[str, Any] | None:
-    """The head's entry for a standby pod: registered from its address, attached, held, under no name."""
-    ip = (pod.get("status") or {}).get("podIP")
-    listing = stage.head.listing() or {}
-    return next((m for m in (listing.get("stages") or {}).get("0") or []
-                 if ip and m.get("host") == ip and not m.get("pod") and m.get("held")
-                 and m.get("state") == "attached"), None)
-
-
 def test_a_standby_is_held_warm_and_serves_nothing(stage):
     """spec.standby 1: a replica pod starts, registers and is attached, and the head holds it: the
     requests that follow are all served by the head's own replica (per-replica counts from the head's
@@ -262,13 +248,15 @@ def test_a_standby_is_held_warm_and_serves_nothing(stage):
                   '{"spec": {"standby": 1}}')
     stage.wait_for("a standby one join away (real engine start-up)", lambda: (
         (st := stage.get().get("status", {})).get("readyStandbyReplicas") == 1 and st.get("replicas") == 1
-        and len(pods := _standby_pods(stage)) == 1 and _held(stage, pods[0]) is not None),
+        and len(pods := stage.standby_pods()) == 1 and stage.held(pods[0]) is not None),
         timeout=JOIN_TIMEOUT, interval=2)
     stage.timings["standby: patched -> one join away"] = time.monotonic() - t0
-    [spare] = _standby_pods(stage)
-    held = _held(stage, spare)
+    [spare] = stage.standby_pods()
+    held = stage.held(spare)
+    memory = {pod: pod_pss_gib(stage, pod) for pod in (f"{NAME}-head", spare["metadata"]["name"])}
     print(f"[real] standby {spare['metadata']['name']} (replica {held['replicaId']}) held at the head "
-          f"{stage.timings['standby: patched -> one join away']:.0f}s after the patch")
+          f"{stage.timings['standby: patched -> one join away']:.0f}s after the patch; memory (PSS of each pod's "
+          "processes): " + ", ".join(f"{pod} {gib:.2f} GiB" for pod, gib in memory.items() if gib is not None))
     model = client.served_model(stage.base())
     before = stage.served_by()
     rows = [send_attributed(stage, client.body(model, "audio", 60 + i), f"beside a standby #{i + 1}")
@@ -285,9 +273,9 @@ def test_a_standby_is_held_warm_and_serves_nothing(stage):
 def test_kubectl_scale_joins_the_standby_in_seconds_and_a_new_one_refills(stage):
     """`kubectl scale` 1 -> 2 joins the standby (the same pod, a join only) and the next requests
     reach it: the seconds from kubectl scale to the first request it served are printed, split."""
-    [spare] = _standby_pods(stage)
+    [spare] = stage.standby_pods()
     name, uid = spare["metadata"]["name"], spare["metadata"]["uid"]
-    replica_id = str(_held(stage, spare)["replicaId"])
+    replica_id = str(stage.held(spare)["replicaId"])
     model = client.served_model(stage.base())
     t_scale = stage.scale(2)
     joined_at = stage.wait_for(f"{name} joined at the head", lambda: next(
@@ -309,7 +297,7 @@ def test_kubectl_scale_joins_the_standby_in_seconds_and_a_new_one_refills(stage)
     assert replicas["metadata"]["uid"] == uid and replicas["metadata"]["labels"]["serving.omnistage.io/role"] == \
         "replica", "the standby itself joined: no new pod"
     refill = stage.wait_for("a new standby pod", lambda: next(
-        (p for p in _standby_pods(stage) if p["metadata"]["uid"] != uid), None), timeout=120, interval=1)
+        (p for p in stage.standby_pods() if p["metadata"]["uid"] != uid), None), timeout=120, interval=1)
     print(f"[real] refill: standby pod {refill['metadata']['name']} created")
 
 
@@ -332,15 +320,15 @@ def test_scale_down_holds_a_joined_replica_as_a_standby_and_loses_nothing(stage)
     stage.kubectl("patch", "omnistage", NAME, "-n", stage.namespace, "--type", "merge", "-p",
                   '{"spec": {"replicas": 1, "standby": 2}}')
     stage.wait_for(f"{victim} held as a standby, its hold done (nothing in flight there, its series gone)",
-                   lambda: next((p for p in _standby_pods(stage) if p["metadata"]["uid"] == uid
-                                 and (m := _held(stage, p)) and m.get("inFlight") == 0
+                   lambda: next((p for p in stage.standby_pods() if p["metadata"]["uid"] == uid
+                                 and (m := stage.held(p)) and m.get("inFlight") == 0
                                  and not m.get("metricsRegistered")), None), timeout=300, interval=1)
     stage.timings["scale 2->1 under load: held as a standby"] = time.monotonic() - t0
     # Requests keep coming after the hold: nothing is routed to the standby (sampled at the head).
     busiest = 0
     for _ in range(20):
-        [pod] = [p for p in _standby_pods(stage) if p["metadata"]["uid"] == uid]
-        busiest = max(busiest, (_held(stage, pod) or {"inFlight": -1})["inFlight"])
+        [pod] = [p for p in stage.standby_pods() if p["metadata"]["uid"] == uid]
+        busiest = max(busiest, (stage.held(pod) or {"inFlight": -1})["inFlight"])
         time.sleep(0.5)
     stop.set()
     stream.join(300)
