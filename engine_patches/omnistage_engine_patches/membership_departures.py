@@ -91,15 +91,8 @@ class Departures(HeadReads):
             ip=ip,
         )
 
-    async def leave(
-        self,
-        stage_id: int,
-        *,
-        replica_id: int | None = None,
-        pod: str | None = None,
-        ip: str | None = None,
-        drain_timeout: float = 30.0,
-    ) -> dict[str, Any]:
+    async def leave(self, stage_id: int, *, replica_id: int | None = None, pod: str | None = None,
+                    ip: str | None = None, drain_timeout: float = 30.0) -> dict[str, Any]:
         drain_timeout = max(0.0, min(float(drain_timeout), MAX_DRAIN_SECONDS))
 
         async def op() -> dict[str, Any]:
@@ -116,15 +109,8 @@ class Departures(HeadReads):
 
         return await self.run(op, timeout=drain_timeout + 30.0)
 
-    async def hold(
-        self,
-        stage_id: int,
-        *,
-        replica_id: int | None = None,
-        pod: str | None = None,
-        ip: str | None = None,
-        drain_timeout: float = 30.0,
-    ) -> dict[str, Any]:
+    async def hold(self, stage_id: int, *, replica_id: int | None = None, pod: str | None = None,
+                   ip: str | None = None, drain_timeout: float = 30.0) -> dict[str, Any]:
         """A joined replica stands by: no new request is routed to it, the ones in flight finish
         (waited for up to ``drain_timeout``), and it stays attached, held and under no pod name, until
         a join routes to it again. Unlike a leave nothing is detached: a replica process registers
