@@ -291,7 +291,7 @@ def test_kubectl_scale_joins_the_standby_in_seconds_and_a_new_one_refills(stage)
     stage.timings["scale 1->2 with a standby: joined at the head"] = joined_at
     stage.timings["scale 1->2 with a standby: first request it served"] = served_at or float("nan")
     print(f"[real] kubectl scale 1 -> 2 with a standby: joined at the head +{joined_at:.2f}s, first request "
-          f"served by it +{served_at}s (the requests between take seconds each on this CPU)")
+          f"served by it +{served_at or float('nan'):.2f}s (the requests between take seconds each on this CPU)")
     assert served_at is not None, f"the joined standby {name} (replica {replica_id}) served none of {len(rows)}"
     replicas = stage.kubectl.json("get", "pod", name, "-n", stage.namespace)
     assert replicas["metadata"]["uid"] == uid and replicas["metadata"]["labels"]["serving.omnistage.io/role"] == \
