@@ -109,6 +109,24 @@ def get(url: str, token: str | None = None, timeout: float = 10.0) -> str:
         return r.read().decode()
 
 
+def post(base: str, path: str, timeout: float = 120.0) -> int:
+    """POST with no body (vLLM's dev routes: /sleep, /wake_up); the HTTP status."""
+    req = urllib.request.Request(_check_loopback(base) + path, data=b"", method="POST")
+    try:
+        with _OPENER.open(req, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def healthy(base: str) -> bool:
+    try:
+        get(_check_loopback(base) + "/health", timeout=5)
+        return True
+    except (OSError, urllib.error.URLError):
+        return False
+
+
 def served_model(base: str) -> str:
     return json.loads(get(_check_loopback(base) + "/v1/models", timeout=30))["data"][0]["id"]
 

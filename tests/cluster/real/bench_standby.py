@@ -17,6 +17,11 @@ Not in `make test` (a file not named test_*): it starts four engines.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
+import subprocess
 import time
 
 import pytest
@@ -24,12 +29,16 @@ import pytest
 from tests.cluster.real.realstage import (
     HEAD_READY_TIMEOUT,
     JOIN_TIMEOUT,
+    TINY_MODEL,
     RealOmniStage,
+    cpu_engine_image,
     pod_pss_gib,
     tiny_omnistage,
+    tree_pss_gib,
     watch_join,
 )
 from tests.cpu_engine import client
+from tests.standin.engine import free_port
 
 NAME = "bench-standby"
 PROBES = 12  # requests sent one after another until the new capacity served one
@@ -108,3 +117,47 @@ def _mark_warm(s: RealOmniStage, pod: str, t0: float, seen: dict[str, float]) ->
     if joined:
         seen.setdefault("joined", time.monotonic() - t0)
     return joined
+
+
+def test_sleep_mode_on_this_engine(tmp_path):
+    """Issue 30 asks whether vLLM's sleep mode (`--enable-sleep-mode`, `/sleep`, `/wake_up`) lets a
+    standby give its accelerator memory back. Measured, not read: the CPU engine image's own `vllm
+    serve --omni` with the flag, on loopback. Printed: how it ended, and on an engine that starts, the
+    PSS before and after `/sleep` and whether a request is served after `/wake_up`."""
+    image = cpu_engine_image()
+    if image is None:
+        pytest.skip("no CPU engine environment (make real-engine-env)")
+    port = free_port("127.0.0.1")
+    base = f"http://127.0.0.1:{port}"
+    env = {"PATH": f"{image.bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "TMPDIR": str(tmp_path),
+           **image.env, "VLLM_HOST_IP": "127.0.0.1", "VLLM_SERVER_DEV_MODE": "1",  # the dev routes /sleep, /wake_up
+           "VLLM_PLUGINS": ",".join(("vllm_omni_register_models", *image.extra_plugins))}
+    log = tmp_path / "engine.log"
+    argv = [str(image.bin_dir / "vllm"), "serve", str(TINY_MODEL), "--omni", "--host", "127.0.0.1", "--port",
+            str(port), "--enforce-eager", "--enable-sleep-mode"]
+    print(f"\n[bench] sleep mode: {' '.join(argv[1:])} (log {log})", flush=True)
+    t0 = time.monotonic()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while proc.poll() is None and not client.healthy(base) and time.monotonic() - t0 < HEAD_READY_TIMEOUT:
+            time.sleep(2)
+        if proc.poll() is not None:
+            why = [ln.split("[0;0m")[-1] for ln in log.read_text(errors="replace").splitlines()
+                   if re.search(r"(Error|error)[:,]", ln)]
+            print(f"[bench] sleep mode: the engine exited with {proc.returncode} {time.monotonic() - t0:.0f}s "
+                  f"after start, before serving: {why[-1].strip() if why else '(no error line)'}")
+            return
+        before = tree_pss_gib(proc.pid)
+        slept = client.post(base, "/sleep?level=1")
+        asleep = client.get(base + "/is_sleeping")
+        after = tree_pss_gib(proc.pid)
+        woke = client.post(base, "/wake_up")
+        served = client.chat(base, client.body(client.served_model(base), "audio", 400, max_tokens=4), "after wake_up")
+        print(f"[bench] sleep mode: started in {time.monotonic() - t0:.0f}s; /sleep HTTP {slept}, /is_sleeping "
+              f"{asleep}, PSS {before or 0:.2f} -> {after or 0:.2f} GiB; /wake_up HTTP {woke}; then a request: "
+              f"{'served' if served.complete else served.error}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -166,11 +166,14 @@ def pod_pss_gib(stage: RealOmniStage, pod: str) -> float | None:
     """The proportional set size of a pod's processes (its command and every process it spawned: vLLM's
     engine core and worker), in GiB; None when it does not run."""
     p = stage.runtime.processes().get((stage.namespace, pod))
-    if p is None or not p.alive():
-        return None
+    return tree_pss_gib(p.pid) if p is not None and p.alive() else None
+
+
+def tree_pss_gib(pid: int) -> float | None:
+    """The proportional set size of a process and every process it spawned, in GiB."""
     total = 0
     try:
-        root = psutil.Process(p.pid)
+        root = psutil.Process(pid)
         for proc in [root, *root.children(recursive=True)]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 total += proc.memory_full_info().pss
