@@ -11,6 +11,7 @@ Timings are printed, never asserted. Network rule: only loopback is dialled.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 
 from tests.cluster.test_operator import NAME, READY_TIMEOUT, apply, describe, get_stage, sample
 from tests.standin.harness import L_ROLE, HeadEndpoint, engine_pods, stage0
+from tests.support import external_metrics
 from tests.support.status import is_true
 
 pytestmark = pytest.mark.usefixtures("operator_log_on_failure")
@@ -118,3 +120,42 @@ def test_a_standby_is_held_a_scale_up_joins_it_it_refills_and_a_scale_down_holds
     assert {"KeptStandby", "StandingBy"} <= reasons, sorted(reasons)
     print(f"kubectl patch replicas 3 -> 2, standby 1 -> 2: replica {kept[0]['metadata']['name']} held as a standby "
           f"after {held_at:.1f}s (no pod created or deleted)")
+
+
+def test_the_hpa_controller_scales_through_the_standby(kubectl, wait_for, namespace, operator, standin, tmp_path):
+    """The local control plane's real HPA controller (kube-controller-manager) scales the OmniStage
+    through its scale subresource on an external metric (tests/support/external_metrics.py: the
+    metrics adapter, the one test-only part), and the scale-up it writes joins the standby: whoever
+    scales, a standby joins first."""
+    apply(kubectl, namespace, tmp_path, sample(replicas=1, standby=1))
+    head = HeadEndpoint(kubectl, namespace, NAME)
+    last: dict[str, str] = {}
+    _, _, by_role = wait_for("1 serving and 1 standby held", lambda: _settled(kubectl, namespace, head, 1, 1, last),
+                             timeout=READY_TIMEOUT, interval=1.0)
+    [spare] = by_role["standby"]
+    load = {"in_flight": 1.0}
+    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+           "metadata": {"name": NAME, "namespace": namespace},
+           "spec": {"scaleTargetRef": {"apiVersion": "serving.omnistage.io/v1alpha1", "kind": "OmniStage",
+                                       "name": NAME},
+                    "minReplicas": 1, "maxReplicas": 2,
+                    "metrics": [{"type": "External", "external": {
+                        "metric": {"name": "omnistage_in_flight"},
+                        "target": {"type": "AverageValue", "averageValue": "2"}}}]}}
+    with external_metrics.serving(kubectl, namespace, tmp_path,
+                                  lambda ns, metric: load["in_flight"] if ns == namespace else None) as asked:
+        kubectl("apply", "-f", "-", input=json.dumps(hpa))
+        wait_for("the HPA controller read the metric", lambda: asked, timeout=90, interval=0.5)
+        load["in_flight"] = 4.0  # a burst: 4 in flight at 2 per replica wants 2 replicas
+        started = time.monotonic()
+        wait_for("the HPA wrote spec.replicas 2", lambda: get_stage(kubectl, namespace)["spec"]["replicas"] == 2,
+                 timeout=90, interval=0.5)
+        scaled_at = time.monotonic() - started
+        wait_for(f"the standby {spare['metadata']['name']} joined", lambda: any(
+            m.get("pod") == spare["metadata"]["name"] for m in stage0(head.listing())), timeout=60, interval=0.2)
+        joined_at = time.monotonic() - started
+        hpa_status = kubectl.json("get", "hpa", NAME, "-n", namespace)["status"]
+        kubectl("delete", "hpa", NAME, "-n", namespace)
+    assert hpa_status.get("desiredReplicas") == 2, hpa_status
+    print(f"HPA on an external metric (4 in flight, 2 per replica): spec.replicas 2 after {scaled_at:.1f}s "
+          f"(the controller's 15 s sync period), the standby joined after {joined_at:.1f}s")

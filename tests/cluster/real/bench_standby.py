@@ -18,11 +18,14 @@ Not in `make test` (a file not named test_*): it starts four engines.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
 import subprocess
+import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -39,6 +42,7 @@ from tests.cluster.real.realstage import (
 )
 from tests.cpu_engine import client
 from tests.standin.engine import free_port
+from tests.support import external_metrics
 
 NAME = "bench-standby"
 PROBES = 12  # requests sent one after another until the new capacity served one
@@ -161,3 +165,117 @@ def test_sleep_mode_on_this_engine(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+# ---- a burst under the real HPA controller, with a standby and without -------------------------------
+
+BURST_SECONDS = 150        # long enough for a cold start (about a minute here) and the HPA's 15 s sync
+BURST_CONCURRENCY = 6
+BASELINE_REQUESTS = 20
+WINDOW = 10.0              # p95 per window of this many seconds of completions
+RECOVERED = 1.5            # a window's p95 within this many times the run's last window: recovered
+HPA_TARGET = 2             # in flight per replica (AverageValue of the external metric)
+IN_FLIGHT = re.compile(r'^vllm:num_requests_(?:running|waiting)\{[^}]*stage="0"[^}]*\}\s+([0-9.e+]+)$', re.MULTILINE)
+
+
+def _in_flight(stage: RealOmniStage) -> float | None:
+    """Requests running or waiting on stage 0, summed over the head's replicas: the HPA's metric."""
+    try:
+        return sum(float(v) for v in IN_FLIGHT.findall(stage.metrics()))
+    except OSError:
+        return None
+
+
+def _plus(seconds: float | None) -> str:
+    return "-" if seconds is None else f"+{seconds:.0f}"
+
+
+def _p95(seconds: list[float]) -> float:
+    return sorted(seconds)[max(0, int(0.95 * len(seconds)) - 1)] if seconds else float("nan")
+
+
+def _burst(stage: RealOmniStage, title: str) -> dict[str, Any]:
+    """Baseline p95 at concurrency 1, then BURST_CONCURRENCY for BURST_SECONDS while the HPA scales:
+    p95 per window, when the HPA wrote spec.replicas 2, when the new capacity served, when p95 recovered."""
+    model = client.served_model(stage.base())
+    base = client.run_many(stage.base(), ((f"baseline #{i}", client.body(model, "audio", 500 + i % 4, max_tokens=8))
+                                          for i in range(BASELINE_REQUESTS)), concurrency=1)
+    known, t0, marks = set(stage.served_by()), time.monotonic(), {}
+    print(f"[bench] {title}: baseline p95 {_p95([r.seconds for r in base]):.2f}s; burst at concurrency "
+          f"{BURST_CONCURRENCY} for {BURST_SECONDS}s", flush=True)
+
+    peak = [0.0]
+
+    def watch(stop: threading.Event) -> None:
+        while not stop.wait(0.5):
+            peak[0] = max(peak[0], _in_flight(stage) or 0.0)
+            if "HPA wrote spec.replicas 2" not in marks and stage.get()["spec"]["replicas"] == 2:
+                marks["HPA wrote spec.replicas 2"] = time.monotonic() - t0
+                print(f"[bench]   +{marks['HPA wrote spec.replicas 2']:.0f}s the HPA scaled 1 -> 2", flush=True)
+            if "new capacity served" not in marks and any(n > 0 for r, n in stage.served_by().items() if r not in known):
+                marks["new capacity served"] = time.monotonic() - t0
+                print(f"[bench]   +{marks['new capacity served']:.0f}s the new capacity served", flush=True)
+
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch, args=(stop,), daemon=True)
+    watcher.start()
+    payloads = ((f"burst #{i}", client.body(model, "audio", 600 + i % 4, max_tokens=8)) for i in range(5000))
+    results = client.run_many(stage.base(), payloads, BURST_CONCURRENCY, deadline=t0 + BURST_SECONDS)
+    stop.set()
+    watcher.join()
+    start_wall = min(r.started for r in results)
+    windows: dict[int, list[float]] = {}
+    for r in results:
+        windows.setdefault(int((r.started + r.seconds - start_wall) // WINDOW), []).append(r.seconds)
+    p95s = {w: _p95(s) for w, s in sorted(windows.items())}
+    final = p95s[max(p95s)]
+    bad = [w for w, p in p95s.items() if p > RECOVERED * final]
+    marks["p95 recovered"] = (max(bad) + 1) * WINDOW if bad else 0.0
+    return {"baseline p95": _p95([r.seconds for r in base]), "p95s": p95s, "marks": marks,
+            "requests": len(results), "lost": sum(not r.complete for r in results), "peak": peak[0]}
+
+
+def test_a_burst_under_the_hpa_with_and_without_a_standby(kubectl, operator, standin, real_namespace, wait_for,
+                                                          tmp_path):
+    """The local control plane's real HPA controller scales an OmniStage 1 -> 2 on the head's in-flight
+    requests (an external metric served by tests/support/external_metrics.py, the test-only adapter)
+    while a bounded burst runs: once with a standby, once without. Printed side by side: when the HPA
+    scaled, when the new capacity served, when p95 recovered, and p95 per window."""
+    s = RealOmniStage(kubectl, standin, real_namespace, "bench-burst", wait_for)
+    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+           "metadata": {"name": s.name, "namespace": s.namespace},
+           "spec": {"scaleTargetRef": {"apiVersion": "serving.omnistage.io/v1alpha1", "kind": "OmniStage",
+                                       "name": s.name},
+                    "minReplicas": 1, "maxReplicas": 2,
+                    "metrics": [{"type": "External", "external": {
+                        "metric": {"name": "omnistage_in_flight"},
+                        "target": {"type": "AverageValue", "averageValue": str(HPA_TARGET)}}}]}}
+    runs: dict[str, dict[str, Any]] = {}
+    with external_metrics.serving(kubectl, s.namespace, tmp_path,
+                                  lambda ns, metric: _in_flight(s) if ns == s.namespace else None):
+        for title, standby in (("with a standby", 1), ("without (cold start)", 0)):
+            manifest = tiny_omnistage(s.name, replicas=1)
+            manifest["spec"]["standby"] = standby
+            s.apply(manifest)
+            s.wait_for(f"{title}: 1 serving, {standby} standby one join away (real engine start-up)", lambda n=standby: (
+                (st := s.get().get("status", {})).get("readyReplicas") == 1 and not s.replica_pods()
+                and st.get("readyStandbyReplicas", 0) == n == len(s.standby_pods())),
+                timeout=HEAD_READY_TIMEOUT, interval=2)
+            kubectl("apply", "-f", "-", input=json.dumps(hpa))
+            runs[title] = _burst(s, title)
+            kubectl("delete", "hpa", s.name, "-n", s.namespace)
+            s.kubectl("patch", "omnistage", s.name, "-n", s.namespace, "--type", "merge", "-p",
+                      '{"spec": {"replicas": 1, "standby": 0}}')
+    print(f"\n[bench] a burst at concurrency {BURST_CONCURRENCY} under the HPA (1 -> 2 replicas, target "
+          f"{HPA_TARGET} in flight per replica; seconds from the burst's start)")
+    print(f"  {'':<28}" + "".join(f"{t:>24}" for t in runs))
+    for row in ("HPA wrote spec.replicas 2", "new capacity served", "p95 recovered"):
+        print(f"  {row:<28}" + "".join(f"{_plus(r['marks'].get(row)):>24}"
+                                      for r in runs.values()))
+    for row, key in (("baseline p95 (s)", "baseline p95"), ("peak in flight (HPA metric)", "peak"),
+                     ("requests", "requests"), ("without an answer", "lost")):
+        print(f"  {row:<28}" + "".join(f"{r[key]:>24.3g}" for r in runs.values()))
+    print("  p95 per window (s):")
+    for w in sorted({w for r in runs.values() for w in r["p95s"]}):
+        print(f"  {f'+{w * WINDOW:.0f}..{(w + 1) * WINDOW:.0f}s':<28}" + "".join(
+            f"{r['p95s'].get(w, float('nan')):>24.2f}" for r in runs.values()))
