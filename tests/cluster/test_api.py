@@ -60,7 +60,8 @@ def test_get_prints_printer_columns(sample, kubectl, namespace):
         out = kubectl("get", resource, "-n", namespace).stdout
         print(out)
         header, *rows = out.strip().splitlines()
-        assert header.split() == ["NAME", "DESIRED", "READY", "REGISTERED", "CACHE", "STATUS", "REASON", "AGE"]
+        assert header.split() == ["NAME", "DESIRED", "READY", "REGISTERED", "STANDBY", "CACHE", "STATUS", "REASON",
+                                  "AGE"]
         assert len(rows) == 1
         row = rows[0].split()
         assert row[0] == name
@@ -217,6 +218,8 @@ INVALID = [
     # CEL rules (operator/omnistage/api/validation.py)
     ("lru-with-dynamic-membership", {"membership": "dynamic", "cache": {"mode": "lru"}},
      ["spec.cache.mode", "processor-only"]),
+    ("standby-with-static-membership", {"membership": "static", "standby": 1},
+     ["spec.standby", "needs spec.membership dynamic"]),
     ("shm-with-two-replicas", {"membership": "static", "replicas": 2, "cache": {"mode": "shm"}},
      ["spec.cache.mode"]),
     ("gpu-count-below-tensor-parallel", {"gpu": {"count": 1}, "engine": {"tensorParallelSize": 2}},

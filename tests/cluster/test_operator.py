@@ -230,7 +230,7 @@ def test_apply_ready_with_head_and_replicas(kubectl, wait_for, namespace, operat
 
     # Printer columns like an HPA's.
     row = kubectl("get", "omnistage", NAME, "-n", namespace, "--no-headers").stdout.split()
-    assert row[:5] == [NAME, str(n), str(n), str(n), "processor-only"], row
+    assert row[:6] == [NAME, str(n), str(n), str(n), "0", "processor-only"], row  # no standby
 
     # Every child is owned (controller) by the OmniStage, so deleting it removes them.
     uid = obj["metadata"]["uid"]
@@ -732,4 +732,4 @@ def test_replica_aware_mode_rendered_reported_and_in_status(kubectl, wait_for, n
     assert is_true(obj, "CacheConsistent") and "replica-aware" in condition(obj, "CacheConsistent")["message"]
     assert all(m["state"] == "Joined" for m in st["members"]) and len(st["members"]) == n - 1
     row = kubectl("get", "omnistage", NAME, "-n", namespace, "--no-headers").stdout.split()
-    assert row[:5] == [NAME, str(n), str(n), str(n), "replica-aware"], row
+    assert row[:6] == [NAME, str(n), str(n), str(n), "0", "replica-aware"], row
