@@ -23,6 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from omnistage.runtime.probes import send_json
+
 GROUP_VERSION = "external.metrics.k8s.io/v1beta1"
 APISERVICE = "v1beta1.external.metrics.k8s.io"
 VALUE_PATH = re.compile(r"^/apis/external\.metrics\.k8s\.io/v1beta1/namespaces/([^/]+)/([^/?]+)")
@@ -32,12 +34,7 @@ Value = Callable[[str, str], float | None]  # (namespace, metric) -> value; None
 def _handler(value: Value, asked: list[tuple[str, str, float | None]]) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def _send(self, code: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_json(self, code, body)
 
         def do_GET(self) -> None:  # http.server's name
             path = self.path.split("?", 1)[0]

@@ -107,15 +107,18 @@ def _answer(path: str) -> tuple[int, dict]:
     return 404, {"error": f"no probe at {path}: /healthz (liveness) or /readyz (readiness)"}
 
 
+def send_json(handler: http.server.BaseHTTPRequestHandler, code: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # http.server calls it by this name
-        code, body = _answer(self.path.split("?", 1)[0])
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, *_answer(self.path.split("?", 1)[0]))
 
     def log_message(self, *_) -> None:  # a probe every few seconds is not worth a log line
         pass
