@@ -58,9 +58,9 @@ ROLE_NEXT_HEAD = "next-head"
 ROLE_OLD_HEAD = "old-head"
 HEAD_ROLES = (ROLE_HEAD, ROLE_NEXT_HEAD, ROLE_OLD_HEAD)
 ROLE_REPLICA = "replica"
-# A stage-0 replica pod kept unjoined (spec.standby, control/standby.py): outside the replicas'
-# PodDisruptionBudget and the scale selector. Like a head's, its role label is state: a scale-up turns
-# it ROLE_REPLICA and joins it.
+# A replica or pool pod kept unjoined (spec.standby of the OmniStage or the OmniStagePool,
+# control/standby.py): outside the PodDisruptionBudget and the scale selector. Like a head's, its role
+# label is state: a scale-up turns it ROLE_REPLICA (ROLE_POOL for a pool's) and joins it.
 ROLE_STANDBY = "standby"
 REPLICA_ROLES = (ROLE_REPLICA, ROLE_STANDBY)
 ROLE_POOL = "pool"

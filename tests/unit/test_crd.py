@@ -46,7 +46,8 @@ def test_conditions_are_a_map_keyed_by_type(build):
 def test_pool_printer_columns_and_short_name():
     crd = build_pool_crd()
     cols = [c["name"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]
-    assert cols == ["OmniStage", "Stages", "Desired", "Ready", "Registered", "Status", "Reason", "Age"]
+    assert cols == ["OmniStage", "Stages", "Desired", "Ready", "Registered", "Standby", "Status", "Reason",
+                    "Age"]
     assert (
         crd["spec"]["names"]["shortNames"] == ["osp"]
         and crd["metadata"]["name"] == "omnistagepools.serving.omnistage.io"

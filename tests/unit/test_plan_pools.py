@@ -20,8 +20,8 @@ from omnistage.control.actions import (
     StartLeave,
 )
 from omnistage.control.plan import plan
+from omnistage.control.pool_status import pool_status
 from omnistage.control.pools import fit, parse
-from omnistage.control.status import pool_status
 from omnistage.render import target_from
 from omnistage.render.pods import render_pool_pod
 from omnistage_engine_patches import contract

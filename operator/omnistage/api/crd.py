@@ -254,6 +254,12 @@ def build_pool_crd() -> dict[str, Any]:
                 "jsonPath": ".status.registeredReplicas",
                 "description": "Pods joined on the head for every one of their stages",
             },
+            {
+                "name": "Standby",
+                "type": "integer",
+                "jsonPath": ".status.readyStandbyReplicas",
+                "description": "Standby pods one join away from serving (spec.standby)",
+            },
             *READY_COLUMNS,
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         ],

@@ -182,6 +182,15 @@ class OmniStagePoolSpec(ApiModel):
         description="Extra scheduling constraints of the pool's pods (instead of the OmniStage's placement; "
         "the OmniStage's spec.template applies to them too).",
     )
+    standby: int = Field(
+        0,
+        ge=0,
+        le=MAX_STANDBY,
+        description="Standby pods kept beside the pool's pods: started, each stage registered with the head "
+        "and attached, but not joined, so the head routes nothing to them. A scale-up of the pool joins "
+        "standbys first, a join only, then starts pods to refill this count. Not counted in spec.replicas, "
+        "readyReplicas or the scale subresource. A standby holds its GPUs (docs/scaling.md: the price).",
+    )
     drain_timeout_seconds: int = Field(
         300,
         ge=0,

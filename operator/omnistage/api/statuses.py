@@ -28,7 +28,8 @@ class MemberState(StrEnum):
 
 
 # An OmniStagePool's status lists only its pods that stay, so none of them is Leaving.
-POOL_MEMBER_STATES = (MemberState.PENDING, MemberState.JOINING, MemberState.JOINED, MemberState.SILENT)
+POOL_MEMBER_STATES = (MemberState.PENDING, MemberState.JOINING, MemberState.JOINED, MemberState.SILENT,
+                      MemberState.STANDBY)
 
 
 class _Status(ApiModel):
@@ -160,6 +161,8 @@ class PoolMemberStatus(_Status):
     state: str = Field(description=f"{either(POOL_MEMBER_STATES)} (every stage of the pod joined).")
     replica_ids: dict[str, int] = Field(
         default_factory=dict, description="Replica id the head assigned to this pod, by stage id.")
+    standby: bool | None = Field(
+        None, description="A standby pod (spec.standby): not joined on purpose, not counted in replicas.")
 
 
 class OmniStagePoolStatus(_Status):
@@ -168,6 +171,11 @@ class OmniStagePoolStatus(_Status):
     replicas: int = Field(0, description="Pods that exist.")
     ready_replicas: int = Field(0, description="Pods that are Ready.")
     registered_replicas: int = Field(0, description="Pods joined on the head for every one of their stages.")
+    standby_replicas: int = Field(
+        0, description="Standby pods that exist (spec.standby): not joined, not counted in replicas.")
+    ready_standby_replicas: int = Field(
+        0, description="Standby pods whose every stage is registered with the head, attached and live: each "
+        "one join away from serving.")
     selector: str = Field("", description="Label selector of the counted pods (scale subresource).")
     members: list[PoolMemberStatus] = Field(default_factory=list, description="Pods and their membership.")
     conditions: list[Condition] = Field(default_factory=list, description="Ready.")

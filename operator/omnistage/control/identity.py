@@ -80,6 +80,8 @@ def sort_out(t: Target, owned: list[dict[str, Any]], pool_names: set[str]
             role = lost.get(pods.uid(pod)) or pods.role(pod) or ROLE_HEAD
         elif role == ROLE_REPLICA:  # a replica pod's role is state too: a standby stays one
             role = pods.role(pod) if pods.role(pod) in REPLICA_ROLES else replica_role(t, pod)
+        elif role == ROLE_POOL and pods.role(pod) == ROLE_STANDBY:  # a pool's standby, as for stage 0
+            role = ROLE_STANDBY
         want = labels(t, role, pool)
         have = pod["metadata"].get("labels") or {}
         fix: dict[str, str | None] = {

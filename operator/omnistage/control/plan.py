@@ -23,7 +23,20 @@ from ..api.conditions import Cond, Reason, Type, merge, timestamp
 from ..api.conditions import get as condition
 from ..api.validation import InvalidSpec
 from ..render.common import Target
-from . import children, head, headswap, identity, liveness, membership, pods, rollout, stages, standby, status
+from . import (
+    children,
+    head,
+    headswap,
+    identity,
+    liveness,
+    membership,
+    pods,
+    pool_status,
+    rollout,
+    stages,
+    standby,
+    status,
+)
 from .actions import Action, BesideServing, CreatePod, Observed, PostEvent
 from .state import Pass
 
@@ -55,7 +68,7 @@ def decision(t: Target | InvalidSpec, o: Observed, at: str | None = None) -> Dec
     if o.secret_refused:
         return Decision(_secret_refused(t, o, generation, at), None)
     p = decide(t, o, at)
-    made = Plan(p.actions, status.omnistage_status(p, generation, at), status.pool_statuses(p, at))
+    made = Plan(p.actions, status.omnistage_status(p, generation, at), pool_status.pool_statuses(p, at))
     return Decision(made, p)
 
 

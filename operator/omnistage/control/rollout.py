@@ -118,8 +118,8 @@ def retire_stale(p: Pass) -> None:
             # Nothing is routed to a standby, so nothing waits for it to resume: a new pod is the
             # quickest way back to a standby a scale-up can join.
             what = "dropped its engine" if mm.get("state") == contract.DETACHED else "heard no heartbeat"
-            why = (f"it is a standby and the head {what} (stage-0 replica {mm.get('replicaId')}, registered, "
-                   "never joined): a new standby replaces it")
+            why = (f"it is a standby and the head {what} (stage {mm.get('stage', 0)} replica "
+                   f"{mm.get('replicaId')}, registered, never joined): a new standby replaces it")
             # Said once: from the next pass on it is leaving (the branch above).
             p.emit("Warning", Progress.REPLACED_REPLICA, f"standby pod {pods.name(r)}: {why}")
             retire(p, r, 0, Progress.REPLACED_REPLICA, why)
@@ -209,11 +209,11 @@ def scale(p: Pass) -> None:
 
 
 def _scale(p: Pass, pool: Pool | None, desired: int, why: str) -> None:
-    """The group to `desired` pods (plus a roll's surge). Stage 0 keeps its standbys (standby.py) beside:
-    a scale-up joins them first, a scale-down keeps a victim that never joined as one, and the standbys
-    are then trimmed or refilled to spec.standby."""
+    """The group to `desired` pods (plus a roll's surge), its standbys (standby.py) beside: a scale-up
+    joins them first, a scale-down keeps a victim as one while they are short, and the standbys are
+    then trimmed or refilled to the group's spec.standby."""
     name = pool.name if pool else None
-    staying, standbys = standby.split(p, p.staying(name))  # a pool has no standbys
+    staying, standbys = standby.split(p, p.staying(name))
     want = desired + surge(p, pool)  # a roll's replacements, beyond desired until the outdated pods left
     new = 0
     if len(staying) > want:
@@ -221,24 +221,21 @@ def _scale(p: Pass, pool: Pool | None, desired: int, why: str) -> None:
         if pool is None:
             victims = liveness.keep_one_live(p, victims)
         for victim in victims:
-            if pool is None and standby.keep(p, victim, standbys):
+            if standby.keep(p, victim, standbys):
                 continue
             retire(p, victim, p.drain_of(victim), Progress.SCALED_DOWN, _why(p, Progress.SCALED_DOWN, victim))
     elif len(staying) < want:
-        joined = standby.join(p, standbys, want - len(staying), why) if pool is None else 0
-        new = want - len(staying) - joined
-    refill = 0
-    if pool is None:
-        for s in standby.surplus(p, standbys):
-            retire(p, s, 0, Progress.STANDBY_SCALED_DOWN, _why(p, Progress.STANDBY_SCALED_DOWN, s))
-        refill = max(0, p.standby_desired() - len(standbys))
+        new = want - len(staying) - standby.join(p, standbys, want - len(staying), why)
+    for s in standby.surplus(p, standbys, name):
+        retire(p, s, 0, Progress.STANDBY_SCALED_DOWN, _why(p, Progress.STANDBY_SCALED_DOWN, s))
+    refill = max(0, p.standby_desired(name) - len(standbys))
     # Pool pods too are created once the head has an IP, not once it is Ready: the head turns Ready
     # only after one replica of each remote stage registered. Replicas first, then the standbys.
     if (new or refill) and p.head_live():
         every = [r for r in p.o.replicas + p.change.names_held if pods.pool(r) == name]
         for n, i in enumerate(pods.free_indices(every, new + refill)):
             if n >= new:
-                p.actions.append(standby.create(p, i))
+                p.actions.append(standby.create(p, i, name))
                 continue
             want_pod = p.want_pool_pod(pool, i) if pool else p.want_replica(i)
             kind = "pool pod" if pool else "replica pod"
@@ -250,5 +247,5 @@ def _why(p: Pass, reason: str, pod: dict[str, Any]) -> str:
     fitted = p.pool_of.get(pods.pool(pod) or "")
     replicas = fitted.pool.spec.replicas if fitted and fitted.pool else p.t.spec.replicas
     why = _WHY.get(reason, "it was leaving").format(replicas=replicas, pool=pods.pool(pod),
-                                                     standby=p.standby_desired())
+                                                     standby=p.standby_desired(pods.pool(pod)))
     return f"its pool's {why}" if fitted and reason == Progress.SCALED_DOWN else why

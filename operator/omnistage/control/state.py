@@ -206,8 +206,14 @@ class Pass:
             return self.change.replica_target
         return self.t.replica_pods
 
-    def standby_desired(self) -> int:
-        """Standbys this set keeps (spec.standby; none in a static set, which has no replica pods)."""
+    def standby_desired(self, pool: str | None = None) -> int:
+        """Standbys this set keeps of stage 0 (spec.standby; none in a static set, which has no replica
+        pods) or of a pool (its spec.standby; none while this set is the one a head change replaces)."""
+        if pool is not None:
+            fitted = self.pool_of.get(pool)
+            if fitted is None or fitted.pool is None or not fitted.runs or self.change.standby_target == 0:
+                return 0
+            return fitted.pool.spec.standby
         if self.change.standby_target is not None:
             return self.change.standby_target
         return self.t.spec.standby if self.t.distributed else 0

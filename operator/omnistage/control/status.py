@@ -8,18 +8,17 @@ no longer counted, a replica it retires is Leaving.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from omnistage_engine_patches import contract
 from pydantic import BaseModel
 
 from ..api import statuses
-from ..api.conditions import Cond, Reason, Type, merge, ready, timestamp
+from ..api.conditions import Cond, Reason, Type, merge, ready
 from ..api.statuses import MemberState
 from ..names import A_CONFIG_HASH, A_LEAVING
 from ..render import selector
-from ..render.common import Target, pool_selector
 from . import engine_truth, headswap, liveness, pods, pools, rollout, standby
 
 if TYPE_CHECKING:
@@ -31,12 +30,12 @@ STAGE_POD_PATCHES = (contract.CONNECTOR_PORTS,)
 MOST_REFUSED = 4  # refused children ReplicaFailure names (each message is bounded: runtime/act.refusal)
 
 
-def _dump(model: BaseModel) -> dict[str, Any]:
+def dump(model: BaseModel) -> dict[str, Any]:
     """The status as written: the keys the pass set, by their API names."""
     return model.model_dump(by_alias=True, exclude_unset=True)
 
 
-def _set(**fields: Any) -> dict[str, Any]:
+def present(**fields: Any) -> dict[str, Any]:
     """The fields that have a value (a status leaves out what it does not know)."""
     return {k: v for k, v in fields.items() if v is not None}
 
@@ -61,9 +60,9 @@ def omnistage_status(p: Pass, generation: int | None, at: str) -> dict[str, Any]
     stages = stage_rows(p)
     conds = _conditions(p, engine_pods, ready_pods, joined, head_registered, stages)
     same_head = head is not None and (previous.get("head") or {}).get("uid") == pods.uid(head)
-    return _dump(
+    return dump(
         statuses.OmniStageStatus(
-            **_set(
+            **present(
                 observed_generation=generation,
                 replicas=len(engine_pods),
                 ready_replicas=len(ready_pods),
@@ -116,7 +115,7 @@ def _members(p: Pass, live: list[dict[str, Any]]) -> list[statuses.MemberStatus]
                 ip=pods.ip(r),
                 replica_id=mm.get("replicaId") if mm else None,
                 state=str(state),
-                **_set(reason=f"{Type.CACHE_CONSISTENT}: {p.verdict.reason}" if held else None,
+                **present(reason=f"{Type.CACHE_CONSISTENT}: {p.verdict.reason}" if held else None,
                        standby=p.standby(r) or None),
             )
         )
@@ -261,8 +260,8 @@ def _head(p: Pass) -> statuses.HeadStatus | None:
     # one's first answer is not taken for yet another restart.
     boot = (p.report or p.listing or {}).get("bootId") or (
         before.get("bootId") if before.get("uid") == pods.uid(head) and not p.head_restarted else None)
-    return statuses.HeadStatus(**_set(pod=pods.name(head), uid=pods.uid(head), ip=pods.ip(head), boot_id=boot,
-                                 restarts=pods.restarts(head)))
+    return statuses.HeadStatus(**present(pod=pods.name(head), uid=pods.uid(head), ip=pods.ip(head),
+                                         boot_id=boot, restarts=pods.restarts(head)))
 
 
 # ---- stages >= 1 and their pools ---------------------------------------------------------------------
@@ -283,7 +282,7 @@ def stage_rows(p: Pass) -> list[dict[str, Any]]:
                "registered": sum(1 for r in staying if p.joined(r, s.id)),
                "patches": merged_outcomes([o for o in reports.values() if o]) or None,
                "patchProblem": stage_patch_problem(reports)}
-        rows.append(_set(**row))
+        rows.append(present(**row))
     return rows
 
 
@@ -341,55 +340,3 @@ def stage_patch_problem(reports: Mapping[str, dict[str, str] | None]) -> str | N
         if report.get(name, contract.SKIPPED) not in contract.EFFECTIVE_OUTCOMES
     )
     return ", ".join(bad) or None
-
-
-def pool_statuses(p: Pass, at: str) -> dict[str, dict[str, Any]]:
-    """The status of each pool whose status changed (the pass that decides for its pods says it)."""
-    out = {}
-    for f in p.pools:
-        status = pool_status(f, p.t, p.staying(f.name), p.member_of, at)
-        if status != (f.obj.get("status") or {}):
-            out[f.name] = status
-    return out
-
-
-def pool_status(f: pools.Fitted, t: Target | None, staying: list[dict[str, Any]],
-                member_of: Callable[[dict[str, Any], int], dict[str, Any] | None] = lambda pod, stage: None,
-                at: str | None = None) -> dict[str, Any]:
-    """An OmniStagePool's status. `staying`: its pods not on their way out; `member_of(pod, stage)`:
-    the head's listing entry of the pod's replica of that stage."""
-    previous = f.obj.get("status") or {}
-    generation = f.obj["metadata"].get("generation")
-    ids = f.pool.spec.stage_ids if f.pool else []
-    members = []
-    for r in sorted(staying, key=pods.index):
-        listed = {k: member_of(r, k) for k in pods.stage_ids(r)}
-        done = all(mm is not None and mm.get("pod") == pods.name(r) for mm in listed.values())
-        registered = any(mm is not None for mm in listed.values())
-        state = MemberState.JOINED if done else (
-            MemberState.JOINING if registered and pods.containers_ready(r) else MemberState.PENDING)
-        members.append(statuses.PoolMemberStatus(**_set(
-            pod=pods.name(r), ip=pods.ip(r), state=str(state),
-            replica_ids={str(k): mm["replicaId"] for k, mm in listed.items() if mm is not None})))
-    # Ready and joined: the pod's Ready alone may be kwok's start-up word.
-    ready_pods = sum(1 for r, m in zip(sorted(staying, key=pods.index), members, strict=True)
-                     if pods.ready(r) and m.state == MemberState.JOINED)
-    registered = sum(1 for m in members if m.state == MemberState.JOINED)
-    if f.problem:
-        cond = Cond(Type.READY, False, f.problem[0], f.problem[1])
-    else:
-        desired = f.pool.spec.replicas
-        ok = ready_pods == registered == len(staying) == desired
-        cond = Cond(Type.READY, ok, Reason.ALL_REPLICAS_SERVING if ok else Reason.WAITING,
-                    f"{ready_pods}/{desired} pods ready, {registered} joined on the head for stages "
-                    + ", ".join(map(str, ids)))
-    return _dump(statuses.OmniStagePoolStatus(**_set(
-        observed_generation=generation,
-        replicas=len(staying),
-        ready_replicas=ready_pods,
-        registered_replicas=registered,
-        selector=pool_selector(t, f.name) if t is not None else previous.get("selector", ""),
-        members=members,
-        conditions=merge(previous.get("conditions", []), [cond], generation, at or timestamp()),
-    )))
-

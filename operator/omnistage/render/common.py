@@ -83,7 +83,8 @@ def labels(t: Target, role: str | None = None, pool: str | None = None) -> dict[
 
 
 def selector_labels(t: Target, role: str | None = None, pool: str | None = None) -> dict[str, str]:
-    out = {L_OMNISTAGE: t.name, L_COMPONENT: COMPONENT_POOL if role == ROLE_POOL else COMPONENT_ENGINE}
+    pooled = role == ROLE_POOL or pool is not None  # a pool's standby too
+    out = {L_OMNISTAGE: t.name, L_COMPONENT: COMPONENT_POOL if pooled else COMPONENT_ENGINE}
     if role:
         out[L_ROLE] = role
     if pool:

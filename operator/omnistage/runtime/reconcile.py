@@ -26,7 +26,8 @@ from ..api.validation import InvalidSpec
 from ..control import identity, pods, pools
 from ..control.actions import Action, EnsureChild, Observed, PostEvent
 from ..control.plan import Plan, decision, described, mounts_membership_secret, plan
-from ..control.status import failed_status, pool_status
+from ..control.pool_status import pool_status
+from ..control.status import failed_status
 from ..names import HEAD_ROLES, REPLICA_ROLES, ROLE_POOL
 from ..render import render_secret, target_from
 from ..render.common import Target

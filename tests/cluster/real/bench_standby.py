@@ -45,18 +45,29 @@ from tests.standin.engine import free_port
 from tests.support import external_metrics
 
 NAME = "bench-standby"
-PROBES = 12  # requests sent one after another until the new capacity served one
+PROBES = 12  # rounds of two requests at once (the head picks a replica for each) until the new capacity served one
 pytestmark = pytest.mark.timeout(3 * HEAD_READY_TIMEOUT)
 
 
 def _first_served(stage: RealOmniStage, t0: float, known: set[str]) -> float | None:
-    """Seconds from `t0` until a replica other than `known` finished a request (sequential probes)."""
+    """Seconds from `t0` until a replica other than `known` finished a request: rounds of two at once,
+    as any load is more than one request (one alone may keep going to the busy-free old replica)."""
     model = client.served_model(stage.base())
     for i in range(PROBES):
-        client.chat(stage.base(), client.body(model, "audio", 300 + i, max_tokens=4), f"probe #{i + 1}")
-        if any(n > 0 for r, n in stage.served_by().items() if r not in known):
+        client.run_many(stage.base(), ((f"probe #{i + 1}.{k}", client.body(model, "audio", 300 + 2 * i + k,
+                                                                           max_tokens=4)) for k in (0, 1)), 2)
+        if served_elsewhere(stage, known):
             return time.monotonic() - t0
     return None
+
+
+def served_elsewhere(stage: RealOmniStage, known: set[str]) -> bool:
+    return any(n > 0 for r, n in stage.served_by().items() if r not in known)
+
+
+def serving_replicas(stage: RealOmniStage) -> set[str]:
+    """The replica ids that finished a request so far (a standby's series may be listed at 0)."""
+    return {r for r, n in stage.served_by().items() if n > 0}
 
 
 def _table(title: str, columns: dict[str, dict[str, float]]) -> None:
@@ -169,11 +180,11 @@ def test_sleep_mode_on_this_engine(tmp_path):
 
 # ---- a burst under the real HPA controller, with a standby and without -------------------------------
 
-BURST_SECONDS = 150        # long enough for a cold start (about a minute here) and the HPA's 15 s sync
+BURST_SECONDS = 240        # a cold start under the burst (over 146 s on these 2 cores) and the HPA's 15 s sync
 BURST_CONCURRENCY = 6
 BASELINE_REQUESTS = 20
 WINDOW = 10.0              # p95 per window of this many seconds of completions
-RECOVERED = 1.5            # a window's p95 within this many times the run's last window: recovered
+RECOVERED = 1.5            # a window's p95 within this many times the baseline's: recovered
 HPA_TARGET = 2             # in flight per replica (AverageValue of the external metric)
 IN_FLIGHT = re.compile(r'^vllm:num_requests_(?:running|waiting)\{[^}]*stage="0"[^}]*\}\s+([0-9.e+]+)$', re.MULTILINE)
 
@@ -200,7 +211,7 @@ def _burst(stage: RealOmniStage, title: str) -> dict[str, Any]:
     model = client.served_model(stage.base())
     base = client.run_many(stage.base(), ((f"baseline #{i}", client.body(model, "audio", 500 + i % 4, max_tokens=8))
                                           for i in range(BASELINE_REQUESTS)), concurrency=1)
-    known, t0, marks = set(stage.served_by()), time.monotonic(), {}
+    known, t0, marks = serving_replicas(stage), time.monotonic(), {}
     print(f"[bench] {title}: baseline p95 {_p95([r.seconds for r in base]):.2f}s; burst at concurrency "
           f"{BURST_CONCURRENCY} for {BURST_SECONDS}s", flush=True)
 
@@ -212,7 +223,7 @@ def _burst(stage: RealOmniStage, title: str) -> dict[str, Any]:
             if "HPA wrote spec.replicas 2" not in marks and stage.get()["spec"]["replicas"] == 2:
                 marks["HPA wrote spec.replicas 2"] = time.monotonic() - t0
                 print(f"[bench]   +{marks['HPA wrote spec.replicas 2']:.0f}s the HPA scaled 1 -> 2", flush=True)
-            if "new capacity served" not in marks and any(n > 0 for r, n in stage.served_by().items() if r not in known):
+            if "new capacity served" not in marks and served_elsewhere(stage, known):
                 marks["new capacity served"] = time.monotonic() - t0
                 print(f"[bench]   +{marks['new capacity served']:.0f}s the new capacity served", flush=True)
 
@@ -228,10 +239,11 @@ def _burst(stage: RealOmniStage, title: str) -> dict[str, Any]:
     for r in results:
         windows.setdefault(int((r.started + r.seconds - start_wall) // WINDOW), []).append(r.seconds)
     p95s = {w: _p95(s) for w, s in sorted(windows.items())}
-    final = p95s[max(p95s)]
-    bad = [w for w, p in p95s.items() if p > RECOVERED * final]
-    marks["p95 recovered"] = (max(bad) + 1) * WINDOW if bad else 0.0
-    return {"baseline p95": _p95([r.seconds for r in base]), "p95s": p95s, "marks": marks,
+    baseline = _p95([r.seconds for r in base])
+    bad = [w for w, p in p95s.items() if p > RECOVERED * baseline]
+    if not bad or max(bad) < max(p95s):  # recovered within the burst (and stayed so)
+        marks["p95 recovered"] = (max(bad) + 1) * WINDOW if bad else 0.0
+    return {"baseline p95": baseline, "p95s": p95s, "marks": marks,
             "requests": len(results), "lost": sum(not r.complete for r in results), "peak": peak[0]}
 
 
@@ -261,13 +273,19 @@ def test_a_burst_under_the_hpa_with_and_without_a_standby(kubectl, operator, sta
                 (st := s.get().get("status", {})).get("readyReplicas") == 1 and not s.replica_pods()
                 and st.get("readyStandbyReplicas", 0) == n == len(s.standby_pods())),
                 timeout=HEAD_READY_TIMEOUT, interval=2)
+            # The last run's pods stopped, not only deleted: their shutdown would load the baseline.
+            s.wait_for("only this run's engines running", lambda n=1 + standby: sum(
+                1 for (ns, _), proc in s.runtime.processes().items() if ns == s.namespace and proc.alive())
+                == n, timeout=120, interval=1)
             kubectl("apply", "-f", "-", input=json.dumps(hpa))
             runs[title] = _burst(s, title)
             kubectl("delete", "hpa", s.name, "-n", s.namespace)
             s.kubectl("patch", "omnistage", s.name, "-n", s.namespace, "--type", "merge", "-p",
                       '{"spec": {"replicas": 1, "standby": 0}}')
     print(f"\n[bench] a burst at concurrency {BURST_CONCURRENCY} under the HPA (1 -> 2 replicas, target "
-          f"{HPA_TARGET} in flight per replica; seconds from the burst's start)")
+          f"{HPA_TARGET} in flight per replica; seconds from the burst's start; '-': not within the burst). On "
+          "these 2 cores every engine shares the same CPUs: a second replica adds no compute, so p95 shows "
+          f"contention, not capacity; 'p95 recovered' is p95 back within {RECOVERED}x the baseline's.")
     print(f"  {'':<28}" + "".join(f"{t:>24}" for t in runs))
     for row in ("HPA wrote spec.replicas 2", "new capacity served", "p95 recovered"):
         print(f"  {row:<28}" + "".join(f"{_plus(r['marks'].get(row)):>24}"
