@@ -18,6 +18,7 @@ process (~10-20 s), once per head incarnation and per pod; the module starts 3 h
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -221,3 +222,63 @@ def test_same_node_pins_every_engine_pod_to_the_heads_node(kubectl, wait_for, na
         spec = kubectl.json("get", "pod", pod, "-n", namespace)["spec"]
         shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
         assert shm["hostPath"] == {"path": f"/dev/shm/omnistage/{namespace}/{NAME}", "type": "DirectoryOrCreate"}
+
+
+def _pool_with_standbys(kubectl, namespace: str, serving: int, standbys: int) -> dict[str, Any] | None:
+    """The pool Ready with `serving` pods joined for stages 1 and 2 and `standbys` standby pods whose
+    replicas of both stages are registered from their addresses, unjoined: (pods by role, listing)."""
+    pool = get_pool(kubectl, namespace)
+    pst = (pool or {}).get("status") or {}
+    if not (pool and is_true(pool, "Ready") and pst.get("observedGeneration") == pool["metadata"]["generation"]
+            and pst.get("registeredReplicas") == serving and pst.get("standbyReplicas") == standbys
+            and pst.get("readyStandbyReplicas") == standbys):
+        return None
+    by_role: dict[str, list[dict[str, Any]]] = {"pool": [], "standby": []}
+    for p in pool_pods(kubectl, namespace):
+        by_role.setdefault(p["metadata"]["labels"]["serving.omnistage.io/role"], []).append(p)
+    if (len(by_role["pool"]), len(by_role["standby"])) != (serving, standbys):
+        return None
+    listing = HeadEndpoint(kubectl, namespace, NAME).listing()
+    for k in (1, 2):
+        members = [m for m in ((listing or {}).get("stages") or {}).get(str(k)) or []
+                   if str(m.get("state", "")).lower() not in GONE]
+        if {m.get("pod") for m in members if m.get("pod")} != {p["metadata"]["name"] for p in by_role["pool"]}:
+            return None
+        if {m.get("host") for m in members if not m.get("pod")} != {p["status"]["podIP"] for p in by_role["standby"]}:
+            return None
+    return {"pods": by_role, "listing": listing}
+
+
+def test_a_pool_standby_is_held_for_both_stages_joined_by_a_pool_scale_up_and_held_again(
+        kubectl, wait_for, namespace, operator, standin, tmp_path):
+    """OmniStagePool spec.standby 1 (issue 30): a standby speech pod registers both its stages and the
+    head holds them unjoined; `kubectl scale omnistagepool` 1 -> 2 joins that pod (the same pod, both
+    stages) and a new standby refills; replicas 1 with standby 2 holds a joined pod again (the same pod,
+    no new one). Stand-in engines; timings printed, never asserted."""
+    apply_docs(kubectl, namespace, tmp_path, docs(standby=1))
+    state = wait_for("1 speech pod serving and 1 standby held for stages 1 and 2",
+                     lambda: _pool_with_standbys(kubectl, namespace, 1, 1), timeout=READY_TIMEOUT, interval=1.0)
+    [spare] = state["pods"]["standby"]
+    spare_name, spare_uid = spare["metadata"]["name"], spare["metadata"]["uid"]
+    printed = kubectl("get", "omnistagepool", "-n", namespace).stdout
+    print(printed)
+    assert "STANDBY" in printed
+
+    started = time.monotonic()
+    kubectl("scale", "omnistagepool", POOL, "-n", namespace, "--replicas=2")
+    state = wait_for("the standby joined for both stages and a new standby held",
+                     lambda: _pool_with_standbys(kubectl, namespace, 2, 1), timeout=READY_TIMEOUT, interval=0.5)
+    assert spare_uid in {p["metadata"]["uid"] for p in state["pods"]["pool"]}, "the standby itself joined"
+    refill = state["pods"]["standby"][0]
+    print(f"kubectl scale omnistagepool 1 -> 2: standby {spare_name} joined for stages 1 and 2, "
+          f"{refill['metadata']['name']} refilled, after {time.monotonic() - started:.1f}s (stand-in engines)")
+
+    before = {p["metadata"]["uid"] for ps in state["pods"].values() for p in ps}
+    kubectl("patch", "omnistagepool", POOL, "-n", namespace, "--type", "merge", "-p",
+            json.dumps({"spec": {"replicas": 1, "standby": 2}}))
+    state = wait_for("a joined speech pod held as a standby", lambda: _pool_with_standbys(kubectl, namespace, 1, 2),
+                     timeout=READY_TIMEOUT, interval=0.5)
+    after = {p["metadata"]["uid"] for ps in state["pods"].values() for p in ps}
+    assert after == before, "a hold, not a new pod"
+    reasons = {e["reason"] for e in events(kubectl, namespace)}
+    assert {"JoinedStandby", "RefillingStandby", "KeptStandby"} <= reasons, sorted(reasons)

@@ -26,6 +26,7 @@ from tests.standin import zygote
 from tests.standin.commands import (
     HEAD_MODULE,
     HEAD_ROLES,
+    L_POOL,
     L_ROLE,
     REPLICA_MODULE,
     ROLE_STANDBY,
@@ -303,10 +304,11 @@ class StandinRuntime(PodWatch, Containers, Lifecycle, PodStatus):
         ns, name = key
         uid = pod["metadata"]["uid"]
         labels = pod["metadata"].get("labels") or {}
-        # A head change's second head (next-head, old-head) is a head, and a standby a replica: the label picks
-        # the Services and the disruption budget, not the process.
+        # A head change's second head (next-head, old-head) is a head, and a standby a replica (a pool's
+        # standby a pool pod): the label picks the Services and the disruption budget, not the process.
         role = labels.get(L_ROLE, "")
-        role = "head" if role in HEAD_ROLES else "replica" if role == ROLE_STANDBY else role
+        standby_of = "pool" if labels.get(L_POOL) else "replica"
+        role = "head" if role in HEAD_ROLES else standby_of if role == ROLE_STANDBY else role
         ip = pod["status"]["podIP"]
         once = (ns, name, uid)
         if not is_loopback(ip):
