@@ -120,6 +120,19 @@ def test_scale_to_first_request_with_and_without_a_standby(kubectl, operator, st
            {"with a standby": warm, "without (cold start)": cold})
     print("[bench] memory, PSS of each pod's processes: " + ", ".join(
         f"{who} {gib:.2f} GiB" for who, gib in memory.items() if gib is not None))
+    _delete(s)
+
+
+def _engines(s: RealOmniStage) -> int:
+    """The OmniStage's engine processes running on this machine (its pods' names start with its name)."""
+    return sum(1 for (ns, pod), proc in s.runtime.processes().items()
+               if ns == s.namespace and pod.startswith(f"{s.name}-") and proc.alive())
+
+
+def _delete(s: RealOmniStage) -> None:
+    """Delete the OmniStage and wait for its engines to stop: the next benchmark runs on the same cores."""
+    s.kubectl("delete", "omnistage", s.name, "-n", s.namespace, "--wait=false")
+    s.wait_for(f"{s.name}'s engines stopped", lambda: _engines(s) == 0, timeout=180, interval=1)
 
 
 def _mark_warm(s: RealOmniStage, pod: str, t0: float, seen: dict[str, float]) -> bool:
@@ -274,9 +287,8 @@ def test_a_burst_under_the_hpa_with_and_without_a_standby(kubectl, operator, sta
                 and st.get("readyStandbyReplicas", 0) == n == len(s.standby_pods())),
                 timeout=HEAD_READY_TIMEOUT, interval=2)
             # The last run's pods stopped, not only deleted: their shutdown would load the baseline.
-            s.wait_for("only this run's engines running", lambda n=1 + standby: sum(
-                1 for (ns, _), proc in s.runtime.processes().items() if ns == s.namespace and proc.alive())
-                == n, timeout=120, interval=1)
+            s.wait_for("only this run's engines running", lambda n=1 + standby: _engines(s) == n,
+                       timeout=180, interval=1)
             kubectl("apply", "-f", "-", input=json.dumps(hpa))
             runs[title] = _burst(s, title)
             kubectl("delete", "hpa", s.name, "-n", s.namespace)
