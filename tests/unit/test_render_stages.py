@@ -14,7 +14,7 @@ from omnistage.api import DEFAULT_ENGINE_IMAGE, TransportMode
 from omnistage.api.validation import InvalidSpec
 from omnistage.known_pipelines import SHIPPED_DEPLOY
 from omnistage.render import render_deploy_config, target_from
-from omnistage.render.stages import NIXL
+from omnistage.render.stages import NIXL, transport_note
 
 from .conftest import ROOT, SAMPLE
 
@@ -102,7 +102,7 @@ def test_remote_stage_settings_override_the_shipped_ones_and_unset_ones_keep_the
 
 
 def test_the_pipeline_is_named_so_every_pod_resolves_the_same_one():
-    config = render()
+    config = render(TransportMode.SAME_NODE)
     assert config["pipeline"] == PIPELINE
     assert config["distributed_executor_backend"] == "mp" and config["async_chunk"] is True
 
@@ -131,6 +131,19 @@ def test_same_node_keeps_the_shipped_shared_memory_connector():
     stages = by_id(config)
     assert stages[1]["input_connectors"] == {"from_stage_0": "connector_of_shared_memory"}
     assert stages[2]["input_connectors"] == {"from_stage_1": "connector_of_shared_memory"}
+
+
+def test_network_turns_chunk_streaming_off_and_status_says_why():
+    """vllm-omni 0.30.0 binds one NIXL handshake port twice per sending stage when it streams chunks
+    (tests/connector/test_nixl_chunks.py): network renders async_chunk false; sameNode keeps the shipped
+    streaming. The ConfigRendered condition says it (transport_note)."""
+    assert SHIPPED_DEPLOY[PIPELINE]["config"]["async_chunk"] is True
+    assert render(TransportMode.NETWORK)["async_chunk"] is False
+    assert render(TransportMode.SAME_NODE)["async_chunk"] is True
+    network = target(pipeline=PIPELINE, stages=STAGES, transport={"mode": "network"})
+    same_node = target(pipeline=PIPELINE, stages=STAGES, transport={"mode": "sameNode"})
+    assert "async_chunk: false" in transport_note(network) and transport_note(same_node) is None
+    assert transport_note(target()) is None  # a single-stage OmniStage
 
 
 def test_protocol_does_not_change_the_deploy_config():

@@ -19,6 +19,7 @@ from ..api.conditions import Cond, Reason, Type, merge, ready
 from ..api.statuses import MemberState
 from ..names import A_CONFIG_HASH, A_LEAVING
 from ..render import selector
+from ..render.stages import transport_note
 from . import engine_truth, headswap, liveness, pods, pools, rollout, standby
 
 if TYPE_CHECKING:
@@ -155,7 +156,8 @@ def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dic
             Type.CONFIG_RENDERED,
             True,
             Reason.RENDERED,
-            f"effective stage-0 cache mode {t.cache.mode}: {t.cache.reason}",
+            f"effective stage-0 cache mode {t.cache.mode}: {t.cache.reason}"
+            + (f"; {note}" if (note := transport_note(t)) else ""),
         ),
         Cond(
             Type.HEAD_READY,

@@ -12,8 +12,8 @@ files), and changes only what running the stages in their own pods needs:
   replica of it; more join later through registration), `devices` numbered from 0 (its pod's own
   GPUs; the shipped "1" assumes one host with two GPUs) and its spec.stages[i].engine settings;
 * transport network: one NixlConnector spec on every connected edge, the only 0.30.0 connector a
-  middle stage (talker) can both receive and send through across pods; sameNode: the shipped
-  SharedMemoryConnector config, unchanged.
+  middle stage (talker) can both receive and send through across pods, and `async_chunk: false`
+  (NO_CHUNKS_OVER_NIXL says why); sameNode: the shipped SharedMemoryConnector config, unchanged.
 
 pipeline_rules.multi_stage_problems has checked the pipeline, the stage ids and the transport.
 """
@@ -35,6 +35,20 @@ NIXL_BACKENDS = ["UCX"]
 # Resolved by the connector in each pod: the address of the default route, the pod IP.
 NIXL_HOST = "auto"
 CONNECTOR_REFS = ("input_connectors", "output_connectors")
+# vllm-omni 0.30.0 cannot stream chunks over NIXL: with `async_chunk: true` a sending stage's worker
+# (its payload connector, omni_connector_runtime.py:187 -> 555-588) and its scheduler's chunk adapter
+# (OmniChunkTransferAdapter, omni_scheduler_mixin.py:148 -> chunk_transfer_adapter.py:290-313) build
+# a NixlConnector each from the one resolved spec and both bind its handshake port: the second fails
+# ("Address already in use") and the stage never starts. Two ports would not be enough: both read
+# and write chunks, and a receiver dials the one endpoint the head advertises per sender replica
+# (payload_sender_info). Without chunks the worker alone moves each stage's whole output, which
+# works (tests/connector/test_nixl_chunks.py), at the price of streaming: a stage starts once its
+# upstream finished. Said in the ConfigRendered condition (transport_note).
+NO_CHUNKS_OVER_NIXL = (
+    "transport network renders async_chunk: false: vllm-omni 0.30.0's chunk streaming binds one NIXL "
+    "handshake port twice per stage (worker and scheduler) and the stage fails to start; each stage "
+    "now hands its whole output on (no streaming between stages; docs/multi-stage.md#transports)"
+)
 
 
 def transport(t: Target) -> TransportSpec:
@@ -52,9 +66,17 @@ def render_pipeline_deploy_config(t: Target) -> dict[str, Any]:
         by_id[s.id].update(remote_stage_deploy(s, by_id[s.id]))
     if transport(t).mode == TransportMode.NETWORK:
         use_nixl(config, shipped["edges"], transport(t).base_port)
+        config["async_chunk"] = False
     # `pipeline` explicit: head and stage pods resolve the same registry entry whatever the model's
     # Hugging Face config would pick (a resolver may choose the thinker-only variant).
     return {"pipeline": t.spec.pipeline, **pipeline_keys(t), **config}
+
+
+def transport_note(t: Target) -> str | None:
+    """What the rendered transport changes in the shipped pipeline, for status: None when nothing."""
+    if not t.spec.stages or transport(t).mode != TransportMode.NETWORK:
+        return None
+    return NO_CHUNKS_OVER_NIXL if SHIPPED_DEPLOY[t.spec.pipeline]["config"].get("async_chunk") else None
 
 
 def remote_stage_deploy(s: StageSpec, shipped_stage: dict[str, Any]) -> dict[str, Any]:
