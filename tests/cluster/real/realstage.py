@@ -30,6 +30,9 @@ TINY_MODEL = Path(os.environ.get("OMNISTAGE_TINY_MODEL", CACHE / "tiny-omni"))
 # spec.model of every real-engine OmniStage; the runtime's image maps it to TINY_MODEL (the one
 # argument rewritten by value, realpod.EngineImage.models).
 TINY_MODEL_NAME = "omnistage-test/tiny-qwen2.5-omni-thinker"
+# The speech pipeline's model (qwen3_omni_moe: thinker -> talker -> code2wav), tests/cpu_engine/tiny_qwen3_omni.py.
+SPEECH_MODEL = Path(os.environ.get("OMNISTAGE_TINY_SPEECH_MODEL", CACHE / "tiny-qwen3-omni"))
+SPEECH_MODEL_NAME = "omnistage-test/tiny-qwen3-omni"
 SAMPLE = Path(__file__).resolve().parents[2] / "cpu_engine" / "omnistage.yaml"
 HEAD_READY_TIMEOUT = 20 * 60
 JOIN_TIMEOUT = 20 * 60
@@ -38,7 +41,8 @@ JOIN_TIMEOUT = 20 * 60
 def cpu_engine_image() -> EngineImage | None:
     if not (CPU_VENV / "bin" / "vllm").exists() or not (TINY_MODEL / "config.json").exists():
         return None
-    return realpod.cpu_engine_image(CPU_VENV, {TINY_MODEL_NAME: TINY_MODEL})
+    # The one place spec.model names map to local directories (a missing speech model fails its own module).
+    return realpod.cpu_engine_image(CPU_VENV, {TINY_MODEL_NAME: TINY_MODEL, SPEECH_MODEL_NAME: SPEECH_MODEL})
 
 
 def tiny_omnistage(name: str, replicas: int) -> dict[str, Any]:
