@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 import wave
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 REQUEST_TIMEOUT = 180.0  # one request; the tiny model answers in well under a second when warm
@@ -93,6 +93,7 @@ class Result:
     error: str = ""
     started: float = 0.0        # time.time() at the send
     prompt_tokens: int | None = None
+    body: dict | None = field(default=None, repr=False)  # the decoded answer (the speech tier reads its audio)
 
     @property
     def complete(self) -> bool:
@@ -141,7 +142,7 @@ def chat(base: str, payload: dict, label: str, timeout: float = REQUEST_TIMEOUT)
             out = json.load(r)
             choice = out["choices"][0]
             return Result(label, r.status, choice.get("finish_reason"), time.monotonic() - t0, started=started,
-                          prompt_tokens=(out.get("usage") or {}).get("prompt_tokens"))
+                          prompt_tokens=(out.get("usage") or {}).get("prompt_tokens"), body=out)
     except urllib.error.HTTPError as err:
         text = err.read().decode(errors="replace")
         try:
