@@ -33,6 +33,8 @@ from tests.cluster.real.realstage import (
     cpu_engine_image,
     dump_status,
     print_engine_tails,
+    remove_leftover_shm,
+    shm_segments,
 )
 from tests.standin.realpod import EngineImage
 from tests.standin.runtime import StandinRuntime
@@ -75,9 +77,13 @@ def standin(kubeconfig, kwok_nodes, state_dir, engine_image, real_namespace) -> 
     """Overrides the cluster tier's runtime: real mode, the CPU engine image, the module's namespace
     only (a previous module's namespace may still be terminating: its engines must not start again)."""
     assert kwok_nodes, "the real-engine tier runs on the local control plane's kwok nodes"
+    before = shm_segments()
     with StandinRuntime(kubeconfig=kubeconfig, namespaces=[real_namespace], state_dir=state_dir / "engines",
                         image=engine_image) as rt:
         yield rt
+    # The engines are stopped: what a SIGKILLed one left in /dev/shm would fill it run after run.
+    segments, freed = remove_leftover_shm(before)
+    print(f"[real] /dev/shm: removed {segments} segments the module's engines left ({freed / 2**20:.0f} MiB)")
 
 
 

@@ -186,6 +186,33 @@ def tree_pss_gib(pid: int) -> float | None:
     return total / 2**30
 
 
+SHM = Path("/dev/shm")
+
+
+def shm_segments() -> set[str]:
+    """vLLM's shared-memory segments in /dev/shm (multiprocessing's psm_*): the process that made one
+    unlinks it at exit, so an engine SIGKILLed, or stopped before its atexit, leaves its segments."""
+    return {p.name for p in SHM.glob("psm_*")}
+
+
+def remove_leftover_shm(before: set[str]) -> tuple[int, int]:
+    """Unlink the psm_* segments made since `before` that no live process still maps or holds open:
+    (segments, bytes) freed."""
+    held: set[str] = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            held.update(re.findall(r"/dev/shm/(psm_\w+)", (proc / "maps").read_text()))
+            held.update(m.group(1) for fd in (proc / "fd").iterdir()
+                        if (m := re.search(r"/dev/shm/(psm_\w+)", os.readlink(fd))))
+    freed = 0
+    left = sorted(shm_segments() - before - held)
+    for name in left:
+        with contextlib.suppress(OSError):
+            freed += (SHM / name).stat().st_size
+            (SHM / name).unlink()
+    return len(left), freed
+
+
 def count(pattern: str, text: str) -> int:
     return len(re.findall(pattern, text))
 
