@@ -23,13 +23,16 @@ replica), the pipeline is ready about 90 s after kubectl apply, and an audio req
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import os
 import re
+import sysconfig
 import threading
 import time
 import wave
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,6 +40,7 @@ import pytest
 from tests.cluster.real.realstage import HEAD_READY_TIMEOUT, SPEECH_MODEL_NAME, RealOmniStage, pod_pss_gib
 from tests.cluster.test_multistage import at_head, departed, get_pool, pool_pods
 from tests.cpu_engine import client
+from tests.standin.realpod import EngineImage
 
 NAME, POOL = "speech", "speech-pool"
 # sameNode: shared memory between the stages. network: NIXL over UCX on loopback, without chunk
@@ -46,7 +50,29 @@ THINKER_MAX_TOKENS, TALKER_MAX_TOKENS = 8, 40
 FRAMES_PER_TALKER_TOKEN = 1920   # code2wav's upsampling at 24 kHz (8*5*4*3 * 2*2)
 REQUEST_TIMEOUT = 300.0          # one audio request: 7-27 s measured alone, more under a stream and a start-up
 STREAM_CONCURRENCY = 2
+KILL_ANSWER_BOUND = 150.0        # seconds from a pool pod's SIGKILL to an answer (audio or an error) for each request
 pytestmark = [pytest.mark.full, pytest.mark.timeout(HEAD_READY_TIMEOUT + 1200)]
+
+
+# UCX over TCP and shared memory on loopback only, as the connector tier runs NIXL.
+UCX_LOOPBACK = {"UCX_TLS": "tcp,sm,self", "UCX_NET_DEVICES": "lo"}
+
+
+@pytest.fixture(scope="module")
+def engine_image(engine_image: EngineImage, tmp_path_factory) -> EngineImage:
+    """For the network transport: the CPU engine image with the nixl packages of this test environment
+    (the engine extra; the CPU venv has none) linked onto its PYTHONPATH, and UCX kept on loopback."""
+    if TRANSPORT["mode"] != "network":
+        return engine_image
+    site, overlay = Path(sysconfig.get_paths()["purelib"]), tmp_path_factory.mktemp("nixl-overlay")
+    linked = [p for p in site.glob("nixl*")]
+    if not any(p.name == "nixl" for p in linked):
+        pytest.fail(f"OMNISTAGE_SPEECH_TRANSPORT=network needs the nixl packages in {site} (hack/setup.sh's engine extra)")
+    for p in linked:
+        (overlay / p.name).symlink_to(p)
+    env = {**engine_image.env, **UCX_LOOPBACK,
+           "PYTHONPATH": os.pathsep.join([engine_image.env.get("PYTHONPATH", ""), str(overlay)]).strip(os.pathsep)}
+    return dataclasses.replace(engine_image, env=env)
 
 
 def speech_docs() -> list[dict[str, Any]]:
@@ -270,12 +296,15 @@ def test_pool_pod_sigkill_mid_request_errors_cleanly_then_the_live_one_serves(st
     print(f"[speech] SIGKILL {victim} pid {standin.kill(stage.namespace, victim)} with 4 requests in flight")
     for th in threads:
         th.join(REQUEST_TIMEOUT + 20)
+    kill_wall = time.time() - (time.monotonic() - t_kill)
     print("\n[speech] requests in flight at the kill")
     for r in sorted(results, key=lambda r: r.label):
-        print(f"  {r.line()} audio={with_audio(r)}")
+        print(f"  {r.line()} audio={with_audio(r)} answered {r.started + r.seconds - kill_wall:+.1f}s after the kill")
     assert len(results) == 4 and not any(th.is_alive() for th in threads), "a request hung"
     for r in results:
         assert with_audio(r) or r.status is None or r.status >= 400, f"an HTTP 200 without audio: {r.line()}"
+        # An answer, not the client's own timeout: a request the dead talker held must not hang.
+        assert r.started + r.seconds - kill_wall < KILL_ANSWER_BOUND, f"answered too late: {r.line()}"
     stage.wait_for(f"{victim} gone from the head's stages 1 and 2", lambda: victim not in at_head(
         stage.head.listing(), 1) and victim not in at_head(stage.head.listing(), 2), timeout=120, interval=1)
     after_kill = [client.chat(stage.base(), speech_body("audio", 130 + i), f"after kill #{i + 1}",
