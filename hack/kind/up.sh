@@ -6,8 +6,9 @@
 # (node i: 198.19.(16+i).0/24, pods route only 198.19.0.0/16: no default route) and a route to
 # every other node's /24 via that node's address on the kind network (one L2 bridge on the host;
 # forwarding is switched on inside the node containers only, never on the host).
-# The engine environment (the CPU venv, its interpreter, the tiny model) is mounted read-only into
+# The engine environment (the CPU venv, its interpreter, the tiny models) is mounted read-only into
 # the workers from the host's cache (docs/design.md section 6, the kind tier; hack/kind/images.py).
+# A cluster made before a mount was added lacks it: `up.sh down` and up again.
 # Writes the kubeconfig to $STATE/kubeconfig; prints it on the last line.
 set -Eeuo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -27,8 +28,9 @@ fi
 
 # What the engine pods mount from the host (same path in node and pod; the CPU image expects them).
 VENV="${OMNISTAGE_CPU_VENV:-$CACHE/venv-cpu}"; MODEL="${OMNISTAGE_TINY_MODEL:-$CACHE/tiny-omni}"
+SPEECH_MODEL="${OMNISTAGE_TINY_SPEECH_MODEL:-$CACHE/tiny-qwen3-omni}"   # tests/cluster/real/realstage.py
 PYHOME="$(sed -n 's/^home = //p' "$VENV/pyvenv.cfg")"; PYPREFIX="$(dirname "$PYHOME")"
-for p in "$VENV/bin/python" "$MODEL/config.json" "$PYHOME"; do
+for p in "$VENV/bin/python" "$MODEL/config.json" "$SPEECH_MODEL/config.json" "$PYHOME"; do
   [[ -e $p ]] || { log "missing $p: run make real-engine-env first"; exit 1; }
 done
 
@@ -51,7 +53,9 @@ CNI
         if [[ $line != *control-plane* ]]; then
           echo "  - {hostPath: $VENV, containerPath: /opt/omnistage-engine, readOnly: true}"
           echo "  - {hostPath: $PYPREFIX, containerPath: $PYPREFIX, readOnly: true}"
+          # tests/cluster/kind/kindstage.py: MODEL_DIR, SPEECH_MODEL_DIR
           echo "  - {hostPath: $MODEL, containerPath: /opt/omnistage-models/tiny-omni, readOnly: true}"
+          echo "  - {hostPath: $SPEECH_MODEL, containerPath: /opt/omnistage-models/tiny-qwen3-omni, readOnly: true}"
         fi; } >> "$cfg"
       i=$((i + 1))
     fi

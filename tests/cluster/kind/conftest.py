@@ -24,7 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.kind.kindstage import ENGINE_IMAGE, ENGINE_VENV, MODEL_DIR, OPERATOR_IMAGE, python_prefix
+from tests.cluster.kind.kindstage import (
+    ENGINE_IMAGE,
+    ENGINE_VENV,
+    MODEL_DIR,
+    OPERATOR_IMAGE,
+    SPEECH_MODEL_DIR,
+    python_prefix,
+)
 from tests.cluster.live_output import pytest_runtest_call, pytest_runtest_setup, pytest_runtest_teardown  # noqa: F401
 
 KIND_CLUSTER = os.environ.get("OMNISTAGE_KIND_CLUSTER")
@@ -48,10 +55,10 @@ def standin():
 
 def helm_values() -> list[str]:
     """The chart's values for this tier. allowedHostPaths: the node directories kind_omnistage mounts
-    (the engine venv and its interpreter, the model), which the operator refuses unless its
+    (the engine venv and its interpreter, the models), which the operator refuses unless its
     administrator allows them (docs/security.md)."""
     repo, tag = OPERATOR_IMAGE.rsplit(":", 1)
-    allowed = f"{ENGINE_VENV},{python_prefix()},{MODEL_DIR}"
+    allowed = f"{ENGINE_VENV},{python_prefix()},{MODEL_DIR},{SPEECH_MODEL_DIR}"
     return ["--set", f"image.repository={repo}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
             "--set", f"engineImage={ENGINE_IMAGE}", "--set", "replicaCount=2",
             "--set", f"allowedHostPaths={{{allowed}}}"]

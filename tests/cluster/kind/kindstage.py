@@ -22,7 +22,9 @@ from tests.standin.harness import PortForward
 ENGINE_IMAGE = "omnistage-local/omnistage-engine-cpu:dev"     # hack/kind/images.py
 OPERATOR_IMAGE = "omnistage-local/omnistage-operator:dev"
 ENGINE_VENV = "/opt/omnistage-engine"                         # hack/kind/up.sh mounts it into the workers
+# The models on the workers (hack/kind/up.sh mounts them there from the host's cache).
 MODEL_DIR = "/opt/omnistage-models/tiny-omni"
+SPEECH_MODEL_DIR = "/opt/omnistage-models/tiny-qwen3-omni"
 DOCKER = "/usr/bin/docker"                                   # the kind nodes are its containers
 
 
@@ -35,13 +37,18 @@ def python_prefix() -> str:
 
 
 def kind_omnistage(name: str, replicas: int) -> dict[str, Any]:
-    """tests/cpu_engine/omnistage.yaml for the kind workers: the CPU engine image (pulled never: it was
-    `kind load`ed), the model from the node (spec.modelVolume), the venv and its interpreter mounted
-    from the node, and requests a 2-core node can grant (the operator's defaults are per H200)."""
-    m = tiny_omnistage(name, replicas)
+    """tests/cpu_engine/omnistage.yaml for the kind workers (on_kind)."""
+    return on_kind(tiny_omnistage(name, replicas), MODEL_DIR)
+
+
+def on_kind(m: dict[str, Any], model_dir: str) -> dict[str, Any]:
+    """An OmniStage for the kind workers: the CPU engine image (pulled never: it was `kind load`ed),
+    the model from the node's `model_dir` (spec.modelVolume), the venv and its interpreter mounted
+    from the node, and requests a 2-core node can grant (the operator's defaults are per H200).
+    Its OmniStagePools' pods take all of these from it (a pool has no image, volume or template)."""
     spec = m["spec"]
     spec["model"] = "/models"
-    spec["modelVolume"] = {"mountPath": "/models", "hostPath": {"path": MODEL_DIR}}
+    spec["modelVolume"] = {"mountPath": "/models", "hostPath": {"path": model_dir}}
     spec["engine"].update(image=ENGINE_IMAGE, imagePullPolicy="Never")
     spec["template"] = {"spec": {
         "containers": [{"name": "engine",

@@ -104,8 +104,9 @@ def speech_docs() -> list[dict[str, Any]]:
     return [stage, pool]
 
 
-def speech_body(kind: str, seed: int) -> dict[str, Any]:
-    return {**client.body(SPEECH_MODEL_NAME, kind, seed, max_tokens=THINKER_MAX_TOKENS),
+def speech_body(kind: str, seed: int, model: str = SPEECH_MODEL_NAME) -> dict[str, Any]:
+    """`model`: the served name (the kind tier serves the weights' mount path)."""
+    return {**client.body(model, kind, seed, max_tokens=THINKER_MAX_TOKENS),
             "modalities": ["text", "audio"]}
 
 
@@ -157,6 +158,24 @@ def pool_ready(stage: RealOmniStage, speech: int) -> bool:
             and pool.get("registeredReplicas") == speech)
 
 
+def wait_pipeline(s: RealOmniStage, t0: float, timeout: float) -> None:
+    """Until the head is Ready and the pool pod is listed for stages 1 and 2; when each happened (since
+    `t0`, the kubectl apply) is printed and kept in s.timings."""
+    seen: dict[str, float] = {}
+
+    def ready() -> bool:
+        st = s.get().get("status", {})  # fails at once on a refused pod or an engine that exited before Ready
+        for what, ok in (("pool pod registered stages 1 and 2", pool_ready(s, 1)),
+                         ("head Ready", st.get("readyReplicas") == 1)):
+            if ok and what not in seen:
+                seen[what] = time.monotonic() - t0
+                print(f"[speech] {what} at +{seen[what]:.0f}s after kubectl apply", flush=True)
+        return len(seen) == 2
+
+    s.wait_for("the head Ready and stages 1-2 joined from the pool pod", ready, timeout=timeout, interval=3)
+    s.timings.update({f"apply -> {k}": v for k, v in seen.items()})
+
+
 def stream(stage: RealOmniStage, label: str, payloads: Iterable[tuple[str, dict]],
            seconds: float = 900) -> tuple[threading.Thread, list[client.Result]]:
     """A bounded stream of speech requests through the head in the background (STREAM_CONCURRENCY
@@ -190,20 +209,7 @@ def stage(kubectl, operator, standin, real_namespace, wait_for) -> Any:
     t0 = time.monotonic()
     for doc in speech_docs():
         s.apply(doc)
-    seen: dict[str, float] = {}
-
-    def ready() -> bool:
-        st = s.get().get("status", {})  # fails at once on a refused pod or an engine that exited before Ready
-        for what, ok in (("pool pod registered stages 1 and 2", pool_ready(s, 1)),
-                         ("head Ready", st.get("readyReplicas") == 1)):
-            if ok and what not in seen:
-                seen[what] = time.monotonic() - t0
-                print(f"[speech] {what} at +{seen[what]:.0f}s after kubectl apply", flush=True)
-        return len(seen) == 2
-
-    s.wait_for("the head Ready and stages 1-2 joined from the pool pod", ready, timeout=HEAD_READY_TIMEOUT,
-               interval=3)
-    s.timings.update({f"apply -> {k}": v for k, v in seen.items()})
+    wait_pipeline(s, t0, HEAD_READY_TIMEOUT)
     head, [pod] = f"{NAME}-head", [p["metadata"]["name"] for p in pool_pods(kubectl, real_namespace, POOL)]
     for name in (head, pod):
         print(f"[speech] memory (PSS of the pod's processes) {name}: {pod_pss_gib(s, name):.2f} GiB")
