@@ -64,6 +64,7 @@ class RealOmniStage:
     name: str
     wait_for: Callable[..., Any]
     timings: dict[str, float] = field(default_factory=dict)
+    model: str = ""  # the name the head serves spec.model under (client.served_model), once it answers
 
     @property
     def head(self) -> HeadEndpoint:

@@ -104,7 +104,7 @@ def speech_docs() -> list[dict[str, Any]]:
     return [stage, pool]
 
 
-def speech_body(kind: str, seed: int, model: str = SPEECH_MODEL_NAME) -> dict[str, Any]:
+def speech_body(kind: str, seed: int, model: str) -> dict[str, Any]:
     """`model`: the served name (the kind tier serves the weights' mount path)."""
     return {**client.body(model, kind, seed, max_tokens=THINKER_MAX_TOKENS),
             "modalities": ["text", "audio"]}
@@ -166,7 +166,7 @@ def wait_pipeline(s: RealOmniStage, t0: float, timeout: float) -> None:
     def ready() -> bool:
         st = s.get().get("status", {})  # fails at once on a refused pod or an engine that exited before Ready
         for what, ok in (("pool pod registered stages 1 and 2", pool_ready(s, 1)),
-                         ("head Ready", st.get("readyReplicas") == 1)):
+                         ("head Ready", st.get("readyReplicas") == 1 and client.healthy(s.base()))):
             if ok and what not in seen:
                 seen[what] = time.monotonic() - t0
                 print(f"[speech] {what} at +{seen[what]:.0f}s after kubectl apply", flush=True)
@@ -191,12 +191,12 @@ def stream(stage: RealOmniStage, label: str, payloads: Iterable[tuple[str, dict]
     return t, results
 
 
-def until(stop: threading.Event, limit: int, kind: str, seed0: int) -> Iterable[tuple[str, dict]]:
+def until(stop: threading.Event, limit: int, kind: str, seed0: int, model: str) -> Iterable[tuple[str, dict]]:
     """Requests until `stop` is set, at most `limit` (the stream's bound)."""
     for i in range(limit):
         if stop.is_set():
             return
-        yield f"{kind} seed={seed0 + i % 3} #{i + 1}", speech_body(kind, seed0 + i % 3)
+        yield f"{kind} seed={seed0 + i % 3} #{i + 1}", speech_body(kind, seed0 + i % 3, model)
 
 
 def lost(results: list[client.Result]) -> list[client.Result]:
@@ -210,6 +210,7 @@ def stage(kubectl, operator, standin, real_namespace, wait_for) -> Any:
     for doc in speech_docs():
         s.apply(doc)
     wait_pipeline(s, t0, HEAD_READY_TIMEOUT)
+    s.model = client.served_model(s.base())  # spec.model, as the runtime's image maps it to a directory
     head, [pod] = f"{NAME}-head", [p["metadata"]["name"] for p in pool_pods(kubectl, real_namespace, POOL)]
     for name in (head, pod):
         print(f"[speech] memory (PSS of the pod's processes) {name}: {pod_pss_gib(s, name):.2f} GiB")
@@ -223,7 +224,7 @@ def test_audio_out_through_the_head(stage, kind, seed):
     """Media in, text and a 24 kHz WAV out; its frames follow the talker's generated tokens. The
     per-stage split of the request's time is printed (the head's per-stage latency histograms)."""
     before = stage.metrics()
-    r = client.chat(stage.base(), speech_body(kind, seed), f"{kind}-{seed}", timeout=REQUEST_TIMEOUT)
+    r = client.chat(stage.base(), speech_body(kind, seed, stage.model), f"{kind}-{seed}", timeout=REQUEST_TIMEOUT)
     after = stage.metrics()
     tokens = talker_tokens(after) - talker_tokens(before)
     split = {k: stage_series(after, "vllm:e2e_request_latency_seconds_sum", k)
@@ -260,7 +261,7 @@ def test_pool_scale_up_under_a_stream_the_new_talker_serves_and_nothing_is_lost(
     listed for stages 1 and 2, the head's per-replica counts show its talker serving, and every
     request of the stream got its audio."""
     stop = threading.Event()
-    t, results = stream(stage, "scale-up", until(stop, 40, "audio", 100))
+    t, results = stream(stage, "scale-up", until(stop, 40, "audio", 100, stage.model))
     time.sleep(5)
     before = talkers_served(stage)
     t0 = time.monotonic()
@@ -293,7 +294,7 @@ def test_pool_pod_sigkill_mid_request_errors_cleanly_then_the_live_one_serves(st
     victim = pods[-1]
     results: list[client.Result] = []
     threads = [threading.Thread(target=lambda i=i: results.append(client.chat(
-        stage.base(), speech_body("audio", 120 + i), f"in flight #{i + 1}", timeout=REQUEST_TIMEOUT)))
+        stage.base(), speech_body("audio", 120 + i, stage.model), f"in flight #{i + 1}", timeout=REQUEST_TIMEOUT)))
         for i in range(4)]
     for th in threads:
         th.start()
@@ -313,7 +314,7 @@ def test_pool_pod_sigkill_mid_request_errors_cleanly_then_the_live_one_serves(st
         assert r.started + r.seconds - kill_wall < KILL_ANSWER_BOUND, f"answered too late: {r.line()}"
     stage.wait_for(f"{victim} gone from the head's stages 1 and 2", lambda: victim not in at_head(
         stage.head.listing(), 1) and victim not in at_head(stage.head.listing(), 2), timeout=120, interval=1)
-    after_kill = [client.chat(stage.base(), speech_body("audio", 130 + i), f"after kill #{i + 1}",
+    after_kill = [client.chat(stage.base(), speech_body("audio", 130 + i, stage.model), f"after kill #{i + 1}",
                               timeout=REQUEST_TIMEOUT) for i in range(2)]
     print(client.table(after_kill))
     assert all(with_audio(r) for r in after_kill), client.table(after_kill)
@@ -328,7 +329,7 @@ def test_pool_scale_down_under_a_stream_loses_nothing(stage):
     """`kubectl scale omnistagepool --replicas=1` under a bounded stream: the leaving pod is drained
     for both stages (the head's record: left), and every request got its audio."""
     stop = threading.Event()
-    t, results = stream(stage, "scale-down", until(stop, 30, "audio", 140))
+    t, results = stream(stage, "scale-down", until(stop, 30, "audio", 140, stage.model))
     time.sleep(10)
     leaving = max(p["metadata"]["name"] for p in pool_pods(stage.kubectl, stage.namespace, POOL))  # newest first
     t0 = time.monotonic()
@@ -360,8 +361,8 @@ def test_stage0_and_pool_scaled_at_once_the_seed_sequence_has_no_error(stage):
         interval=2)
     stage.timings["stage 0 and pool 1->2 at once: all serving"] = time.monotonic() - t0
     before0, before1 = stage.served_by(), talkers_served(stage)
-    sequence = [(f"seed audio=11 #{i + 1}", speech_body("audio", 11)) for i in range(3)]
-    sequence += [(f"repeat audio={150 + i % 3} #{i + 1}", speech_body("audio", 150 + i % 3)) for i in range(9)]
+    sequence = [(f"seed audio=11 #{i + 1}", speech_body("audio", 11, stage.model)) for i in range(3)]
+    sequence += [(f"repeat audio={150 + i % 3} #{i + 1}", speech_body("audio", 150 + i % 3, stage.model)) for i in range(9)]
     results = [client.chat(stage.base(), p, label, timeout=REQUEST_TIMEOUT) for label, p in sequence]
     after0, after1 = stage.served_by(), talkers_served(stage)
     per0 = {r: after0[r] - before0.get(r, 0) for r in after0}
