@@ -155,7 +155,7 @@ def chat(base: str, payload: dict, label: str, timeout: float = REQUEST_TIMEOUT)
 
 
 def run_many(base: str | Callable[[], str], payloads: Iterable[tuple[str, dict]], concurrency: int,
-             deadline: float | None = None, on_result=None) -> list[Result]:
+             deadline: float | None = None, on_result=None, timeout: float = REQUEST_TIMEOUT) -> list[Result]:
     """Send the payloads with `concurrency` workers, each taking the next one when its last answer
     came (so a lazy, unbounded iterable is fine); stop taking at `deadline` (time.monotonic()).
     `base` may be a function: asked again for every request (a Service's endpoints, as a proxy
@@ -168,7 +168,7 @@ def run_many(base: str | Callable[[], str], payloads: Iterable[tuple[str, dict]]
                 item = next(items, None)
             if item is None:
                 return
-            r = chat(base() if callable(base) else base, item[1], item[0])
+            r = chat(base() if callable(base) else base, item[1], item[0], timeout=timeout)
             with lock:
                 results.append(r)
             if on_result:

@@ -27,6 +27,7 @@ import dataclasses
 import io
 import os
 import re
+import subprocess
 import sysconfig
 import threading
 import time
@@ -48,8 +49,10 @@ NAME, POOL = "speech", "speech-pool"
 TRANSPORT = {"mode": os.environ.get("OMNISTAGE_SPEECH_TRANSPORT", "sameNode")}
 THINKER_MAX_TOKENS, TALKER_MAX_TOKENS = 8, 40
 FRAMES_PER_TALKER_TOKEN = 1920   # code2wav's upsampling at 24 kHz (8*5*4*3 * 2*2)
-REQUEST_TIMEOUT = 300.0          # one audio request: 7-27 s measured alone, more under a stream and a start-up
-STREAM_CONCURRENCY = 2
+# One audio request: 10-12 s alone; under a stream while a pool pod starts, 2 cores run the head, two
+# pool pods and the control plane, and the engines' heartbeats stall for minutes (measured).
+REQUEST_TIMEOUT = 600.0
+STREAM_CONCURRENCY = 1
 KILL_ANSWER_BOUND = 150.0        # seconds from a pool pod's SIGKILL to an answer (audio or an error) for each request
 pytestmark = [pytest.mark.full, pytest.mark.timeout(HEAD_READY_TIMEOUT + 1200)]
 
@@ -150,10 +153,13 @@ def with_audio(r: client.Result) -> bool:
 def pool_ready(stage: RealOmniStage, speech: int) -> bool:
     """`speech` pool pods, each listed by the head as a live replica of stage 1 and of stage 2, and the
     pool's status agreeing."""
-    pods = pool_pods(stage.kubectl, stage.namespace, POOL)
+    try:
+        pods = pool_pods(stage.kubectl, stage.namespace, POOL)
+        pool = (get_pool(stage.kubectl, stage.namespace, POOL) or {}).get("status") or {}
+    except subprocess.TimeoutExpired:  # the API server starved by the engines' start-up: ask again
+        return False
     want = {p["metadata"]["name"]: (p.get("status") or {}).get("podIP") for p in pods}
     listing = stage.head.listing()
-    pool = (get_pool(stage.kubectl, stage.namespace, POOL) or {}).get("status") or {}
     return (len(pods) == speech and all(at_head(listing, k) == want for k in (1, 2))
             and pool.get("registeredReplicas") == speech)
 
@@ -186,7 +192,8 @@ def stream(stage: RealOmniStage, label: str, payloads: Iterable[tuple[str, dict]
         print(f"[speech] {label}: {r.line()} audio={with_audio(r)}", flush=True)
 
     t = threading.Thread(target=lambda: results.extend(client.run_many(
-        stage.base(), payloads, STREAM_CONCURRENCY, deadline=time.monotonic() + seconds, on_result=printed)))
+        stage.base(), payloads, STREAM_CONCURRENCY, deadline=time.monotonic() + seconds, on_result=printed,
+        timeout=REQUEST_TIMEOUT)))
     t.start()
     return t, results
 
@@ -261,7 +268,7 @@ def test_pool_scale_up_under_a_stream_the_new_talker_serves_and_nothing_is_lost(
     listed for stages 1 and 2, the head's per-replica counts show its talker serving, and every
     request of the stream got its audio."""
     stop = threading.Event()
-    t, results = stream(stage, "scale-up", until(stop, 40, "audio", 100, stage.model))
+    t, results = stream(stage, "scale-up", until(stop, 16, "audio", 100, stage.model))
     time.sleep(5)
     before = talkers_served(stage)
     t0 = time.monotonic()
@@ -329,7 +336,7 @@ def test_pool_scale_down_under_a_stream_loses_nothing(stage):
     """`kubectl scale omnistagepool --replicas=1` under a bounded stream: the leaving pod is drained
     for both stages (the head's record: left), and every request got its audio."""
     stop = threading.Event()
-    t, results = stream(stage, "scale-down", until(stop, 30, "audio", 140, stage.model))
+    t, results = stream(stage, "scale-down", until(stop, 12, "audio", 140, stage.model))
     time.sleep(10)
     leaving = max(p["metadata"]["name"] for p in pool_pods(stage.kubectl, stage.namespace, POOL))  # newest first
     t0 = time.monotonic()
