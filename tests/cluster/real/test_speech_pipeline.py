@@ -61,24 +61,28 @@ pytestmark = [pytest.mark.full, pytest.mark.timeout(HEAD_READY_TIMEOUT + 1200)]
 UCX_LOOPBACK = {"UCX_TLS": "tcp,sm,self", "UCX_NET_DEVICES": "lo"}
 
 
-@pytest.fixture(scope="module")
-def engine_image(engine_image: EngineImage, tmp_path_factory) -> EngineImage:
-    """For the network transport: the CPU engine image with the nixl packages of this test environment
-    (the engine extra; the CPU venv has none) linked onto its PYTHONPATH, and UCX kept on loopback."""
-    if TRANSPORT["mode"] != "network":
-        return engine_image
-    site, overlay = Path(sysconfig.get_paths()["purelib"]), tmp_path_factory.mktemp("nixl-overlay")
-    linked = [p for p in site.glob("nixl*")]
+def with_nixl(image: EngineImage, overlay: Path) -> EngineImage:
+    """The CPU engine image with the nixl packages of this test environment (the engine extra; the CPU
+    venv has none) linked onto its PYTHONPATH from `overlay`, and UCX kept on loopback."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    linked = list(site.glob("nixl*"))
     if not any(p.name == "nixl" for p in linked):
-        pytest.fail(f"OMNISTAGE_SPEECH_TRANSPORT=network needs the nixl packages in {site} (hack/setup.sh's engine extra)")
+        pytest.fail(f"the network transport needs the nixl packages in {site} (hack/setup.sh's engine extra)")
     for p in linked:
         (overlay / p.name).symlink_to(p)
-    env = {**engine_image.env, **UCX_LOOPBACK,
-           "PYTHONPATH": os.pathsep.join([engine_image.env.get("PYTHONPATH", ""), str(overlay)]).strip(os.pathsep)}
-    return dataclasses.replace(engine_image, env=env)
+    env = {**image.env, **UCX_LOOPBACK,
+           "PYTHONPATH": os.pathsep.join([image.env.get("PYTHONPATH", ""), str(overlay)]).strip(os.pathsep)}
+    return dataclasses.replace(image, env=env)
 
 
-def speech_docs() -> list[dict[str, Any]]:
+@pytest.fixture(scope="module")
+def engine_image(engine_image: EngineImage, tmp_path_factory) -> EngineImage:
+    if TRANSPORT["mode"] != "network":
+        return engine_image
+    return with_nixl(engine_image, tmp_path_factory.mktemp("nixl-overlay"))
+
+
+def speech_docs(transport: dict[str, str] = TRANSPORT) -> list[dict[str, Any]]:
     """Tiny sizes through the API's existing knobs; no moe_backend or cudagraph values (the CPU
     platform plugin supplies them)."""
     small = {"enforce_eager": True, "max_num_batched_tokens": 2048}
@@ -101,7 +105,7 @@ def speech_docs() -> list[dict[str, Any]]:
                               "maxNumSeqs": 4, "maxModelLen": 8000,
                               "stageOverrides": {"enforce_eager": True, "max_num_batched_tokens": 8192,
                                                  "kv_cache_memory_bytes": 64 << 20}}}],
-                      "transport": TRANSPORT}}
+                      "transport": transport}}
     pool = {"apiVersion": "serving.omnistage.io/v1alpha1", "kind": "OmniStagePool", "metadata": {"name": POOL},
             "spec": {"omniStage": NAME, "stageIds": [1, 2], "replicas": 1, "gpu": {"count": 1}}}
     return [stage, pool]
@@ -121,6 +125,13 @@ def stage_series(metrics: str, name: str, stage: int) -> float:
         if f'stage="{stage}"' in labels:
             total += float(value)
     return total
+
+
+def stage_split(before: str, after: str) -> dict[int, float]:
+    """Seconds at each stage for the requests finished between two reads of the head's metrics (each
+    stage's end-to-end latency histogram; the stages overlap, as the talker streams from the thinker)."""
+    return {k: stage_series(after, "vllm:e2e_request_latency_seconds_sum", k)
+            - stage_series(before, "vllm:e2e_request_latency_seconds_sum", k) for k in (0, 1, 2)}
 
 
 def talker_tokens(metrics: str) -> float:
@@ -235,8 +246,7 @@ def test_audio_out_through_the_head(stage, kind, seed):
     r = client.chat(stage.base(), speech_body(kind, seed, stage.model), f"{kind}-{seed}", timeout=REQUEST_TIMEOUT)
     after = stage.metrics()
     tokens = talker_tokens(after) - talker_tokens(before)
-    split = {k: stage_series(after, "vllm:e2e_request_latency_seconds_sum", k)
-             - stage_series(before, "vllm:e2e_request_latency_seconds_sum", k) for k in (0, 1, 2)}
+    split = stage_split(before, after)
     print(f"[speech] {TRANSPORT['mode']}: {r.line()} prompt_tokens={r.prompt_tokens} talker_tokens={tokens:.0f}; "
           "per stage " + ", ".join(f"{k}: {v:.1f}s" for k, v in split.items()))
     assert r.complete, r.line()
