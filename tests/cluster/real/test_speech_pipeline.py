@@ -53,6 +53,7 @@ FRAMES_PER_TALKER_TOKEN = 1920   # code2wav's upsampling at 24 kHz (8*5*4*3 * 2*
 # pool pods and the control plane, and the engines' heartbeats stall for minutes (measured).
 REQUEST_TIMEOUT = 600.0
 STREAM_CONCURRENCY = 1
+SCALE_UP_PAUSE = 15.0             # seconds between an answer and the next request while a pool pod starts
 KILL_ANSWER_BOUND = 150.0        # seconds from a pool pod's SIGKILL to an answer (audio or an error) for each request
 pytestmark = [pytest.mark.full, pytest.mark.timeout(HEAD_READY_TIMEOUT + 1200)]
 
@@ -210,10 +211,12 @@ def stream(stage: RealOmniStage, label: str, payloads: Iterable[tuple[str, dict]
     return t, results
 
 
-def until(stop: threading.Event, limit: int, kind: str, seed0: int, model: str) -> Iterable[tuple[str, dict]]:
-    """Requests until `stop` is set, at most `limit` (the stream's bound)."""
+def until(stop: threading.Event, limit: int, kind: str, seed0: int, model: str,
+          pause: float = 0) -> Iterable[tuple[str, dict]]:
+    """Requests until `stop` is set, at most `limit` (the stream's bound); `pause` seconds before each
+    one after the first (with one worker: between an answer and the next request)."""
     for i in range(limit):
-        if stop.is_set():
+        if stop.is_set() or (i and pause and stop.wait(pause)):
             return
         yield f"{kind} seed={seed0 + i % 3} #{i + 1}", speech_body(kind, seed0 + i % 3, model)
 
@@ -279,7 +282,10 @@ def test_pool_scale_up_under_a_stream_the_new_talker_serves_and_nothing_is_lost(
     listed for stages 1 and 2, the head's per-replica counts show its talker serving, and every
     request of the stream got its audio."""
     stop = threading.Event()
-    t, results = stream(stage, "scale-up", until(stop, 60, "audio", 100, stage.model))
+    # Paced: back to back, the serving talker's code predictor holds most of the 2 cores (py-spy) and a
+    # new pool pod had not registered after 11 minutes (31 requests, all with audio); with a pause it
+    # starts while requests keep coming. A GPU node gives the new pod its own accelerator.
+    t, results = stream(stage, "scale-up", until(stop, 60, "audio", 100, stage.model, pause=SCALE_UP_PAUSE))
     time.sleep(5)
     base = stage.base()
     before = talkers_served(base)
