@@ -16,6 +16,7 @@ if [[ "${1:-}" == down ]]; then C="$(bash "$HERE/build.sh" --path)"; else C="$(b
 B="$C/bin"; NAME="${KIND_CLUSTER:-omnistage-e2e}"
 CACHE="${OMNISTAGE_CACHE:-$HOME/.cache/omnistage}"; STATE="$CACHE/kind-state"; mkdir -p "$STATE"
 KUBECONFIG_OUT="$STATE/kubeconfig"
+KIND_SHM="/dev/shm/omnistage-kind-$NAME"   # the workers' /dev/shm/omnistage (below)
 export PATH="/usr/sbin:/usr/bin:$PATH"; D=/usr/bin/docker
 T0=$(date +%s); log() { echo "[kind-up +$(( $(date +%s) - T0 ))s] $*" >&2; }
 K() { "$B/kubectl" --kubeconfig "$KUBECONFIG_OUT" "$@"; }
@@ -23,6 +24,7 @@ K() { "$B/kubectl" --kubeconfig "$KUBECONFIG_OUT" "$@"; }
 if [[ "${1:-}" == down ]]; then
   [[ -x $B/kind ]] && "$B/kind" delete cluster --name "$NAME" >/dev/null 2>&1 || true
   $D network rm kind >/dev/null 2>&1 || true
+  rm -rf "$KIND_SHM"
   log "cluster $NAME deleted"; exit 0
 fi
 
@@ -56,6 +58,11 @@ CNI
           # tests/cluster/kind/kindstage.py: MODEL_DIR, SPEECH_MODEL_DIR
           echo "  - {hostPath: $MODEL, containerPath: /opt/omnistage-models/tiny-omni, readOnly: true}"
           echo "  - {hostPath: $SPEECH_MODEL, containerPath: /opt/omnistage-models/tiny-qwen3-omni, readOnly: true}"
+          # transport sameNode mounts the node's /dev/shm/omnistage (render/pods.py SAME_NODE_SHM_ROOT) as
+          # the pods' /dev/shm; a kind node's own /dev/shm is docker's 64 MB tmpfs, below vLLM's 160 MB
+          # message queues: a directory of the host's /dev/shm per worker, as a GPU node's would be.
+          mkdir -p "$KIND_SHM/node$i"
+          echo "  - {hostPath: $KIND_SHM/node$i, containerPath: /dev/shm/omnistage}"
         fi; } >> "$cfg"
       i=$((i + 1))
     fi

