@@ -284,9 +284,10 @@ def test_pool_scale_up_under_a_stream_the_new_talker_serves_and_nothing_is_lost(
     listed for stages 1 and 2, the head's per-replica counts show its talker serving, and every
     request of the stream got its audio."""
     stop = threading.Event()
-    # Paced: back to back, the serving talker's code predictor holds most of the 2 cores (py-spy) and a
-    # new pool pod had not registered after 11 minutes (31 requests, all with audio); with a pause it
-    # starts while requests keep coming. A GPU node gives the new pod its own accelerator.
+    # Paced: on 2 cores the new pod's start-up shares the cores with the serving stages. Back to back
+    # (and with idle workers still spinning, before the CPU plugin stopped it) it had not registered
+    # after 11 minutes (31 requests, all with audio); with a pause it starts while requests keep
+    # coming. A GPU node gives the new pod its own accelerator.
     t, results = stream(stage, "scale-up", until(stop, 60, "audio", 100, stage.model, pause=SCALE_UP_PAUSE))
     time.sleep(5)
     base = stage.base()
