@@ -201,14 +201,15 @@ def stream(stage: RealOmniStage, label: str, payloads: Iterable[tuple[str, dict]
            concurrency: int = STREAM_CONCURRENCY) -> tuple[threading.Thread, list[client.Result]]:
     """A bounded stream of speech requests through the head in the background (STREAM_CONCURRENCY
     workers; the payload iterable bounds the count, `seconds` the time)."""
-    results: list[client.Result] = []
+    results: list[client.Result] = []  # filled as the answers come: len() is how many came so far
 
-    def printed(r: client.Result) -> None:
+    def kept(r: client.Result) -> None:
+        results.append(r)
         print(f"[speech] {label}: {r.line()} audio={with_audio(r)}", flush=True)
 
-    t = threading.Thread(target=lambda: results.extend(client.run_many(
-        stage.base(), payloads, concurrency, deadline=time.monotonic() + seconds, on_result=printed,
-        timeout=REQUEST_TIMEOUT)))
+    t = threading.Thread(target=lambda: client.run_many(
+        stage.base(), payloads, concurrency, deadline=time.monotonic() + seconds, on_result=kept,
+        timeout=REQUEST_TIMEOUT))
     t.start()
     return t, results
 
