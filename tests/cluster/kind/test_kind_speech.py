@@ -19,7 +19,7 @@ no memory limit, and the workers' 8 fake GPUs fit the three pods).
 
 Marked `full` (make e2e-kind, not CI's `-m "not full"`): the engines hold about 9 GB (13 GB with the
 second pool pod), start about 90 s or more after kubectl apply (minutes on 2 cores), and an audio
-request takes 7-27 s on 2 cores.
+request takes 2-18 s on 2 cores.
 """
 
 from __future__ import annotations
