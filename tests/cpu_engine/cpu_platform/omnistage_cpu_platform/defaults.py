@@ -63,13 +63,23 @@ def install() -> None:
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
+#: How long a reader of vLLM's shared-memory queue sleeps on its notify socket before it looks at the
+#: queue again: the bound on a wake-up the socket lost.
+IDLE_POLL_MS = 10
+
+
 def install_idle_wait() -> None:
-    """A worker waiting for its engine core's next step blocks on the queue's notify socket at once,
-    instead of spinning sched_yield() for a second after each read (SpinCondition.busy_loop_s, 1 s,
-    not configurable). With chunk streaming a stage's engine core sends a step more often than once a
-    second, so its worker never stopped spinning: py-spy showed idle talker and code2wav workers at
-    40-96% of a core each, on a machine of 2 cores where the thinker and a starting pool pod need them.
-    A GPU worker has its own cores to spin on; this CPU-only plugin is never in a GPU image."""
+    """A reader of vLLM's shared-memory queues (a worker waiting for its engine core's next step, an
+    engine core for its worker's answer) sleeps on the queue's notify socket in slices of
+    IDLE_POLL_MS, instead of spinning sched_yield() for a second after each read
+    (SpinCondition.busy_loop_s, 1 s, not configurable). With chunk streaming a stage's engine core
+    sends a step more often than once a second, so its worker never stopped spinning: py-spy showed
+    idle talker and code2wav workers at 40-96% of a core each, on a machine of 2 cores where the
+    thinker and a starting pool pod need them. The slices matter: the notify socket drops a wake-up
+    sent while the last one is still queued (PUB with a high-water mark of 1), which upstream's spin
+    covers; blocking on it alone left each step of a thinker-only engine waiting for the read timeout
+    (requests of 15-35 s in multiples of 5 s, against 0.06-0.57 s). A GPU worker has its own cores to
+    spin on; this CPU-only plugin is never in a GPU image."""
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
     original = SpinCondition.wait
@@ -78,7 +88,7 @@ def install_idle_wait() -> None:
 
     def wait(self, timeout_ms: int | None = None) -> None:
         self.busy_loop_s = 0
-        original(self, timeout_ms)
+        original(self, IDLE_POLL_MS if timeout_ms is None else min(timeout_ms, IDLE_POLL_MS))
 
     wait.omnistage_idle_wait = True
     SpinCondition.wait = wait
