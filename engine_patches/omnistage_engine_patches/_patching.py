@@ -14,6 +14,7 @@ import functools
 import inspect
 import logging
 import os
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,10 @@ class Outcome:
 
 
 _outcomes: dict[str, Outcome] = {}
+
+#: A new value per head process: a changed boot id tells the operator the head restarted, and a
+#: replica's engine that its head is a new process (patch reattach). Served by report.py.
+BOOT_ID = uuid.uuid4().hex
 
 
 def disabled(name: str) -> bool:

@@ -116,12 +116,21 @@ REPLICA_AFFINITY = "replica_affinity"
 REGISTRATION_REPORT = "registration_report"
 #: A stage engine whose heartbeats stop while its process lives is kept (silent), not killed.
 ENGINE_LIVENESS = "engine_liveness"
+#: A headless stage-0 replica outlives its head and re-attaches to a new head process without reloading.
+REATTACH = "reattach"
 PATCHES = (FRONTEND_CACHE, UUID_SCOPE, REPLICA_METRICS, MM_CACHE_METRICS, MEMBERSHIP, CONNECTOR_PORTS,
-           REPLICA_AWARE_CACHE, REPLICA_AFFINITY, REGISTRATION_REPORT, ENGINE_LIVENESS)
+           REPLICA_AWARE_CACHE, REPLICA_AFFINITY, REGISTRATION_REPORT, ENGINE_LIVENESS, REATTACH)
 #: The key a headless replica adds to the stage config it registers with (vllm-omni's
 #: ``register_stage_with_omni_master``): {patch name: outcome} in that replica's process. The head
 #: lists it as that member's ``"patches"`` in the membership listing (membership_routes' ``Replica``).
 REGISTRATION_PATCHES_KEY = "omnistage_patches"
+#: Patch reattach: a registration's instance (a uuid per registration of a replica process) and how
+#: many re-attaches came before it, in the stage config; the ping a replica sends to the master port
+#: and the states the head answers (patches/reattach.py).
+REATTACH_INSTANCE_KEY = "omnistage_instance"
+REATTACH_COUNT_KEY = "omnistage_reattaches"
+REATTACH_PING_KEY = "omnistage_ping"
+REATTACH_REGISTERED, REATTACH_UNKNOWN = "registered", "unknown"
 
 # A patch's outcome in this process.
 APPLIED = "applied"

@@ -11,19 +11,15 @@ Building the report never raises: a part that cannot be read is reported as unkn
 from __future__ import annotations
 
 import logging
-import uuid
 from importlib import metadata
 from typing import Any
 
 from . import contract
-from ._patching import outcomes
+from ._patching import BOOT_ID, outcomes
 from .patches import replica_aware_cache
 
 logger = logging.getLogger("omnistage_engine_patches.report")
 
-#: A new value per head process: a changed boot id tells the operator the head restarted, and
-#: that every replica registered with the previous process must be rolled.
-BOOT_ID = uuid.uuid4().hex
 
 # The distribution that ships this plugin (engine_patches/pyproject.toml), without the operator.
 _PLUGIN_DISTRIBUTION = "omnistage-engine-patches"

@@ -32,6 +32,9 @@ A_HEAD_UID = f"{GROUP}/head-uid"
 # engine it registered with is gone (replicas never register again). Read from the pods, never from
 # status, which an OmniStage editor may write (issue 27).
 A_HEAD_RESTARTS = f"{GROUP}/head-restarts"
+# The `reattach` patch outcome a replica's engine reported (control/reattach.py): "applied" means it
+# outlives a restart of its head's engine and registers with the new one, so it is not rolled.
+A_REATTACH = f"{GROUP}/reattach"
 A_REPLICA_INDEX = f"{GROUP}/replica-index"
 A_STAGE_IDS = f"{GROUP}/stage-ids"      # a pool pod's stages ("1,2"): read even after its pool is gone
 A_LEAVING = f"{GROUP}/leaving"          # a retirement decided (value: its reason); survives a restart

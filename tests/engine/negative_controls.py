@@ -77,6 +77,8 @@ CONTROLS = (
     # Off: upstream detaches a silent replica and shuts the head's own engine down; /live does not judge.
     # The leave test needs a replica listed silent, which only the patch publishes.
     # Slow: each regression test waits out three heartbeat timeouts for a state only the patch reaches.
+    # Off: the head does not answer a ping, and the old head's input thread of an engine core never stops.
+    Control("reattach", ("test_reattach.py",)),
     Control("engine_liveness", ("test_engine_liveness.py",),
             also_fail=("test_a_leave_detaches_a_silent_replica",), slow=True),
 )

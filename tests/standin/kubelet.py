@@ -43,7 +43,15 @@ from tests.standin.containers import Containers
 from tests.standin.lifecycle import Lifecycle
 from tests.standin.podstatus import PodStatus
 from tests.standin.podwatch import PodWatch
-from tests.standin.processes import REAL_GRACE_CAP, STOP_TIMEOUT, Proc, _killpg, _now
+from tests.standin.processes import (
+    REAL_GRACE_CAP,
+    STOP_TIMEOUT,
+    Proc,
+    _killpg,
+    _now,
+    container_marker,
+    kill_container,
+)
 from tests.standin.realpod import EngineImage
 
 DEFAULT_STATE_DIR = Path(os.environ.get("OMNISTAGE_STANDIN_DIR", "/tmp/omnistage-standin"))
@@ -245,6 +253,10 @@ class StandinRuntime(PodWatch, Containers, Lifecycle, PodStatus):
                 continue
             code = p.popen.returncode
             self._event("exited", p, code=code)
+            # A container dies whole: what its main process started goes with it, before any
+            # restart (a surviving engine core would keep the head's ports: Address already in use).
+            if left := kill_container(p.pid, container_marker(p)):
+                self._event("kill", p, reason="processes_left_after_the_leader", signal="SIGKILL", count=left)
             self._on_exit(p, pods.get(key), code)
         # 3. restarts that are due
         for key, p in procs.items():
@@ -252,6 +264,8 @@ class StandinRuntime(PodWatch, Containers, Lifecycle, PodStatus):
                 pod = pods.get(key)
                 if pod is None or pod["metadata"]["uid"] != p.uid:
                     continue
+                if kill_container(p.pid, container_marker(p)):
+                    continue  # the old run's processes are still dying: restart when none is left
                 p.restart_at = None
                 self._spawn(p, pod, restart=True)
         # 4. running pods without a process -> start

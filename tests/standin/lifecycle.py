@@ -20,6 +20,7 @@ from tests.standin.processes import (
     BACKOFF_BASE,
     BACKOFF_CAP,
     BACKOFF_FIRST,
+    CONTAINER_MARKER,
     PRE_STOP_CAP,
     REAL_NICE,
     Proc,
@@ -28,6 +29,8 @@ from tests.standin.processes import (
     _killpg,
     _now,
     _pid_alive,
+    container_marker,
+    kill_container,
 )
 
 
@@ -44,8 +47,9 @@ class Lifecycle:
             real = p.env is not None
             p.popen = None if real else self._fork(p, pod)
             if p.popen is None:
+                env = {**(p.env if real else _child_env(p.ip, pod)), CONTAINER_MARKER: container_marker(p)}
                 p.popen = subprocess.Popen(p.argv, cwd=p.env["HOME"] if real else ROOT,
-                                           env=p.env if real else _child_env(p.ip, pod), stdin=subprocess.DEVNULL,
+                                           env=env, stdin=subprocess.DEVNULL,
                                            stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         if p.env is not None:
             with contextlib.suppress(OSError):
@@ -150,7 +154,7 @@ class Lifecycle:
         if p.alive():
             self._sigterm(p, reason)
         elif p.popen is not None:
-            _killpg(p.pid, signal.SIGKILL)  # stragglers of an exited leader
+            kill_container(p.pid, container_marker(p))  # stragglers of an exited leader
         with self._lock:
             if self._procs.get(p.key) is p:
                 del self._procs[p.key]
@@ -170,6 +174,10 @@ class Lifecycle:
             self._event("kill", p, reason=f"no_exit_within_{grace:.0f}s", signal="SIGKILL")
             _killpg(p.pid, signal.SIGKILL)
             p.popen.wait(5)
+        # A container's stop ends every process in it: a child that outlived its leader's SIGTERM
+        # (or left its process group) would hold the pod's ports and IP for the next pod.
+        if stragglers := kill_container(p.pid, container_marker(p)):
+            self._event("kill", p, reason="processes_left_after_the_leader", signal="SIGKILL", count=stragglers)
         self._event("stopped", p, code=p.popen.returncode)
 
     def _write_pid(self, p: Proc) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import signal
 import subprocess
 import threading
 from dataclasses import dataclass, field
@@ -111,6 +112,52 @@ def _pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
+
+
+# Every process a container started carries this variable (real mode: the engine cores vLLM spawns
+# inherit it), so the runtime finds them after their leader died even when one left its process group.
+CONTAINER_MARKER = "OMNISTAGE_STANDIN_CONTAINER"
+
+
+def container_marker(p: Proc) -> str:
+    return f"{p.namespace}/{p.pod}/{p.uid}/{p.starts}"
+
+
+def container_pids(leader: int | None, marker: str | None = None) -> set[int]:
+    """Every live process of one container run, as a container runtime's cgroup holds them: the
+    leader's process group and session (its children, reparented to init once it died), and any
+    process whose environment carries the run's marker (one that called setsid). The leader's pid
+    stays the group's id after it exited, so a dead leader's children are still found."""
+    if not leader:
+        return set()
+    needle = f"{CONTAINER_MARKER}={marker}".encode() if marker else None
+    found: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_bytes()
+            # pid (comm) state ppid pgrp session ...: comm may hold spaces, so split after its ")".
+            fields = stat[stat.rindex(b")") + 2:].split()
+            state, pgrp, session = fields[0], int(fields[2]), int(fields[3])
+            if state == b"Z":
+                continue  # already dead, waiting for its parent to reap it: holds no port
+            if pgrp == leader or session == leader or needle and needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.add(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+    return found
+
+
+def kill_container(leader: int | None, marker: str | None = None) -> int:
+    """SIGKILL every process of the container run (container_pids); how many were signalled."""
+    pids = container_pids(leader, marker)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return len(pids)
 
 
 def _is_standin(pid: int, argv: list[str] | None) -> bool:

@@ -248,3 +248,73 @@ def test_a_deleted_pod_s_pre_stop_hook_runs_before_sigterm(tmp_path):
     rt._terminate(p, "pod terminating")
     assert marker.exists() and not p.alive()
     assert [e["action"] for e in rt.events][:3] == ["prestop", "prestopped", "stop"]
+
+
+# The "container" of the test below: a leader that starts a child holding a port in its own process
+# group (as vLLM's engine core does) and a grandchild that left the group with setsid, then waits.
+_TREE = r"""
+import socket, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import socket, sys, time\n"
+    "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); print('bound', flush=True); time.sleep(600)", sys.argv[1]],
+    stdout=sys.stdout)
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+time.sleep(600)
+"""
+
+
+def test_a_container_whose_main_process_was_killed_dies_whole_before_its_restart(tmp_path, monkeypatch):
+    """Kill only the leader of a pod's process tree, as `kill -9 <vllm serve pid>` does: the runtime's
+    own supervisor pass must leave nothing of the old tree alive (a container's cgroup dies with it),
+    so the restart can bind the same port. Before: the child kept the port (Address already in use)."""
+    import os
+    import signal
+    import socket
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rt = runtime.StandinRuntime(kubeconfig="unused", quiet=True, state_dir=tmp_path, probes=False)
+    (tmp_path / "pids").mkdir()
+    monkeypatch.setattr(rt, "_patch_ready", lambda *a, **k: None)
+    monkeypatch.setattr(rt, "_patch_restarted", lambda *a, **k: None)
+    pod = _pod("head", [], restartPolicy="Always")
+    pod["spec"]["restartPolicy"] = "Always"
+    p = processes.Proc(namespace="ns", pod="x-head", uid="u1", role="head", ip="127.0.0.1",
+                       argv=[sys.executable, "-c", _TREE, str(port)], log_path=tmp_path / "log",
+                       restart_policy="Always", env={**os.environ, "HOME": str(tmp_path)})
+    rt._spawn(p, pod, restart=False)
+    rt._pods[p.key], rt._procs[p.key] = pod, p
+    try:
+        deadline = time.monotonic() + 60
+        while len(processes.container_pids(p.pid, processes.container_marker(p))) < 3 or b"bound" not in p.log_path.read_bytes():
+            assert time.monotonic() < deadline, f"the tree did not start: {p.log_path.read_text()}"
+            time.sleep(0.1)
+        tree = processes.container_pids(p.pid, processes.container_marker(p))
+        leader = p.pid
+        os.kill(leader, signal.SIGKILL)
+        p.popen.wait(10)
+        assert processes.container_pids(leader, processes.container_marker(p)) == tree - {leader}, \
+            "the leader's death alone left its children running (the defect a container runtime has not)"
+        rt._supervise_once()  # the pass that sees the exit
+        deadline = time.monotonic() + 10
+        while (left := {pid for pid in tree if processes._pid_alive(pid) and _not_zombie(pid)}):
+            assert time.monotonic() < deadline, f"still alive after the runtime saw the exit: {left}"
+            time.sleep(0.05)
+        with socket.socket() as s:  # the restarted head binds its port again
+            s.bind(("127.0.0.1", port))
+        assert [e["action"] for e in rt.events][-2:] == ["exited", "kill"] and rt.events[-1]["count"] == 2
+        assert p.restart_at is not None, "a restart is due"
+    finally:
+        processes.kill_container(p.pid, processes.container_marker(p))
+
+
+def _not_zombie(pid: int) -> bool:
+    from pathlib import Path
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"

@@ -84,7 +84,8 @@ OPERATOR_FLOORS = {
 # membership endpoint and report, the pod-side CLIs prestop and stages).
 PLUGIN_FLOORS = {
     "contract": ("omnistage_engine_patches.contract",),
-    "patching": ("omnistage_engine_patches._patching", "omnistage_engine_patches.metric_series"),
+    "patching": ("omnistage_engine_patches._patching", "omnistage_engine_patches.metric_series",
+                 "omnistage_engine_patches.reattach_engine"),
     "patches": ("omnistage_engine_patches.patches",),
     "endpoint": (
         "omnistage_engine_patches",

@@ -27,6 +27,7 @@ from . import (
     frontend_cache,
     membership,
     mm_cache_metrics,
+    reattach,
     registration_report,
     replica_affinity,
     replica_aware_cache,
@@ -56,6 +57,9 @@ PATCHES = tuple(Patch(m.NAME, m.install) for m in (
     replica_affinity,  # cache mode replica-aware: the pick prefers the replica holding the media
     # After membership (whose epoch it bumps): a silent stage engine is kept, not killed (issue 26).
     engine_liveness,
+    # Before registration_report, so its launcher wrapper sits inside: the report (outer) makes the
+    # stage config a dict, this adds the instance, and the report lists reattach's outcome.
+    reattach,
     # Headless replicas: the outcomes (read at registration, so every patch above is in them) go to the head.
     registration_report,
 ))

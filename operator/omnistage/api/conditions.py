@@ -117,6 +117,8 @@ class Progress(StrEnum):
     CREATING_HEAD = "CreatingHead"
     ROLLING_HEAD = "RollingHead"
     HEAD_RESTARTED = "HeadRestarted"
+    REATTACHING = "Reattaching"  # replicas of the head's previous engine register again (control/reattach.py)
+    REATTACHED = "Reattached"  # one did: it serves the new head without a new pod
     SCALING_UP = "ScalingUp"
     SCALED_DOWN = "ScaledDown"
     ROLLING_REPLICA = "RollingReplica"  # its pod template changed

@@ -33,7 +33,8 @@ def sync(p: Pass) -> None:
     drain_disrupted(p)
     for name, pod in live.items():
         if not pods.containers_ready(pod) or pods.annotation(pod, A_LEAVING) is not None \
-                or pods.uid(pod) in p.handled or p.standby(pod):  # a standby stays unjoined: unroutable
+                or pods.uid(pod) in p.handled or p.standby(pod) \
+                or pods.uid(pod) in p.reattaching:  # a standby stays unjoined: unroutable
             continue
         joins = []
         for stage in pods.stage_ids(pod):

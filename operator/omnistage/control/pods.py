@@ -133,6 +133,11 @@ def ready(pod: dict[str, Any]) -> bool:
     return _true(pod, "Ready")
 
 
+def ready_since(pod: dict[str, Any]) -> str | None:
+    """When the pod last turned Ready (RFC 3339), or None while it is not."""
+    return (_condition(pod, "Ready") or {}).get("lastTransitionTime") if ready(pod) else None
+
+
 def answers(head: dict[str, Any]) -> bool:
     """The head's app answers: Ready, or its engine container started (the kubelet's startup probe
     passed, and it stays so until a restart) and runs. What the operator reads a head on: its

@@ -18,7 +18,7 @@ from omnistage_engine_patches import contract
 from ..api.conditions import EventReason, Progress
 from ..names import A_LEAVING
 from ..render.common import Pool
-from . import liveness, pods, standby
+from . import liveness, pods, reattach, standby
 from .actions import DRAIN_DONE, DRAIN_FAILED, Annotate, CreatePod, MarkJoined, StartLeave
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def retire_stale(p: Pass) -> None:
     if not p.head_live():
         return
     head_uid, head_restarts = pods.uid(p.head), pods.restarts(p.head)
-    rolled = []
+    rolled, waiting = [], []
     for r in p.live():
         drain = p.drain_of(r)
         if (why := pods.malformed(r)) is not None:
@@ -91,12 +91,21 @@ def retire_stale(p: Pass) -> None:
         elif pods.head_uid(r) != head_uid:
             retire(p, r, 0, Progress.ROLLED_REPLICA, "it belongs to a previous head")
         elif (made_at := pods.head_restarts(r)) is not None and head_restarts > made_at:
-            # The head's container restarted since this pod was made: a new engine, which the
-            # replica never registers with again (a multi-stage head answers nothing until one of
-            # every remote stage did, so this is read from the pod, not from the head's boot id).
-            rolled.append(f"restartCount {made_at} -> {head_restarts}")
-            p.head_restarted = True
-            retire(p, r, 0, Progress.ROLLED_REPLICA, "its head's engine restarted")
+            # The head's container restarted since this pod was made: a new engine. A replica whose
+            # engine re-attaches (patch reattach) registers with it again; any other never does (a
+            # multi-stage head answers nothing until one of every remote stage did, so this is
+            # read from the pod, not from the head's boot id).
+            if (verdict := reattach.decide(p, r)) == reattach.REJOINED:
+                reattach.rejoined(p, r)
+                p.emit("Normal", Progress.REATTACHED, f"replica pod {pods.name(r)} re-attached to the "
+                       f"restarted head (restartCount {made_at} -> {head_restarts}) without a new pod")
+            elif verdict == reattach.WAITING:
+                waiting.append(pods.name(r))
+                reattach.wait(p, r)
+            else:
+                rolled.append(f"restartCount {made_at} -> {head_restarts}")
+                p.head_restarted = True
+                retire(p, r, 0, Progress.ROLLED_REPLICA, "its head's engine restarted")
         elif pods.terminal(r):
             retire(p, r, 0, Progress.REPLACED_REPLICA, f"its engine exited ({r['status'].get('phase')})")
         elif (mm := liveness.detached(p, r)) is not None:
@@ -127,6 +136,11 @@ def retire_stale(p: Pass) -> None:
             # Its container, not its Ready (that waits for the join): a replica the head
             # lists whose engine stopped answering.
             retire(p, r, 0, Progress.REPLACED_REPLICA, "it turned NotReady")
+        else:
+            reattach.remember(p, r)
+    if waiting:
+        p.progressing.append(Progress.REATTACHING)
+        p.head_restarted = True
     if rolled:
         p.emit(
             "Warning",

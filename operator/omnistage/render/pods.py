@@ -352,10 +352,10 @@ def _pod(t: Target, name: str, role: str, spec: dict[str, Any], extra: dict[str,
     overlay_meta = merged.get("metadata") or {}
     annotations = {
         A_CONFIG_HASH: config_hash(deploy_yaml(t)),
-        # One hash over the config, the pod spec and the template's labels and annotations: any
-        # change means the pod must be rolled.
-        A_TEMPLATE_HASH: content_hash({"config": deploy_yaml(t), "spec": spec, "extra": extra,
-                                       "metadata": overlay_meta}),
+        # One hash over the config, the pod spec and the template's labels and annotations: any change
+        # rolls the pod. Not the head's restart count: a replica that re-attached is the same pod.
+        A_TEMPLATE_HASH: content_hash({"config": deploy_yaml(t), "spec": spec, "metadata": overlay_meta,
+                                       "extra": {k: v for k, v in extra.items() if k != A_HEAD_RESTARTS}}),
         **extra,
         **overlay_meta.get("annotations", {}),
     }
@@ -373,10 +373,10 @@ def render_head_pod(t: Target, name: str | None = None, role: str = ROLE_HEAD) -
 def render_replica_pod(
     t: Target, index: int, head_ip: str, head_uid: str, head_restarts: int = 0, role: str = ROLE_REPLICA
 ) -> dict[str, Any]:
-    """A headless stage-0 replica. Replicas never re-register after a head restart, so each one
-    is bound to one head incarnation (its IP in the args; its UID and container restart count in
-    annotations). `role`: ROLE_STANDBY for a standby (control/standby.py), the same pod otherwise: the
-    role is not part of the template hash, so a standby that joins is not rolled."""
+    """A headless stage-0 replica, bound to one head pod (its IP in the args, its UID in an annotation)
+    and, unless its engine re-attaches (control/reattach.py), to one engine of it (the head's restart
+    count, in an annotation). `role`: ROLE_STANDBY for a standby (control/standby.py), the same pod
+    otherwise: the role is not part of the template hash, so a standby that joins is not rolled."""
     if not t.distributed:
         raise ValueError("a static single-replica OmniStage has no replica pods")
     name = replica_pod_name(t, index)

@@ -1,0 +1,71 @@
+"""Replicas that outlive their head (engine patch `reattach`): after the head's container restarted,
+a replica whose engine reported the patch applied is kept, not rolled. Its engine notices the new
+head process, registers again and handshakes without loading its model; the new head lists it as a
+fresh registration from the pod's address, which membership.sync joins like any other. Pure.
+
+Three answers for a replica made before the head's last restart (`decide`):
+- REJOINED: the new head lists a registration from its address: its `head-restarts` annotation is
+  brought up to date, and from then on it is an ordinary replica (sync joins it);
+- WAITING: it reported `reattach: applied` and the head has been Ready for less than
+  REATTACH_SECONDS: left alone (status Progressing, reason Reattaching);
+- ROLL: neither (an older plugin, the patch skipped on another vLLM, a pool pod, or the bound is
+  past: a wedged engine): rolled as before.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from omnistage_engine_patches import contract
+
+from ..names import A_HEAD_RESTARTS, A_REATTACH
+from . import pods
+from .actions import Annotate, MarkJoined
+
+if TYPE_CHECKING:
+    from .state import Pass
+
+#: How long a re-attachable replica may take, from the new head's Ready, to register with it again. Its
+#: engine pings the head every second and re-registers within seconds; the margin is for a loaded node.
+REATTACH_SECONDS = 60
+REJOINED, WAITING, ROLL = "rejoined", "waiting", "roll"
+
+
+def reported(p: Pass, pod: dict[str, Any]) -> str | None:
+    """The `reattach` outcome the pod's stage-0 engine reported in its registration, as listed now."""
+    mm = p.member_of(pod) if not pods.pool(pod) else None
+    outcome = ((mm or {}).get("patches") or {}).get(contract.REATTACH)
+    return outcome if isinstance(outcome, str) else None
+
+
+def remember(p: Pass, pod: dict[str, Any]) -> None:
+    """Keep on the pod what its engine reported: after a head restart the new head's listing does
+    not know the pod until it re-attached, and this is what says whether to wait for it."""
+    outcome = reported(p, pod)
+    if outcome is not None and outcome != pods.annotation(pod, A_REATTACH):
+        p.actions.append(Annotate(pods.name(pod), {A_REATTACH: outcome}))
+
+
+def decide(p: Pass, pod: dict[str, Any]) -> str:
+    if pods.pool(pod) is not None or pods.annotation(pod, A_REATTACH) != contract.APPLIED:
+        return ROLL
+    if p.listing is not None and p.member_of(pod) is not None:
+        return REJOINED
+    ready_since = pods.ready_since(p.head)
+    if ready_since is None:
+        return WAITING  # the new head's own engine is still loading: nobody can attach yet
+    waited = (datetime.fromisoformat(p.at) - datetime.fromisoformat(ready_since)).total_seconds()
+    return WAITING if waited < REATTACH_SECONDS else ROLL
+
+
+def wait(p: Pass, pod: dict[str, Any]) -> None:
+    """Not serving until it registered again: NotReady meanwhile, and no join tried (there is no
+    registration to join yet)."""
+    p.reattaching.add(pods.uid(pod))
+    if pods.gated(pod) and pods.joined_condition(pod):
+        p.actions.append(MarkJoined(pods.name(pod), pods.uid(pod), False))
+
+
+def rejoined(p: Pass, pod: dict[str, Any]) -> None:
+    p.actions.append(Annotate(pods.name(pod), {A_HEAD_RESTARTS: str(pods.restarts(p.head))}))
