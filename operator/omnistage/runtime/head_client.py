@@ -13,8 +13,9 @@ What a head answers is untrusted (its image is the tenant's). Each exchange (con
 headers, chunk framing, body) ends by one deadline, CONNECT_SECONDS + its timeout after it began,
 and reads at most its answer's bytes: the head's connections are `_BoundedSocket`s, which hold
 every read to the calling thread's `_Exchange` (a per-read timeout alone let a head drip one byte
-every 2 s into a status line or a header for as long as it liked: issue 40 item 1). An answer
-over a bound is no answer: HeadAnswerRefused."""
+every 2 s into a status line or a header for as long as it liked: issue 40 item 1). The body is
+then parsed within a memory budget and cut down to what the decision reads (head_answers). An
+answer over a bound is no answer: HeadAnswerRefused, which status names."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ from typing import Any
 import urllib3
 from omnistage_engine_patches import contract
 
+from . import head_answers
+from .head_answers import Limits
 from .metrics import MEMBERSHIP_CALLS, MEMBERSHIP_SECONDS
 
 log = logging.getLogger(__name__)
@@ -41,11 +44,14 @@ JOIN_SECONDS = 10.0  # a join attaches the replica's client to the stage pool on
 HEADER_BYTES = 16 * 1024  # the status line, the headers and the chunk framing of one answer
 _CHUNK = 64 * 1024
 _LATE = "not complete within its timeout"
-#: A listing of a thousand replicas is about 0.5 MB; nothing the operator asks for comes near this.
-MAX_ANSWER_BYTES = 4 * 1024 * 1024
-#: What each call's answer is, for the messages.
-ANSWERS = {"report": "engine report", "list": "membership listing", "join": "join answer",
-           "leave": "leave answer", "hold": "hold answer"}
+#: What each call's answer is, for the messages, and how it is read.
+ANSWERS: dict[str, tuple[str, Limits, Callable[[Any], dict[str, Any]]]] = {
+    "report": ("engine report", head_answers.REPORT, head_answers.report),
+    "list": ("membership listing", head_answers.LISTING, head_answers.listing),
+    "join": ("join answer", head_answers.SMALL, head_answers.small),
+    "leave": ("leave answer", head_answers.SMALL, head_answers.small),
+    "hold": ("hold answer", head_answers.SMALL, head_answers.small),
+}
 
 
 class _BadAnswer(Exception):
@@ -146,7 +152,7 @@ class HeadRefused(RuntimeError):
 
     def __init__(self, op: str, status: int, body: dict[str, Any]):
         self.op, self.status, self.body = op, status, body
-        super().__init__(f"{op}: HTTP {status}: {body.get('error') or body}")
+        super().__init__(f"{op}: HTTP {status}: {str(body.get('error') or body)[:300]}")  # lands in status
 
     @property
     def code(self) -> str | None:
@@ -197,8 +203,9 @@ def _conditional_call(
     attempts: int,
     etag: str | None,
 ) -> tuple[dict[str, Any] | None, str | None]:
-    """(answer, its ETag); (None, etag) when the head answered 304 to If-None-Match: etag."""
-    answer = ANSWERS[op]
+    """(answer, its ETag); (None, etag) when the head answered 304 to If-None-Match: etag. The answer
+    holds only what head_answers keeps of it."""
+    answer, limits, keep = ANSWERS[op]
     delay, last = 0.2, None
     headers = {"Authorization": f"Bearer {head.token}", "Content-Type": "application/json"}
     if etag:
@@ -207,14 +214,14 @@ def _conditional_call(
         start = time.monotonic()
         resp = None
         try:
-            with _exchange(start + CONNECT_SECONDS + timeout, timeout, MAX_ANSWER_BYTES + HEADER_BYTES):
+            with _exchange(start + CONNECT_SECONDS + timeout, timeout, limits.bytes + HEADER_BYTES):
                 resp = _pool.request(
                     method, head.url(path),
                     body=json.dumps(body).encode() if body is not None else None,
                     headers=headers, timeout=urllib3.Timeout(connect=CONNECT_SECONDS, read=timeout),
                     preload_content=False,
                 )
-                raw = _read_bounded(resp, MAX_ANSWER_BYTES)
+                raw = _read_bounded(resp, limits.bytes) or bytearray(b"{}")
             resp.release_conn()
         except (urllib3.exceptions.HTTPError, _BadAnswer) as err:
             if resp is not None:
@@ -228,15 +235,19 @@ def _conditional_call(
             if resp.status == 304 and etag:
                 MEMBERSHIP_CALLS.labels(op, "not_modified").inc()
                 return None, etag
-            try:
-                data = json.loads(raw or b"{}")
-            except ValueError:
-                data = {"error": raw[:200].decode(errors="replace")}
-            if not isinstance(data, dict):
-                data = {"error": f"unexpected answer {str(data)[:200]}"}
             if resp.status < 300:
+                try:
+                    data = head_answers.read(raw, limits, keep)
+                except head_answers.Refused as err:
+                    MEMBERSHIP_CALLS.labels(op, "bad_answer").inc()
+                    last = _BadAnswer(str(err))
+                    break
                 MEMBERSHIP_CALLS.labels(op, "ok").inc()
-                return data, resp.headers.get("ETag")
+                return data, (resp.headers.get("ETag") or "")[:256] or None
+            try:
+                data = head_answers.read(raw, head_answers.SMALL, head_answers.small)
+            except head_answers.Refused:
+                data = {"error": raw[:200].decode(errors="replace")}
             if resp.status < 500:
                 MEMBERSHIP_CALLS.labels(op, f"http_{resp.status}").inc()
                 raise HeadRefused(op, resp.status, data)
