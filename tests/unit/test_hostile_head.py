@@ -1,6 +1,6 @@
 """A hostile head on loopback (issue 40 items 1 and 2): it cannot hold a call past its deadline by
 dripping, in any part of its answer, nor make the operator build or keep more than a bounded amount
-of memory from an answer.
+of memory from an answer; an answer refused for either says so in the OmniStage's status.
 
 Each "head" is a raw TCP listener on 127.0.0.1 running a script of what it sends.
 
@@ -21,9 +21,14 @@ import tracemalloc
 from collections.abc import Callable, Iterator
 
 import pytest
-from omnistage.runtime import head_client
+from omnistage.api.conditions import Reason, Type
+from omnistage.api.conditions import get as condition
+from omnistage.control.plan import plan
+from omnistage.runtime import head_client, headview
 from omnistage.runtime.head_client import HeadClient, HeadUnreachable
 from omnistage_engine_patches import contract
+
+from .test_plan import AT, situation
 
 DRIP_SECONDS = 2.0
 # The call's deadline is CONNECT_SECONDS + READ_SECONDS = 4 s: the dripper has sent 3 bytes by then
@@ -252,3 +257,21 @@ def test_a_compressed_answer_is_never_inflated(hostile):
     with pytest.raises(HeadUnreachable) as err:
         head_client.report_if_changed(head.client, None, attempts=1)
     assert err.value.why == "a compressed answer"
+
+
+# ---- status names the refused answer ----------------------------------------------------------------
+
+def test_status_names_the_refused_answer_and_why(hostile):
+    head = hostile(answer(HOSTILE_LISTINGS["1 MiB of small objects"]))
+    view = headview.HeadView("head-uid")
+    assert headview.ask_head(head.client, view, distributed=True)[:2] == (None, None)
+    assert view.refused and "membership listing" in view.refused and "over" in view.refused
+
+    t, o = situation(report=None, listing=None, listing_problem=view.unreachable,
+                     report_problem=f"head unreachable: {view.unreachable}", answer_refused=view.refused)
+    _, status, _ = plan(t, o, AT)
+    synced, consistent = condition(status, Type.MEMBERSHIP_SYNCED), condition(status, Type.CACHE_CONSISTENT)
+    assert (synced["status"], synced["reason"]) == ("False", Reason.HEAD_ANSWER_REFUSED)
+    assert (consistent["status"], consistent["reason"]) == ("False", Reason.HEAD_ANSWER_REFUSED)
+    for cond in (synced, consistent):
+        assert "membership listing" in cond["message"] and "refused: over" in cond["message"], cond
