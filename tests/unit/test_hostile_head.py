@@ -28,6 +28,7 @@ from omnistage.runtime import head_client, headview
 from omnistage.runtime.head_client import HeadClient, HeadUnreachable
 from omnistage_engine_patches import contract
 
+from .test_head_client_bounds import HostileHead
 from .test_plan import AT, situation
 
 DRIP_SECONDS = 2.0
@@ -41,31 +42,16 @@ MAX_MEMBERS = 1024  # head_answers.MAX_MEMBERS (a literal: this module also runs
 OK_STATUS = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
 
 
-class ScriptedHead:
-    """A TCP listener on 127.0.0.1 that reads a request and runs `script(conn, head)` on it."""
+Script = Callable[[socket.socket, "ScriptedHead"], None]
 
-    def __init__(self, script: Callable[[socket.socket, ScriptedHead], None]) -> None:
-        self.script, self.sent, self.stop = script, 0, threading.Event()
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.client = HeadClient("127.0.0.1", self.sock.getsockname()[1], "token")
-        threading.Thread(target=self._serve, daemon=True).start()
 
-    def _serve(self) -> None:
-        self.sock.settimeout(0.2)
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+class ScriptedHead(HostileHead):
+    """A head on 127.0.0.1 that reads a request and runs `script(conn, head)` on it."""
 
-    def _answer(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.recv(65536)
-                self.script(conn, self)
-            except OSError:
-                return
+    def __init__(self, script: Script) -> None:
+        self.sent = 0
+        super().__init__(script)
+        self.client = HeadClient("127.0.0.1", self.port, "token")
 
     def drip(self, conn: socket.socket, data: bytes) -> None:
         """`data` a byte every DRIP_SECONDS, counted in self.sent, until the head is closed."""
@@ -76,24 +62,17 @@ class ScriptedHead:
             self.sent += 1
             self.stop.wait(DRIP_SECONDS)
 
-    def close(self) -> None:
-        self.stop.set()
-        self.sock.close()
-
 
 @pytest.fixture
 def hostile() -> Iterator[Callable[..., ScriptedHead]]:
     made: list[ScriptedHead] = []
 
-    def make(script: Callable[[socket.socket, ScriptedHead], None]) -> ScriptedHead:
+    def make(script: Script) -> ScriptedHead:
         made.append(ScriptedHead(script))
         return made[-1]
     yield make
     for h in made:
         h.close()
-
-
-Script = Callable[[socket.socket, ScriptedHead], None]
 
 
 def answer(body: bytes, *headers: bytes, length: bool = True) -> Script:
@@ -120,7 +99,7 @@ def test_a_dripping_head_is_cut_at_the_call_s_deadline_whatever_it_drips(hostile
     """The four forms side by side (each call waits on its own head: 4 s in all, not 16)."""
     heads, ended = {}, {form: {} for form in DRIPS}
 
-    def script(form: str) -> Callable[[socket.socket, ScriptedHead], None]:
+    def script(form: str) -> Script:
         def run(conn: socket.socket, head: ScriptedHead) -> None:
             conn.sendall(DRIPS[form][0])
             head.drip(conn, DRIPS[form][1])
