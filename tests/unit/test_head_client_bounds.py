@@ -11,7 +11,7 @@ import resource
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from omnistage.runtime import head_client
@@ -19,9 +19,10 @@ from omnistage.runtime.head_client import HeadClient, HeadUnreachable
 
 
 class HostileHead:
-    """A raw TCP server on 127.0.0.1 answering every request the way `mode` says."""
+    """A raw TCP server on 127.0.0.1 answering every request the way `mode` says, or running
+    `mode(conn, head)` when it is a script (test_hostile_head.ScriptedHead)."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str | Callable[[socket.socket, HostileHead], None]) -> None:
         self.mode = mode
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -44,7 +45,9 @@ class HostileHead:
         with conn:
             try:
                 conn.recv(65536)
-                if self.mode == "huge":  # 150 MB of JSON-ish bytes, no Content-Length
+                if callable(self.mode):
+                    self.mode(conn, self)
+                elif self.mode == "huge":  # 150 MB of JSON-ish bytes, no Content-Length
                     conn.sendall(
                         b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
                     )

@@ -64,6 +64,9 @@ class Reason(StrEnum):
         "PatchNotApplied"  # a patch the mode needs is skipped or disabled (also StagesReady's)
     )
     CACHE_MISMATCH = "CacheMismatch"  # the frontend built another cache than the OmniStage promises
+    # CacheConsistent and MembershipSynced: the head's report or listing broke the operator's bounds on
+    # an answer (size, shape, time: runtime/head_answers.py) and was not read
+    HEAD_ANSWER_REFUSED = "HeadAnswerRefused"
     # ReplicaFailure: what keeps the pods and children from being what the pass decided
     UNSCHEDULABLE = "Unschedulable"
     ENGINE_EXITED = "EngineExited"

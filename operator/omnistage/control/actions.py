@@ -151,6 +151,9 @@ class Observed:
     report_problem: str | None = None
     listing: dict[str, Any] | None = None
     listing_problem: str | None = None
+    # The head's answer the operator refused (runtime/head_answers.py), which and why: report and
+    # listing are None then, and status says this instead of "unreachable".
+    answer_refused: str | None = None
     drains: Mapping[str, str] = field(default_factory=dict)  # pod uid -> DRAIN_* (act's drain executor)
     # What this pass's act step could not do, for its status (plan.described): joins refused, ...; and
     # the children the API server refused in that step, with its words.

@@ -50,11 +50,16 @@ def _engine(report: dict[str, Any]) -> str:
 
 
 def check(effective_mode: str, distributed: bool, report: dict[str, Any] | None,
-          unreported_because: str | None = None) -> Verdict:
+          unreported_because: str | None = None, refused: str | None = None) -> Verdict:
     """Compare the operator's decision with the head's report.
 
-    `report` None: the head did not answer (`unreported_because` says why).
+    `report` None: the head did not answer (`unreported_because` says why), or its answer was
+    refused (`refused` says which and why).
     """
+    if report is None and refused:
+        return Verdict(False, Reason.HEAD_ANSWER_REFUSED,
+                       f"{refused}; replicas are not joined until the head answers within the operator's "
+                       "bounds (docs/security.md)")
     if report is None:
         return Verdict(False, Reason.ENGINE_UNREPORTED,
                        f"the head has not reported its engine ({unreported_because or 'no answer'}); "

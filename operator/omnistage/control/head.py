@@ -38,7 +38,8 @@ def engine_report(p: Pass) -> None:
         p.report = None
     else:
         why = p.o.report_problem
-    p.verdict = engine_truth.check(str(p.t.cache.mode), p.t.distributed, p.report, why)
+    refused = p.o.answer_refused if why != HEAD_NOT_READY else None
+    p.verdict = engine_truth.check(str(p.t.cache.mode), p.t.distributed, p.report, why, refused)
     before = condition(p.previous, Type.CACHE_CONSISTENT)
     if p.verdict.consistent or why == HEAD_NOT_READY:
         if p.verdict.consistent and before.get("status") == "False":
@@ -59,4 +60,4 @@ def membership_read(p: Pass) -> None:
         p.membership_problem, p.listing = HEAD_NOT_READY, None
         return
     if p.listing is None:
-        p.membership_problem = f"head unreachable: {p.o.listing_problem}"
+        p.membership_problem = p.o.answer_refused or f"head unreachable: {p.o.listing_problem}"

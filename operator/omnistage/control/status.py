@@ -182,7 +182,11 @@ def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dic
             synced,
             Reason.SYNCED
             if synced
-            else (Reason.SCALE_DOWN_HELD if problem and problem == p.scale_held else Reason.NOT_SYNCED),
+            else Reason.SCALE_DOWN_HELD
+            if problem and problem == p.scale_held
+            else Reason.HEAD_ANSWER_REFUSED
+            if problem and problem == p.o.answer_refused
+            else Reason.NOT_SYNCED,
             problem or (f"{registered}/{desired} replicas registered" if read else "membership not read yet"),
         ),
         Cond(Type.CACHE_CONSISTENT, verdict.consistent, verdict.reason, verdict.message),

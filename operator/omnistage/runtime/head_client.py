@@ -9,54 +9,142 @@ Timeouts are tight: these calls run on the reconcile workers (a draining leave r
 and a head that does not answer within them is reported unreachable rather than waited for. An
 unreachable head costs at most about CONNECT_SECONDS x attempts + the backoff per call.
 
-What a head answers is untrusted (its image is the tenant's): each answer is read in chunks, at
-most MAX_ANSWER_BYTES, and whole within the call's timeout (not per read: a body dripped a byte at
-a time would otherwise hold a worker for ever). An answer over either bound is no answer."""
+What a head answers is untrusted (its image is the tenant's). Each exchange (connect, status line,
+headers, chunk framing, body) ends by one deadline, CONNECT_SECONDS + its timeout after it began,
+and reads at most its answer's bytes: the head's connections are `_BoundedSocket`s, which hold
+every read to the calling thread's `_Exchange` (a per-read timeout alone let a head drip one byte
+every 2 s into a status line or a header for as long as it liked: issue 40 item 1). The body is
+then parsed within a memory budget and cut down to what the decision reads (head_answers). An
+answer over a bound is no answer: HeadAnswerRefused, which status names."""
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import urllib3
 from omnistage_engine_patches import contract
 
+from . import head_answers
+from .head_answers import Limits
 from .metrics import MEMBERSHIP_CALLS, MEMBERSHIP_SECONDS
 
 log = logging.getLogger(__name__)
-_pool = urllib3.PoolManager(retries=False)
 
 CONNECT_SECONDS = 1.0  # the head is in the cluster network: a connect takes milliseconds or never
 READ_SECONDS = 3.0  # report, listing and an undrained leave answer in milliseconds
 JOIN_SECONDS = 10.0  # a join attaches the replica's client to the stage pool on the head
-#: A listing of a thousand replicas is about 0.5 MB; nothing the operator asks for comes near this.
-MAX_ANSWER_BYTES = 4 * 1024 * 1024
+HEADER_BYTES = 16 * 1024  # the status line, the headers and the chunk framing of one answer
 _CHUNK = 64 * 1024
+_LATE = "not complete within its timeout"
+#: What each call's answer is, for the messages, and how it is read.
+ANSWERS: dict[str, tuple[str, Limits, Callable[[Any], dict[str, Any]]]] = {
+    "report": ("engine report", head_answers.REPORT, head_answers.report),
+    "list": ("membership listing", head_answers.LISTING, head_answers.listing),
+    "join": ("join answer", head_answers.SMALL, head_answers.small),
+    "leave": ("leave answer", head_answers.SMALL, head_answers.small),
+    "hold": ("hold answer", head_answers.SMALL, head_answers.small),
+}
 
 
 class _BadAnswer(Exception):
-    """The head's answer broke a bound (too large, or not complete in time): no answer."""
+    """The head's answer broke a bound (too large, malformed, or not complete in time): no answer,
+    and no second attempt (each is the head's choice, and a late answer would cost the call its
+    deadline twice). A head that sends nothing at all is a read timeout, retried as before."""
 
 
-def _read_bounded(resp: urllib3.BaseHTTPResponse, deadline: float) -> bytes:
-    """The body, at most MAX_ANSWER_BYTES, read whole before `deadline` (time.monotonic())."""
+class _Exchange(threading.local):
+    """The calling thread's exchange with a head: its deadline (time.monotonic()), the per-read
+    timeout, and the bytes the answer may still take. deadline None: no exchange (a pooled
+    connection's checks between calls)."""
+
+    deadline: float | None = None
+    read_seconds = 0.0
+    left = 0
+
+
+_EXCHANGE = _Exchange()
+
+
+@contextmanager
+def _exchange(deadline: float, read_seconds: float, most_bytes: int) -> Iterator[None]:
+    _EXCHANGE.deadline, _EXCHANGE.read_seconds, _EXCHANGE.left = deadline, read_seconds, most_bytes
+    try:
+        yield
+    finally:
+        _EXCHANGE.deadline = None
+
+
+class _BoundedSocket(socket.socket):
+    """A head connection's socket. Every read waits at most until the exchange's deadline (and the
+    read timeout) and counts against the answer's bytes, whatever http.client or urllib3 reads
+    with it: the status line, a header, a chunk-size line, a trailer or the body."""
+
+    __slots__ = ()
+
+    def _bounded(self, read: Callable[..., Any], *args: Any) -> Any:
+        ex = _EXCHANGE
+        if ex.deadline is None:
+            return read(*args)
+        left = ex.deadline - time.monotonic()
+        if left <= 0:
+            raise _BadAnswer(_LATE)
+        self.settimeout(min(left, ex.read_seconds))
+        try:
+            got = read(*args)
+        except TimeoutError:
+            if left < ex.read_seconds:
+                raise _BadAnswer(_LATE) from None
+            raise  # a head that sends nothing: urllib3's ReadTimeoutError, as before
+        ex.left -= got if isinstance(got, int) else len(got)
+        if ex.left < 0:
+            raise _BadAnswer("over its size with its headers")
+        return got
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        return self._bounded(super().recv_into, buffer, nbytes, flags)
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        return self._bounded(super().recv, bufsize, flags)
+
+
+class _HeadConnection(urllib3.connection.HTTPConnection):
+    def _new_conn(self) -> socket.socket:
+        sock = super()._new_conn()
+        timeout = sock.gettimeout()
+        bounded = _BoundedSocket(sock.family, sock.type, sock.proto, fileno=sock.detach())
+        bounded.settimeout(timeout)
+        return bounded
+
+
+class _HeadPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _HeadConnection
+
+
+_pool = urllib3.PoolManager(retries=False)
+_pool.pool_classes_by_scheme = {"http": _HeadPool}  # the heads are dialled over http only
+
+
+def _read_bounded(resp: urllib3.BaseHTTPResponse, most: int) -> bytearray:
+    """The body as sent, at most `most` bytes (the deadline is the socket's)."""
     declared = resp.headers.get("Content-Length")
-    if declared and declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
-        raise _BadAnswer(f"answer of {declared} bytes, over {MAX_ANSWER_BYTES}")
-    chunks, size = [], 0
-    while True:
-        if time.monotonic() > deadline:
-            raise _BadAnswer("answer not complete within its timeout")
-        chunk = resp.read1(_CHUNK)  # what has arrived, without waiting for a full chunk
-        if not chunk:
-            return b"".join(chunks)
-        size += len(chunk)
-        if size > MAX_ANSWER_BYTES:
-            raise _BadAnswer(f"answer over {MAX_ANSWER_BYTES} bytes")
-        chunks.append(chunk)
+    if declared and declared.isdigit() and int(declared) > most:
+        raise _BadAnswer(f"over {most} bytes")
+    if resp.headers.get("Content-Encoding", "identity").lower() not in ("", "identity"):
+        raise _BadAnswer("a compressed answer")  # never inflated: a small body can inflate to GiBs
+    body = bytearray()  # parsed as it is: a copy would be one more answer's size in memory
+    while chunk := resp.read1(_CHUNK, decode_content=False):  # what has arrived, without waiting
+        body += chunk
+        if len(body) > most:
+            raise _BadAnswer(f"over {most} bytes")
+    return body
 
 
 class HeadRefused(RuntimeError):
@@ -64,7 +152,7 @@ class HeadRefused(RuntimeError):
 
     def __init__(self, op: str, status: int, body: dict[str, Any]):
         self.op, self.status, self.body = op, status, body
-        super().__init__(f"{op}: HTTP {status}: {body.get('error') or body}")
+        super().__init__(f"{op}: HTTP {status}: {str(body.get('error') or body)[:300]}")  # lands in status
 
     @property
     def code(self) -> str | None:
@@ -76,6 +164,15 @@ class HeadRefused(RuntimeError):
 
 class HeadUnreachable(RuntimeError):
     """No answer from the head after the retries (not started yet, restarting, or gone)."""
+
+
+class HeadAnswerRefused(HeadUnreachable):
+    """The head answered, but its answer broke a bound (size, shape, deadline): no answer either.
+    `answer` names it (ANSWERS), `why` is constant per kind of breach."""
+
+    def __init__(self, message: str, answer: str, why: str):
+        super().__init__(message)
+        self.answer, self.why = answer, why
 
 
 @dataclass(frozen=True)
@@ -106,7 +203,9 @@ def _conditional_call(
     attempts: int,
     etag: str | None,
 ) -> tuple[dict[str, Any] | None, str | None]:
-    """(answer, its ETag); (None, etag) when the head answered 304 to If-None-Match: etag."""
+    """(answer, its ETag); (None, etag) when the head answered 304 to If-None-Match: etag. The answer
+    holds only what head_answers keeps of it."""
+    answer, limits, keep = ANSWERS[op]
     delay, last = 0.2, None
     headers = {"Authorization": f"Bearer {head.token}", "Content-Type": "application/json"}
     if etag:
@@ -115,33 +214,40 @@ def _conditional_call(
         start = time.monotonic()
         resp = None
         try:
-            resp = _pool.request(
-                method, head.url(path),
-                body=json.dumps(body).encode() if body is not None else None,
-                headers=headers, timeout=urllib3.Timeout(connect=CONNECT_SECONDS, read=timeout),
-                preload_content=False,
-            )
-            raw = _read_bounded(resp, start + CONNECT_SECONDS + timeout)
+            with _exchange(start + CONNECT_SECONDS + timeout, timeout, limits.bytes + HEADER_BYTES):
+                resp = _pool.request(
+                    method, head.url(path),
+                    body=json.dumps(body).encode() if body is not None else None,
+                    headers=headers, timeout=urllib3.Timeout(connect=CONNECT_SECONDS, read=timeout),
+                    preload_content=False,
+                )
+                raw = _read_bounded(resp, limits.bytes) or bytearray(b"{}")
             resp.release_conn()
         except (urllib3.exceptions.HTTPError, _BadAnswer) as err:
             if resp is not None:
                 resp.close()  # never reuse a connection left mid-answer
             MEMBERSHIP_CALLS.labels(op, "bad_answer" if isinstance(err, _BadAnswer) else "unreachable").inc()
             last = err
+            if isinstance(err, _BadAnswer):
+                break
         else:
             MEMBERSHIP_SECONDS.labels(op).observe(time.monotonic() - start)
             if resp.status == 304 and etag:
                 MEMBERSHIP_CALLS.labels(op, "not_modified").inc()
                 return None, etag
-            try:
-                data = json.loads(raw or b"{}")
-            except ValueError:
-                data = {"error": raw[:200].decode(errors="replace")}
-            if not isinstance(data, dict):
-                data = {"error": f"unexpected answer {str(data)[:200]}"}
             if resp.status < 300:
+                try:
+                    data = head_answers.read(raw, limits, keep)
+                except head_answers.Refused as err:
+                    MEMBERSHIP_CALLS.labels(op, "bad_answer").inc()
+                    last = _BadAnswer(str(err))
+                    break
                 MEMBERSHIP_CALLS.labels(op, "ok").inc()
-                return data, resp.headers.get("ETag")
+                return data, (resp.headers.get("ETag") or "")[:256] or None
+            try:
+                data = head_answers.read(raw, head_answers.SMALL, head_answers.small)
+            except head_answers.Refused:
+                data = {"error": raw[:200].decode(errors="replace")}
             if resp.status < 500:
                 MEMBERSHIP_CALLS.labels(op, f"http_{resp.status}").inc()
                 raise HeadRefused(op, resp.status, data)
@@ -156,7 +262,10 @@ def _conditional_call(
     # change to unreachable once; a join or leave that fails is worth a line each time.
     log.log(logging.DEBUG if op in ("report", "list") else logging.INFO,
             "%s at %s: no answer: %s", op, head.url(path), last)
-    reason = str(last) if isinstance(last, HeadRefused | _BadAnswer) else type(last).__name__
+    if isinstance(last, _BadAnswer):
+        raise HeadAnswerRefused(f"{op} at {head.url(path)}: the head's answer ({answer}) was refused: {last}",
+                                answer, str(last))
+    reason = str(last) if isinstance(last, HeadRefused) else type(last).__name__
     raise HeadUnreachable(f"{op} at {head.url(path)}: no answer ({reason})")
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import head_client, memory
-from .head_client import HeadClient, HeadRefused, HeadUnreachable
+from .head_client import HeadAnswerRefused, HeadClient, HeadRefused, HeadUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -22,8 +22,8 @@ UNREACHABLE_RETRY_SECONDS = (5.0, 10.0, 20.0, 30.0)
 
 @dataclass
 class HeadView:
-    """The last report and listing one head incarnation gave, with their ETags, and, for a head
-    that did not answer, why and when to dial it again."""
+    """The last report and listing one head incarnation gave (what head_answers keeps of them), with
+    their ETags, and, for a head that did not answer, why and when to dial it again."""
 
     head_uid: str | None
     report: dict[str, Any] | None = None
@@ -33,6 +33,7 @@ class HeadView:
     token_refused: bool = False  # 401: the Secret was replaced
     head_rv: str | None = None  # the head pod's resourceVersion when it was last dialled
     unreachable: str | None = None  # the HeadUnreachable message of the last dial
+    refused: str | None = None  # ... when it was a HeadAnswerRefused: the answer broke a bound
     failures: int = 0  # dials in a row without an answer
     answered: bool = False  # this head incarnation answered at least once
     retry_at: float = 0.0
@@ -105,7 +106,7 @@ def ask_head(client: HeadClient, view: HeadView, distributed: bool) -> tuple[
                 listing_problem = str(err)
             boot = (view.listing or {}).get("bootId")
             if view.listing is not None and settled(view.report) and view.report.get("bootId") == boot:
-                view.unreachable, view.failures, view.answered = None, 0, True
+                view.unreachable, view.refused, view.failures, view.answered = None, None, 0, True
                 return view.report, view.listing, None, None
         try:
             fresh, view.report_etag = head_client.report_if_changed(client, view.report_etag, attempts)
@@ -116,6 +117,7 @@ def ask_head(client: HeadClient, view: HeadView, distributed: bool) -> tuple[
             report_problem = f"the head refused the report: {err.explain()}"
     except HeadUnreachable as err:
         view.report = view.listing = view.report_etag = view.listing_etag = None
+        view.refused = str(err) if isinstance(err, HeadAnswerRefused) else None
         view.failures += 1
         if view.failures == 1:
             log.info("head unreachable: %s; dialled again after %s s", err, "/".join(
@@ -123,7 +125,7 @@ def ask_head(client: HeadClient, view: HeadView, distributed: bool) -> tuple[
         backoff = UNREACHABLE_RETRY_SECONDS[min(view.failures, len(UNREACHABLE_RETRY_SECONDS)) - 1]
         view.unreachable, view.retry_at = str(err), time.monotonic() + backoff
         return None, None, f"head unreachable: {err}", str(err)
-    view.unreachable, view.failures, view.answered = None, 0, True
+    view.unreachable, view.refused, view.failures, view.answered = None, None, 0, True
     return view.report, (view.listing if distributed and listing_problem is None else None), \
         report_problem, listing_problem
 

@@ -269,17 +269,18 @@ def _observe_set(obj: dict[str, Any], t: Target, token: str | None, head: dict[s
     if head is not None and pods.ip(head) and not pods.terminating(head) and token is not None:
         client = HeadClient(pods.ip(head), t.spec.engine.membership_port, token)
     report = listing = None
-    report_problem = listing_problem = None
+    report_problem = listing_problem = refused = None
     if client is not None and pods.answers(
         head
     ):  # Ready, or started: read a head whose engines are silent too
         view = view_for(key, pods.uid(head), _rv(head))
         report, listing, report_problem, listing_problem = ask_head(client, view, t.distributed)
+        refused = view.refused
         if view.token_refused:  # 401: the Secret was replaced; read it again next pass
             memory.TOKENS.forget(t.namespace, t.name)
     return Observed(obj=obj, head=head, replicas=replicas, head_addressable=client is not None, report=report,
                     report_problem=report_problem, listing=listing, listing_problem=listing_problem,
-                    drains=drains), client
+                    answer_refused=refused, drains=drains), client
 
 
 def _engine_pods(o: Observed) -> list[dict[str, Any]]:
