@@ -27,6 +27,7 @@ from . import (
     frontend_cache,
     membership,
     mm_cache_metrics,
+    public_routes,
     registration_report,
     replica_affinity,
     replica_aware_cache,
@@ -56,6 +57,7 @@ PATCHES = tuple(Patch(m.NAME, m.install) for m in (
     replica_affinity,  # cache mode replica-aware: the pick prefers the replica holding the media
     # After membership (whose epoch it bumps): a silent stage engine is kept, not killed (issue 26).
     engine_liveness,
+    public_routes,  # the public port's allow-list (vllm-omni's /v1/omni/sleep and the like refused)
     # Headless replicas: the outcomes (read at registration, so every patch above is in them) go to the head.
     registration_report,
 ))
