@@ -118,8 +118,12 @@ REGISTRATION_REPORT = "registration_report"
 ENGINE_LIVENESS = "engine_liveness"
 #: A headless stage-0 replica outlives its head and re-attaches to a new head process without reloading.
 REATTACH = "reattach"
+#: vLLM's public (OpenAI) port serves an allow-list of routes: vllm-omni's /v1/omni/sleep and the
+#: other control routes are refused there.
+PUBLIC_ROUTES = "public_routes"
 PATCHES = (FRONTEND_CACHE, UUID_SCOPE, REPLICA_METRICS, MM_CACHE_METRICS, MEMBERSHIP, CONNECTOR_PORTS,
-           REPLICA_AWARE_CACHE, REPLICA_AFFINITY, REGISTRATION_REPORT, ENGINE_LIVENESS, REATTACH)
+           REPLICA_AWARE_CACHE, REPLICA_AFFINITY, REGISTRATION_REPORT, ENGINE_LIVENESS, REATTACH,
+           PUBLIC_ROUTES)
 #: The key a headless replica adds to the stage config it registers with (vllm-omni's
 #: ``register_stage_with_omni_master``): {patch name: outcome} in that replica's process. The head
 #: lists it as that member's ``"patches"`` in the membership listing (membership_routes' ``Replica``).

@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from . import contract
 from .membership_routes import public_router
 from .membership_server import membership_port, serve_beside
+from .patches import BY_NAME, public_routes
 
 
 class MembershipEndpointPlugin:
@@ -35,6 +36,11 @@ class MembershipEndpointPlugin:
 
     def attach_router(self, app: FastAPI) -> None:
         """The liveness on vLLM's (public) app; every token route on the membership port."""
+        # public_routes' guard normally comes first among the endpoint plugins; had vLLM loaded them
+        # before the general plugins (the patch's hook then too late for this app), the report served
+        # from here would claim a filter the public app lacks: the guard is added here instead.
+        if BY_NAME[contract.PUBLIC_ROUTES].apply().applied and not public_routes.guards(app):
+            public_routes.Guard().attach_router(app)
         app.include_router(public_router)
         serve_beside(app, membership_port())
 

@@ -23,14 +23,14 @@ from typing import Any
 from fastapi import FastAPI
 
 from . import contract, report
+from .membership_connections import Book, guarded_protocol
 from .membership_routes import membership_app
 
 # The endpoint's one log, whichever of its modules (membership_auth, _routes, _server) writes.
 logger = logging.getLogger("omnistage_engine_patches.membership_api")
 
-#: Bounds of the membership server beside the body's (MAX_BODY_BYTES): its callers are the operator
-#: and the preStop hooks, a handful at once.
-MAX_CONNECTIONS = 64
+#: Bounds of the membership server beside the body's (MAX_BODY_BYTES) and the connections'
+#: (membership_connections: how many, and how long each may take to ask).
 MAX_HEADER_BYTES = 16 * 1024
 STOP_SECONDS = 10.0
 
@@ -77,8 +77,13 @@ async def serve_membership(state: Any, host: str, port: int) -> Callable[[], Awa
 
     sock = _listen(host, port)
     state.omnistage_membership_port = sock.getsockname()[1]
+    # No limit_concurrency: it counted connections that never sent a byte (64 of them locked the
+    # operator out); membership_connections bounds them per peer and in time instead. No proxy
+    # headers (no proxy stands before this port: a peer would choose its own address) and no
+    # WebSocket upgrade (nothing here speaks it, and it would hand the connection past the guard).
     config = uvicorn.Config(membership_app(state), lifespan="off", log_level="warning", access_log=False,
-                            limit_concurrency=MAX_CONNECTIONS, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                            http=guarded_protocol(Book()), ws="none", proxy_headers=False,
+                            limit_concurrency=None, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                             timeout_keep_alive=5, timeout_graceful_shutdown=5)
     server = _Server(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))

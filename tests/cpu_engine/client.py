@@ -110,9 +110,11 @@ def get(url: str, token: str | None = None, timeout: float = 10.0) -> str:
         return r.read().decode()
 
 
-def post(base: str, path: str, timeout: float = 120.0) -> int:
-    """POST with no body (vLLM's dev routes: /sleep, /wake_up); the HTTP status."""
-    req = urllib.request.Request(_check_loopback(base) + path, data=b"", method="POST")
+def post(base: str, path: str, timeout: float = 120.0, payload: dict | None = None) -> int:
+    """POST with no body (vLLM's dev routes: /sleep, /wake_up), or `payload` as JSON; the HTTP status."""
+    data = json.dumps(payload).encode() if payload is not None else b""
+    req = urllib.request.Request(_check_loopback(base) + path, data=data, method="POST",
+                                 headers={"Content-Type": "application/json"} if payload is not None else {})
     try:
         with _OPENER.open(req, timeout=timeout) as r:
             return r.status

@@ -91,6 +91,7 @@ PLUGIN_FLOORS = {
         "omnistage_engine_patches",
         "omnistage_engine_patches.membership_api",
         "omnistage_engine_patches.membership_auth",
+        "omnistage_engine_patches.membership_connections",
         "omnistage_engine_patches.membership_listing",
         "omnistage_engine_patches.membership_ops",
         "omnistage_engine_patches.membership_requests",

@@ -27,6 +27,7 @@ from . import (
     frontend_cache,
     membership,
     mm_cache_metrics,
+    public_routes,
     reattach,
     registration_report,
     replica_affinity,
@@ -57,6 +58,7 @@ PATCHES = tuple(Patch(m.NAME, m.install) for m in (
     replica_affinity,  # cache mode replica-aware: the pick prefers the replica holding the media
     # After membership (whose epoch it bumps): a silent stage engine is kept, not killed (issue 26).
     engine_liveness,
+    public_routes,  # the public port's allow-list (vllm-omni's /v1/omni/sleep and the like refused)
     # Before registration_report, so its launcher wrapper sits inside: the report (outer) makes the
     # stage config a dict, this adds the instance, and the report lists reattach's outcome.
     reattach,

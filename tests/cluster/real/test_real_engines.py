@@ -79,6 +79,24 @@ def test_rendered_command_runs_and_reports_live_engine(stage, standin):
     assert cond["CacheConsistent"]["status"] == "True", cond["CacheConsistent"]
 
 
+def test_the_public_port_refuses_the_control_routes(stage):
+    """Issue 40 item 4 on the real head (patch public_routes): vllm-omni's /v1/omni/sleep and its
+    siblings, sent the body that would act, answer 404 on the public port without credentials (their
+    handlers never run: nothing sleeps), what a user needs answers, and a request is served after."""
+    base = stage.base()
+    control = {"/v1/omni/sleep": {"stage_ids": [0], "level": 1}, "/v1/omni/wakeup": {"stage_ids": [0]},
+               "/scale_elastic_ep": {"new_data_parallel_size": 2}, "/start_profile": {}, "/stop_profile": {}}
+    answers = {path: client.post(base, path, timeout=30, payload=body) for path, body in control.items()}
+    print(f"[real] the public port's control routes: {answers}")
+    assert answers == {path: 404 for path in control}, answers
+    report = stage.report()
+    assert report["patches"]["public_routes"]["outcome"] == "applied", report["patches"]
+    assert client.healthy(base) and "vllm:" in client.get(base + "/metrics")
+    model = client.served_model(base)
+    result = client.chat(base, client.body(model, "audio", 5), "after the refused sleep")
+    assert result.complete, result.line()
+
+
 def test_warm_with_one_replica_then_join_by_scale(stage, standin):
     """The seed's dynamic case: the frontend cache warmed with the head's replica alone, a second
     replica joined by `kubectl scale`, then byte-identical audio resent: every request answered,
