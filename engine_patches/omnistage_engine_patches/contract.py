@@ -135,6 +135,9 @@ REATTACH_INSTANCE_KEY = "omnistage_instance"
 REATTACH_COUNT_KEY = "omnistage_reattaches"
 REATTACH_PING_KEY = "omnistage_ping"
 REATTACH_REGISTERED, REATTACH_UNKNOWN = "registered", "unknown"
+#: A stage-0 replica pod's variable: the DNS name of its OmniStage's master Service (NAME-master.NS.svc),
+#: where its engine finds a head that replaced its own (another pod, another address).
+MASTER_SERVICE_ENV = "OMNISTAGE_MASTER_SERVICE"
 
 # A patch's outcome in this process.
 APPLIED = "applied"

@@ -32,9 +32,11 @@ exits, so the pod fails and the operator replaces it (the behaviour without this
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -53,6 +55,11 @@ logger = logging.getLogger("omnistage_engine_patches.reattach")
 ENV_MASTER, ENV_STAGE = "OMNISTAGE_REATTACH_MASTER", "OMNISTAGE_REATTACH_STAGE"
 ENV_REPLICA = "OMNISTAGE_REATTACH_REPLICA"
 ENV_BIND, ENV_INSTANCE = "OMNISTAGE_REATTACH_BIND", "OMNISTAGE_REATTACH_INSTANCE"
+#: The pod's own variable (the operator renders it): the master Service's DNS name, where a replica
+#: looks for its head once the address it registered with stopped answering (the head pod replaced).
+ENV_SERVICE = contract.MASTER_SERVICE_ENV
+MOVED_AFTER_S = 3.0  # the old address's silence before the Service is asked: an in-place restart keeps it
+MAX_CANDIDATES = 4  # addresses pinged per look (the Service lists one serving head; a surge, two)
 PING_PERIOD_S = 1.0
 PING_TIMEOUT_MS = 1000
 MAX_FAILURES = 10
@@ -70,6 +77,7 @@ class Attachment:
     replica: int
     instance: str
     bind: str | None
+    service: str | None = None         # ENV_SERVICE: where to look when the head pod was replaced
     head_boot: str | None = None        # the boot id of the head that knows `instance`
     coord_client: Any = None            # the OmniCoordClientForStage heartbeating to that head
     input_ctx: Any = None               # the current input thread's ZMQ context (its stop handle)
@@ -90,7 +98,8 @@ def from_environment() -> Attachment | None:
         stage, replica = int(os.environ.get(ENV_STAGE, "")), int(os.environ.get(ENV_REPLICA, ""))
     except ValueError:
         return None
-    return Attachment((host, int(port)), stage, replica, instance, os.environ.get(ENV_BIND) or None)
+    return Attachment((host, int(port)), stage, replica, instance, os.environ.get(ENV_BIND) or None,
+                      os.environ.get(ENV_SERVICE) or None)
 
 
 # ---- the ping (watchdog thread) -----------------------------------------------------------------
@@ -126,13 +135,42 @@ def should_reattach(att: Attachment, answer: dict[str, Any] | None) -> bool:
             and boot != att.head_boot)
 
 
+def moved_head(ctx: zmq.Context, att: Attachment) -> tuple[tuple[str, int], dict[str, Any]] | None:
+    """Where the head went when its pod was replaced (a new IP): the master Service's name
+    (ENV_SERVICE, NAME-master.NAMESPACE.svc: a headless Service that lists the serving head pod
+    whether Ready or not) resolved, and the first address whose head answers "ready, and this
+    replica is unknown to me" (a head that knows it is the one it is attached to)."""
+    if not att.service:
+        return None
+    try:
+        infos = socket.getaddrinfo(att.service, att.master[1], type=socket.SOCK_STREAM)
+    except OSError:
+        return None  # no name service, or the Service lists no head yet
+    for ip in sorted({info[4][0] for info in infos} - {att.master[0]})[:MAX_CANDIDATES]:
+        candidate = dataclasses.replace(att, master=(ip, att.master[1]))
+        answer = ping(ctx, candidate)
+        if answer is not None and answer.get("state") == contract.REATTACH_UNKNOWN and answer.get("ready"):
+            return candidate.master, answer
+    return None
+
+
 def watch(engine: Any, att: Attachment, stop: threading.Event) -> None:
     ctx = zmq.Context()
+    silent_since: float | None = None
     try:
         while not stop.wait(PING_PERIOD_S):
             if att.pending:
                 continue
             answer = ping(ctx, att)
+            if answer is not None:
+                silent_since = None
+            elif silent_since is None:
+                silent_since = time.monotonic()
+            elif time.monotonic() - silent_since >= MOVED_AFTER_S and (moved := moved_head(ctx, att)):
+                logger.warning("stage %d replica %d: no head at %s:%d for %.0f s; the master Service %s "
+                               "lists a ready head at %s:%d", att.stage, att.replica, *att.master,
+                               time.monotonic() - silent_since, att.service, *moved[0])
+                (att.master, answer), silent_since = moved, None
             if should_reattach(att, answer):
                 logger.warning("stage %d replica %d: the head at %s:%d is a new process (boot %s) that does "
                                "not know this replica: re-attaching without reloading the model",

@@ -16,6 +16,7 @@ the two regression tests fail (the ping gets no answer; the input thread never s
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import socket
@@ -144,3 +145,33 @@ def test_a_ping_never_reaches_the_registration_path(master):
         ctx.term()
     time.sleep(0.1)
     assert master._stage_routes == routes
+
+
+def test_a_head_pod_replaced_is_found_through_the_master_service(master, monkeypatch):
+    """The registered address is silent (the old pod is gone); the master Service's name resolves to
+    the new head pod, whose master answers "unknown to me, ready": that is where to re-attach. The
+    name is resolved by the system resolver (cluster DNS in a pod), stood in here by getaddrinfo."""
+    import socket as socket_module
+
+    from omnistage_engine_patches.patches import membership
+
+    monkeypatch.setattr(membership, "running_orchestrators", lambda: [object()])
+    asked = []
+
+    def resolve(host, port, *args, **kwargs):
+        asked.append(host)
+        return [(socket_module.AF_INET, socket_module.SOCK_STREAM, 6, "", (master._address, port))]
+    monkeypatch.setattr(reattach_engine.socket, "getaddrinfo", resolve)
+    gone = loopback_ip()
+    att = reattach_engine.Attachment((gone, master._port), 0, 3, "old-instance", None,
+                                     service="x-master.ns.svc", head_boot="the-dead-head")
+    ctx = zmq.Context()
+    try:
+        found = reattach_engine.moved_head(ctx, att)
+        assert asked == ["x-master.ns.svc"]
+        assert found is not None and found[0] == (master._address, master._port)
+        assert reattach_engine.should_reattach(dataclasses.replace(att, master=found[0]), found[1])
+        # No name to ask: the replica waits for its head at the old address (an in-place restart).
+        assert reattach_engine.moved_head(ctx, dataclasses.replace(att, service=None)) is None
+    finally:
+        ctx.term()

@@ -22,10 +22,11 @@ from urllib.parse import urlparse
 
 from kubernetes import client, config
 
-from tests.standin import zygote
+from tests.standin import cluster_dns, zygote
 from tests.standin.commands import (
     HEAD_MODULE,
     HEAD_ROLES,
+    L_OMNISTAGE,
     L_POOL,
     L_ROLE,
     REPLICA_MODULE,
@@ -93,6 +94,7 @@ class StandinRuntime(PodWatch, Containers, Lifecycle, PodStatus):
         self._zygote: zygote.Zygote | None = None  # stand-in mode: the fork server (tests/standin/zygote.py)
         self._zygote_said = False
         self._held_not_ready: set[str] = set()  # pod uids taken back from kwok's Ready before their start
+        self._dns: dict[str, str] = {}  # the master Service names this runtime wrote (cluster_dns.py)
 
     def log(self, msg: str) -> None:
         line = f"[runtime {_now()}] {msg}"
@@ -147,8 +149,16 @@ class StandinRuntime(PodWatch, Containers, Lifecycle, PodStatus):
             return [""]
         return list(self.namespaces)
 
+    def _sync_dns(self, entries: dict[str, str]) -> None:
+        if entries != self._dns:
+            if not cluster_dns.write(entries, f"r{id(self):x}"):
+                self.log(f"cannot write {cluster_dns.HOSTS}: master Service names do not resolve")
+            self._dns = entries
+
     def stop(self) -> None:
         self._stop.set()
+        if self._dns:
+            cluster_dns.write({}, f"r{id(self):x}")
         with self._lock:
             procs = list(self._procs.values())
         threads = [threading.Thread(target=self._terminate, args=(p, "runtime stopping"), daemon=True) for p in procs]
@@ -234,6 +244,8 @@ class StandinRuntime(PodWatch, Containers, Lifecycle, PodStatus):
         with self._lock:
             pods = dict(self._pods)
             procs = dict(self._procs)
+        if self.image is not None:  # real engines resolve their master Service's name (cluster_dns.py)
+            self._sync_dns(cluster_dns.names(pods, L_OMNISTAGE, L_ROLE, HEAD_ROLES[0]))
         # 1. processes whose pod is gone, terminating or replaced (new UID) -> stop
         for key, p in procs.items():
             pod = pods.get(key)

@@ -7,10 +7,11 @@ Three sides, one install:
   is wrapped so a stage-0 registration that asks for an id carries an *instance* (a uuid) in its
   stage config, and leaves the master's address, the stage, the assigned replica id and the
   instance in ``os.environ`` for the engine-core child it spawns next;
-* **engine core** (``StageEngineCoreProc``, a stage-0 LLM engine without a KV connector): its
-  ``__init__`` starts the watchdog; ``process_input_sockets`` and vLLM's ``make_zmq_socket`` are
-  wrapped so the input thread's ZMQ context is known and can be shut down (its sockets get linger
-  0: nothing is owed to a dead head); ``_handle_client_request`` runs the re-attach sentinel on the
+* **engine core** (``StageEngineCoreProc``, a stage-0 LLM engine without a KV connector):
+  ``process_input_sockets`` starts the watchdog (vLLM loads the plugin inside ``EngineCore.__init__``,
+  so a wrapper of ``__init__`` would come too late) and, with vLLM's ``make_zmq_socket``, is wrapped
+  so the input thread's ZMQ context is known and can be shut down (its sockets get linger 0:
+  nothing is owed to a dead head); ``_handle_client_request`` runs the re-attach sentinel on the
   busy loop; ``create_stage_coord_client`` is wrapped to keep the heartbeat client it makes, and
   ``shutdown`` closes the current one (so the head a replica re-attached to hears its DOWN);
 * **head**: ``OmniMasterServer._handle_registration`` answers a ping (``contract.REATTACH_PING_KEY``)
@@ -116,23 +117,10 @@ def _install_launcher(startup: Any) -> None:
 # ---- engine core ----------------------------------------------------------------------------------
 
 def _install_engine_core(core: Any, proc: Any) -> None:
-    @wrap(core.EngineCoreProc, "__init__", NAME)
-    def __init__(original: Any, self: Any, vllm_config: Any, local_client: bool, *args: Any,
-                 **kwargs: Any) -> None:
-        original(self, vllm_config, local_client, *args, **kwargs)
-        global _attachment
-        att = reattach_engine.from_environment()
-        if (att is None or local_client or getattr(vllm_config, "kv_transfer_config", None) is not None
-                or vllm_config.parallel_config.data_parallel_size > 1):
-            return
-        _attachment = att
-        threading.Thread(target=reattach_engine.watch, args=(self, att, _stop), name="omnistage-reattach",
-                         daemon=True).start()
-        logger.info("stage %d replica %d: re-attach watchdog pinging %s:%d",
-                    att.stage, att.replica, *att.master)
-
     @wrap(core.EngineCoreProc, "process_input_sockets", NAME)
     def process_input_sockets(original: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+        if _attachment is None:
+            _start_watchdog(self)
         _local.input_thread = True
         try:
             original(self, *args, **kwargs)
@@ -171,6 +159,24 @@ def _install_engine_core(core: Any, proc: Any) -> None:
         if _attachment is not None and _attachment.reattaches:
             reattach_engine._close_coord_client(_attachment)  # run_stage_core closes only its first one
         return original(self, *args, **kwargs)
+
+
+def _start_watchdog(engine: Any) -> None:
+    """At the engine core's first input thread: vLLM loads the plugin inside EngineCore.__init__
+    (general plugins), so this is the first wrapper a running engine core reaches. Only a headless
+    stage-0 LLM replica has an attachment (the launcher's registration left it in the environment);
+    a KV connector (a multi-stage stage 0) or DP > 1 is not re-attached."""
+    global _attachment
+    config = getattr(engine, "vllm_config", None)
+    att = reattach_engine.from_environment()
+    if att is None or config is None or getattr(config, "kv_transfer_config", None) is not None \
+            or config.parallel_config.data_parallel_size > 1:
+        return
+    _attachment = att
+    threading.Thread(target=reattach_engine.watch, args=(engine, att, _stop), name="omnistage-reattach",
+                     daemon=True).start()
+    logger.warning("stage %d replica %d: re-attach watchdog pinging its head at %s:%d",
+                   att.stage, att.replica, *att.master)
 
 
 # ---- head -----------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """Replicas that outlive their head (engine patch `reattach`): after the head's container restarted,
-a replica whose engine reported the patch applied is kept, not rolled. Its engine notices the new
-head process, registers again and handshakes without loading its model; the new head lists it as a
-fresh registration from the pod's address, which membership.sync joins like any other. Pure.
+or the head pod was replaced (deleted, its node lost), a replica whose engine reported the patch
+applied is kept, not rolled. Its engine notices the new head process (at the old address, else
+through the master Service), registers again and handshakes without loading its model; the new head
+lists it as a fresh registration from the pod's address, which membership.sync joins like any
+other. Pure.
 
-Three answers for a replica made before the head's last restart (`decide`):
-- REJOINED: the new head lists a registration from its address: its `head-restarts` annotation is
-  brought up to date, and from then on it is an ordinary replica (sync joins it);
+Three answers for a replica made for another head pod or before the head's last restart (`decide`):
+- REJOINED: the new head lists a registration from its address: its `head-uid` and `head-restarts`
+  annotations are brought up to date, and from then on it is an ordinary replica (sync joins it);
 - WAITING: it reported `reattach: applied` and the head has been Ready for less than
   REATTACH_SECONDS: left alone (status Progressing, reason Reattaching);
 - ROLL: neither (an older plugin, the patch skipped on another vLLM, a pool pod, or the bound is
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from omnistage_engine_patches import contract
 
-from ..names import A_HEAD_RESTARTS, A_REATTACH
+from ..names import A_HEAD_RESTARTS, A_HEAD_UID, A_REATTACH
 from . import pods
 from .actions import Annotate, MarkJoined
 
@@ -48,7 +50,8 @@ def remember(p: Pass, pod: dict[str, Any]) -> None:
 
 
 def decide(p: Pass, pod: dict[str, Any]) -> str:
-    if pods.pool(pod) is not None or pods.annotation(pod, A_REATTACH) != contract.APPLIED:
+    if pods.pool(pod) is not None or pods.annotation(pod, A_REATTACH) != contract.APPLIED \
+            or p.o.beside is not None:  # a planned head change drains the old set its own way
         return ROLL
     if p.listing is not None and p.member_of(pod) is not None:
         return REJOINED
@@ -68,4 +71,5 @@ def wait(p: Pass, pod: dict[str, Any]) -> None:
 
 
 def rejoined(p: Pass, pod: dict[str, Any]) -> None:
-    p.actions.append(Annotate(pods.name(pod), {A_HEAD_RESTARTS: str(pods.restarts(p.head))}))
+    p.actions.append(Annotate(pods.name(pod), {A_HEAD_RESTARTS: str(pods.restarts(p.head)),
+                                                A_HEAD_UID: pods.uid(p.head)}))

@@ -88,22 +88,26 @@ def retire_stale(p: Pass) -> None:
             )
         elif pods.pool(r) is not None and pods.pool(r) not in p.pool_of:
             retire(p, r, drain, Progress.POOL_DELETED, _why(p, Progress.POOL_DELETED, r))
-        elif pods.head_uid(r) != head_uid:
-            retire(p, r, 0, Progress.ROLLED_REPLICA, "it belongs to a previous head")
-        elif (made_at := pods.head_restarts(r)) is not None and head_restarts > made_at:
-            # The head's container restarted since this pod was made: a new engine. A replica whose
-            # engine re-attaches (patch reattach) registers with it again; any other never does (a
-            # multi-stage head answers nothing until one of every remote stage did, so this is
-            # read from the pod, not from the head's boot id).
+        elif (made_at := pods.head_restarts(r)) is not None and (
+                pods.head_uid(r) != head_uid or head_restarts > made_at):
+            # Made for another head pod, or before the head's container restarted: a new engine. A
+            # replica whose engine re-attaches (patch reattach) registers with it again (finding a
+            # new pod through the master Service); any other never does (a multi-stage head answers
+            # nothing until one of every remote stage did, so this is read from the pods, not from
+            # the head's boot id).
+            what = ("the head pod was replaced" if pods.head_uid(r) != head_uid
+                    else f"restartCount {made_at} -> {head_restarts}")
             if (verdict := reattach.decide(p, r)) == reattach.REJOINED:
                 reattach.rejoined(p, r)
-                p.emit("Normal", Progress.REATTACHED, f"replica pod {pods.name(r)} re-attached to the "
-                       f"restarted head (restartCount {made_at} -> {head_restarts}) without a new pod")
+                p.emit("Normal", Progress.REATTACHED,
+                       f"replica pod {pods.name(r)} re-attached to the new head engine ({what}) without a new pod")
             elif verdict == reattach.WAITING:
                 waiting.append(pods.name(r))
                 reattach.wait(p, r)
+            elif pods.head_uid(r) != head_uid:
+                retire(p, r, 0, Progress.ROLLED_REPLICA, "it belongs to a previous head")
             else:
-                rolled.append(f"restartCount {made_at} -> {head_restarts}")
+                rolled.append(what)
                 p.head_restarted = True
                 retire(p, r, 0, Progress.ROLLED_REPLICA, "its head's engine restarted")
         elif pods.terminal(r):

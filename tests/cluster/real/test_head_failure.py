@@ -113,8 +113,11 @@ def print_run(title: str, run: dict[str, Any], before: dict, after: dict) -> Non
           f"{m.get('first', float('nan')):.1f} s, full capacity {m.get('full', float('nan')):.1f} s; replica pods "
           f"recreated {recreated}, engine reloads {reloads}; {len(run['results'])} requests, {len(run['lost'])} "
           f"without a complete answer (in flight on the dead head), {len(run['slow'])} past {REQUEST_BOUND:.0f} s")
-    for r in run["lost"]:
-        print(f"  {r.line()}")
+    kinds: dict[str, list[client.Result]] = {}
+    for r in run["lost"]:  # by what each got: cut off in flight, or refused while no head listened
+        kinds.setdefault(r.error.split(":")[0] if r.status is None else f"HTTP {r.status}", []).append(r)
+    for kind, rs in sorted(kinds.items()):
+        print(f"  {len(rs):4d} x {kind:<40} e.g. {rs[0].line()}")
 
 
 def test_a_head_process_kill_costs_no_replica_reload(stage):
