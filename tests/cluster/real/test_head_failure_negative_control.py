@@ -14,7 +14,13 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.real.realstage import HEAD_READY_TIMEOUT, JOIN_TIMEOUT, RealOmniStage, patches_off, tiny_omnistage
+from tests.cluster.real.realstage import (
+    HEAD_READY_TIMEOUT,
+    JOIN_TIMEOUT,
+    RealOmniStage,
+    patches_off,
+    tiny_omnistage,
+)
 from tests.cluster.real.test_head_failure import kill_head_under_stream, print_run, replica_state
 
 NAME = "headfail-off"
