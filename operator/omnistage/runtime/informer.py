@@ -6,7 +6,8 @@ One list + watch per kind and watched namespace (client-go's informer, reduced t
 list, then watch from the list's resourceVersion with bookmarks; a watch that times out is resumed
 from the last resourceVersion seen, a 410 Gone relists. The operator's own writes are put in the
 store at once (`wrote`), so the next pass does not act again on what it has just changed before the
-watch event arrives; a write older than what the watch already delivered (or deleted) is ignored.
+watch event arrives; a write older than what the watch already delivered (or deleted) is ignored,
+and so is a deletion older than a write (drift.apply deleting a frozen child and creating it again).
 
 The membership token Secret is not here: RBAC refuses the operator list/watch on Secrets (least
 privilege), so reconcile.py reads it once per OmniStage and keeps the token in memory (and reads it
@@ -164,7 +165,8 @@ class Informer:
             have = self._items.get(key)
             notify = etype == "DELETED" or self._significant(have, obj)
             if etype == "DELETED":
-                self._delete(key, _rv(obj))
+                if have is None or _rv(have) is None or _rv(obj) is None or _rv(obj) >= (_rv(have) or 0):
+                    self._delete(key, _rv(obj))  # not a write-through made after it (drift.apply's re-create)
             else:
                 if have is None or _rv(have) is None or _rv(obj) is None or _rv(obj) >= (_rv(have) or 0):
                     self._put(obj)
