@@ -70,7 +70,7 @@ REVIEWED: dict[tuple[str, str, str], str] = {
     ("", "services", "watch"): "informer.py",
     ("", "services", "create"): "drift.apply (server-side apply creating it)",
     ("", "services", "patch"): "drift.apply",
-    ("", "secrets", "get"): "kube.read (membership token, once per OmniStage: memory.TOKENS)",
+    ("", "secrets", "get"): "kube.read (membership token: memory.TOKENS; again each full resync)",
     ("", "secrets", "create"): "kube.create (membership token)",
     ("networking.k8s.io", "networkpolicies", "list"): "informer.py",
     ("networking.k8s.io", "networkpolicies", "watch"): "informer.py",

@@ -1,6 +1,6 @@
 """Watch-fed, in-memory copies of what the operator reads: OmniStages, engine pods and the children
 (ConfigMap, Services, NetworkPolicy), indexed by OmniStage. A reconcile pass reads these and talks
-to the API server only to write, so an OmniStage at rest costs no API request.
+to the API server only to write (and to read the membership Secret, below).
 
 One list + watch per kind and watched namespace (client-go's informer, reduced to what is needed):
 list, then watch from the list's resourceVersion with bookmarks; a watch that times out is resumed
@@ -11,7 +11,8 @@ and so is a deletion older than a write (drift.apply deleting a frozen child and
 
 The membership token Secret is not here: RBAC refuses the operator list/watch on Secrets (least
 privilege), so reconcile.py reads it once per OmniStage and keeps the token in memory (and reads it
-again, re-creating it when it is gone, whenever an engine pod is about to mount it).
+again, re-creating it when it is gone, whenever an engine pod is about to mount it and on the
+resync's full pass, once a minute).
 
 Followers watch nothing (leader.py): an informer lists only while its replica leads, and drops its
 store when leadership is lost."""

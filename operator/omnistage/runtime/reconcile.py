@@ -4,7 +4,8 @@ told what act could not do; read again only when _status_needs_a_fresh_read).
 
 What the API server holds is read from the watch-fed store (informer.STATE), never re-read: a pass
 talks to the API server only to write, and to read the membership Secret (which no watch may see)
-when it holds no token or an engine pod is about to mount it (ensure_token). What a head says is
+when it holds no token, an engine pod is about to mount it, or the resync's full pass checks that it
+is still there (ensure_token: once a minute per OmniStage). What a head says is
 asked every pass, cheaply (headview.py: one conditional GET, 304 at rest). What the pass remembers
 between passes is memory.py's.
 """
@@ -179,11 +180,13 @@ def ensure_token(t: Target, emit: Emit, read: bool = False) -> tuple[str | None,
     is refused). Held, else read from the Secret, which is created when missing (the one write a
     pass makes before it plans). `read`: an engine pod is about to mount it (plan.mounts_membership_
     secret), so it is read even when the token is held, and re-created from the held token when it
-    was deleted (a pod would wait in FailedMount). A Secret of that name is adopted only when its
+    was deleted (a pod would wait in FailedMount); so is it on each full resync (memory.TOKENS.
+    recheck): no event says it was deleted, and an operator restarted without it would make a new
+    token, which the running head refuses. A Secret of that name is adopted only when its
     ownerReferences name this OmniStage's uid: someone else's would give the engines a token the
     operator did not issue."""
     held = memory.TOKENS.held(t.namespace, t.name, t.uid)
-    if held is not None and not read:
+    if held is not None and not read and not memory.TOKENS.due(t.namespace, t.name):
         return held, None
     name = t.child_name("membership")
     secret = kube.read("Secret", t.namespace, name)
