@@ -145,3 +145,59 @@ def test_a_deletion_the_watch_delivers_after_a_re_create_does_not_drop_the_new_o
     assert inf.get("ns", "o-config")["metadata"]["resourceVersion"] == "9"
     inf._event("DELETED", cm(10))  # a later deletion still deletes
     assert inf.get("ns", "o-config") is None
+
+
+# ----- while the spec is invalid ---------------------------------------------------------------------
+# A spec the API server takes and the operator refuses (a host directory its administrator did not allow:
+# the one rule the API server cannot check) rendered nothing, so no child was restored while it stood: a
+# NetworkPolicy peer given `namespaceSelector: {}` stayed (the cluster tier: not restored in 20 s). The
+# children are kept as the last valid spec rendered them.
+
+def _invalid(obj: dict) -> tuple[dict, Exception]:
+    from omnistage.api.validation import InvalidSpec
+    from omnistage.render import target_from
+
+    bad = copy.deepcopy(obj)
+    bad["metadata"]["generation"] = 2
+    bad["spec"]["modelVolume"] = {"mountPath": "/models", "hostPath": {"path": "/srv/models"}}
+    with pytest.raises(InvalidSpec) as err:
+        target_from(bad)
+    return bad, err.value
+
+
+def test_an_invalid_spec_keeps_the_children_the_last_valid_one_rendered():
+    from omnistage.control.actions import Observed
+    from omnistage.control.plan import plan
+
+    from .test_plan import AT, cond, situation
+
+    t, o = situation(3)
+    valid = [a for a in plan(t, o, AT).actions if isinstance(a, EnsureChild)]
+    bad, err = _invalid(o.obj)
+    kept = plan(err, Observed(bad, last_valid=t), AT)
+    assert [a for a in kept.actions if isinstance(a, EnsureChild)] == valid
+    assert [a.obj["kind"] for a in valid] == ["ConfigMap", "Service", "Service", "NetworkPolicy",
+                                              "PodDisruptionBudget"]
+    assert cond(kept.status, "Ready")["reason"] == "InvalidSpec"  # and it still says why
+    # No valid spec seen (a new OmniStage, or an operator restarted meanwhile): nothing to keep.
+    assert not [a for a in plan(err, Observed(bad), AT).actions if isinstance(a, EnsureChild)]
+
+
+def test_a_pass_of_an_invalid_spec_applies_the_last_valid_children(monkeypatch):
+    from omnistage.runtime import memory, reconcile
+
+    from .test_plan import situation
+
+    t, o = situation(3)
+    bad, _ = _invalid(o.obj)
+    # Its last valid pass (raising=False: the store is new, and the code before it kept nothing).
+    monkeypatch.setattr(memory, "LAST_VALID", {(t.namespace, t.name): o.obj}, raising=False)
+    acted = []
+    monkeypatch.setattr(reconcile.act_step, "act", lambda ns, actions, *a, **kw: acted.extend(actions))
+    reconcile._reconcile(bad, lambda *e: None)
+    assert [a.obj["metadata"]["name"] for a in acted if isinstance(a, EnsureChild)] == [
+        f"{t.name}-config", t.name, f"{t.name}-master", f"{t.name}-head-engine", f"{t.name}-replicas"]
+    # Another OmniStage of that name (a new uid) keeps nothing of the last one.
+    acted.clear()
+    reconcile._reconcile({**bad, "metadata": {**bad["metadata"], "uid": "another"}}, lambda *e: None)
+    assert not [a for a in acted if isinstance(a, EnsureChild)]

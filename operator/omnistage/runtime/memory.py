@@ -80,6 +80,12 @@ class Resting:
 
 RESTING: dict[Key, Resting] = {}
 
+# Each OmniStage as last seen with a valid spec (the watch-fed store's own object, not a copy: at
+# rest it costs nothing): a pass of an invalid spec renders nothing from it, and keeps the children
+# as this one rendered them (plan._invalid). After a restart with the spec still invalid there is
+# none until it is fixed.
+LAST_VALID: dict[Key, dict[str, Any]] = {}
+
 
 _FORGETS: list[Callable[[str, str], None]] = []
 
@@ -96,5 +102,6 @@ def forget(namespace: str, name: str) -> None:
         _locks.pop((namespace, name), None)
     TOKENS.forget(namespace, name)
     RESTING.pop((namespace, name), None)
+    LAST_VALID.pop((namespace, name), None)
     for forget_one in _FORGETS:
         forget_one(namespace, name)

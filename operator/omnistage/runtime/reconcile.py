@@ -116,10 +116,13 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
         t: Target | InvalidSpec = target_from(obj)
     except InvalidSpec as err:
         t = err
+    meta = obj["metadata"]
     if isinstance(t, InvalidSpec):
-        decided = plan(t, Observed(obj))
-        act_step.act(obj["metadata"]["namespace"], decided.actions, None, emit, obj["metadata"]["name"])
+        pools_named = tuple(STATE.pools.owned(meta["namespace"], meta["name"]))
+        decided = plan(t, Observed(obj, pools=pools_named, last_valid=_last_valid(obj)))
+        act_step.act(meta["namespace"], decided.actions, None, emit, meta["name"])
         return decided.status
+    memory.LAST_VALID[(t.namespace, t.name)] = obj
     # token
     token, secret_refused = ensure_token(t, emit)
     # observe
@@ -151,6 +154,18 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
     result = described(d, problems, refused)
     act_step.write_pool_statuses(t.namespace, result.pools)
     return result.status
+
+
+def _last_valid(obj: dict[str, Any]) -> Target | None:
+    """The target of this OmniStage's last valid spec (memory.LAST_VALID), the same uid's, if any."""
+    meta = obj["metadata"]
+    last = memory.LAST_VALID.get((meta["namespace"], meta["name"]))
+    if last is None or last["metadata"].get("uid") != meta.get("uid"):
+        return None
+    try:
+        return target_from(last)
+    except InvalidSpec:  # the operator's configuration is its process's: valid then, valid now
+        return None
 
 
 def _rests(obj: dict[str, Any], observed: Observed, decided: Plan, problems: tuple[str, ...],
