@@ -65,11 +65,12 @@ REVIEWED: dict[tuple[str, str, str], str] = {
     ("", "configmaps", "watch"): "informer.py",
     ("", "configmaps", "create"): "drift.apply (server-side apply creating it)",
     ("", "configmaps", "patch"): "drift.apply",
+    ("", "configmaps", "delete"): "drift.apply (a ConfigMap made immutable: deleted and created again)",
     ("", "services", "list"): "informer.py",
     ("", "services", "watch"): "informer.py",
     ("", "services", "create"): "drift.apply (server-side apply creating it)",
     ("", "services", "patch"): "drift.apply",
-    ("", "secrets", "get"): "kube.read (membership token, once per OmniStage: memory.TOKENS)",
+    ("", "secrets", "get"): "kube.read (membership token: memory.TOKENS; again each full resync)",
     ("", "secrets", "create"): "kube.create (membership token)",
     ("networking.k8s.io", "networkpolicies", "list"): "informer.py",
     ("networking.k8s.io", "networkpolicies", "watch"): "informer.py",
@@ -104,7 +105,7 @@ REFUSED: list[tuple[str, str, str | None]] = [
     ("patch", f"omnistages.{GROUP}", None),  # kopf's progress annotations: kopf watches nothing now
     ("delete", f"omnistages.{GROUP}", None),
     ("update", "pods", None), ("create", "pods", "exec"), ("get", "pods", "log"),
-    ("delete", "configmaps", None), ("delete", "services", None), ("delete", "networkpolicies.networking.k8s.io", None),
+    ("delete", "services", None), ("delete", "networkpolicies.networking.k8s.io", None),
     # Issue 10: the children come from watches; a direct read is no longer needed.
     ("get", "configmaps", None), ("get", "services", None), ("get", "networkpolicies.networking.k8s.io", None),
     ("get", "nodes", None), ("create", "namespaces", None), ("delete", "namespaces", None),

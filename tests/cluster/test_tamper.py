@@ -2,6 +2,11 @@
 kubectl, as someone with edit rights in the namespace would, and the operator must put it back as it
 renders it within RESTORE_TIMEOUT; each test prints how long that took.
 
+Issue 40 item 11 adds what was still not seen: Kubernetes' own label and annotation keys on a Service
+(service-proxy-name: kube-proxy drops it), a ConfigMap made immutable (replaced: nothing else undoes it) and
+the membership Secret deleted while no pod needs it (read on the resync's full pass). Each restore is
+counted in the operator's passes too (RESTORE_PASSES).
+
 Before, the operator compared children by containment and server-side applied them (one field
 manager, forced): a key someone else added stayed (a Service selector with one more key selects
 nothing, a NetworkPolicy peer with `namespaceSelector: {}` admits every namespace), and so did a
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import time
 from typing import Any
 
@@ -25,6 +31,16 @@ from tests.cluster.test_operator import NAME, apply, engine_pods, events, get_st
 from tests.support.status import condition
 
 RESTORE_TIMEOUT = 20.0
+# What a restore may take in passes of the operator (omnistage_reconcile_duration_seconds_count, counted
+# when a pass ends): the pass the tamper's watch event queues restores it; by the time a read finds it
+# restored, at most one more may have ended besides (the resync's full pass of the period, or the one
+# the restore's own write queues). A restore spread over passes (apply now, a patch later) counts more.
+RESTORE_PASSES = 2
+QUIET = 3.0  # s without a pass: the OmniStage is at rest, a tamper's passes are its own
+# No watch may see the membership Secret (RBAC): the resync's full pass reads it, once a period
+# (handlers.FULL_RESYNC_SECONDS, 60 s: 60 ticks of the cluster tier's 1 s probe period); 20 s more for
+# the ticks' own time and a pass behind others on a busy 2-core machine.
+SECRET_RESTORE_TIMEOUT = 60.0 + 20.0
 SECRET = f"{NAME}-membership"
 KINDS = {"service": "Service", "networkpolicy": "NetworkPolicy", "poddisruptionbudget": "PodDisruptionBudget",
          "configmap": "ConfigMap"}
@@ -39,6 +55,35 @@ def _restored(wait_for, what: str, read, want: Any, since: float) -> float:
     took = time.monotonic() - since
     print(f"[tamper] {what}: restored {took:.1f}s after the tamper began")
     return took
+
+
+def _passes(operator, namespace: str) -> int:
+    """How many passes of the OmniStage the operator has ended (its own count, on /metrics)."""
+    text = operator.metrics() or ""
+    found = [m for m in re.finditer(r'^omnistage_reconcile_duration_seconds_count\{([^}]*)\} (\S+)$', text,
+                                    re.MULTILINE)
+             if f'namespace="{namespace}"' in m[1] and f'name="{NAME}"' in m[1]]
+    return int(float(found[0][2])) if found else 0
+
+
+def _settled(wait_for, operator, namespace: str) -> int:
+    """The OmniStage's pass count once it has stopped moving for QUIET seconds (the passes of its
+    creation, its pods' events, have ended): the passes a tamper costs are counted from there."""
+    seen = {"count": -1, "since": 0.0}
+
+    def quiet() -> int | None:
+        count, now = _passes(operator, namespace), time.monotonic()
+        if count != seen["count"]:
+            seen.update(count=count, since=now)
+        return count if now - seen["since"] >= QUIET else None
+
+    return wait_for("the OmniStage at rest (no pass for a while)", quiet, timeout=60, interval=0.2)
+
+
+def _within_passes(operator, namespace: str, before: int, what: str) -> None:
+    took = _passes(operator, namespace) - before
+    print(f"[tamper] {what}: {took} pass(es) ended from the tamper to the restore")
+    assert took <= RESTORE_PASSES, f"{what} took {took} passes to restore"
 
 
 def _whole(kubectl, namespace: str, kind: str, name: str) -> dict[str, Any]:
@@ -65,6 +110,10 @@ TAMPERS = [
      # from every namespace.
      ["--type=json", "-p", '[{"op":"add","path":"/spec/ingress/2/from/0/namespaceSelector","value":{}}]'],
      lambda o: o["spec"]["ingress"][2]["from"][0].get("namespaceSelector") == {}),
+    ("networkpolicy-membership-peer-every-namespace", "networkpolicy", f"{NAME}-head-engine",
+     # The membership port's engine peer: those labels from every namespace reach the membership port.
+     ["--type=json", "-p", '[{"op":"add","path":"/spec/ingress/1/from/1/namespaceSelector","value":{}}]'],
+     lambda o: o["spec"]["ingress"][1]["from"][1].get("namespaceSelector") == {}),
     ("pdb-selector-gains-a-key", "poddisruptionbudget", f"{NAME}-replicas",
      ["--type=merge", "-p", '{"spec":{"selector":{"matchLabels":{"tamper":"x"}}}}'],
      lambda o: o["spec"]["selector"]["matchLabels"]["tamper"] == "x"),
@@ -81,7 +130,7 @@ def test_a_tampered_child_is_restored_exactly(kubectl, wait_for, namespace, oper
     wait_for("the OmniStage's first status", lambda: (get_stage(kubectl, namespace) or {}).get("status"), timeout=60)
     before = _whole(kubectl, namespace, kind, name)
 
-    since = time.monotonic()
+    passes, since = _settled(wait_for, operator, namespace), time.monotonic()
     # The patch's own answer is the tampered child (a later read may already find it restored).
     tampered = json.loads(kubectl("patch", kind, name, "-n", namespace, "--field-manager=tamperer", *patch,
                                   "-o", "json").stdout)
@@ -89,10 +138,112 @@ def test_a_tampered_child_is_restored_exactly(kubectl, wait_for, namespace, oper
           {k: tampered.get(k) for k in before})
     assert landed(tampered), tampered
     _restored(wait_for, f"{kind}/{name}", lambda: _whole(kubectl, namespace, kind, name), before, since)
+    _within_passes(operator, namespace, passes, f"{kind}/{name}")
     said = wait_for("the operator's Event saying what it restored", lambda: [
         e["message"] for e in events(kubectl, namespace) if e["reason"] in ("ChildSynced", "ConfigRendered")
         and f"{KINDS[kind]} {name} updated" in e["message"]], timeout=10)
     print("[tamper] the operator's Event:", said)
+
+
+def test_a_tampered_child_is_restored_while_the_spec_is_invalid(kubectl, wait_for, namespace, operator, tmp_path):
+    """A spec the API server takes and the operator refuses (a host directory its administrator did not
+    allow: the one rule only the operator can check) rendered nothing, so no child came back while it
+    stood: a NetworkPolicy peer given `namespaceSelector: {}` stayed (issue 40 item 11: not restored in
+    20 s). The children are kept as the last valid spec rendered them, and the status still says why."""
+    policy = f"{NAME}-head-engine"
+    apply(kubectl, namespace, tmp_path, sample(**{"gpu.product": "NVIDIA-B200"}))  # no engine starts
+    wait_for(f"networkpolicy/{policy}", lambda: kubectl.exists("networkpolicy", policy, "-n", namespace), timeout=60)
+    before = _whole(kubectl, namespace, "networkpolicy", policy)
+    kubectl("patch", "omnistage", NAME, "-n", namespace, "--type=merge", "-p",
+            json.dumps({"spec": {"modelVolume": {"mountPath": "/models", "hostPath": {"path": "/srv/models"}}}}))
+    invalid = wait_for("Ready=False reason InvalidSpec", lambda: (c := condition(get_stage(kubectl, namespace), "Ready"))
+                       .get("reason") == "InvalidSpec" and c, timeout=RESTORE_TIMEOUT)
+    print("[tamper] the spec refused:", invalid["message"][:120])
+
+    passes, since = _settled(wait_for, operator, namespace), time.monotonic()
+    kubectl("patch", "networkpolicy", policy, "-n", namespace, "--field-manager=tamperer", "--type=json",
+            "-p", '[{"op":"add","path":"/spec/ingress/2/from/0/namespaceSelector","value":{}}]')
+    _restored(wait_for, f"networkpolicy/{policy} while the spec is invalid",
+              lambda: _whole(kubectl, namespace, "networkpolicy", policy), before, since)
+    _within_passes(operator, namespace, passes, f"networkpolicy/{policy} while the spec is invalid")
+    assert condition(get_stage(kubectl, namespace), "Ready")["reason"] == "InvalidSpec"
+
+
+# Kubernetes' own label and annotation keys on a Service (issue 40 item 11): kube-proxy drops a Service
+# labelled service.kubernetes.io/service-proxy-name (an outage: its ClusterIP answers nothing), and
+# topology-mode reroutes it. Before, the operator compared only the labels it renders: others' stayed.
+RESERVED = [
+    ("service-proxy-name", NAME, "labels", "service.kubernetes.io/service-proxy-name", "nobody"),
+    ("master-service-headless", f"{NAME}-master", "labels", "service.kubernetes.io/headless", ""),
+    ("topology-mode", NAME, "annotations", "service.kubernetes.io/topology-mode", "Auto"),
+]
+
+
+@pytest.mark.parametrize("service, field, key, value", [r[1:] for r in RESERVED], ids=[r[0] for r in RESERVED])
+def test_a_reserved_key_someone_added_to_a_service_is_removed(kubectl, wait_for, namespace, operator, tmp_path,
+                                                               service, field, key, value):
+    apply(kubectl, namespace, tmp_path, sample(**{"gpu.product": "NVIDIA-B200"}))  # no engine starts
+    wait_for(f"service/{service}", lambda: kubectl.exists("service", service, "-n", namespace), timeout=60)
+    wait_for("the OmniStage's first status", lambda: (get_stage(kubectl, namespace) or {}).get("status"), timeout=60)
+
+    def meta() -> dict[str, Any]:
+        return kubectl.json("get", "service", service, "-n", namespace)["metadata"].get(field) or {}
+
+    kubectl("patch", "service", service, "-n", namespace, "--type=merge",
+            "-p", json.dumps({"metadata": {"labels": {"team.example.com/owner": "search"}}}))  # another's: stays
+    passes, since = _settled(wait_for, operator, namespace), time.monotonic()
+    tampered = json.loads(kubectl("patch", "service", service, "-n", namespace, "--field-manager=tamperer",
+                                  "--type=merge", "-p", json.dumps({"metadata": {field: {key: value}}}),
+                                  "-o", "json").stdout)
+    assert tampered["metadata"][field][key] == value
+    _restored(wait_for, f"service/{service} {field} {key}", lambda: key in meta(), False, since)
+    _within_passes(operator, namespace, passes, f"service/{service} {key}")
+    labels = kubectl.json("get", "service", service, "-n", namespace)["metadata"]["labels"]
+    assert labels["team.example.com/owner"] == "search" and labels["app.kubernetes.io/managed-by"] == "omnistage-operator"
+    said = wait_for("the operator's Event saying what it removed", lambda: [
+        e["message"] for e in events(kubectl, namespace)
+        if e["reason"] == "ChildSynced" and f"Service {service} updated" in e["message"] and key in e["message"]],
+        timeout=10)
+    print("[tamper] the operator's Event:", said)
+
+
+def test_a_configmap_made_immutable_is_replaced(kubectl, wait_for, namespace, operator, tmp_path):
+    """`immutable: true` refuses every later change of the ConfigMap, `immutable` included (issue 40 item
+    11): before, the operator did not compare it, and its next config change was refused for good. Now it
+    deletes the ConfigMap and creates it again within a pass, says so, and a later config change lands."""
+    config = f"{NAME}-config"
+    apply(kubectl, namespace, tmp_path, sample(**{"gpu.product": "NVIDIA-B200"}))  # no engine starts
+    wait_for(f"configmap/{config}", lambda: kubectl.exists("configmap", config, "-n", namespace), timeout=60)
+    wait_for("the OmniStage's first status", lambda: (get_stage(kubectl, namespace) or {}).get("status"), timeout=60)
+    before = kubectl.json("get", "configmap", config, "-n", namespace)
+
+    passes, since = _settled(wait_for, operator, namespace), time.monotonic()
+    tampered = json.loads(kubectl("patch", "configmap", config, "-n", namespace, "--field-manager=tamperer",
+                                  "--type=merge", "-p", '{"immutable":true}', "-o", "json").stdout)
+    assert tampered["immutable"] is True
+
+    def replaced() -> bool:
+        now = kubectl("get", "configmap", config, "-n", namespace, "-o", "json", check=False)
+        if now.returncode != 0:
+            return False  # between the delete and the create
+        obj = json.loads(now.stdout)
+        return obj["metadata"]["uid"] != before["metadata"]["uid"] and not obj.get("immutable") and \
+            obj.get("data") == before.get("data")
+
+    _restored(wait_for, f"configmap/{config} immutable", replaced, True, since)
+    _within_passes(operator, namespace, passes, f"configmap/{config} immutable")
+    said = wait_for("the operator's Event saying it replaced it", lambda: [
+        e["message"] for e in events(kubectl, namespace)
+        if e["reason"] == "ConfigRendered" and f"ConfigMap {config} replaced" in e["message"]], timeout=10)
+    print("[tamper] the operator's Event:", said)
+    assert "immutable: true" in said[0] and "deleted it and created it" in said[0]
+
+    start = time.monotonic()
+    kubectl("patch", "omnistage", NAME, "-n", namespace, "--type=merge", "-p",
+            '{"spec":{"engine":{"maxNumSeqs":32}}}')
+    wait_for("the next config change in the ConfigMap", lambda: "max_num_seqs: 32" in json.dumps(
+        kubectl.json("get", "configmap", config, "-n", namespace).get("data")), timeout=RESTORE_TIMEOUT)
+    print(f"[tamper] a config change after the replace landed in {time.monotonic() - start:.1f}s")
 
 
 def _token(kubectl, namespace: str) -> tuple[str, list[dict[str, Any]]] | None:
@@ -123,6 +274,29 @@ def test_a_deleted_membership_secret_is_re_created_before_a_new_pod_mounts_it(ku
     assert [(r["kind"], r["uid"], r.get("controller")) for r in back[1]] == [
         ("OmniStage", obj["metadata"]["uid"], True)]
     wait_ready(kubectl, wait_for, namespace, 3)  # the new replica mounted it, started and joined
+
+
+def test_a_deleted_membership_secret_is_re_created_with_no_pod_needing_it(kubectl, wait_for, namespace,
+                                                                         operator, tmp_path):
+    """At rest no pod is about to mount the Secret (issue 40 item 11): before, nothing re-created it, and an
+    operator restarted meanwhile would have made a new token the running head refuses. The resync's full
+    pass reads it once a period and re-creates it from the token the operator holds."""
+    apply(kubectl, namespace, tmp_path)  # replicas: 2
+    obj = wait_ready(kubectl, wait_for, namespace, 2)
+    token, _ = _token(kubectl, namespace)
+    start = time.monotonic()
+    kubectl("delete", "secret", SECRET, "-n", namespace)
+    back = wait_for(f"Secret {SECRET} re-created", lambda: _token(kubectl, namespace),
+                    timeout=SECRET_RESTORE_TIMEOUT, interval=0.5)
+    print(f"[tamper] secret/{SECRET} deleted at rest: re-created in {time.monotonic() - start:.1f}s")
+    assert back[0] == token, "re-created with another token than the one the engines hold"
+    assert [(r["kind"], r["uid"], r.get("controller")) for r in back[1]] == [
+        ("OmniStage", obj["metadata"]["uid"], True)]
+    said = wait_for("the operator's Event", lambda: [e["message"] for e in events(kubectl, namespace)
+                                                    if e["reason"] == "ChildSynced" and "re-created" in e["message"]
+                                                    and SECRET in e["message"]], timeout=10)
+    print("[tamper] the operator's Event:", said)
+    assert engine_pods(kubectl, namespace) and condition(get_stage(kubectl, namespace), "Ready")["status"] == "True"
 
 
 def test_a_membership_secret_the_omnistage_does_not_own_is_refused(kubectl, wait_for, namespace, operator,

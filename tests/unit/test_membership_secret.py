@@ -1,6 +1,7 @@
 """The membership Secret (issue 27 item 5): re-created from the token the operator holds when an engine
-pod is about to mount it and it is gone, and adopted only when its ownerReferences name this
-OmniStage's uid. No API server: kube.read and kube.create are monkeypatched, and count the requests."""
+pod is about to mount it and it is gone, or on the resync's full pass (issue 40 item 11), and adopted only
+when its ownerReferences name this OmniStage's uid. No API server: kube.read and kube.create are
+monkeypatched, and count the requests."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from omnistage.api.conditions import Reason, Type
 from omnistage.control.actions import BesideServing, CreatePod, DeletePod, EnsureChild, OnSuccessor, PostEvent
 from omnistage.control.plan import mounts_membership_secret, plan
 from omnistage.render import render_secret, target_from
-from omnistage.runtime import memory, reconcile
+from omnistage.runtime import handlers, memory, reconcile
 
 from .conftest import SAMPLE
 from .test_plan import AT, cond, head, replica, situation
@@ -157,3 +158,54 @@ def test_a_refused_secret_creates_and_deletes_nothing_and_says_so_once():
     assert ready["status"] == "False" and why in ready["message"]
     again = plan(t, type(o)(**{**o.__dict__, "obj": {**o.obj, "status": status}}), AT)
     assert not [a for a in again.actions if isinstance(a, PostEvent)]  # said once
+
+
+# ----- deleted while no pod needs it (issue 40 item 11): read again on the resync's full pass ------------
+# Before, a held token was never checked against the Secret until a pod was about to mount it: a deleted
+# Secret stayed gone, and an operator restarted meanwhile made a new token the running head refuses.
+
+def test_a_deleted_secret_is_re_created_on_the_full_resync_with_no_pod_mounting_it(monkeypatch):
+    api = FakeSecrets(monkeypatch, secret("held-token"))
+    assert reconcile.ensure_token(target(), api.emit) == ("held-token", None)
+    api.stored = None  # kubectl delete secret: no event reaches the operator
+    assert reconcile.ensure_token(target(), api.emit) == ("held-token", None) and api.requests == ["get"]
+    memory.TOKENS.recheck("serving", "qwen3-omni")  # the resync's full pass
+    assert reconcile.ensure_token(target(), api.emit) == ("held-token", None)
+    assert api.requests == ["get", "get", "create"] and api.token() == "held-token"
+    assert [e[1] for e in api.events] == ["ChildSynced"] and "re-created" in api.events[0][2]
+    assert reconcile.ensure_token(target(), api.emit) == ("held-token", None)
+    assert len(api.requests) == 3  # once: held again, no request until the next full pass
+
+
+def test_a_secret_planted_in_its_place_is_read_until_it_is_gone(monkeypatch):
+    api = FakeSecrets(monkeypatch, secret("held-token"))
+    reconcile.ensure_token(target(), api.emit)
+    api.stored = secret("planted", None)
+    memory.TOKENS.recheck("serving", "qwen3-omni")
+    for _ in range(2):  # each pass says so again (MembershipSynced=False), not only the first
+        token, refused = reconcile.ensure_token(target(), api.emit)
+        assert token == "held-token" and "is not this OmniStage's" in refused
+
+
+def test_the_resync_full_pass_rechecks_the_secret(monkeypatch):
+    """Every FULL_RESYNC_SECONDS each OmniStage's full pass is queued with its Secret marked to be read."""
+    monkeypatch.setattr(memory, "TOKENS", memory.Tokens())
+    stage = {"metadata": {"namespace": "serving", "name": "qwen3-omni"}}
+    monkeypatch.setattr(handlers.STATE.omnistages, "all", lambda: [stage])
+    monkeypatch.setattr(handlers.leader, "is_leading", lambda: True)
+    queued = []
+    monkeypatch.setattr(handlers, "_run",
+                        lambda ns, name: queued.append((ns, name, memory.TOKENS.due(ns, name))))
+    monkeypatch.setattr(handlers.PROBES, "enqueue", lambda ns, name: None)
+    ticks = round(handlers.FULL_RESYNC_SECONDS / handlers.RESYNC_SECONDS)
+
+    def sleep(_):
+        if len(sleeps) == ticks:
+            raise StopIteration
+        sleeps.append(1)
+
+    sleeps: list[int] = []
+    monkeypatch.setattr(handlers.time, "sleep", sleep)
+    with pytest.raises(StopIteration):
+        handlers._resync_forever()
+    assert queued == [("serving", "qwen3-omni", True)]  # once per period, with the Secret to read

@@ -43,7 +43,7 @@ def test_every_child_kind_is_granted_watched_applied_and_ensured():
     what the informer and drift.apply do with it, the informer watches exactly these, and the plan
     ensures only these (with the fields the table says it owns)."""
     import yaml
-    from omnistage.api.child_kinds import CHILD_KINDS, CHILD_VERBS
+    from omnistage.api.child_kinds import CHILD_KINDS
     from omnistage.runtime.informer import ClusterState
 
     role = next(d for d in yaml.safe_load_all((ROOT / "manifests/base/rbac.yaml").read_text())
@@ -51,7 +51,7 @@ def test_every_child_kind_is_granted_watched_applied_and_ensured():
     for c in CHILD_KINDS:
         granted = {v for r in role["rules"] if c.group in r["apiGroups"] and c.plural in r["resources"]
                    for v in r["verbs"]}
-        assert CHILD_VERBS <= granted, f"{c.plural}: the ClusterRole grants {sorted(granted)}"
+        assert c.verbs <= granted, f"{c.plural}: the ClusterRole grants {sorted(granted)}"
     assert list(ClusterState().children) == [c.kind for c in CHILD_KINDS]
     plan_source = (OPERATOR / "control" / "plan.py").read_text()
     assert '("spec",)' not in plan_source and "binaryData" not in plan_source

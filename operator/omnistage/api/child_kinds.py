@@ -21,15 +21,44 @@ class ChildKind:
     #: The fields the operator owns whole: compared by runtime/drift.drifted, restored when they drift
     #: (a key someone added to a spec is drift too).
     owned_fields: tuple[str, ...]
+    #: Owned fields that, once someone sets them, no write may undo: a ConfigMap made `immutable: true`
+    #: refuses every later change, its `immutable` included, for good. drift.apply deletes such a
+    #: child and creates it again (Kubernetes allows nothing else), so its kind needs `delete` too.
+    frozen_by: tuple[str, ...] = ()
+
+    @property
+    def verbs(self) -> frozenset[str]:
+        """What the ClusterRole grants on it: the informer's and drift.apply's."""
+        return CHILD_VERBS | ({"delete"} if self.frozen_by else set())
 
 
 CHILD_KINDS = (
-    ChildKind("ConfigMap", "", "configmaps", "config_map", ("data", "binaryData")),
+    ChildKind("ConfigMap", "", "configmaps", "config_map", ("data", "binaryData", "immutable"),
+              frozen_by=("immutable",)),
     ChildKind("Service", "", "services", "service", ("spec",)),
     ChildKind("NetworkPolicy", "networking.k8s.io", "networkpolicies", "network_policy", ("spec",)),
     ChildKind("PodDisruptionBudget", "policy", "poddisruptionbudgets", "pod_disruption_budget", ("spec",)),
 )
 BY_KIND = {c.kind: c for c in CHILD_KINDS}
 #: The verbs each needs: the informer lists and watches, drift.apply creates a missing one and patches
-#: one that differs.
+#: one that differs (and deletes one frozen_by a field: ChildKind.verbs).
 CHILD_VERBS = frozenset({"list", "watch", "create", "patch"})
+
+#: Label and annotation prefixes Kubernetes reserves for its own components (`kubernetes.io/`,
+#: `k8s.io/` and their subdomains): what those components act on. On a child, one the operator did
+#: not render is its to remove (drift.drifted): `service.kubernetes.io/service-proxy-name` makes
+#: kube-proxy drop a Service (an outage), `service.kubernetes.io/headless` likewise, and
+#: `service.kubernetes.io/topology-mode` reroutes it. Other keys are others' (a team's cost label, a
+#: ServiceMonitor's selector label): left, as are these two reserved ones that only describe:
+#: `app.kubernetes.io/` (the recommended labels, which Helm and Argo CD write) and
+#: `kubectl.kubernetes.io/` (kubectl's record of an apply).
+RESERVED_DOMAINS = ("kubernetes.io", "k8s.io")
+DESCRIPTIVE_DOMAINS = ("app.kubernetes.io", "kubectl.kubernetes.io")
+
+
+def reserved_key(key: str) -> bool:
+    """A label or annotation key in Kubernetes' own prefixes that is not merely descriptive."""
+    domain, slash, _ = key.rpartition("/")
+    domain = domain.lower()
+    return bool(slash) and domain not in DESCRIPTIVE_DOMAINS and any(
+        domain == d or domain.endswith("." + d) for d in RESERVED_DOMAINS)

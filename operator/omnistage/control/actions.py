@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..render.common import Target
 
 # Drain states the act step records for a replica pod (by pod uid) while its `leave` runs elsewhere.
 DRAIN_RUNNING = "running"  # the head is draining it; the pod stays until the leave returns
@@ -25,8 +28,8 @@ class PostEvent:
 @dataclass(frozen=True)
 class EnsureChild:
     """Create the child, or restore it when it differs: the `compare` fields whole (only the API
-    server's defaults beside what is rendered), the labels and annotations by containment (Event
-    when it changed)."""
+    server's defaults beside what is rendered), the labels and annotations by containment but for
+    Kubernetes' own keys (runtime/drift.py; an Event when it changed)."""
     obj: dict[str, Any]
     compare: tuple[str, ...]
 
@@ -171,6 +174,9 @@ class Observed:
     # Its own pods whose labels were changed or that cannot be trusted (control/identity.py): the
     # pods above carry the labels the operator wrote already.
     strays: tuple[Stray, ...] = ()
+    # While the spec is invalid (nothing can be rendered from it): the target of the last valid one
+    # this operator saw (runtime/memory.py LAST_VALID), whose children are kept as it rendered them.
+    last_valid: Target | None = None
 
 
 HEAD_NOT_READY = "head pod is not ready"  # why a pass read nothing from the head

@@ -125,10 +125,16 @@ def decide(t: Target, o: Observed, at: str | None = None) -> Pass:
 
 
 def _invalid(err: InvalidSpec, o: Observed, generation: int | None, at: str) -> Plan:
-    """Loses nothing: running pods stay as they are until the spec is fixed."""
+    """Loses nothing: running pods stay as they are until the spec is fixed, and the children as the
+    last valid spec rendered them (Observed.last_valid): an edit someone makes meanwhile (a
+    NetworkPolicy peer admitting every namespace) is undone as on any pass."""
     previous = o.obj.get("status") or {}
     message = str(err)
     actions: list[Action] = []
+    if o.last_valid is not None:
+        kept = Pass(o.last_valid, o, at)
+        children.ensure(kept)
+        actions += kept.actions
     if condition(previous, Type.CONFIG_RENDERED).get("message") != message:
         actions.append(PostEvent("Warning", err.reason, message))
     conds = [Cond(Type.CONFIG_RENDERED, False, err.reason, message),

@@ -40,6 +40,10 @@ class Acted(NamedTuple):
     refused: list[str]  # children the API server refused, each with its words (ReplicaFailure ChildRefused)
 
 
+# Why a child was deleted and created again (drift.frozen): said with it, as deleting is not restoring.
+REPLACED = (": the API server refuses every change to an immutable object, immutable included, so the "
+            "operator deleted it and created it as rendered")
+
 # What a condition or an Event quotes of the API server's answer: its message may repeat a whole object.
 API_MESSAGE_LIMIT = 300
 
@@ -120,7 +124,8 @@ def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: 
                 emit(
                     "Normal",
                     EventReason.CONFIG_RENDERED if kind == "ConfigMap" else EventReason.CHILD_SYNCED,
-                    f"{kind} {meta['name']} {done.result}" + _differed(done.drift, "it had "),
+                    f"{kind} {meta['name']} {done.result}" + _differed(done.drift, "it had ")
+                    + (REPLACED if done.result == "replaced" else ""),
                 )
             if done.left:
                 emit(

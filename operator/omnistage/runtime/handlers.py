@@ -107,9 +107,10 @@ def start_resync(**_) -> None:
     """The watch-fed store (informer.py), and the level-based safety net: every RESYNC_SECONDS each
     OmniStage's head is probed (one conditional GET, 304 at rest; a full pass when it said
     something new or the OmniStage was not at rest) and every FULL_RESYNC_SECONDS each gets a full
-    pass (spread over the period, so a scale never waits behind the whole fleet). Neither costs an
-    API request. The probe is what notices a head engine restarted in place (new boot id: 200)
-    within RESYNC_SECONDS. A plain thread, not a kopf timer: kopf timers put a finalizer on each
+    pass (spread over the period, so a scale never waits behind the whole fleet). The probe costs no
+    API request; the full pass one, the read of the membership Secret (a deleted one is re-created).
+    The probe is what notices a head engine restarted in place (new boot id: 200) within
+    RESYNC_SECONDS. A plain thread, not a kopf timer: kopf timers put a finalizer on each
     OmniStage, which then blocks namespace deletion whenever the operator is down or the namespace
     refuses the children."""
     literal = WATCHED_NAMESPACES and not any(set("*?[") & set(p) for p in WATCHED_NAMESPACES)
@@ -148,7 +149,10 @@ def _resync_forever() -> None:
             if not _watched(ns):
                 continue
             if zlib.crc32(f"{ns}/{name}".encode()) % slots == tick % slots:
-                _run(ns, name)  # its full pass of the period
+                # Its full pass of the period, which reads the membership Secret too: no watch may see
+                # it deleted (RBAC), so one GET per OmniStage per period is the price of noticing.
+                memory.TOKENS.recheck(ns, name)
+                _run(ns, name)
             else:
                 PROBES.enqueue(ns, name)  # queued: the loop never waits on a head
 

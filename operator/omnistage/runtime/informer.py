@@ -1,16 +1,18 @@
 """Watch-fed, in-memory copies of what the operator reads: OmniStages, engine pods and the children
 (ConfigMap, Services, NetworkPolicy), indexed by OmniStage. A reconcile pass reads these and talks
-to the API server only to write, so an OmniStage at rest costs no API request.
+to the API server only to write (and to read the membership Secret, below).
 
 One list + watch per kind and watched namespace (client-go's informer, reduced to what is needed):
 list, then watch from the list's resourceVersion with bookmarks; a watch that times out is resumed
 from the last resourceVersion seen, a 410 Gone relists. The operator's own writes are put in the
 store at once (`wrote`), so the next pass does not act again on what it has just changed before the
-watch event arrives; a write older than what the watch already delivered (or deleted) is ignored.
+watch event arrives; a write older than what the watch already delivered (or deleted) is ignored,
+and so is a deletion older than a write (drift.apply deleting a frozen child and creating it again).
 
 The membership token Secret is not here: RBAC refuses the operator list/watch on Secrets (least
 privilege), so reconcile.py reads it once per OmniStage and keeps the token in memory (and reads it
-again, re-creating it when it is gone, whenever an engine pod is about to mount it).
+again, re-creating it when it is gone, whenever an engine pod is about to mount it and on the
+resync's full pass, once a minute).
 
 Followers watch nothing (leader.py): an informer lists only while its replica leads, and drops its
 store when leadership is lost."""
@@ -164,7 +166,8 @@ class Informer:
             have = self._items.get(key)
             notify = etype == "DELETED" or self._significant(have, obj)
             if etype == "DELETED":
-                self._delete(key, _rv(obj))
+                if have is None or _rv(have) is None or _rv(obj) is None or _rv(obj) >= (_rv(have) or 0):
+                    self._delete(key, _rv(obj))  # not a write-through made after it (drift.apply's re-create)
             else:
                 if have is None or _rv(have) is None or _rv(obj) is None or _rv(obj) >= (_rv(have) or 0):
                     self._put(obj)

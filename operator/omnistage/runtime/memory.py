@@ -30,12 +30,14 @@ def lock(namespace: str, name: str) -> threading.Lock:
 class Tokens:
     """Each OmniStage's membership token, by the OmniStage's uid (a re-created OmniStage has a new
     Secret). RBAC refuses the operator list/watch on Secrets, so the token cannot come from a
-    watch: reconcile.ensure_token reads (or creates) it once and keeps it here, and re-creates the
-    Secret from it when an engine pod is about to mount a Secret someone deleted."""
+    watch: reconcile.ensure_token reads (or creates) it once and keeps it here, and reads the Secret
+    again (re-creating it from this token when someone deleted it) when an engine pod is about to
+    mount it and once per full resync (recheck): no event says that it is gone."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tokens: dict[Key, tuple[str | None, str]] = {}  # -> (OmniStage uid, token)
+        self._recheck: set[Key] = set()  # whose Secret the next pass reads although it holds the token
 
     def held(self, namespace: str, name: str, uid: str | None) -> str | None:
         with self._lock:
@@ -43,12 +45,24 @@ class Tokens:
         return held[1] if held is not None and held[0] == uid else None
 
     def keep(self, namespace: str, name: str, uid: str | None, token: str) -> None:
+        """The token, as read from (or written to) a Secret that is the OmniStage's."""
         with self._lock:
             self._tokens[(namespace, name)] = (uid, token)
+            self._recheck.discard((namespace, name))
+
+    def recheck(self, namespace: str, name: str) -> None:
+        """The next pass reads the Secret (and again until one read finds it the OmniStage's)."""
+        with self._lock:
+            self._recheck.add((namespace, name))
+
+    def due(self, namespace: str, name: str) -> bool:
+        with self._lock:
+            return (namespace, name) in self._recheck
 
     def forget(self, namespace: str, name: str) -> None:
         with self._lock:
             self._tokens.pop((namespace, name), None)
+            self._recheck.discard((namespace, name))
 
 
 TOKENS = Tokens()
@@ -66,6 +80,12 @@ class Resting:
 
 RESTING: dict[Key, Resting] = {}
 
+# Each OmniStage as last seen with a valid spec (the watch-fed store's own object, not a copy: at
+# rest it costs nothing): a pass of an invalid spec renders nothing from it, and keeps the children
+# as this one rendered them (plan._invalid). After a restart with the spec still invalid there is
+# none until it is fixed.
+LAST_VALID: dict[Key, dict[str, Any]] = {}
+
 
 _FORGETS: list[Callable[[str, str], None]] = []
 
@@ -82,5 +102,6 @@ def forget(namespace: str, name: str) -> None:
         _locks.pop((namespace, name), None)
     TOKENS.forget(namespace, name)
     RESTING.pop((namespace, name), None)
+    LAST_VALID.pop((namespace, name), None)
     for forget_one in _FORGETS:
         forget_one(namespace, name)

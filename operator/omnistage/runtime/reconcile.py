@@ -4,7 +4,8 @@ told what act could not do; read again only when _status_needs_a_fresh_read).
 
 What the API server holds is read from the watch-fed store (informer.STATE), never re-read: a pass
 talks to the API server only to write, and to read the membership Secret (which no watch may see)
-when it holds no token or an engine pod is about to mount it (ensure_token). What a head says is
+when it holds no token, an engine pod is about to mount it, or the resync's full pass checks that it
+is still there (ensure_token: once a minute per OmniStage). What a head says is
 asked every pass, cheaply (headview.py: one conditional GET, 304 at rest). What the pass remembers
 between passes is memory.py's.
 """
@@ -115,10 +116,13 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
         t: Target | InvalidSpec = target_from(obj)
     except InvalidSpec as err:
         t = err
+    meta = obj["metadata"]
     if isinstance(t, InvalidSpec):
-        decided = plan(t, Observed(obj))
-        act_step.act(obj["metadata"]["namespace"], decided.actions, None, emit, obj["metadata"]["name"])
+        pools_named = tuple(STATE.pools.owned(meta["namespace"], meta["name"]))
+        decided = plan(t, Observed(obj, pools=pools_named, last_valid=_last_valid(obj)))
+        act_step.act(meta["namespace"], decided.actions, None, emit, meta["name"])
         return decided.status
+    memory.LAST_VALID[(t.namespace, t.name)] = obj
     # token
     token, secret_refused = ensure_token(t, emit)
     # observe
@@ -152,6 +156,18 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
     return result.status
 
 
+def _last_valid(obj: dict[str, Any]) -> Target | None:
+    """The target of this OmniStage's last valid spec (memory.LAST_VALID), the same uid's, if any."""
+    meta = obj["metadata"]
+    last = memory.LAST_VALID.get((meta["namespace"], meta["name"]))
+    if last is None or last["metadata"].get("uid") != meta.get("uid"):
+        return None
+    try:
+        return target_from(last)
+    except InvalidSpec:  # the operator's configuration is its process's: valid then, valid now
+        return None
+
+
 def _rests(obj: dict[str, Any], observed: Observed, decided: Plan, problems: tuple[str, ...],
            refused: tuple[str, ...]) -> bool:
     """The pass found the OmniStage at rest: it changed nothing, and act had nothing to say. A head
@@ -179,11 +195,13 @@ def ensure_token(t: Target, emit: Emit, read: bool = False) -> tuple[str | None,
     is refused). Held, else read from the Secret, which is created when missing (the one write a
     pass makes before it plans). `read`: an engine pod is about to mount it (plan.mounts_membership_
     secret), so it is read even when the token is held, and re-created from the held token when it
-    was deleted (a pod would wait in FailedMount). A Secret of that name is adopted only when its
+    was deleted (a pod would wait in FailedMount); so is it on each full resync (memory.TOKENS.
+    recheck): no event says it was deleted, and an operator restarted without it would make a new
+    token, which the running head refuses. A Secret of that name is adopted only when its
     ownerReferences name this OmniStage's uid: someone else's would give the engines a token the
     operator did not issue."""
     held = memory.TOKENS.held(t.namespace, t.name, t.uid)
-    if held is not None and not read:
+    if held is not None and not read and not memory.TOKENS.due(t.namespace, t.name):
         return held, None
     name = t.child_name("membership")
     secret = kube.read("Secret", t.namespace, name)
