@@ -14,6 +14,8 @@ from ..api.podtemplate import (
     CONFIG_DIR,
     ENGINE_CONTAINER,
     POD_IP_ENV,
+    PORT_HTTP,
+    PORT_MASTER,
     SHM_DIR,
     TOKEN_DIR,
     V_CACHE,
@@ -40,6 +42,7 @@ from ..names import (
 )
 from .common import Pool, Target, config_hash, content_hash, labels, metadata
 from .config import CONFIG_PATH, deploy_yaml
+from .hardening import POD_SECURITY_CONTEXT, container_security_context, harden
 from .stages import transport
 
 TOKEN_KEY = "token"
@@ -67,12 +70,6 @@ UCX_TLS_TCP = "tcp,sm,self"
 # SharedMemoryConnector's POSIX shm names resolve to the same files in every pod.
 SAME_NODE_SHM_ROOT = "/dev/shm/omnistage"
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
-# The hardening vLLM tolerates (the production sample runs with it): no privilege escalation, no
-# capabilities, the runtime's seccomp profile. Not runAsNonRoot or a read-only root: the engine image
-# runs as root and writes its caches under /root/.cache. spec.template's securityContext merges over
-# these (e.g. `capabilities: {add: [IPC_LOCK]}` for RDMA).
-CONTAINER_SECURITY_CONTEXT = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
-POD_SECURITY_CONTEXT = {"seccompProfile": {"type": "RuntimeDefault"}}
 JOINED_GATE = {"conditionType": C_JOINED}
 
 
@@ -254,7 +251,7 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, h
             },
         },
         "volumeMounts": mounts,
-        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
+        "securityContext": container_security_context(),
     }
     if s.engine.image_pull_policy:
         container["imagePullPolicy"] = s.engine.image_pull_policy
@@ -273,8 +270,8 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, h
             {"name": contract.DRAIN_SECONDS_ENV, "value": str(drain)}]
         container["lifecycle"] = {"preStop": {"exec": {"command": [*PRESTOP, "--head"]}}}
         container["ports"] = [
-            {"name": "http", "containerPort": port, "protocol": "TCP"},
-            {"name": "master", "containerPort": s.engine.master_port, "protocol": "TCP"},
+            {"name": PORT_HTTP, "containerPort": port, "protocol": "TCP"},
+            {"name": PORT_MASTER, "containerPort": s.engine.master_port, "protocol": "TCP"},
             {"name": contract.MEMBERSHIP_PORT_NAME, "containerPort": s.engine.membership_port,
              "protocol": "TCP"},
         ]
@@ -284,11 +281,11 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, h
         # restarts every replica). Liveness asks the plugin's LIVE_PATH, 503 only
         # once the head's own stage-0 engine is gone (nothing else restarts an in-head engine); it is
         # answered off the engine's loop, and 10 s per probe so a busy machine does not fail it.
-        container["startupProbe"] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+        container["startupProbe"] = {"httpGet": {"path": "/health", "port": PORT_HTTP}, "periodSeconds": 10,
                                      "failureThreshold": max(1, s.engine.startup_timeout_seconds // 10)}
-        container["readinessProbe"] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
+        container["readinessProbe"] = {"httpGet": {"path": "/health", "port": PORT_HTTP}, "periodSeconds": 5,
                                        "failureThreshold": 3}
-        container["livenessProbe"] = {"httpGet": {"path": contract.LIVE_PATH, "port": "http"},
+        container["livenessProbe"] = {"httpGet": {"path": contract.LIVE_PATH, "port": PORT_HTTP},
                                       "periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 3}
     tolerations = [_gpu_toleration(gpu), *placement.tolerations]
     spec: dict[str, Any] = {
@@ -340,7 +337,7 @@ def _pod(t: Target, name: str, role: str, spec: dict[str, Any], extra: dict[str,
     operator owns was refused by validation, so the merge cannot change it)."""
     merged = podtemplate.overlay({"metadata": {"labels": labels(t, role, pool and pool.name)}, "spec": spec},
                                  t.spec.template)
-    spec = merged["spec"]
+    spec = harden(merged["spec"])  # what the template cannot loosen, put back
     # Tolerations are an atomic list: a template's list replaces the operator's, so the GPU
     # toleration (the operator's, like the GPU limit) is put back.
     toleration = _gpu_toleration(pool.spec.gpu if pool else t.spec.gpu)
