@@ -204,3 +204,14 @@ DEFAULT_OPERATOR_NAMESPACE = "omnistage-system"
 def operator_namespace(environ: Mapping[str, str] = os.environ) -> str:
     return (environ.get(OPERATOR_NAMESPACE_ENV) or "").strip() or DEFAULT_OPERATOR_NAMESPACE
 
+
+# ---- the operator's ServiceAccount ----------------------------------------------------------------
+# Its name, from the Deployment's downward API (spec.serviceAccountName): the install manifests and the
+# chart set it, so it follows the chart's serviceAccount.name and fullname. No engine pod may run as it
+# (api/service_account.py); unset, the operator cannot tell it from another ServiceAccount of its
+# namespace, and refuses them all there.
+OPERATOR_SERVICE_ACCOUNT_ENV = "OMNISTAGE_SERVICE_ACCOUNT"
+
+
+def operator_service_account(environ: Mapping[str, str] = os.environ) -> str | None:
+    return (environ.get(OPERATOR_SERVICE_ACCOUNT_ENV) or "").strip() or None
