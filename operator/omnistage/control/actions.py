@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .collisions import Named
+
 # Drain states the act step records for a replica pod (by pod uid) while its `leave` runs elsewhere.
 DRAIN_RUNNING = "running"  # the head is draining it; the pod stays until the leave returns
 DRAIN_DONE = "done"  # the leave returned (drained or timed out): delete the pod
@@ -168,6 +170,9 @@ class Observed:
     # Its own pods whose labels were changed or that cannot be trusted (control/identity.py): the
     # pods above carry the labels the operator wrote already.
     strays: tuple[Stray, ...] = ()
+    # The other OmniStages and OmniStagePools of the namespace whose names may give a child of this
+    # OmniStage's or of its pools' (control/collisions.py): the newer of two is refused.
+    neighbours: tuple[Named, ...] = ()
 
 
 HEAD_NOT_READY = "head pod is not ready"  # why a pass read nothing from the head
