@@ -127,8 +127,11 @@ def gpu_runtime_prefix_fenced(prefix: Any) -> bool:
 
 
 def gpu_runtime_prefix_cel(source: str) -> str:
-    """CEL: the envFrom entry `source` has a prefix gpu_runtime_prefix_fenced accepts."""
-    return (f"has({source}.prefix) && !'{GPU_RUNTIME_ENV_PREFIX}'.startsWith({source}.prefix) && "
+    """CEL: the envFrom entry `source` has a prefix gpu_runtime_prefix_fenced accepts. The beginnings
+    of NVIDIA_ are listed: 'NVIDIA_'.startsWith(prefix) would cost the API server the prefix's length,
+    which has no bound, and put the rule past its CEL budget."""
+    beginnings = [GPU_RUNTIME_ENV_PREFIX[:n] for n in range(len(GPU_RUNTIME_ENV_PREFIX))]
+    return (f"has({source}.prefix) && !({source}.prefix in {cel_list(beginnings)}) && "
             f"!{source}.prefix.startsWith('{GPU_RUNTIME_ENV_PREFIX}')")
 
 
