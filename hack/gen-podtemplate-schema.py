@@ -69,6 +69,7 @@ BOUNDS = {
     ("io.k8s.api.core.v1.Container", "env"): {"maxItems": 1024},
     ("io.k8s.api.core.v1.Container", "envFrom"): {"maxItems": 128},
     ("io.k8s.api.core.v1.Container", "volumeMounts"): {"maxItems": 256},
+    ("io.k8s.api.core.v1.Container", "ports"): {"maxItems": 128},
     ("io.k8s.api.core.v1.Capabilities", "add"): {"maxItems": 64},
     ("io.k8s.api.core.v1.ProjectedVolumeSource", "sources"): {"maxItems": 128},
 }

@@ -66,7 +66,7 @@ CLUSTER_DOWN_TIMEOUT = 2 * 60
 
 # The downward API's fields an operator run on this machine answers itself: its "pod IP" is loopback
 # (the Deployment binds /metrics and the probes to $(POD_IP): OMNISTAGE_BIND_ADDRESS).
-LOCAL_FIELDS = {"status.podIP": "127.0.0.1"}
+LOCAL_FIELDS = {"status.podIP": "127.0.0.1", "spec.serviceAccountName": OPERATOR_SA}
 
 
 def _container_env(container: dict[str, Any]) -> dict[str, str]:

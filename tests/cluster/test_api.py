@@ -343,9 +343,10 @@ INVALID = [
           ("env", {"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "a-membership", "key": "token"}}}]}),
           ("env-from", {"envFrom": [{"secretRef": {"name": "a-membership"}}]}))),
     *((f"template-{kind}-volume-membership-secret", {"template": {"spec": {"volumes": [{"name": "t", **source}]}}},
-       ["spec.template.spec.volumes", "(secret, projected) must not mount a Secret named *-membership"])
+       ["spec.template.spec.volumes", "must not mount or hand the node a Secret named *-membership"])
       for kind, source in (("secret", {"secret": {"secretName": "qwen3-omni-membership"}}),
-                           ("projected", {"projected": {"sources": [{"secret": {"name": "a-membership"}}]}}))),
+                           ("projected", {"projected": {"sources": [{"secret": {"name": "a-membership"}}]}}),
+                           ("csi", {"csi": {"driver": "x", "nodePublishSecretRef": {"name": "a-membership"}}}))),
     *((f"template-{field}-mounts-the-token", {"template": {"spec": {field: [
         {"name": "x", "image": "x", "volumeMounts": [{"name": "membership-token", "mountPath": "/steal"}]}]}}},
        [f"spec.template.spec.{field}", "only the engine container may mount the operator's volume membership-token"])
@@ -353,6 +354,32 @@ INVALID = [
     ("template-env-from-owned-prefix", {"template": {"spec": {"containers": [
         {"name": "engine", "envFrom": [{"prefix": "OMNISTAGE_", "configMapRef": {"name": "tuning"}}]}]}}},
      ["spec.template.spec.containers", "the engine container's envFrom must not use a prefix"]),
+    # ... the second round (issue 40, tests/unit/test_tenant_rules.py): the GPU fence ...
+    *((f"{path}-nvidia", {path: {"env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}},
+       [f"spec.{path}.env", "must not set the GPU runtime's variables"]) for path in ("engine", "transport")),
+    *((f"template-{field}-{how}-nvidia", {"template": {"spec": {field: [{"name": "x", "image": "x", **env}]}}},
+       [f"spec.template.spec.{field}", "no container may set the GPU runtime's variables"])
+      for field in ("containers", "initContainers") for how, env in (
+          ("env", {"env": [{"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "all"}]}),
+          ("env-from", {"envFrom": [{"prefix": "NV", "configMapRef": {"name": "c"}}]}))),
+    # ... volumes, identity, ports, namespaces, gates ...
+    ("template-host-path-socket", {"template": {"spec": {"volumes": [
+        {"name": "cri", "hostPath": {"path": "/run/containerd/containerd.sock", "type": "Socket"}}]}}},
+     ["spec.template.spec.volumes", "hostPath.type must not be Socket, CharDevice, BlockDevice"]),
+    ("template-git-repo", {"template": {"spec": {"volumes": [
+        {"name": "src", "gitRepo": {"repository": "https://example.com/x.git"}}]}}},
+     ["spec.template.spec.volumes", "may use only the volume sources"]),
+    ("template-projected-token", {"template": {"spec": {"volumes": [
+        {"name": "t", "projected": {"sources": [{"serviceAccountToken": {"path": "token"}}]}}]}}},
+     ["spec.template.spec.volumes", "projected volumes may hold only"]),
+    *((f"template-{field}-port-http", {"template": {"spec": {field: [
+        {"name": "proxy", "image": "x", "ports": [{"name": "http", "containerPort": 8080}]}]}}},
+       [f"spec.template.spec.{field}", "ports may not be named http, master, membership"])
+      for field in ("containers", "initContainers")),
+    ("template-share-process-namespace", {"template": {"spec": {"shareProcessNamespace": True}}},
+     ["spec.template.spec.shareProcessNamespace", "must not be true"]),
+    ("template-scheduling-gates", {"template": {"spec": {"schedulingGates": [{"name": "example.com/hold"}]}}},
+     ["spec.template.spec.schedulingGates", "must not be set: the operator decides when its pods start"]),
     # ... and the command line the operator builds, the GPU resource.
     ("extra-args-expansion", {"engine": {"extraArgs": ["--served-model-name", "$(HF_TOKEN)"]}},
      ["spec.engine.extraArgs", "must not contain $("]),
@@ -439,7 +466,7 @@ ACCEPTED = [
         "spec": {"serviceAccountName": "engine", "runtimeClassName": "nvidia", "priorityClassName": "high",
                  "imagePullSecrets": [{"name": "regcred"}], "securityContext": {"runAsNonRoot": True},
                  "containers": [{"name": "engine", "resources": {"requests": {"cpu": 16, "memory": "200Gi"}},
-                                 "envFrom": [{"secretRef": {"name": "tuning"}}]},
+                                 "envFrom": [{"prefix": "VLLM_", "secretRef": {"name": "tuning"}}]},
                                 {"name": "sidecar", "image": "x", "ports": [{"containerPort": 9901}]}]}}}),
     # The engine's mount paths are beyond the API server's CEL cost budget: the operator refuses them
     # (Ready=False InvalidSpec; tests/unit/test_podtemplate.py).

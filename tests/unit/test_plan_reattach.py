@@ -76,3 +76,37 @@ def test_the_outcome_a_replica_reports_is_kept_on_its_pod():
     actions, _, _ = plan(t, o, AT)
     assert {a.name for a in of(actions, Annotate) if a.annotations == {names.A_REATTACH: "applied"}} == {
         "qwen3-omni-replica-1", "qwen3-omni-replica-2"}
+
+
+def test_a_replica_s_template_hash_does_not_name_its_head():
+    """A replica that re-attached to a replaced head pod keeps the old pod's IP in its args and uid
+    in its annotations: that is no template change (it would be rolled as outdated)."""
+    from omnistage.render import render_replica_pod, target_from
+
+    from .test_plan import omnistage
+
+    t = target_from(omnistage(3))
+    a = render_replica_pod(t, 1, "127.77.0.10", "uid-a", 0)
+    b = render_replica_pod(t, 1, "127.77.0.99", "uid-b", 4)
+    assert a["spec"]["containers"][0]["args"] != b["spec"]["containers"][0]["args"]
+    hashes = {p["metadata"]["annotations"][names.A_TEMPLATE_HASH] for p in (a, b)}
+    assert len(hashes) == 1
+    env = {e["name"]: e.get("value") for e in a["spec"]["containers"][0]["env"]}
+    assert env[contract.MASTER_SERVICE_ENV] == "qwen3-omni-master.serving.svc"
+
+
+def test_a_reattachable_replica_of_a_replaced_head_pod_waits_instead_of_rolling():
+    def new_head(t):
+        pod = head_ready_since("2026-11-30T11:59:50Z")(t)
+        pod["metadata"]["uid"] = "head-uid-2"
+        return pod
+    t, o = situation(3, pods_=lambda t: [capable(t, 1), capable(t, 2)], members=lambda rs: [],
+                     listing=listing(boot="boot-2"), head=new_head)
+    actions, _, _ = plan(t, o, AT)
+    assert of(actions, DeletePod) == [] and of(actions, CreatePod) == []
+    t, o = situation(3, pods_=lambda t: [capable(t, 1), capable(t, 2)],
+                     members=lambda rs: [registered(rs[0], 5), registered(rs[1], 6)], head=new_head)
+    actions, _, _ = plan(t, o, AT)
+    assert {a.name for a in of(actions, Annotate) if a.annotations.get(names.A_HEAD_UID) == "head-uid-2"} == {
+        "qwen3-omni-replica-1", "qwen3-omni-replica-2"}
+    assert of(actions, DeletePod) == []

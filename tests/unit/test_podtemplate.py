@@ -108,7 +108,7 @@ def test_engine_container_merged_by_name_sidecar_appended():
         {"name": "engine", "resources": {"requests": {"cpu": "16"}, "limits": {"memory": "300Gi"}},
          "env": [{"name": "HF_HOME", "value": "/models/hf"},
                  {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
-         "envFrom": [{"secretRef": {"name": "extra"}}],
+         "envFrom": [{"prefix": "EXTRA_", "secretRef": {"name": "extra"}}],
          "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
          "securityContext": {"allowPrivilegeEscalation": False}},
     ], "volumes": [{"name": "scratch", "emptyDir": {}}]}}
@@ -128,7 +128,7 @@ def test_engine_container_merged_by_name_sidecar_appended():
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert [e["name"] for e in c["env"]].count("HF_HOME") == 1
-        assert c["envFrom"] == [{"secretRef": {"name": "extra"}}]
+        assert c["envFrom"] == [{"prefix": "EXTRA_", "secretRef": {"name": "extra"}}]
         assert c["volumeMounts"][-1] == {"name": "scratch", "mountPath": "/scratch"}
         assert {"name": "config", "mountPath": "/etc/omnistage", "readOnly": True} in c["volumeMounts"]
         # The template's securityContext merges over the operator's defaults.
@@ -541,11 +541,11 @@ def test_operator_only_template_rules_are_the_ones_over_the_cel_budget():
     check of each volume's path, a string with no bound, costs past the budget). Everything else is
     refused by the API server too (the lists the other rules walk are bounded:
     hack/gen-podtemplate-schema.py's BOUNDS)."""
-    from omnistage.api import template_checks
+    from omnistage.api import template_checks, template_volumes
 
     operator_only = [r.broken for r in SPEC_RULES if r.cel is None and r.field.startswith(".template")]
     assert sorted(operator_only, key=lambda f: f.__name__) == [template_checks.engine_owned_mount_items,
-                                                                template_checks.host_path_volume_items]
+                                                                template_volumes.host_path_volume_items]
 
 
 # ---- the schema: generated from the Kubernetes OpenAPI document, embedded in the CRD ----------------

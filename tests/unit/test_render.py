@@ -155,11 +155,13 @@ def test_scaling_does_not_change_pod_hashes():
     assert render_replica_pod(two, 1, HEAD_IP, HEAD_UID) == render_replica_pod(five, 1, HEAD_IP, HEAD_UID)
 
 
-def test_new_head_rolls_replicas():
+def test_a_new_head_is_recorded_on_a_replica_but_is_not_its_template():
+    """Which head a replica is bound to is read from its annotations (control/rollout.retire_stale,
+    control/reattach.py), not from its template hash: one that re-attached is not outdated."""
     t = target(replicas=2)
-    a = render_replica_pod(t, 1, HEAD_IP, HEAD_UID)["metadata"]["annotations"][A_TEMPLATE_HASH]
-    b = render_replica_pod(t, 1, "127.77.0.11", "uid-2")["metadata"]["annotations"][A_TEMPLATE_HASH]
-    assert a != b
+    a = render_replica_pod(t, 1, HEAD_IP, HEAD_UID)["metadata"]["annotations"]
+    b = render_replica_pod(t, 1, "127.77.0.11", "uid-2")["metadata"]["annotations"]
+    assert a[A_HEAD_UID] != b[A_HEAD_UID] and a[A_TEMPLATE_HASH] == b[A_TEMPLATE_HASH]
 
 
 def test_processor_only_is_rendered_for_the_engine_plugin():

@@ -166,7 +166,7 @@ REFUSED = [
     ),
     (
         "template-runtime-socket",
-        volumes({"name": "cri", "hostPath": {"path": "/run/containerd/containerd.sock", "type": "Socket"}}),
+        volumes({"name": "cri", "hostPath": {"path": "/run/containerd/containerd.sock"}}),
         "spec.template.spec.volumes[1].hostPath",
         "spec.modelVolume",
         "operator",
@@ -273,7 +273,8 @@ REFUSED = [
     ),
     (
         "template-env-from-membership",
-        container(envFrom=[{"configMapRef": {"name": "tuning"}}, {"secretRef": {"name": MEMBERSHIP}}]),
+        container(envFrom=[{"prefix": "T_", "configMapRef": {"name": "tuning"}},
+                           {"prefix": "T_", "secretRef": {"name": MEMBERSHIP}}]),
         "spec.template.spec.containers[1].envFrom[1].secretRef.name",
         "join and leave",
         "api",

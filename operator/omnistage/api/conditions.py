@@ -40,6 +40,9 @@ class Reason(StrEnum):
     RENDERED = "Rendered"
     INVALID_SPEC = "InvalidSpec"
     CONFIG_TOO_LARGE = "ConfigTooLarge"  # the deploy config would not fit in its ConfigMap (render/target.py)
+    # An older OmniStage or OmniStagePool of the namespace needs names its children would take (also an
+    # OmniStagePool's Ready): control/collisions.py
+    NAME_COLLISION = "NameCollision"
     # HeadReady
     HEAD_READY = "HeadReady"
     HEAD_PENDING = "HeadPending"

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from .. import api
-from . import conditions
+from . import conditions, service_account
 from .child_names import OMNISTAGE_NAME_RULES, POOL_NAME_RULES
 from .crd import build_crd, build_pool_crd
 from .validation import SPEC_RULES
@@ -220,6 +220,7 @@ def reference_markdown(crd: dict[str, Any] | None = None, pool_crd: dict[str, An
     for rule in SPEC_RULES:
         checker = "API server" if rule.cel else "operator (`InvalidSpec`)"
         lines.append(f"| `spec{rule.field}` | {checker} | {_cell(rule.message)} |")
+    lines.append(f"| `{service_account.FIELD}` | operator (`InvalidSpec`) | {_cell(service_account.RULE)} |")
     lines += [
         "",
         "## Status",

@@ -5,10 +5,13 @@ validation.SPEC_RULES. The longer predicates behind them are owned.py's (what th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from omnistage_engine_patches import contract
 
 from ..known_pipelines import PIPELINES as KNOWN_PIPELINES
 from .cachemode import SENDER_CACHE_WITH_DYNAMIC_MEMBERSHIP, membership_can_change
+from .engine_spec import EnvVar
 from .owned import (
     OPERATOR_OWNED_FLAGS,
     OPERATOR_OWNED_STAGE_KEYS,
@@ -29,7 +32,13 @@ from .owned import (
     spec_env_secret_items,
 )
 from .rule import Rule, unless
-from .security import ALLOWED_HOST_PATHS_ENV
+from .security import (
+    ALLOWED_HOST_PATHS_ENV,
+    GPU_RUNTIME_VARIABLES,
+    GPU_RUNTIME_WHY,
+    gpu_runtime_env,
+    gpu_runtime_env_cel,
+)
 from .specs import Membership, OmniStageSpec
 from .template_checks import MEMBERSHIP_SECRETS, absent_or
 
@@ -53,6 +62,19 @@ _FLAGS_INSTEAD = (
     "replicas, spec.engine.httpPort/masterPort for ports, spec.engine.heartbeatTimeoutSeconds for the "
     "heartbeat timeout and spec.engine.stageOverrides for other stage-0 keys"
 )
+
+# The spec's own environment lists (the engine container's), and how to read each.
+SPEC_ENV: tuple[tuple[str, Callable[[OmniStageSpec], list[EnvVar]]], ...] = (
+    ("engine.env", lambda s: s.engine.env),
+    ("transport.env", lambda s: s.transport.env if s.transport else []),
+)
+
+
+def _env_name_items(
+    env: Callable[[OmniStageSpec], list[EnvVar]], refused: Callable[[str], bool]
+) -> Callable[[OmniStageSpec], list[str]]:
+    return lambda s: [f"[{i}].name" for i, e in enumerate(env(s)) if refused(e.name)]
+
 
 FIELD_RULES = [
     Rule(
@@ -167,10 +189,16 @@ FIELD_RULES = [
             f"spec.{path} must not take a value from {MEMBERSHIP_SECRETS}",
             spec_env_secret_items(env),
         )
-        for path, env in (
-            ("engine.env", lambda s: s.engine.env),
-            ("transport.env", lambda s: s.transport.env if s.transport else []),
+        for path, env in SPEC_ENV
+    ),
+    *(
+        Rule(
+            f".{path}",
+            absent_or(path, f"self.{path}.all(e, {gpu_runtime_env_cel('e.name')})"),
+            f"spec.{path} must not set {GPU_RUNTIME_VARIABLES}: {GPU_RUNTIME_WHY}",
+            _env_name_items(env, gpu_runtime_env),
         )
+        for path, env in SPEC_ENV
     ),
     Rule(
         ".modelVolume.hostPath.path",

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from omnistage_engine_patches import contract
+
 # Beside the package root, where hack/gen-podtemplate-schema.py writes it.
 SCHEMA_FILE = Path(__file__).parents[1] / "podtemplate.schema.json"
 
@@ -45,6 +47,11 @@ OPERATOR_VOLUMES = (V_CONFIG, V_SHM, V_CACHE, V_TOKEN, V_MODEL)
 POD_IP_ENV = "POD_IP"
 VLLM_HOST_IP_ENV = "VLLM_HOST_IP"
 ADDRESS_ENV = (POD_IP_ENV, VLLM_HOST_IP_ENV)
+
+# The engine container's ports, by the names the Services and the NetworkPolicy use (`http` is open to
+# every client, `membership` to the operator and the OmniStage's pods): no other container may take one.
+PORT_HTTP, PORT_MASTER = "http", "master"
+OPERATOR_PORT_NAMES = (PORT_HTTP, PORT_MASTER, contract.MEMBERSHIP_PORT_NAME)
 
 # Fields of the engine container the operator renders from the spec: the command line (membership,
 # ports, the stage config), the image (spec.engine.image; status.engineImage reports it), the ports

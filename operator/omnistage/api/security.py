@@ -94,6 +94,47 @@ PLACEMENT_PRIORITY = FieldRule(
 # Any other (SYS_ADMIN, NET_ADMIN, SYS_PTRACE, ...) is a step towards the node.
 ALLOWED_CAPABILITIES = ("IPC_LOCK", "SYS_NICE")
 
+# ---- the GPU fence ---------------------------------------------------------------------------------
+# The NVIDIA container toolkit reads its switches from a container's environment as the runtime creates
+# it: NVIDIA_VISIBLE_DEVICES (which GPUs the container gets: `all` is every GPU of the node, other
+# tenants' included), NVIDIA_DRIVER_CAPABILITIES, NVIDIA_REQUIRE_*, NVIDIA_MIG_*... The device plugin
+# decides a pod's GPUs; a spec may set none of these (any name with the prefix), in env or through an
+# envFrom whose prefix could spell one. What an image's own ENV sets is out of the operator's sight:
+# the node's toolkit must ignore the variable (docs/security.md, "The GPU fence").
+GPU_RUNTIME_ENV_PREFIX = "NVIDIA_"
+GPU_RUNTIME_VARIABLES = (f"the GPU runtime's variables ({GPU_RUNTIME_ENV_PREFIX}*: NVIDIA_VISIBLE_DEVICES, "
+                         "NVIDIA_DRIVER_CAPABILITIES, NVIDIA_REQUIRE_*...)")
+GPU_RUNTIME_WHY = ("where the node's NVIDIA runtime honours them, NVIDIA_VISIBLE_DEVICES=all gives the pod "
+                   "every GPU of the node, other tenants' included; remove them (the device plugin gives the "
+                   "pod its GPUs: spec.gpu.count)")
+
+
+def gpu_runtime_env(name: Any) -> bool:
+    return isinstance(name, str) and name.startswith(GPU_RUNTIME_ENV_PREFIX)
+
+
+def gpu_runtime_env_cel(name: str) -> str:
+    """CEL: the variable name `name` is not the GPU runtime's."""
+    return f"!{name}.startsWith('{GPU_RUNTIME_ENV_PREFIX}')"
+
+
+def gpu_runtime_prefix_fenced(prefix: Any) -> bool:
+    """An envFrom prefix no key can complete into the GPU runtime's namespace: set, not a beginning of
+    NVIDIA_ (N, NV... with the key IDIA_VISIBLE_DEVICES) and not inside it. The keys of a ConfigMap or
+    Secret are out of the operator's sight, so without a prefix any of them could be one."""
+    return isinstance(prefix, str) and not GPU_RUNTIME_ENV_PREFIX.startswith(prefix) \
+        and not prefix.startswith(GPU_RUNTIME_ENV_PREFIX)
+
+
+def gpu_runtime_prefix_cel(source: str) -> str:
+    """CEL: the envFrom entry `source` has a prefix gpu_runtime_prefix_fenced accepts. The beginnings
+    of NVIDIA_ are listed: 'NVIDIA_'.startsWith(prefix) would cost the API server the prefix's length,
+    which has no bound, and put the rule past its CEL budget."""
+    beginnings = [GPU_RUNTIME_ENV_PREFIX[:n] for n in range(len(GPU_RUNTIME_ENV_PREFIX))]
+    return (f"has({source}.prefix) && !({source}.prefix in {cel_list(beginnings)}) && "
+            f"!{source}.prefix.startsWith('{GPU_RUNTIME_ENV_PREFIX}')")
+
+
 # ---- the operator's Secrets -----------------------------------------------------------------------
 # The operator writes one Secret per OmniStage, NAME-membership (render/network.py: the membership
 # token, which can make any engine of that OmniStage join or leave). A spec may not read a Secret of
@@ -165,3 +206,15 @@ DEFAULT_OPERATOR_NAMESPACE = "omnistage-system"
 
 def operator_namespace(environ: Mapping[str, str] = os.environ) -> str:
     return (environ.get(OPERATOR_NAMESPACE_ENV) or "").strip() or DEFAULT_OPERATOR_NAMESPACE
+
+
+# ---- the operator's ServiceAccount ----------------------------------------------------------------
+# Its name, from the Deployment's downward API (spec.serviceAccountName): the install manifests and the
+# chart set it, so it follows the chart's serviceAccount.name and fullname. No engine pod may run as it
+# (api/service_account.py); unset, the operator cannot tell it from another ServiceAccount of its
+# namespace, and refuses them all there.
+OPERATOR_SERVICE_ACCOUNT_ENV = "OMNISTAGE_SERVICE_ACCOUNT"
+
+
+def operator_service_account(environ: Mapping[str, str] = os.environ) -> str | None:
+    return (environ.get(OPERATOR_SERVICE_ACCOUNT_ENV) or "").strip() or None

@@ -143,9 +143,13 @@ class OmniStageSpec(ApiModel):
             "spec.placement and spec.engine.env are applied first. Refused: the engine container's command, "
             "args, image, ports, probes and lifecycle hooks, the GPU resource, restartPolicy, the pod's "
             "lifecycle (terminationGracePeriodSeconds, activeDeadlineSeconds), nodeName, system priority "
-            "classes, host namespaces, hostPath volumes, privileged containers, privilege escalation, "
-            "capabilities beyond IPC_LOCK and SYS_NICE, the operator's Secrets (NAME-membership), volumes, "
-            "mount paths, environment variables, labels and annotations (docs/security.md)."
+            "classes, host namespaces, a shared process namespace, scheduling gates, hostPath volumes "
+            "outside the operator's allow-list (mounted read-only), volume sources beyond an allow-list, "
+            "projected ServiceAccount tokens, the operator's ServiceAccount, privileged containers, "
+            "privilege escalation, capabilities beyond IPC_LOCK and SYS_NICE (every container drops the "
+            "rest), NVIDIA_* variables and envFrom without a prefix, the operator's Secrets "
+            "(NAME-membership), port names, volumes, mount paths, environment variables, labels and "
+            "annotations (docs/security.md)."
         ),
     )
 

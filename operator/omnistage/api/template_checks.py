@@ -11,7 +11,6 @@ from typing import Any
 
 from .. import names
 from . import podtemplate as pt
-from . import security
 from .owned import (
     OWNED_ENV_PREFIX,
     STANDIN_ENV_PREFIX,
@@ -22,7 +21,16 @@ from .owned import (
     not_owned_env_cel,
     owned_env,
 )
-from .security import ALLOWED_CAPABILITIES, MEMBERSHIP_SECRET_SUFFIX, SYSTEM_PRIORITY_CLASSES, cel_list
+from .security import (
+    ALLOWED_CAPABILITIES,
+    MEMBERSHIP_SECRET_SUFFIX,
+    SYSTEM_PRIORITY_CLASSES,
+    cel_list,
+    gpu_runtime_env,
+    gpu_runtime_env_cel,
+    gpu_runtime_prefix_cel,
+    gpu_runtime_prefix_fenced,
+)
 from .specs import OmniStageSpec
 
 
@@ -122,14 +130,6 @@ def gpu_request_cel(field: str) -> str:
                      "(!has(c.resources.requests) || !(self.gpu.resource in c.resources.requests))))")
 
 
-def owned_volume_items(spec: OmniStageSpec) -> list[str]:
-    return [
-        f"[{i}].name"
-        for i, v in pt.spec_items(spec.template, "volumes")
-        if v.get("name") in pt.OPERATOR_VOLUMES
-    ]
-
-
 # Pod fields spec.template must not set, and why (the message's end): what the operator renders, and
 # nodeName, which places a pod past the scheduler.
 UNSET_POD_FIELDS = {
@@ -142,6 +142,9 @@ UNSET_POD_FIELDS = {
     "serving engine pod without a drain; spec.replicas and spec.rollout decide when engine pods end",
     "nodeName": "must not be set: it puts the pod on a node past the scheduler (the GPU capacity, taints, "
     "the GPU product selector); use spec.placement.nodeSelector or affinity",
+    "schedulingGates": "must not be set: the operator decides when its pods start, and a gate only "
+    "an outside controller removes holds a head or a surge pod Pending while the operator waits for it; "
+    "remove them (a queueing controller such as Kueue adds its own gates at admission)",
 }
 
 # Host namespaces, each refused when true, and why.
@@ -152,6 +155,14 @@ HOST_NAMESPACES = {
     "hostPID": "the pod would see every process of the node (the kubelet's, other tenants' engines), signal "
     "them and read their environment through /proc",
     "hostIPC": "the pod would share the node's System V IPC and POSIX shared memory with every process on it",
+}
+
+
+# Namespaces the pod's own containers would share, each refused when true, and why.
+SHARED_NAMESPACES = {
+    "shareProcessNamespace": "a sidecar would see the engine's processes, and through /proc/PID/root "
+    "its files: the membership token only the engine container mounts (the master token in a head); "
+    "remove it, and share files through a volume",
 }
 
 
@@ -242,45 +253,45 @@ def token_mount_cel(field: str) -> str:
     )
 
 
+def gpu_env_items(field: str) -> Callable[[OmniStageSpec], list[str]]:
+    """The GPU runtime's variables (security.GPU_RUNTIME_ENV_PREFIX) in env, and envFrom entries
+    whose prefix does not keep their keys out of that namespace."""
+    def broken(spec: OmniStageSpec) -> list[str]:
+        out = []
+        for i, c in pt.spec_items(spec.template, field):
+            out += [f"[{i}].env[{j}].name" for j, e in pt.objects(c.get("env"))
+                    if gpu_runtime_env(e.get("name"))]
+            out += [f"[{i}].envFrom[{j}].prefix" for j, f in pt.objects(c.get("envFrom"))
+                    if not gpu_runtime_prefix_fenced(f.get("prefix"))]
+        return out
+    return broken
+
+
+def gpu_env_cel(field: str) -> str:
+    return _containers_cel(field, f"(!has(c.env) || c.env.all(e, {gpu_runtime_env_cel('e.name')})) && "
+                                  f"(!has(c.envFrom) || c.envFrom.all(f, {gpu_runtime_prefix_cel('f')}))")
+
+
+def port_name_items(field: str) -> Callable[[OmniStageSpec], list[str]]:
+    """Ports named as the operator names the engine's: the NetworkPolicy and the Services open and
+    target ports by name, in every container of the pod."""
+    return lambda s: [f"[{i}].ports[{j}].name" for i, c in pt.spec_items(s.template, field)
+                      if not (_engine_exempt(field) and c.get("name") == pt.ENGINE_CONTAINER)
+                      for j, p in pt.objects(c.get("ports")) if p.get("name") in pt.OPERATOR_PORT_NAMES]
+
+
+def port_name_cel(field: str) -> str:
+    engine = f"c.name == '{pt.ENGINE_CONTAINER}' || " if _engine_exempt(field) else ""
+    return _containers_cel(field, f"{engine}!has(c.ports) || c.ports.all(p, !has(p.name) || "
+                                  f"!(p.name in {cel_list(pt.OPERATOR_PORT_NAMES)}))")
+
+
 def container_secret_cel(field: str) -> str:
     return _containers_cel(
         field,
         f"(!has(c.env) || c.env.all(e, {env_secret_cel('e')})) && "
         f"(!has(c.envFrom) || c.envFrom.all(f, {not_membership_secret_cel('f.secretRef')}))",
     )
-
-
-# ---- spec.template's volumes -----------------------------------------------------------------------
-
-def host_path_volume_items(spec: OmniStageSpec) -> list[str]:
-    """hostPath volumes outside the operator's allow-list (its configuration: not pure, read like the
-    engine image default), or not a plain absolute path."""
-    allowed = security.operator_allowed_host_paths()
-
-    def refused(path: Any) -> bool:
-        return not isinstance(path, str) or not path.startswith("/") or not security.HOST_PATH.holds(path) \
-            or not security.host_path_allowed(path, allowed)
-    return [f"[{i}].hostPath" for i, v in pt.spec_items(spec.template, "volumes")
-            if v.get("hostPath") is not None and refused(pt.mapping(v, "hostPath").get("path"))]
-
-
-
-def secret_volume_items(spec: OmniStageSpec) -> list[str]:
-    out = []
-    for i, v in pt.spec_items(spec.template, "volumes"):
-        if membership_secret(pt.mapping(v, "secret").get("secretName")):
-            out.append(f"[{i}].secret.secretName")
-        sources = pt.objects(pt.mapping(v, "projected").get("sources"))
-        out += [f"[{i}].projected.sources[{j}].secret.name" for j, src in sources
-                if membership_secret(pt.mapping(src, "secret").get("name"))]
-    return out
-
-
-def secret_volume_cel() -> str:
-    sources = "v.projected.sources"
-    return absent_or("template.spec.volumes", "self.template.spec.volumes.all(v, ("
-                     + not_membership_secret_cel("v.secret", "secretName") + ") && (!has(v.projected) || "
-                     f"!has({sources}) || {sources}.all(s, {not_membership_secret_cel('s.secret')})))")
 
 
 MEMBERSHIP_SECRETS = (

@@ -10,11 +10,19 @@ from .. import names
 from . import podtemplate as pt
 from .owned import OWNED_ENV_NAMES, OWNED_ENV_PREFIX, STANDIN_ENV_PREFIX
 from .rule import Rule
-from .security import ALLOWED_CAPABILITIES, ALLOWED_HOST_PATHS_ENV, system_priority_message
+from .security import (
+    ALLOWED_CAPABILITIES,
+    ALLOWED_HOST_PATHS_ENV,
+    GPU_RUNTIME_ENV_PREFIX,
+    GPU_RUNTIME_VARIABLES,
+    GPU_RUNTIME_WHY,
+    system_priority_message,
+)
 from .template_checks import (
     HOST_NAMESPACES,
     MEMBERSHIP_SECRETS,
     PLACEMENT_EXCLUSIVE,
+    SHARED_NAMESPACES,
     UNSET_POD_FIELDS,
     absent_or,
     capability_cel,
@@ -30,24 +38,39 @@ from .template_checks import (
     engine_owned_mount_items,
     escalation_cel,
     escalation_items,
+    gpu_env_cel,
+    gpu_env_items,
     gpu_request_cel,
     gpu_request_items,
-    host_path_volume_items,
     owned_annotation_items,
     owned_label_items,
-    owned_volume_items,
     placement_conflict_cel,
     placement_conflict_items,
+    port_name_cel,
+    port_name_items,
     present,
     product_selector_items,
-    secret_volume_cel,
-    secret_volume_items,
     set_pod_field_items,
     system_priority_cel,
     system_priority_items,
     token_mount_cel,
     token_mount_items,
     true_pod_field_items,
+)
+from .template_volumes import (
+    HOST_PATH_TYPES_REFUSED,
+    PROJECTED_SOURCES,
+    VOLUME_SOURCES,
+    host_path_type_cel,
+    host_path_type_items,
+    host_path_volume_items,
+    owned_volume_items,
+    projected_source_cel,
+    projected_source_items,
+    secret_volume_cel,
+    secret_volume_items,
+    volume_source_cel,
+    volume_source_items,
 )
 
 TEMPLATE_RULES = [
@@ -157,6 +180,24 @@ TEMPLATE_RULES = [
             ),
             Rule(
                 f".template.spec.{field}",
+                gpu_env_cel(field),
+                f"spec.template.spec.{field}: no container may set {GPU_RUNTIME_VARIABLES}, and every "
+                f"envFrom must set a prefix that keeps its keys out of {GPU_RUNTIME_ENV_PREFIX}* (HF_, not N "
+                "or NVIDIA_; a ConfigMap's or Secret's keys are out of the operator's sight): "
+                + GPU_RUNTIME_WHY,
+                gpu_env_items(field),
+            ),
+            Rule(
+                f".template.spec.{field}",
+                port_name_cel(field),
+                f"spec.template.spec.{field}: ports may not be named "
+                f"{', '.join(pt.OPERATOR_PORT_NAMES)}: those are the engine's, and the OmniStage's "
+                "NetworkPolicy and Services open and target ports by name, in every container of its pods "
+                "(http to every client); name the port otherwise",
+                port_name_items(field),
+            ),
+            Rule(
+                f".template.spec.{field}",
                 token_mount_cel(field),
                 f"spec.template.spec.{field}: only the engine container may mount the operator's volume "
                 f"{pt.V_TOKEN}: it holds the OmniStage's membership token, which makes its engines join and "
@@ -180,8 +221,37 @@ TEMPLATE_RULES = [
     ),
     Rule(
         ".template.spec.volumes",
+        host_path_type_cel(),
+        f"spec.template.spec.volumes: hostPath.type must not be {', '.join(HOST_PATH_TYPES_REFUSED)}: a "
+        "socket (the container runtime's, the kubelet's) or a device node is a way onto the node even "
+        "mounted read-only; mount a directory (Directory) or a file (File)",
+        host_path_type_items,
+    ),
+    Rule(
+        ".template.spec.volumes",
+        volume_source_cel(),
+        f"spec.template.spec.volumes may use only the volume sources {', '.join(VOLUME_SOURCES)} (hostPath "
+        "where the operator allows it): gitRepo runs git as root on the node (CVE-2024-10220), and the "
+        "in-tree plugins (nfs, iscsi, rbd, cephfs, flexVolume, azureFile...) have the node mount a "
+        "server the spec names, several with a Secret the kubelet reads for them; use a "
+        "PersistentVolumeClaim",
+        volume_source_items,
+    ),
+    Rule(
+        ".template.spec.volumes",
+        projected_source_cel(),
+        f"spec.template.spec.volumes: projected volumes may hold only {', '.join(PROJECTED_SOURCES)} "
+        "sources: a serviceAccountToken is an API credential of the pod's ServiceAccount (in the "
+        "operator's namespace, possibly the operator's own), a podCertificate an identity of it; engine "
+        "pods carry no API credential, and a sidecar that needs one takes a ServiceAccount of its own "
+        "with automountServiceAccountToken: true",
+        projected_source_items,
+    ),
+    Rule(
+        ".template.spec.volumes",
         secret_volume_cel(),
-        f"spec.template.spec.volumes (secret, projected) must not mount {MEMBERSHIP_SECRETS}",
+        "spec.template.spec.volumes (secret, projected, csi.nodePublishSecretRef) must not mount or hand "
+        f"the node {MEMBERSHIP_SECRETS}",
         secret_volume_items,
     ),
     Rule(
@@ -214,7 +284,7 @@ TEMPLATE_RULES = [
             f"spec.template.spec.{field} must not be true: {why}",
             true_pod_field_items(field),
         )
-        for field, why in HOST_NAMESPACES.items()
+        for field, why in {**HOST_NAMESPACES, **SHARED_NAMESPACES}.items()
     ),
     Rule(
         ".template.spec.priorityClassName",

@@ -22,9 +22,13 @@ from .child_names import OMNISTAGE_NAME_RULES, name_problems
 from .conditions import Reason
 from .field_rules import FIELD_RULES
 from .pipeline_rules import multi_stage_problems
+from .service_account import service_account_problems
 from .specs import OmniStageSpec
 from .template_checks import template_schema_problems
 from .template_rules import TEMPLATE_RULES
+
+# An object that names no namespace (`omnistage render -f`) is taken to be where kubectl would put it.
+DEFAULT_NAMESPACE = "default"
 
 # The order is the CRD's x-kubernetes-validations order and the order problems are named in.
 SPEC_RULES = [*FIELD_RULES, *TEMPLATE_RULES]
@@ -64,6 +68,8 @@ def validate_omnistage(obj: dict[str, Any]) -> OmniStageSpec:
         raise InvalidSpec(problems + _pydantic_problems(err)) from None
     problems += template_schema_problems(spec)
     problems += [(f"spec{r.field}{part}", r.message) for r in SPEC_RULES for part in r.broken(spec)]
+    namespace = (obj.get("metadata") or {}).get("namespace") or DEFAULT_NAMESPACE
+    problems += service_account_problems(namespace, spec)
     if not problems:
         problems += multi_stage_problems(spec)
     if problems:

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..render.common import Target
 
+from .collisions import Named
+
 # Drain states the act step records for a replica pod (by pod uid) while its `leave` runs elsewhere.
 DRAIN_RUNNING = "running"  # the head is draining it; the pod stays until the leave returns
 DRAIN_DONE = "done"  # the leave returned (drained or timed out): delete the pod
@@ -177,6 +179,9 @@ class Observed:
     # While the spec is invalid (nothing can be rendered from it): the target of the last valid one
     # this operator saw (runtime/memory.py LAST_VALID), whose children are kept as it rendered them.
     last_valid: Target | None = None
+    # The other OmniStages and OmniStagePools of the namespace whose names may give a child of this
+    # OmniStage's or of its pools' (control/collisions.py): the newer of two is refused.
+    neighbours: tuple[Named, ...] = ()
 
 
 HEAD_NOT_READY = "head pod is not ready"  # why a pass read nothing from the head

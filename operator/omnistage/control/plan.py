@@ -25,6 +25,7 @@ from ..api.validation import InvalidSpec
 from ..render.common import Target
 from . import (
     children,
+    collisions,
     head,
     headswap,
     identity,
@@ -65,6 +66,9 @@ def decision(t: Target | InvalidSpec, o: Observed, at: str | None = None) -> Dec
     generation = o.obj["metadata"].get("generation")
     if isinstance(t, InvalidSpec):
         return Decision(_invalid(t, o, generation, at), None)
+    taken = collisions.refusal(o.obj, o.neighbours)
+    if taken is not None:  # an older object of the namespace needs names its children would take
+        return Decision(_invalid(taken, o, generation, at), None)
     if o.secret_refused:
         return Decision(_secret_refused(t, o, generation, at), None)
     p = decide(t, o, at)

@@ -19,6 +19,8 @@ from ..api.child_names import POOL_NAME_RULES, name_problems
 from ..api.conditions import Reason
 from ..known_pipelines import SHIPPED_DEPLOY
 from ..render.common import Pool, Target
+from . import collisions
+from .collisions import Named
 
 # vLLM's default gpu_memory_utilization, for a shipped stage that does not set one.
 GPU_MEMORY_DEFAULT = 0.9
@@ -57,18 +59,22 @@ def _age(obj: Mapping[str, Any]) -> tuple[str, str]:
     return meta.get("creationTimestamp") or "", meta["name"]
 
 
-def fit(t: Target | None, omnistage: str, objs: Iterable[Mapping[str, Any]]) -> list[Fitted]:
+def fit(t: Target | None, omnistage: str, objs: Iterable[Mapping[str, Any]],
+        names: Iterable[Named] = ()) -> list[Fitted]:
     """Every pool naming the OmniStage, in age order. A stage claimed by two pools stays with the
-    older one (its pods already run it); the newer pool is refused and runs nothing."""
+    older one (its pods already run it); the newer pool is refused and runs nothing. So is a pool whose
+    children would take names an older object of `names` (the namespace's OmniStages and pools as
+    Observed sees them, the OmniStage included) needs (collisions.py)."""
     out: list[Fitted] = []
     owner: dict[int, str] = {}
+    names = tuple(names)
     for obj in sorted(objs, key=_age):
         name = obj["metadata"]["name"]
         parsed = parse(obj)
         if not isinstance(parsed, Pool):
             out.append(Fitted(name, obj, None, parsed))
             continue
-        problem = _problem(t, omnistage, parsed, owner)
+        problem = collisions.pool_problem(obj, names) or _problem(t, omnistage, parsed, owner)
         if problem is None:
             owner.update({k: name for k in parsed.spec.stage_ids})
         out.append(Fitted(name, obj, parsed, problem))

@@ -99,8 +99,8 @@ def retire_stale(p: Pass) -> None:
                     else f"restartCount {made_at} -> {head_restarts}")
             if (verdict := reattach.decide(p, r)) == reattach.REJOINED:
                 reattach.rejoined(p, r)
-                p.emit("Normal", Progress.REATTACHED,
-                       f"replica pod {pods.name(r)} re-attached to the new head engine ({what}) without a new pod")
+                p.emit("Normal", Progress.REATTACHED, f"replica pod {pods.name(r)} re-attached to the new "
+                       f"head engine ({what}) without a new pod")
             elif verdict == reattach.WAITING:
                 waiting.append(pods.name(r))
                 reattach.wait(p, r)

@@ -16,7 +16,7 @@ from ..names import ROLE_STANDBY
 from ..render import render_head_pod, render_replica_pod
 from ..render.common import Pool, Target
 from ..render.pods import render_pool_pod
-from . import engine_truth, pods, pools
+from . import collisions, engine_truth, pods, pools
 from .actions import Action, DeletePod, Observed, PostEvent
 
 # A pool pod's drain when its pool is gone (the pool's own setting went with it).
@@ -92,7 +92,7 @@ class Pass:
         self.roles: dict[str, str] = {}  # pod uid -> the role label this pass gives it (standby.py)
         self._want_replica: dict[int, dict[str, Any]] = {}
         self._want_pool_pod: dict[tuple[str, int], dict[str, Any]] = {}
-        self.pools = pools.fit(t, t.name, o.pools)
+        self.pools = pools.fit(t, t.name, o.pools, (collisions.named(o.obj), *o.neighbours))
         self.pool_of = {f.name: f for f in self.pools}
 
     # -- helpers

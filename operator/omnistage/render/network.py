@@ -8,6 +8,7 @@ from typing import Any
 
 from omnistage_engine_patches import contract
 
+from ..api.podtemplate import PORT_HTTP, PORT_MASTER
 from ..names import (
     ENGINE_COMPONENTS,
     L_COMPONENT,
@@ -37,7 +38,8 @@ def render_api_service(t: Target) -> dict[str, Any]:
         "spec": {
             "selector": selector_labels(t, ROLE_HEAD),
             "ports": [
-                {"name": "http", "port": t.spec.engine.http_port, "targetPort": "http", "protocol": "TCP"}
+                {"name": PORT_HTTP, "port": t.spec.engine.http_port, "targetPort": PORT_HTTP,
+                 "protocol": "TCP"}
             ],
         },
     }
@@ -52,7 +54,7 @@ def render_master_service(t: Target) -> dict[str, Any]:
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
             "selector": selector_labels(t, ROLE_HEAD),
-            "ports": [{"name": "master", "port": t.spec.engine.master_port, "targetPort": "master",
+            "ports": [{"name": PORT_MASTER, "port": t.spec.engine.master_port, "targetPort": PORT_MASTER,
                        "protocol": "TCP"}],
         },
     }
@@ -85,7 +87,7 @@ def render_network_policy(t: Target) -> dict[str, Any]:
             "podSelector": engines(),
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"ports": [{"port": "http", "protocol": "TCP"}]},
+                {"ports": [{"port": PORT_HTTP, "protocol": "TCP"}]},
                 {"from": [operator, {"podSelector": engines()}],
                  "ports": [{"port": contract.MEMBERSHIP_PORT_NAME, "protocol": "TCP"}]},
                 {"from": [{"podSelector": engines()}]},

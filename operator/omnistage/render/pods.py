@@ -14,6 +14,8 @@ from ..api.podtemplate import (
     CONFIG_DIR,
     ENGINE_CONTAINER,
     POD_IP_ENV,
+    PORT_HTTP,
+    PORT_MASTER,
     SHM_DIR,
     TOKEN_DIR,
     V_CACHE,
@@ -38,8 +40,10 @@ from ..names import (
     ROLE_POOL,
     ROLE_REPLICA,
 )
+from .commands import head_args, pool_args, replica_args
 from .common import Pool, Target, config_hash, content_hash, labels, metadata
-from .config import CONFIG_PATH, deploy_yaml
+from .config import deploy_yaml
+from .hardening import POD_SECURITY_CONTEXT, container_security_context, harden
 from .stages import transport
 
 TOKEN_KEY = "token"
@@ -67,13 +71,8 @@ UCX_TLS_TCP = "tcp,sm,self"
 # SharedMemoryConnector's POSIX shm names resolve to the same files in every pod.
 SAME_NODE_SHM_ROOT = "/dev/shm/omnistage"
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
-# The hardening vLLM tolerates (the production sample runs with it): no privilege escalation, no
-# capabilities, the runtime's seccomp profile. Not runAsNonRoot or a read-only root: the engine image
-# runs as root and writes its caches under /root/.cache. spec.template's securityContext merges over
-# these (e.g. `capabilities: {add: [IPC_LOCK]}` for RDMA).
-CONTAINER_SECURITY_CONTEXT = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
-POD_SECURITY_CONTEXT = {"seccompProfile": {"type": "RuntimeDefault"}}
 JOINED_GATE = {"conditionType": C_JOINED}
+UNBOUND = "<head>"  # the head address and uid a replica's template hash is computed for
 
 
 def head_pod_name(t: Target, template_hash: str | None = None) -> str:
@@ -118,6 +117,9 @@ def _env(t: Target, role: str) -> list[dict[str, Any]]:
             # A replica gets traffic only once the operator has joined it, i.e. once the engine's
             # report proved the cache guarantee (CacheConsistent).
             env.append({"name": contract.ROUTE_JOINED_ONLY_ENV, "value": "1"})
+    elif role == ROLE_REPLICA:  # where its engine finds a head pod that replaced its own (patch reattach)
+        env.append({"name": contract.MASTER_SERVICE_ENV,
+                    "value": f"{t.child_name('master')}.{t.namespace}.svc"})
     return env + _transport_env(t) + [_user_env(v) for v in t.spec.engine.env]
 
 
@@ -143,39 +145,6 @@ def _user_env(v: EnvVar) -> dict[str, Any]:
     if v.value_from is not None:
         return {"name": v.name, "valueFrom": v.value_from}
     return {"name": v.name, "value": v.value}
-
-
-def _head_args(t: Target) -> list[str]:
-    e = t.spec.engine
-    args = ["serve", t.spec.model, "--omni", "--deploy-config", CONFIG_PATH, "--host", "0.0.0.0",
-            "--port", str(e.http_port)]
-    if t.distributed:
-        args += ["--stage-id", "0", "--omni-master-address", f"$({POD_IP_ENV})",
-                 "--omni-master-port", str(e.master_port),
-                 "--omni-heartbeat-timeout", str(e.heartbeat_timeout_seconds),
-                 "--stage-init-timeout", str(e.startup_timeout_seconds),
-                 "--init-timeout", str(e.startup_timeout_seconds)]
-    if not e.log_stats:
-        args.append("--disable-log-stats")
-    return args + list(e.extra_args)
-
-
-def _replica_args(t: Target, head_ip: str) -> list[str]:
-    e = t.spec.engine
-    return ["serve", t.spec.model, "--omni", "--headless", "--deploy-config", CONFIG_PATH,
-            "--stage-id", "0", "--omni-master-address", head_ip, "--omni-master-port", str(e.master_port),
-            "--omni-replica-address", f"$({POD_IP_ENV})", "--worker-backend", "multi_process",
-            ] + list(e.extra_args)
-
-
-def _pool_args(t: Target, pool: Pool, head_ip: str) -> list[str]:
-    """The supervisor's: the stage ids, then the command it runs once per stage with --stage-id K."""
-    e = t.spec.engine
-    ids = [a for k in pool.spec.stage_ids for a in ("--stage-id", str(k))]
-    return ids + ["--", "vllm", "serve", t.spec.model, "--omni", "--headless", "--deploy-config", CONFIG_PATH,
-                  "--omni-master-address", head_ip, "--omni-master-port", str(e.master_port),
-                  "--omni-replica-address", f"$({POD_IP_ENV})", "--worker-backend", "multi_process",
-                  ] + list(e.extra_args)
 
 
 def _cache_volume(t: Target) -> dict[str, Any]:
@@ -254,7 +223,7 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, h
             },
         },
         "volumeMounts": mounts,
-        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
+        "securityContext": container_security_context(),
     }
     if s.engine.image_pull_policy:
         container["imagePullPolicy"] = s.engine.image_pull_policy
@@ -273,8 +242,8 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, h
             {"name": contract.DRAIN_SECONDS_ENV, "value": str(drain)}]
         container["lifecycle"] = {"preStop": {"exec": {"command": [*PRESTOP, "--head"]}}}
         container["ports"] = [
-            {"name": "http", "containerPort": port, "protocol": "TCP"},
-            {"name": "master", "containerPort": s.engine.master_port, "protocol": "TCP"},
+            {"name": PORT_HTTP, "containerPort": port, "protocol": "TCP"},
+            {"name": PORT_MASTER, "containerPort": s.engine.master_port, "protocol": "TCP"},
             {"name": contract.MEMBERSHIP_PORT_NAME, "containerPort": s.engine.membership_port,
              "protocol": "TCP"},
         ]
@@ -284,11 +253,11 @@ def _pod_spec(t: Target, role: str, args: list[str], pool: Pool | None = None, h
         # restarts every replica). Liveness asks the plugin's LIVE_PATH, 503 only
         # once the head's own stage-0 engine is gone (nothing else restarts an in-head engine); it is
         # answered off the engine's loop, and 10 s per probe so a busy machine does not fail it.
-        container["startupProbe"] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+        container["startupProbe"] = {"httpGet": {"path": "/health", "port": PORT_HTTP}, "periodSeconds": 10,
                                      "failureThreshold": max(1, s.engine.startup_timeout_seconds // 10)}
-        container["readinessProbe"] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
+        container["readinessProbe"] = {"httpGet": {"path": "/health", "port": PORT_HTTP}, "periodSeconds": 5,
                                        "failureThreshold": 3}
-        container["livenessProbe"] = {"httpGet": {"path": contract.LIVE_PATH, "port": "http"},
+        container["livenessProbe"] = {"httpGet": {"path": contract.LIVE_PATH, "port": PORT_HTTP},
                                       "periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 3}
     tolerations = [_gpu_toleration(gpu), *placement.tolerations]
     spec: dict[str, Any] = {
@@ -340,7 +309,7 @@ def _pod(t: Target, name: str, role: str, spec: dict[str, Any], extra: dict[str,
     operator owns was refused by validation, so the merge cannot change it)."""
     merged = podtemplate.overlay({"metadata": {"labels": labels(t, role, pool and pool.name)}, "spec": spec},
                                  t.spec.template)
-    spec = merged["spec"]
+    spec = harden(merged["spec"])  # what the template cannot loosen, put back
     # Tolerations are an atomic list: a template's list replaces the operator's, so the GPU
     # toleration (the operator's, like the GPU limit) is put back.
     toleration = _gpu_toleration(pool.spec.gpu if pool else t.spec.gpu)
@@ -353,7 +322,7 @@ def _pod(t: Target, name: str, role: str, spec: dict[str, Any], extra: dict[str,
     annotations = {
         A_CONFIG_HASH: config_hash(deploy_yaml(t)),
         # One hash over the config, the pod spec and the template's labels and annotations: any change
-        # rolls the pod. Not the head's restart count: a replica that re-attached is the same pod.
+        # rolls the pod. Not the head it is bound to (render_replica_pod hashes it for UNBOUND).
         A_TEMPLATE_HASH: content_hash({"config": deploy_yaml(t), "spec": spec, "metadata": overlay_meta,
                                        "extra": {k: v for k, v in extra.items() if k != A_HEAD_RESTARTS}}),
         **extra,
@@ -365,7 +334,7 @@ def _pod(t: Target, name: str, role: str, spec: dict[str, Any], extra: dict[str,
 
 def render_head_pod(t: Target, name: str | None = None, role: str = ROLE_HEAD) -> dict[str, Any]:
     """`name` and `role`: a successor's (control/headswap.py); neither is part of the template hash."""
-    pod = _pod(t, name or head_pod_name(t), ROLE_HEAD, _pod_spec(t, ROLE_HEAD, _head_args(t)), {})
+    pod = _pod(t, name or head_pod_name(t), ROLE_HEAD, _pod_spec(t, ROLE_HEAD, head_args(t)), {})
     pod["metadata"]["labels"][L_ROLE] = role
     return pod
 
@@ -373,16 +342,24 @@ def render_head_pod(t: Target, name: str | None = None, role: str = ROLE_HEAD) -
 def render_replica_pod(
     t: Target, index: int, head_ip: str, head_uid: str, head_restarts: int = 0, role: str = ROLE_REPLICA
 ) -> dict[str, Any]:
-    """A headless stage-0 replica, bound to one head pod (its IP in the args, its UID in an annotation)
-    and, unless its engine re-attaches (control/reattach.py), to one engine of it (the head's restart
-    count, in an annotation). `role`: ROLE_STANDBY for a standby (control/standby.py), the same pod
-    otherwise: the role is not part of the template hash, so a standby that joins is not rolled."""
+    """A headless stage-0 replica, bound to the head pod it registers with (its IP in the args, its UID
+    in an annotation) and that pod's engine (the head's restart count, in an annotation), until its
+    engine re-attaches to another (control/reattach.py). `role`: ROLE_STANDBY for a standby
+    (control/standby.py), the same pod otherwise: the role is not part of the template hash, so a
+    standby that joins is not rolled."""
     if not t.distributed:
         raise ValueError("a static single-replica OmniStage has no replica pods")
     name = replica_pod_name(t, index)
-    spec = _pod_spec(t, ROLE_REPLICA, _replica_args(t, head_ip), head_ip=head_ip, name=name)
-    pod = _pod(t, name, ROLE_REPLICA, spec,
-               {A_HEAD_UID: head_uid, A_HEAD_RESTARTS: str(head_restarts), A_REPLICA_INDEX: str(index)})
+
+    def bound_to(ip: str, uid: str) -> dict[str, Any]:
+        spec = _pod_spec(t, ROLE_REPLICA, replica_args(t, ip), head_ip=ip, name=name)
+        return _pod(t, name, ROLE_REPLICA, spec,
+                    {A_HEAD_UID: uid, A_HEAD_RESTARTS: str(head_restarts), A_REPLICA_INDEX: str(index)})
+    pod = bound_to(head_ip, head_uid)
+    # Its template is the pod bound to no head: one that re-attached to a replaced head pod (another
+    # IP and uid in its args and annotations) is not outdated.
+    annotations = pod["metadata"]["annotations"]
+    annotations[A_TEMPLATE_HASH] = bound_to(UNBOUND, UNBOUND)["metadata"]["annotations"][A_TEMPLATE_HASH]
     pod["metadata"]["labels"][L_ROLE] = role
     return pod
 
@@ -393,7 +370,7 @@ def render_pool_pod(t: Target, pool: Pool, index: int, head_ip: str, head_uid: s
     """One pod of an OmniStagePool: a headless replica of each of its stages, bound to one head
     incarnation like a stage-0 replica. Owned by the OmniStage (it goes with its head); the pool
     only says how many there are."""
-    spec = _pod_spec(t, ROLE_POOL, _pool_args(t, pool, head_ip), pool, head_ip, pool.pod_name(index))
+    spec = _pod_spec(t, ROLE_POOL, pool_args(t, pool, head_ip), pool, head_ip, pool.pod_name(index))
     extra = {A_HEAD_UID: head_uid, A_HEAD_RESTARTS: str(head_restarts), A_REPLICA_INDEX: str(index),
              A_STAGE_IDS: ",".join(map(str, pool.spec.stage_ids))}
     return _pod(t, pool.pod_name(index), ROLE_POOL, spec, extra, pool)

@@ -15,7 +15,7 @@ from .. import api
 from ..api.cachemode import resolve_cache_mode
 from ..api.conditions import Reason
 from ..api.security import operator_namespace
-from ..api.validation import InvalidSpec, validate_omnistage
+from ..api.validation import DEFAULT_NAMESPACE, InvalidSpec, validate_omnistage
 from .common import Target
 from .config import render_configmap
 
@@ -35,8 +35,8 @@ def target_from(obj: dict[str, Any], default_image: str | None = None) -> Target
     decision = resolve_cache_mode(spec.cache.mode, spec.membership, spec.replicas, spec.model_kind,
                                   spec.cache.size_gib)
     image = spec.engine.image or default_image or api.operator_engine_image()
-    t = Target(meta["name"], meta.get("namespace") or "default", meta.get("uid"), spec, decision, image,
-               operator_namespace())
+    t = Target(meta["name"], meta.get("namespace") or DEFAULT_NAMESPACE, meta.get("uid"), spec, decision,
+               image, operator_namespace())
     problem = config_size_problem(t)
     if problem is not None:
         raise InvalidSpec([problem], Reason.CONFIG_TOO_LARGE)

@@ -22,9 +22,10 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from .. import api
+from ..api.child_names import may_collide
 from ..api.conditions import EventReason, Reason, timestamp
 from ..api.validation import InvalidSpec
-from ..control import identity, pods, pools
+from ..control import collisions, identity, pods, pools
 from ..control.actions import Action, EnsureChild, Observed, PostEvent
 from ..control.plan import Plan, decision, described, mounts_membership_secret, plan
 from ..control.pool_status import pool_status
@@ -117,9 +118,14 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
     except InvalidSpec as err:
         t = err
     meta = obj["metadata"]
-    if isinstance(t, InvalidSpec):
+    neighbours = _neighbours(obj)
+    if isinstance(t, InvalidSpec) or collisions.refusal(obj, neighbours) is not None:
+        # Before the token: an OmniStage whose names an older object needs writes nothing, not even
+        # its membership Secret (which could be that object's replica's credential). An invalid spec
+        # keeps the children its last valid spec rendered (last_valid).
         pools_named = tuple(STATE.pools.owned(meta["namespace"], meta["name"]))
-        decided = plan(t, Observed(obj, pools=pools_named, last_valid=_last_valid(obj)))
+        decided = plan(t, Observed(obj, pools=pools_named, neighbours=neighbours,
+                                   last_valid=_last_valid(obj) if isinstance(t, InvalidSpec) else None))
         act_step.act(meta["namespace"], decided.actions, None, emit, meta["name"])
         return decided.status
     memory.LAST_VALID[(t.namespace, t.name)] = obj
@@ -275,8 +281,23 @@ def observe(obj: dict[str, Any], t: Target, token: str | None, secret_refused: s
         )
     serving_replicas = tuple(r for r in engines if r not in beside_replicas)
     observed, client = _observe_set(obj, t, token, head, serving_replicas, (t.namespace, t.name), drains)
-    return replace(observed, pools=tuple(STATE.pools.owned(t.namespace, t.name)),
-                   beside=beside, secret_refused=secret_refused, strays=strays), (client, beside_client)
+    return replace(observed, pools=tuple(STATE.pools.owned(t.namespace, t.name)), beside=beside,
+                   secret_refused=secret_refused, strays=strays, neighbours=_neighbours(obj)), \
+        (client, beside_client)
+
+
+def _neighbours(obj: dict[str, Any]) -> tuple[collisions.Named, ...]:
+    """The namespace's other OmniStages, and its OmniStagePools, whose names may give a child of this
+    OmniStage's or of one of its pools' (api/child_names.may_collide: one name begins the other), from
+    the watches. Those alone: the list is part of the resting fingerprint."""
+    meta = obj["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    own = [name, *(p["metadata"]["name"] for p in STATE.pools.owned(namespace, name))]
+    found = [collisions.named(o) for o in STATE.omnistages.all()
+             if o["metadata"].get("namespace") == namespace and o["metadata"]["name"] != name]
+    found += [collisions.named(p, api.POOL_KIND) for p in STATE.pools.all()
+              if p["metadata"].get("namespace") == namespace]
+    return tuple(sorted(n for n in found if any(may_collide(n.name, mine) for mine in own)))
 
 
 def _observe_set(obj: dict[str, Any], t: Target, token: str | None, head: dict[str, Any] | None,
@@ -316,7 +337,7 @@ def _fingerprint(o: Observed, t: Target) -> tuple[Any, ...]:
     view = headview.HEADS.get((t.namespace, t.name))
     return (_rv(o.obj), _rv(o.head), tuple(sorted(_rv(r) or "" for r in o.replicas)),
             tuple(sorted(_rv(p) or "" for p in o.pools)), children,
-            o.head_addressable, tuple(sorted(o.drains.items())), o.problems,
+            o.head_addressable, tuple(sorted(o.drains.items())), o.problems, o.neighbours,
             said(view, o.report, o.listing, o.report_problem, o.listing_problem))
 
 
