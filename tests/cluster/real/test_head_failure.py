@@ -63,8 +63,13 @@ def replica_state(stage: RealOmniStage) -> dict[str, dict[str, Any]]:
     return out
 
 
-def kill_head_under_stream(stage: RealOmniStage, replicas: int) -> dict[str, Any]:
-    """SIGKILL the head's main process 5 s into a stream at concurrency 2; the timeline of the way back."""
+def kill_head_process(stage: RealOmniStage) -> None:
+    os.kill(head_pid(stage), signal.SIGKILL)
+
+
+def kill_head_under_stream(stage: RealOmniStage, replicas: int, kill=kill_head_process) -> dict[str, Any]:
+    """`kill` the head 5 s into a stream at concurrency 2 (default: SIGKILL of its main process); the
+    timeline of the way back."""
     model = client.served_model(stage.base())
     results: list[client.Result] = []
     stop = threading.Event()
@@ -75,17 +80,20 @@ def kill_head_under_stream(stage: RealOmniStage, replicas: int) -> dict[str, Any
             i += 1
             time.sleep(0.3)  # bounded: while the head is down each request fails at once
             yield f"stream #{i}", client.body(model, "audio" if i % 2 else "text", 70 + i % 4, max_tokens=16)
-    sender = threading.Thread(target=client.run_many, args=(stage.base, payloads(), 2),
+    def base() -> str:  # no head pod for a moment after its deletion: a closed port, as a Service without endpoints
+        ip = stage.head.ip()
+        return f"http://{ip}:8000" if ip else "http://127.0.0.1:9"
+    sender = threading.Thread(target=client.run_many, args=(base, payloads(), 2),
                               kwargs={"on_result": results.append, "timeout": REQUEST_BOUND + 30})
     sender.start()
     time.sleep(5)
     t0, wall0 = time.monotonic(), time.time()
-    os.kill(head_pid(stage), signal.SIGKILL)
+    kill(stage)
     marks: dict[str, float] = {}
     deadline = t0 + HEAD_READY_TIMEOUT + JOIN_TIMEOUT
     while len(marks) < 3 and time.monotonic() < deadline:
         now = time.monotonic() - t0
-        if "health" not in marks and client.healthy(stage.base()):
+        if "health" not in marks and client.healthy(base()):
             marks["health"] = now
         # r.started is wall time: the first request *sent* after the kill that came back complete.
         after = [r for r in list(results) if r.complete and r.started > wall0]
@@ -139,3 +147,24 @@ def test_a_head_process_kill_costs_no_replica_reload(stage):
     audio = client.body(client.served_model(stage.base()), "audio", 91)
     rows = [send_attributed(stage, audio, f"seed audio after the re-attach #{i + 1}") for i in range(3)]
     assert all(r.complete for r, _ in rows), [r.line() for r, _ in rows]
+
+
+def delete_head_pod(stage: RealOmniStage) -> None:
+    stage.kubectl("delete", "pod", f"{NAME}-head", "-n", stage.namespace, "--grace-period=0", "--force")
+
+
+def test_a_head_pod_deleted_costs_no_replica_reload(stage):
+    """The head pod deleted (`kubectl delete pod --grace-period=0 --force`): the operator makes a new
+    one, which may get another address; the replicas find it through the master Service's name (the
+    runtime writes it into /etc/hosts, as cluster DNS would answer) and re-attach."""
+    before = replica_state(stage)
+    old_ip = stage.head.ip()
+    run = kill_head_under_stream(stage, replicas=3, kill=delete_head_pod)
+    after = replica_state(stage)
+    print_run(f"head pod deleted (address {old_ip} -> {stage.head.ip()}), patch reattach on", run, before, after)
+    assert "full" in run["marks"], f"never back to 3 serving engines: {run['marks']}"
+    assert {p: s["uid"] for p, s in after.items()} == {p: s["uid"] for p, s in before.items()}, "a replica pod was replaced"
+    for pod, s in before.items():
+        assert after[pod]["cores"] == s["cores"], f"{pod}'s engine core is another process"
+        assert after[pod]["loads"] == s["loads"], f"{pod} loaded its model again"
+    assert run["slow"] == [], "a request hung past its bound"
