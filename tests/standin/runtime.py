@@ -25,6 +25,11 @@ Pod deleted (deletionTimestamp set, gone, or replaced under the same name with a
 SIGTERM to the process group, SIGKILL after a bound. It also does the kubelet duties kwok
 cannot, because kwok knows nothing about the process:
 
+  * a container dies whole: when its main process exits or is killed, every process it started
+    (its process group and session, and any process carrying the run's marker variable, one that
+    called setsid) is SIGKILLed before the restart, as a container's cgroup goes with it; a stop
+    does the same after SIGTERM. Before, a killed head's engine core kept the head's ports and the
+    restarted head crash-looped on "Address already in use" (issue 39).
   * restartPolicy: a process that dies while its pod exists is restarted (Always/OnFailure, with
     the kubelet's growing back-off; the restarted head has a new boot id) or its pod is marked
     Failed (Never: replicas), with restartCount / lastState / Ready written like a kubelet does.
@@ -54,6 +59,8 @@ a stand-in, each engine pod runs its OWN container command and args with its own
 mounts (tests/standin/realpod.py has the mapping: the image is a venv on this machine, spec.model a
 local directory). Probes, restart policy and kill are the same; a deleted pod's process gets the
 pod's terminationGracePeriodSeconds (capped at REAL_GRACE_CAP) after SIGTERM, and engines run niced.
+Cluster DNS for the names engines resolve: every master Service (NAME-master.NS.svc, the serving head
+pod's address) is written into this machine's /etc/hosts while the runtime runs (cluster_dns.py).
 
 Usage:
   python -m tests.standin.runtime [--namespace NS|GLOB ...] [--kubeconfig F] [--state-dir D]

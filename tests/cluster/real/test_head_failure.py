@@ -9,8 +9,10 @@ process tree first, as a container runtime's cgroup does). Mocked: nothing but t
 Figures printed (the "after" of the issue's table; the negative control module prints the "before"):
 seconds from the kill to the head's /health 200, to the first request served, to every replica
 serving again; replica pods recreated and engine reloads counted; the stream's requests with what
-each got. Marked full: one OmniStage start of three engines (about 5 minutes on 2 cores) and a head
-restart; runs in `make test-full`.
+each got. The process kill runs in `make test` and CI (one OmniStage start of three engines, about 5
+minutes on 2 cores, and a head restart, 3 more); the head pod's deletion is marked full (`make
+test-full`), as is the negative control (test_head_failure_negative_control.py; the engine tier's
+control of the patch, tests/engine/test_reattach.py, runs in CI).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from tests.standin.harness import stage0
 
 NAME = "headfail"
 REQUEST_BOUND = 120.0  # no request of the stream may take longer than this: a hang is a loss
-pytestmark = [pytest.mark.full, pytest.mark.timeout(2 * (HEAD_READY_TIMEOUT + JOIN_TIMEOUT) + 900)]
+pytestmark = [pytest.mark.timeout(2 * (HEAD_READY_TIMEOUT + JOIN_TIMEOUT) + 900)]
 # What vLLM logs once per model load (gpu_model_runner / the CPU worker): a reload shows up as a new line.
 LOAD_MARKERS = ("Loading weights took", "Model loading took")
 
@@ -153,6 +155,7 @@ def delete_head_pod(stage: RealOmniStage) -> None:
     stage.kubectl("delete", "pod", f"{NAME}-head", "-n", stage.namespace, "--grace-period=0", "--force")
 
 
+@pytest.mark.full
 def test_a_head_pod_deleted_costs_no_replica_reload(stage):
     """The head pod deleted (`kubectl delete pod --grace-period=0 --force`): the operator makes a new
     one, which may get another address; the replicas find it through the master Service's name (the
