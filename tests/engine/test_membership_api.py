@@ -57,11 +57,11 @@ from tests.standin.engine import (
     StandinEngineClient,
     build_http_app,
     build_vllm_config,
-    free_port,
     standin_head,
     wait_quietly,
 )
 from tests.standin.replica import SimulatedReplica
+from tests.support.ports import free_port
 from tests.support.tiny_models import build_config_only_model
 
 pytestmark = pytest.mark.engine
