@@ -166,24 +166,6 @@ def test_scale_subresource(sample, kubectl, namespace):
     assert zero.returncode != 0 and "spec.replicas" in zero.stderr, zero.stderr
 
 
-def test_deleting_an_omnistage_collects_its_children(sample, kubectl, namespace, wait_for):
-    """The operator relies on ownerReferences; the controller manager's garbage collector acts on them."""
-    name = sample["metadata"]["name"]
-    owner = kubectl.json("get", "omnistage", name, "-n", namespace)
-    child = {
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {"name": f"{name}-config", "ownerReferences": [{
-            "apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": name,
-            "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True,
-        }]},
-        "data": {"k": "v"},
-    }
-    kubectl("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(child))
-    kubectl("delete", "omnistage", name, "-n", namespace)
-    wait_for(f"garbage collection of configmap/{name}-config", lambda: kubectl(
-        "get", "configmap", f"{name}-config", "-n", namespace, check=False).returncode != 0, timeout=60)
-
-
 def test_rbac_is_enforced(omnistage_crd, kubectl, namespace):
     """RBAC is on: a ServiceAccount without bindings may do nothing (the operator's Role is tested later)."""
     who = f"--as=system:serviceaccount:{namespace}:default"

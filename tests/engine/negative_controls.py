@@ -9,13 +9,16 @@ or it tests nothing. Each control runs its modules in a pytest process of its ow
 OMNISTAGE_DISABLE_PATCHES=<patch> (vLLM loads the plugin once per process, so the switch is per
 run) and checks, from the outcomes this module records as that process's plugin:
 
-* at least one of its regression tests failed (a test is one when its id says "regression" or its
-  docstring starts with "regression:"), and every test that failed is one, or is listed as a
-  documented failure of the control (`also_fail`): nothing else broke;
+* exactly as many of its regression tests failed as the control names (`fails`; a test is one when
+  its id says "regression" or its docstring starts with "regression:"): one that passes anyway, or a
+  regression test added or removed, changes the count and fails the control until it is named again.
+  Every test that failed is one, or is listed as a documented failure of the control (`also_fail`):
+  nothing else broke;
 * the checks that only run with the patch off (`must_pass`, e.g. the registration report's
   `test_without_the_patch_no_member_reports`) passed, so they do not skip in every run.
 
-Regression tests that passed anyway are printed (they may guard another patch of the module).
+Regression tests that passed anyway are named (they may guard another patch of the module). Every
+patch of contract.PATCHES has a control of its own (tests/unit/test_negative_controls.py).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ OUTCOMES_ENV = "OMNISTAGE_NEGATIVE_CONTROL_OUT"
 class Control:
     patch: str
     modules: tuple[str, ...]
+    # How many regression tests of `modules` fail with the patch off: a count, so a regression test
+    # that stops failing (or one added without its control) is seen, not hidden by the others.
+    fails: int
     also_fail: tuple[str, ...] = ()  # substrings of test ids documented to fail too with the patch off
     must_pass: tuple[str, ...] = ()  # substrings of test ids that must pass (not skip) in this run
     notes: str = ""
@@ -54,14 +60,15 @@ PATCH_IS_APPLIED = "test_the_patch_is_applied"
 # From each module's docstring, which says what its control shows; `also_fail` lists what fails too
 # without being marked, as found by running the controls (candidates for the "regression" mark).
 CONTROLS = (
-    Control("connector_ports", ("test_connector_ports.py",)),
-    Control("frontend_cache", ("test_frontend_cache.py", "test_engine_report.py")),
-    Control("registration_report", ("test_registration_report.py",),
+    # Replica id 0's port is the same with and without the patch: its [0] case passes either way.
+    Control("connector_ports", ("test_connector_ports.py",), 5),
+    Control("frontend_cache", ("test_frontend_cache.py", "test_engine_report.py"), 22),
+    Control("registration_report", ("test_registration_report.py",), 2,
             must_pass=("test_without_the_patch_no_member_reports",)),
-    Control("replica_affinity", ("test_replica_affinity.py",),
+    Control("replica_affinity", ("test_replica_affinity.py",), 9,
             also_fail=("test_affinity_never_piles_everything_on_one_replica[control-no-load-bound]",
                        "test_a_steering_error_falls_back_to_upstream")),
-    Control("replica_aware_cache", ("test_replica_aware_cache.py",),
+    Control("replica_aware_cache", ("test_replica_aware_cache.py",), 5,
             # The in-file controls switch off one part of the patch; with all of it off they fail
             # too. The others test the mirror's bookkeeping, which only the patch has.
             also_fail=("[control-mirror-kept-on-restart]", "[control-miss-not-handled]",
@@ -69,20 +76,24 @@ CONTROLS = (
                        "test_forced_receiver_eviction",
                        "test_concurrent_requests_to_one_replica_keep_mirror_and_receiver_in_step",
                        "test_an_aborted_request_is_forgotten")),
-    Control("uuid_scope", ("test_uuid_scope.py",),
+    Control("uuid_scope", ("test_uuid_scope.py",), 8,
             # Without the patch a caller's UUID is not scoped at all, so "scoped like any user UUID" fails.
             also_fail=("test_a_user_uuid_shaped_like_an_engine_key_is_the_users",)),
-    Control("replica_metrics", ("test_replica_metrics.py",)),
-    Control("mm_cache_metrics", ("test_replica_metrics.py",)),
+    # One module, two patches: the frontend's mm cache test guards mm_cache_metrics, the others replica_metrics.
+    Control("replica_metrics", ("test_replica_metrics.py",), 6),
+    Control("mm_cache_metrics", ("test_replica_metrics.py",), 1),
+    # Off: the head does not answer a ping, and the old head's input thread of an engine core never stops.
+    Control("reattach", ("test_reattach.py",), 2),
     # Off: upstream detaches a silent replica and shuts the head's own engine down; /live does not judge.
     # The leave test needs a replica listed silent, which only the patch publishes.
     # Slow: each regression test waits out three heartbeat timeouts for a state only the patch reaches.
-    # Off: the head does not answer a ping, and the old head's input thread of an engine core never stops.
-    Control("reattach", ("test_reattach.py",)),
-    Control("engine_liveness", ("test_engine_liveness.py",),
+    Control("engine_liveness", ("test_engine_liveness.py",), 4,
             also_fail=("test_a_leave_detaches_a_silent_replica",), slow=True),
     # Off: vLLM's app has no guard, so every route (/v1/omni/sleep first) answers on the public port.
-    Control("public_routes", ("test_public_routes.py",)),
+    Control("public_routes", ("test_public_routes.py",), 4),
+    # Off: fresh picks reach draining and unjoined replicas, a late attach stays, no drop is recorded,
+    # and a distributed head never stops (30 s, twice: the module's head and the shutdown test's).
+    Control("membership", ("test_membership_hooks.py",), 6, slow=True),
 )
 
 
@@ -132,8 +143,13 @@ def judge(control: Control, outcomes: dict[str, dict[str, object]], seconds: flo
     if not outcomes:
         v.problems.append("no test ran (collection error? see the output above)")
         return v
-    if not v.failed(regression=True):
-        v.problems.append("no regression test failed: with the patch off they all pass, so they test nothing")
+    caught = v.failed(regression=True)
+    if len(caught) != control.fails:
+        passed = [n for n, o in outcomes.items() if o["regression"] and o["outcome"] != "failed"]
+        v.problems.append(
+            f"{len(caught)} regression tests failed where the control names {control.fails}"
+            + (": with the patch off they all pass, so they test nothing" if not caught else "")
+            + (f"; not failed: {passed}" if passed else ""))
     documented = (*control.also_fail, PATCH_IS_APPLIED)
     unexpected = [n for n in v.failed(regression=False) if not any(s in n for s in documented)]
     if unexpected:

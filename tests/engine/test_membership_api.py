@@ -18,7 +18,8 @@ replica, ``release_binding`` ends it. See ``tests/standin/__init__.py``.
 With ``OMNISTAGE_DISABLE_PATCHES=membership`` every test that runs a stand-in head fails (503
 ``MembershipPatchDisabled``: the ``head`` fixture itself waits for the listing). The two listing
 tests on fake head objects (``tests/bench/bench_listing.fake_head``) pass either way: they drive
-``membership_ops``' listing code directly, not the patch's hooks.
+``membership_ops``' listing code directly, not the patch's hooks. The patch's negative control runs
+test_membership_hooks.py instead, whose tests fail for what each hook does.
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ from tests.standin.engine import (
     StandinEngineClient,
     build_http_app,
     build_vllm_config,
-    free_port,
     standin_head,
     wait_quietly,
 )
 from tests.standin.replica import SimulatedReplica
+from tests.support.ports import free_port
 from tests.support.tiny_models import build_config_only_model
 
 pytestmark = pytest.mark.engine
@@ -537,23 +538,6 @@ def test_replica_dropped_by_the_head(head):
     assert (status, body["error"]) == (409, "ReplicaDetached")
     status, body = api.leave(pod="replica-a", replicaId=rid, drainTimeoutSeconds=30)
     assert (status, body["state"], body["detached"], body["drained"]) == (200, "left", False, True)
-
-
-def test_distributed_head_shutdown_completes(text_config):
-    """A distributed head stops: orchestrator thread gone, master and coordinator closed.
-
-    vllm-omni 0.30.0 alone never finishes ``OrchestratorBase.run`` on a distributed head (the
-    membership watcher it gathers stops only on an event set after the gather): shutdown gives up
-    after 30 s and defers the runtime cleanup to a thread that waits forever. The membership
-    patch sets that event when the orchestrator's shutdown begins."""
-    with standin_head(text_config, loopback_ip()) as engine:
-        replica = start_replica(engine)
-        runtime = engine._runtime
-        coordinator = runtime._coordinator_runtime
-    assert not engine.orchestrator_thread.is_alive()
-    assert runtime._omni_master_server is None and runtime._coordinator_runtime is None
-    assert not coordinator._proc.is_alive()
-    replica.down()
 
 
 # ---- hardening -----------------------------------------------------------------------------

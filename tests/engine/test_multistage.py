@@ -50,7 +50,6 @@ from tests.standin.engine import (
     HttpServerThread,
     StandinEngineClient,
     build_http_app,
-    free_port,
     wait_quietly,
 )
 from tests.standin.multistage import (
@@ -60,6 +59,7 @@ from tests.standin.multistage import (
     qwen3_omni_like,
     stage_vllm_config,
 )
+from tests.support.ports import free_port
 from tests.support.tiny_models import build_config_only_model
 
 pytestmark = pytest.mark.engine

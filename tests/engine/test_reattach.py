@@ -35,7 +35,7 @@ from vllm.v1.engine.core import EngineCoreProc
 from vllm_omni.engine import stage_engine_startup
 
 from tests.engine.conftest import loopback_ip
-from tests.standin.engine import free_port
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.engine
 

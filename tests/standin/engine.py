@@ -35,6 +35,7 @@ from vllm_omni.engine.stage_runtime import DistStageRuntime
 from vllm_omni.entrypoints.omni_base import OmniBase
 from vllm_omni.outputs.output_processor import MultimodalOutputProcessor
 
+from tests.support.ports import free_port
 from tests.support.waits import wait_for
 
 from . import require_loopback
@@ -429,15 +430,6 @@ class StandinEngine(AsyncOmniEngine):
 # The engine tier's waits: in one process, many and short, so every 50 ms and without progress lines
 # (a stand-in head's own waits would go to its pod log).
 wait_quietly = functools.partial(wait_for, interval=0.05, say=None)
-
-
-def free_port(ip: str) -> int:
-    """A TCP port free on ``ip`` right now (the kernel picks it)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

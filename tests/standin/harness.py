@@ -30,6 +30,7 @@ from typing import Any
 
 from omnistage_engine_patches import contract
 
+from tests.support.ports import free_port
 from tests.support.status import condition, is_true, pod_ready
 
 from .commands import is_loopback
@@ -78,8 +79,8 @@ class OperatorProcess:
         self.namespaces = list(namespaces or [])
         self.env = dict(env or {})
         self.probe_heads_every = probe_heads_every  # None: the operator's default
-        self.metrics_port = metrics_port or _free_port()
-        self.probe_port = probe_port or _free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.probe_port = probe_port or free_port()
         self.popen: subprocess.Popen | None = None
         self.starts = 0
 
@@ -170,14 +171,6 @@ class OperatorProcess:
         """(verb, resource, group) of every request the API server refused for lack of RBAC."""
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return set(self._RBAC_DENIAL.findall(text))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----- HTTP on loopback only -----------------------------------------------------------------------

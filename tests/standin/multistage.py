@@ -69,8 +69,10 @@ from vllm_omni.engine.stage_init_utils import (
 )
 from vllm_omni.engine.stage_runtime import DistStageRuntime, StageRuntime
 
+from tests.support.ports import free_port
+
 from . import require_loopback
-from .engine import StandinDistStageRuntime, StandinEngine, build_vllm_config, free_port
+from .engine import StandinDistStageRuntime, StandinEngine, build_vllm_config
 from .replica import SimulatedReplica
 
 #: Base port of the NIXL connector in the chain (vllm-omni's default ``zmq_port``).

@@ -26,7 +26,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from typing import Any
 import pytest
 
 from tests.standin import commands
+from tests.support.ports import free_port
 
 # Slow and real: processes with vLLM and vllm-omni (engine tier), not the pure runtime tests.
 pytestmark = [
@@ -65,12 +65,6 @@ def _loopback_addresses():
 
 
 _IPS = _loopback_addresses()
-
-
-def free_port(ip: str) -> int:
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
 
 
 def status(url: str, token: str | None = None) -> int | None:

@@ -10,6 +10,7 @@ from kubernetes.client.rest import ApiException
 
 from tests.standin import commands, podwatch, processes, runtime
 from tests.standin.harness import http_get, left_at_head, remote_members, replica_series
+from tests.support.ports import free_port
 
 
 def _pod(role: str, args: list[str], ip: str = "127.77.1.5", **container) -> dict:
@@ -273,9 +274,7 @@ def test_a_container_whose_main_process_was_killed_dies_whole_before_its_restart
     import sys
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     rt = runtime.StandinRuntime(kubeconfig="unused", quiet=True, state_dir=tmp_path, probes=False)
     (tmp_path / "pids").mkdir()
     monkeypatch.setattr(rt, "_patch_ready", lambda *a, **k: None)

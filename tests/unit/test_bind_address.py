@@ -11,6 +11,8 @@ import pytest
 from omnistage import operator_main
 from omnistage.runtime import probes
 
+from tests.support.ports import free_port
+
 
 @pytest.fixture
 def no_env(monkeypatch):
@@ -31,14 +33,8 @@ def test_the_run_command_sets_no_address_of_its_own(no_env):
     assert operator_main.bind_address(args.bind_address) == "127.0.0.1"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_probes_answer_on_the_bound_address_only(no_env):
-    port = _free_port()
+    port = free_port()
     checks = probes.Checks(leading=lambda: False, synced=lambda: True, omnistages=lambda: 0)
     server = probes.serve(port, operator_main.bind_address(None), checks)
     try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.support.ports import free_port
 
 from .conftest import ROOT, hack_script
 
@@ -278,9 +279,7 @@ def test_only_loopback_is_dialled():
 
 
 def test_wait_until_answers_gives_up_on_a_closed_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # closed again: nothing answers there
     with pytest.raises(TimeoutError):
         repro.wait_until_answers(f"http://127.0.0.1:{port}/health", timeout=0.5)
     with pytest.raises(RuntimeError, match="port-forward exited"):

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 from omnistage.runtime import head_client, headview, memory
 from omnistage.runtime.head_client import HeadClient, HeadUnreachable
 from omnistage_engine_patches import contract
 
-
-def _free_loopback_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed again: nothing listens there
+from tests.support.ports import free_port
 
 
 def test_unreachable_head_message_is_stable():
-    head = HeadClient("127.0.0.1", _free_loopback_port(), "token")
+    head = HeadClient("127.0.0.1", free_port(), "token")
     messages = set()
     for _ in range(2):
         with pytest.raises(HeadUnreachable) as err:
@@ -126,13 +120,13 @@ def test_an_unsettled_report_is_asked_again_and_a_static_head_probes_its_report(
 
 
 def test_an_unreachable_head_is_asked_once_per_pass():
-    head = HeadClient("127.0.0.1", _free_loopback_port(), "token")
+    head = HeadClient("127.0.0.1", free_port(), "token")
     report, listing, rp, lp = headview.ask_head(head, headview.HeadView("u"), distributed=True)
     assert report is None and listing is None and rp.startswith("head unreachable") and lp
 
 
 def test_a_dead_head_is_not_dialled_again_before_its_backoff(monkeypatch):
-    head = HeadClient("127.0.0.1", _free_loopback_port(), "token")
+    head = HeadClient("127.0.0.1", free_port(), "token")
     view = headview.HeadView("u")
     first = headview.ask_head(head, view, distributed=True)
     dials = []

@@ -10,12 +10,13 @@ request and never answers, or answers at once.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
-from omnistage.control.actions import DRAIN_DONE, Join, StartLeave
+from omnistage.control.actions import DRAIN_DONE, DRAIN_RUNNING, Join, StartLeave
 from omnistage.runtime import act as act_module
 from omnistage.runtime import drains as drains_module
 from omnistage.runtime import head_client, headview, memory, probes, workqueue
@@ -109,39 +110,49 @@ def test_a_probe_answer_is_kept_when_nothing_came_between(heads, at_rest):
 def test_a_hung_head_s_drains_leave_drain_workers_for_another_omnistage(heads, monkeypatch):
     """OmniStage 'hostile' scales down by 8 against a head that never answers a leave; OmniStage
     'other' drains one pod against a head that answers at once. Before: 4 drain workers, all held by
-    the hostile head's leaves (2 attempts of 2.5 s each), and the other leave waited behind them."""
-    _, hung = heads("hang")
+    the hostile head's leaves (2 attempts of 2.5 s each), and the other leave waited behind them.
+
+    Counted, not timed: the hostile leaves hang for the whole test (closing the head ends them), so
+    the other drain, done while every one of them still runs, waited for none."""
+    monkeypatch.setattr(head_client, "READ_SECONDS", 60.0)
+    hostile, hung = heads("hang")
     _, ok = heads("ok")
     drains = drains_module.Drains()  # the operator's own sizes
     done: list[str] = []
     drains.on_done = lambda ns, name: done.append(name)
     for i in range(8):
         drains.start("ns", "hostile", hung, StartLeave(f"h-{i}", f"uid-h{i}", ((0, i),), 0), lambda *e: None)
-    t0 = time.monotonic()
+    running = drains_module.DRAINS_PER_OMNISTAGE
+    wait("the hostile head holds its share of the drain workers", lambda: hostile.requests == running)
     drains.start("ns", "other", ok, StartLeave("o-1", "uid-o1", ((0, 1),), 0), lambda *e: None)
-    finished = wait("the other OmniStage's drain", lambda: "other" in done, timeout=10)
-    took = time.monotonic() - t0
-    print(f"\n[hung head] the other OmniStage's drain finished after {took:.2f}s")
-    assert finished and took < 1.5, (
-        f"another OmniStage's drain waited {took:.1f}s behind a hung head's leaves"
-    )
+    wait("the other OmniStage's drain", lambda: "other" in done, timeout=10)
     assert drains.states("ns", "other") == {"uid-o1": DRAIN_DONE}
-    assert drains._pool.held(("ns", "hostile")) == 8 - drains_module.DRAINS_PER_OMNISTAGE
+    assert drains.states("ns", "hostile") == {f"uid-h{i}": DRAIN_RUNNING for i in range(8)}, (
+        "a hostile leave ended before the other drain was done"
+    )
+    assert hostile.requests == running and drains._pool.held(("ns", "hostile")) == 8 - running
 
 
 def test_a_pass_dials_a_silent_head_once(heads, monkeypatch):
     """Ten joins against a head that never answers: one timeout, not ten (before: 10 x 2 attempts of
-    the join timeout held the reconcile worker); the others wait for the next pass, and say so."""
+    the join timeout held the reconcile worker); the others wait for the next pass, and say so.
+    Counted in calls, not timed."""
     monkeypatch.setattr(head_client, "JOIN_SECONDS", 0.5)
     monkeypatch.setattr(act_module.kube, "patch_pod_condition", lambda *a, **k: None)
     _, hung = heads("hang")
+    joins: list[str] = []
+    join = head_client.join
+
+    def counted(client, pod, *args):
+        joins.append(pod)
+        return join(client, pod, *args)
+    monkeypatch.setattr(act_module.head_client, "join", counted)
     t0 = time.monotonic()
     acted = act_module.act(
         "ns", [Join(f"r-{i}", f"10.0.0.{i}") for i in range(10)], hung, lambda *e: None, "s"
     )
-    took = time.monotonic() - t0
-    print(f"\n[hung head] 10 joins against a hung head took {took:.1f}s")
-    assert took < 2 * (head_client.CONNECT_SECONDS + 0.5) + 1.5
+    print(f"\n[hung head] 10 joins against a hung head: {len(joins)} dialled, {time.monotonic() - t0:.1f}s")
+    assert joins == ["r-0"], f"the pass dialled the silent head for {joins}"
     assert len(acted.problems) == 10 and sum("waits for the next pass" in p for p in acted.problems) == 9
 
 
@@ -183,7 +194,9 @@ def test_healthz_fails_when_a_worker_runs_past_its_deadline(served):
         release.set()
     print(f"\n[liveness] {code} {body}")
     assert code == 503
-    assert body["state"].startswith("a reconcile worker has run ns/wedged for 0 s, past its deadline of 0 s")
+    # How long it ran is the sleep's, which a loaded machine stretches: any whole number of seconds.
+    ran = r"a reconcile worker has run ns/wedged for \d+ s, past its deadline of 0 s"
+    assert re.match(ran, body["state"]), body
     assert wait("its answer once the worker moves on", lambda: served()[0] == 200, timeout=5), \
         "alive again once the worker moves on"
 

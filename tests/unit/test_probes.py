@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import urllib.error
 import urllib.request
 
 import pytest
 from omnistage.runtime import probes
+
+from tests.support.ports import free_port
 
 
 @pytest.mark.parametrize(("leading", "synced", "expected"), [
@@ -58,12 +59,6 @@ def test_a_stuck_loop_is_not_alive(loop, monkeypatch):
     assert not ok and "did not answer" in state
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(port: int, path: str) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
@@ -77,7 +72,7 @@ def test_liveness_and_readiness_answer_apart(loop, monkeypatch):
     Ready standing by. Liveness stays 200 throughout: nothing about the Lease or the API server."""
     state = {"leading": True, "synced": False}
     monkeypatch.setattr(probes, "CHECKS", None)
-    port = _free_port()
+    port = free_port()
     server = probes.serve(port, "127.0.0.1", checks(leading=lambda: state["leading"],
                                                      synced=lambda: state["synced"]))
     try:

@@ -41,8 +41,8 @@ from tests.cluster.real.realstage import (
     watch_join,
 )
 from tests.cpu_engine import client
-from tests.standin.engine import free_port
 from tests.support import external_metrics
+from tests.support.ports import free_port
 
 NAME = "bench-standby"
 PROBES = 12  # rounds of two requests at once (the head picks a replica for each) until the new capacity served one
