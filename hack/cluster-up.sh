@@ -184,10 +184,14 @@ KC
   start kube-scheduler "$BIN/kube-scheduler" \
     --kubeconfig="$KC" --authentication-kubeconfig="$KC" --authorization-kubeconfig="$KC" \
     --bind-address=127.0.0.1 --secure-port="$SCHED_PORT" --leader-elect=false
-  # Standalone kwok loads its Stages only from --config; the build script ships upstream's "fast" set.
+  # Standalone kwok loads its Stages only from --config; the build script ships upstream's "fast" set,
+  # and hack/kwok/ replaces those of them a kubelet would contradict (pod-ready.yaml says why).
   # No KwokConfiguration document: kwok applies its option defaults only when there is none
   # (with one, e.g. `options: {}`, it exits on "node leases parallelism must be greater than 0").
-  for f in "$BIN"/kwok-stages/*.yaml; do echo '---'; cat "$f"; done > "$D/kwok.yaml"
+  for f in "$BIN"/kwok-stages/*.yaml; do
+    own="$ROOT/hack/kwok/$(basename "$f")"
+    echo '---'; if [[ -f "$own" ]]; then cat "$own"; else cat "$f"; fi
+  done > "$D/kwok.yaml"
   start kwok "$BIN/kwok" --kubeconfig="$KC" --config="$D/kwok.yaml" \
     --manage-all-nodes=false --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
     --cidr="$POD_CIDR" --node-ip=127.0.0.1 --node-lease-duration-seconds=40
