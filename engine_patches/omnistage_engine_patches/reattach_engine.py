@@ -135,6 +135,13 @@ def should_reattach(att: Attachment, answer: dict[str, Any] | None) -> bool:
             and boot != att.head_boot)
 
 
+def lost(answer: dict[str, Any] | None) -> bool:
+    """Pure: no head at this replica's address serves it: silence (a dead or replaced pod), or a new
+    process there that does not know it and is still loading its engine (a restart in place). Either
+    way the master Service may list another head that is ready now (a spare that took over)."""
+    return answer is None or (answer.get("state") == contract.REATTACH_UNKNOWN and not answer.get("ready"))
+
+
 def moved_head(ctx: zmq.Context, att: Attachment) -> tuple[tuple[str, int], dict[str, Any]] | None:
     """Where the head went when its pod was replaced (a new IP): the master Service's name
     (ENV_SERVICE, NAME-master.NAMESPACE.svc: a headless Service that lists the serving head pod
@@ -162,13 +169,13 @@ def watch(engine: Any, att: Attachment, stop: threading.Event) -> None:
             if att.pending:
                 continue
             answer = ping(ctx, att)
-            if answer is not None:
+            if not lost(answer):
                 silent_since = None
             elif silent_since is None:
                 silent_since = time.monotonic()
             elif time.monotonic() - silent_since >= MOVED_AFTER_S and (moved := moved_head(ctx, att)):
-                logger.warning("stage %d replica %d: no head at %s:%d for %.0f s; the master Service %s "
-                               "lists a ready head at %s:%d", att.stage, att.replica, *att.master,
+                logger.warning("stage %d replica %d: no head serving at %s:%d for %.0f s; the master Service "
+                               "%s lists a ready head at %s:%d", att.stage, att.replica, *att.master,
                                time.monotonic() - silent_since, att.service, *moved[0])
                 (att.master, answer), silent_since = moved, None
             if should_reattach(att, answer):

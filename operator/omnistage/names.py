@@ -20,7 +20,7 @@ L_MANAGED_BY = "app.kubernetes.io/managed-by"
 OPERATOR_LABELS = (L_NAME, L_INSTANCE, L_MANAGED_BY)
 L_OMNISTAGE = f"{GROUP}/omnistage"
 L_COMPONENT = f"{GROUP}/component"   # COMPONENT_ENGINE or COMPONENT_POOL
-L_ROLE = f"{GROUP}/role"             # one of HEAD_ROLES, REPLICA_ROLES or ROLE_POOL
+L_ROLE = f"{GROUP}/role"             # one of HEAD_POD_ROLES, REPLICA_ROLES or ROLE_POOL
 L_POOL = f"{GROUP}/pool"             # the OmniStagePool of a pool pod
 
 # ---- annotations -----------------------------------------------------------------------------------
@@ -38,6 +38,9 @@ A_REATTACH = f"{GROUP}/reattach"
 A_REPLICA_INDEX = f"{GROUP}/replica-index"
 A_STAGE_IDS = f"{GROUP}/stage-ids"      # a pool pod's stages ("1,2"): read even after its pool is gone
 A_LEAVING = f"{GROUP}/leaving"          # a retirement decided (value: its reason); survives a restart
+# On a head pod that took over from a dead head (control/spare.py): when. Its replicas re-attach from
+# then on (control/reattach.py measures their bound from it, not from the pod's Ready).
+A_SERVING_SINCE = f"{GROUP}/serving-since"
 
 # ---- children ---------------------------------------------------------------------------------------
 # The Secret holding an OmniStage's membership token is NAME-membership (render/network.py). Validation
@@ -60,6 +63,11 @@ ROLE_HEAD = "head"  # the head the Services select: the one serving
 ROLE_NEXT_HEAD = "next-head"
 ROLE_OLD_HEAD = "old-head"
 HEAD_ROLES = (ROLE_HEAD, ROLE_NEXT_HEAD, ROLE_OLD_HEAD)
+# A warm spare head (spec.head.standby, control/spare.py): loaded, outside the Services, serving
+# nothing; the Services move to it when the serving head's engine dies. Not one of HEAD_ROLES: no head
+# change involves it (it is deleted while one runs, and made again from the new template after).
+ROLE_SPARE_HEAD = "spare-head"
+HEAD_POD_ROLES = (*HEAD_ROLES, ROLE_SPARE_HEAD)  # every role a head pod's label may carry
 ROLE_REPLICA = "replica"
 # A replica or pool pod kept unjoined (spec.standby of the OmniStage or the OmniStagePool,
 # control/standby.py): outside the PodDisruptionBudget and the scale selector. Like a head's, its role

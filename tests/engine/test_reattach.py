@@ -88,6 +88,17 @@ def test_a_new_head_that_does_not_know_the_replica_starts_a_reattach_only_when_r
     assert reattach_engine.should_reattach(att, {**unknown, "bootId": "boot-1", "ready": True}) is False
 
 
+def test_a_head_loading_again_at_the_old_address_does_not_hold_the_replica_back():
+    """A restart in place: the new process at the old address answers "unknown, not ready" for the
+    minutes its engine loads. That is as good as silence for the master Service lookup: a spare head
+    that took over (spec.head.standby) is where to go. The same head that knows the replica, or a new
+    one that is ready, is not lost."""
+    unknown = {"bootId": "boot-2", "state": contract.REATTACH_UNKNOWN}
+    assert reattach_engine.lost(None) and reattach_engine.lost({**unknown, "ready": False})
+    assert not reattach_engine.lost({**unknown, "ready": True})
+    assert not reattach_engine.lost({"bootId": "boot-1", "state": contract.REATTACH_REGISTERED, "ready": True})
+
+
 def _core() -> SimpleNamespace:
     """What EngineCoreProc.process_input_sockets reads of its engine (no executor, no scheduler)."""
     core = SimpleNamespace(tensor_ipc_receiver=None, input_queue=queue.Queue(), aborts_queue=queue.Queue())

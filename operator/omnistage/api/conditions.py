@@ -116,9 +116,9 @@ POOL_REASONS = (
 
 
 class Progress(StrEnum):
-    """What a pass did: Progressing's reason (the set of them, comma-joined). All but CreatingHead
-    and ScalingUp are also the reason of the Event that says it, and a retirement's reason is what
-    the pod's `leaving` annotation records."""
+    """What a pass did: Progressing's reason (the set of them, comma-joined). All but CreatingHead,
+    CreatingSpareHead and ScalingUp are also the reason of the Event that says it, and a retirement's
+    reason is what the pod's `leaving` annotation records."""
 
     CREATING_HEAD = "CreatingHead"
     ROLLING_HEAD = "RollingHead"
@@ -135,6 +135,10 @@ class Progress(StrEnum):
     SURGING_HEAD = "SurgingHead"  # a successor head starts beside the serving one
     MOVED_SERVICE = "MovedService"  # the Services select the successor now; the old head drains
     RETIRED_HEAD = "RetiredHead"  # the old head's replicas left; it is deleted
+    # A warm spare head (spec.head.standby, control/spare.py):
+    CREATING_SPARE_HEAD = "CreatingSpareHead"  # a spare head pod is created (Event CreatedSpareHead)
+    SPARE_TOOK_OVER = "SpareTookOver"  # the head's engine died: the Services moved to the spare
+    SPARE_RETIRED = "SpareRetired"  # a spare that is not wanted (spec, template, failed) is deleted
     # Standbys (spec.standby, control/standby.py):
     JOINED_STANDBY = "JoinedStandby"  # a scale-up turned a standby into a replica: a join only
     REFILLING_STANDBY = "RefillingStandby"  # a standby pod is created to keep spec.standby of them
@@ -150,6 +154,7 @@ class EventReason(StrEnum):
         "ChildSynced"  # a Service, the NetworkPolicy or a PodDisruptionBudget was created or changed
     )
     CREATED_HEAD = "CreatedHead"
+    CREATED_SPARE_HEAD = "CreatedSpareHead"
     SCALED_UP = "ScaledUp"
     JOINED = "Joined"
     LEFT = "Left"

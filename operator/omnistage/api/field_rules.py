@@ -104,6 +104,21 @@ FIELD_RULES = [
         unless(lambda s: s.standby == 0 or s.membership == Membership.DYNAMIC),
     ),
     Rule(
+        ".head.standby",
+        "self.head.standby == 0 || self.membership == 'dynamic'",
+        "spec.head.standby needs spec.membership dynamic: the replicas join the spare head at run time "
+        "when it takes over, and a static set joins nobody after startup",
+        unless(lambda s: s.head.standby == 0 or s.membership == Membership.DYNAMIC),
+    ),
+    Rule(
+        ".head.standby",
+        "self.head.standby == 0 || !has(self.stages) || size(self.stages) == 0",
+        "spec.head.standby needs a single-stage pipeline: a multi-stage head serves only once a pool pod of "
+        "every stage is bound to it, so a spare would hold a second pipeline's pool pods idle; set "
+        "spec.head.standby to 0 or remove spec.stages",
+        unless(lambda s: s.head.standby == 0 or not s.stages),
+    ),
+    Rule(
         ".gpu.count",
         "self.gpu.count >= self.engine.tensorParallelSize",
         "spec.gpu.count must be at least spec.engine.tensorParallelSize (GPUs per replica)",

@@ -110,6 +110,22 @@ class RolloutSpec(ApiModel):
     )
 
 
+class HeadSpec(ApiModel):
+    """The head pod: the OpenAI API, the orchestrator and one stage-0 engine."""
+
+    standby: int = Field(
+        0,
+        ge=0,
+        le=1,
+        description="Warm spare head pods (0 or 1): a second head, loaded and Ready but outside the "
+        "Services, serving nothing. When the serving head's engine dies (its container restarted, its pod "
+        "deleted or failed), the Services move to the spare at once, the replicas re-attach to it without "
+        "reloading their model, and the dead head becomes the spare once its engine is loaded again (a new "
+        "spare pod is made if it is gone). Costs a head's GPUs and memory, held idle (docs/scaling.md: "
+        "when it pays). Needs spec.membership dynamic and a single-stage pipeline.",
+    )
+
+
 class DisruptionBudgetSpec(ApiModel):
     """The PodDisruptionBudget the operator renders over the replica pods (a pool: its pods)."""
 

@@ -15,7 +15,7 @@ from .cache_spec import CacheSpec
 from .child_names import MAX_OMNISTAGE_NAME
 from .engine_spec import EngineSpec
 from .model_base import ApiModel
-from .pod_specs import DisruptionBudgetSpec, GpuSpec, ModelVolumeSpec, PlacementSpec, RolloutSpec
+from .pod_specs import DisruptionBudgetSpec, GpuSpec, HeadSpec, ModelVolumeSpec, PlacementSpec, RolloutSpec
 from .security import MODEL_PATTERN
 from .stage_specs import StageSpec, TransportSpec
 
@@ -84,6 +84,11 @@ class OmniStageSpec(ApiModel):
         "an HPA) joins standbys first, a join only, and then starts pods to refill this count. Not counted "
         "in spec.replicas, readyReplicas or the scale subresource. A standby holds its GPUs "
         "(docs/scaling.md: the price). Needs spec.membership dynamic.",
+    )
+    head: HeadSpec = Field(
+        default_factory=HeadSpec,
+        json_schema_extra={"default": {}},
+        description="The head pod (a warm spare of it).",
     )
     membership: Membership = Field(
         Membership.DYNAMIC,

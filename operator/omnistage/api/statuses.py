@@ -61,6 +61,12 @@ class HeadStatus(_Status):
         description="The head pod's container restarts; a rise means a new engine process, and every replica "
         "and pool pod is rolled.",
     )
+    spare: str | None = Field(
+        None, description="The warm spare head pod (spec.head.standby): takes the Services if this head's "
+        "engine dies.")
+    spare_ready: bool | None = Field(
+        None, description="Whether the spare head is Ready, its engine loaded: only a Ready spare takes "
+        "over.")
 
 
 class MemberStatus(_Status):

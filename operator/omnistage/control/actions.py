@@ -170,6 +170,9 @@ class Observed:
     # draining) with its own replicas and what it said. `head` above is the serving one (ROLE_HEAD),
     # the one the Services select.
     beside: Observed | None = None
+    # Warm spare heads (ROLE_SPARE_HEAD, control/spare.py), the one to keep first: not terminating,
+    # then the newest. Nothing is asked of them; their pods say whether one can take over.
+    spares: tuple[dict[str, Any], ...] = ()
     # Why the membership Secret is not used (reconcile.ensure_token: a Secret of its name that the
     # OmniStage does not own): nothing is created or deleted until it is fixed.
     secret_refused: str | None = None

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..api.conditions import EventReason
 from ..names import (
-    HEAD_ROLES,
+    HEAD_POD_ROLES,
     L_COMPONENT,
     L_OMNISTAGE,
     L_POOL,
@@ -39,6 +39,7 @@ from ..names import (
     ROLE_OLD_HEAD,
     ROLE_POOL,
     ROLE_REPLICA,
+    ROLE_SPARE_HEAD,
     ROLE_STANDBY,
 )
 from ..render.common import Target, labels
@@ -129,8 +130,9 @@ def restore_head_roles(t: Target, heads: list[dict[str, Any]]) -> dict[str, str]
     is the head. During a head change, it takes the role the other head's leaves it: beside a
     successor or a predecessor it is the serving head; beside the serving head it is the successor
     when it runs the template now and the serving one does not, else the predecessor (which drains:
-    the safe guess, a successor is started again). Two without a role: the older first."""
-    valid = {pods.uid(h): pods.role(h) for h in heads if pods.role(h) in HEAD_ROLES}
+    the safe guess, a successor is started again), or the spare when the OmniStage keeps one and both
+    run the template now (control/spare.py). Two without a role: the older first."""
+    valid = {pods.uid(h): pods.role(h) for h in heads if pods.role(h) in HEAD_POD_ROLES}
     lost = sorted((h for h in heads if pods.uid(h) not in valid), key=pods.created)
     out: dict[str, str] = {}
     for h in lost:
@@ -142,7 +144,9 @@ def restore_head_roles(t: Target, heads: list[dict[str, Any]]) -> dict[str, str]
             serving = next(o for o, role in others if role == ROLE_HEAD)
             want_hash = pods.template_hash(render_head_pod(t))
             current = pods.template_hash(h) == want_hash != pods.template_hash(serving)
-            out[pods.uid(h)] = ROLE_NEXT_HEAD if current else ROLE_OLD_HEAD
+            spare = (t.spec.head.standby and pods.template_hash(h) == want_hash == pods.template_hash(serving)
+                     and all(role != ROLE_SPARE_HEAD for _, role in others))
+            out[pods.uid(h)] = ROLE_NEXT_HEAD if current else ROLE_SPARE_HEAD if spare else ROLE_OLD_HEAD
     return out
 
 

@@ -5,12 +5,12 @@ status.py describes what the decision leaves. Keeping the decision pure lets a t
 (tests/unit/test_plan.py) pin down every rule, and makes a pass cheap to reason about: the same
 observation always yields the same actions.
 
-The steps run in dependency order (children, head, head restart, stale replicas, template roll,
-scale, standbys' holds, membership) on one Pass (state.py), which records what each decided, so
-that a pod deleted early in the pass is not counted, joined or deleted again by a later step. Each
-step is a function of that state in the module named for what it decides; this module holds their
-order, once for the serving set and once for the set beside it during a head change (the
-successor's or the predecessor's: headswap.py), and plan().
+The steps run in dependency order (children, a spare head's take-over, head, spare head, head
+restart, stale replicas, template roll, scale, standbys' holds, membership) on one Pass (state.py),
+which records what each decided, so that a pod deleted early in the pass is not counted, joined or
+deleted again by a later step. Each step is a function of that state in the module named for what
+it decides; this module holds their order, once for the serving set and once for the set beside it
+during a head change (the successor's or the predecessor's: headswap.py), and plan().
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from . import (
     pods,
     pool_status,
     rollout,
+    spare,
     stages,
     standby,
     status,
@@ -91,8 +92,10 @@ def described(d: Decision, problems: tuple[str, ...], refused: tuple[str, ...]) 
 SERVING_STEPS: tuple[Callable[[Pass], None], ...] = (
     children.ensure,
     identity.restore,
+    spare.take_over,
     headswap.begin,
     head.head_pod,
+    spare.keep,
     head.engine_report,
     head.membership_read,
     rollout.retire_stale,
@@ -176,5 +179,6 @@ def mounts_membership_secret(actions: list[Action], o: Observed) -> bool:
             isinstance(a, CreatePod) or (isinstance(a, BesideServing) and creates(a.actions)) for a in acts
         )
 
-    seen = [o.head, *o.replicas, *((o.beside.head, *o.beside.replicas) if o.beside is not None else ())]
+    seen = [o.head, *o.spares, *o.replicas,
+            *((o.beside.head, *o.beside.replicas) if o.beside is not None else ())]
     return creates(actions) or any(pod is not None and pods.mounting(pod) for pod in seen)

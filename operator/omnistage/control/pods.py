@@ -12,6 +12,7 @@ from ..names import (
     A_HEAD_UID,
     A_LEAVING,
     A_REPLICA_INDEX,
+    A_SERVING_SINCE,
     A_STAGE_IDS,
     A_TEMPLATE_HASH,
     C_JOINED,
@@ -114,6 +115,16 @@ def grace_left(pod: dict[str, Any], now: str) -> int:
 
 def _parse(ts: str) -> datetime:
     return datetime.fromisoformat(ts)
+
+
+def serving_since(head: dict[str, Any]) -> datetime | None:
+    """When this head took over from a dead one (control/spare.py); None when it did not, or when the
+    annotation is not a time (anyone who may edit the pod may write it)."""
+    value = annotation(head, A_SERVING_SINCE) or ""
+    try:
+        return _parse(value) if 0 < len(value) <= 40 else None
+    except ValueError:
+        return None
 
 
 def terminal(pod: dict[str, Any]) -> bool:
@@ -231,6 +242,11 @@ def free_indices(replicas: list[dict[str, Any]], count: int) -> list[int]:
             out.append(i)
         i += 1
     return out
+
+
+def spares(candidates: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+    """Spare head pods (control/spare.py), the one to keep first: not terminating, then the newest."""
+    return tuple(sorted(candidates, key=lambda h: (terminating(h), _neg(created(h)))))
 
 
 def heads(candidates: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:

@@ -8,8 +8,8 @@ other. Pure.
 Three answers for a replica made for another head pod or before the head's last restart (`decide`):
 - REJOINED: the new head lists a registration from its address: its `head-uid` and `head-restarts`
   annotations are brought up to date, and from then on it is an ordinary replica (sync joins it);
-- WAITING: it reported `reattach: applied` and the head has been Ready for less than
-  REATTACH_SECONDS: left alone (status Progressing, reason Reattaching);
+- WAITING: it reported `reattach: applied` and the head has been Ready (a spare head: serving, since
+  it took over) for less than REATTACH_SECONDS: left alone (status Progressing, reason Reattaching);
 - ROLL: neither (an older plugin, the patch skipped on another vLLM, a pool pod, or the bound is
   past: a wedged engine): rolled as before.
 """
@@ -58,7 +58,10 @@ def decide(p: Pass, pod: dict[str, Any]) -> str:
     ready_since = pods.ready_since(p.head)
     if ready_since is None:
         return WAITING  # the new head's own engine is still loading: nobody can attach yet
-    waited = (datetime.fromisoformat(p.at) - datetime.fromisoformat(ready_since)).total_seconds()
+    # A spare that took over was Ready long before: its replicas have looked for it since the take-over.
+    since = max(t for t in (datetime.fromisoformat(ready_since), pods.serving_since(p.head),
+                            datetime.fromisoformat(p.serving_since) if p.serving_since else None) if t)
+    waited = (datetime.fromisoformat(p.at) - since).total_seconds()
     return WAITING if waited < REATTACH_SECONDS else ROLL
 
 

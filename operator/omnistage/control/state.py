@@ -85,6 +85,7 @@ class Pass:
         self.membership_problem: str | None = None
         self.head_restarted = False  # this pass rolls replicas of an earlier engine of this head pod
         self.reattaching: set[str] = set()  # pod uids to register with the restarted head (reattach.py)
+        self.serving_since: str | None = None  # when this pass made a spare the head (spare.take_over)
         self.verdict: engine_truth.Verdict | None = None
         self.want_head = want_head or render_head_pod(t)  # rendered once per pass
         self.change = HeadChange()  # set by headswap.begin

@@ -266,8 +266,11 @@ def _head(p: Pass) -> statuses.HeadStatus | None:
     # one's first answer is not taken for yet another restart.
     boot = (p.report or p.listing or {}).get("bootId") or (
         before.get("bootId") if before.get("uid") == pods.uid(head) and not p.head_restarted else None)
+    spare = next((s for s in p.o.spares if pods.uid(s) not in p.gone and not pods.terminating(s)), None)
     return statuses.HeadStatus(**present(pod=pods.name(head), uid=pods.uid(head), ip=pods.ip(head),
-                                         boot_id=boot, restarts=pods.restarts(head)))
+                                         boot_id=boot, restarts=pods.restarts(head),
+                                         spare=spare and pods.name(spare),
+                                         spare_ready=spare and pods.ready(spare)))
 
 
 # ---- stages >= 1 and their pools ---------------------------------------------------------------------

@@ -30,7 +30,7 @@ from ..control.actions import Action, EnsureChild, Observed, PostEvent
 from ..control.plan import Plan, decision, described, mounts_membership_secret, plan
 from ..control.pool_status import pool_status
 from ..control.status import failed_status
-from ..names import HEAD_ROLES, REPLICA_ROLES, ROLE_POOL
+from ..names import HEAD_ROLES, REPLICA_ROLES, ROLE_POOL, ROLE_SPARE_HEAD
 from ..render import render_secret, target_from
 from ..render.common import Target
 from ..render.pods import TOKEN_KEY
@@ -270,6 +270,7 @@ def observe(obj: dict[str, Any], t: Target, token: str | None, secret_refused: s
         {pool["metadata"]["name"] for pool in STATE.pools.owned(t.namespace, t.name)},
     )
     head, beside_head = pods.heads([p for p in owned if pods.role(p) in HEAD_ROLES])
+    spares = pods.spares([p for p in owned if pods.role(p) == ROLE_SPARE_HEAD])
     engines = tuple(p for p in owned if pods.role(p) in (*REPLICA_ROLES, ROLE_POOL))  # standbys too
     beside_replicas = tuple(r for r in engines
                             if beside_head is not None and pods.head_uid(r) == pods.uid(beside_head))
@@ -282,7 +283,8 @@ def observe(obj: dict[str, Any], t: Target, token: str | None, secret_refused: s
     serving_replicas = tuple(r for r in engines if r not in beside_replicas)
     observed, client = _observe_set(obj, t, token, head, serving_replicas, (t.namespace, t.name), drains)
     return replace(observed, pools=tuple(STATE.pools.owned(t.namespace, t.name)), beside=beside,
-                   secret_refused=secret_refused, strays=strays, neighbours=_neighbours(obj)), \
+                   spares=spares, secret_refused=secret_refused, strays=strays,
+                   neighbours=_neighbours(obj)), \
         (client, beside_client)
 
 
@@ -335,7 +337,7 @@ def _fingerprint(o: Observed, t: Target) -> tuple[Any, ...]:
     children = tuple(sorted((c["kind"], c["metadata"]["name"], _rv(c)) for inf in STATE.children.values()
                             for c in inf.owned(t.namespace, t.name)))
     view = headview.HEADS.get((t.namespace, t.name))
-    return (_rv(o.obj), _rv(o.head), tuple(sorted(_rv(r) or "" for r in o.replicas)),
+    return (_rv(o.obj), _rv(o.head), tuple(sorted(_rv(r) or "" for r in (*o.replicas, *o.spares))),
             tuple(sorted(_rv(p) or "" for p in o.pools)), children,
             o.head_addressable, tuple(sorted(o.drains.items())), o.problems, o.neighbours,
             said(view, o.report, o.listing, o.report_problem, o.listing_problem))

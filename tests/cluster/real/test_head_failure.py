@@ -1,5 +1,8 @@
 """A head's death costs no replica reload (issue 39): SIGKILL of the head's main process under a
 stream, head + 2 replicas; the replicas' engines re-attach to the restarted head (patch `reattach`).
+With a warm spare head (spec.head.standby: 1, the module's OmniStage starts with one) the Services
+move to the spare at once and the replicas re-attach to it; the tests without a spare set
+spec.head.standby to 0 first (the spare pod is deleted).
 
 Real: vLLM 0.30.0 / vllm-omni 0.30.0 engine cores on the CPU (tiny Qwen2.5-Omni thinker, random
 weights), each pod's own rendered command, the operator on the local control plane, the stand-in
@@ -9,10 +12,12 @@ process tree first, as a container runtime's cgroup does). Mocked: nothing but t
 Figures printed (the "after" of the issue's table; the negative control module prints the "before"):
 seconds from the kill to the head's /health 200, to the first request served, to every replica
 serving again; replica pods recreated and engine reloads counted; the stream's requests with what
-each got. The process kill runs in `make test` and CI (one OmniStage start of three engines, about 5
-minutes on 2 cores, and a head restart, 3 more); the head pod's deletion is marked full (`make
-test-full`), as is the negative control (test_head_failure_negative_control.py; the engine tier's
-control of the patch, tests/engine/test_reattach.py, runs in CI).
+each got. The spare's take-over and the process kill without a spare run in `make test` and CI (one
+OmniStage start of four engines, about 6 minutes on 2 cores, the spare's take-over and the dead
+head's reload as the next spare, 3 more, and a head restart without a spare, 3 more); the head pod's
+deletion is marked full (`make test-full`), as is the negative control
+(test_head_failure_negative_control.py; the engine tier's control of the patch,
+tests/engine/test_reattach.py, runs in CI).
 """
 
 from __future__ import annotations
@@ -46,9 +51,29 @@ LOAD_MARKERS = ("Loading weights took", "Model loading took")
 @pytest.fixture(scope="module")
 def stage(kubectl, operator, standin, real_namespace, wait_for) -> Any:
     s = RealOmniStage(kubectl, standin, real_namespace, NAME, wait_for)
-    s.apply(tiny_omnistage(NAME, replicas=3))
+    manifest = tiny_omnistage(NAME, replicas=3)
+    manifest["spec"]["head"] = {"standby": 1}
+    s.apply(manifest)
     s.wait_serving(3, "the head and its 2 replicas joined", timeout=HEAD_READY_TIMEOUT + 2 * JOIN_TIMEOUT)
     return s
+
+
+def spare_pods(stage: RealOmniStage) -> list[dict[str, Any]]:
+    return stage.kubectl.json("get", "pods", "-n", stage.namespace, "-l",
+                              f"serving.omnistage.io/omnistage={NAME},serving.omnistage.io/role=spare-head")["items"]
+
+
+def ready_spare(stage: RealOmniStage) -> str | None:
+    """The spare head pod's name once it is Ready and status says so."""
+    head = stage.get().get("status", {}).get("head") or {}
+    return head.get("spare") if head.get("spareReady") else None
+
+
+def without_spare(stage: RealOmniStage) -> None:
+    """spec.head.standby 0: the spare pod is deleted (the tests of a head's death without one)."""
+    stage.kubectl("patch", "omnistage", NAME, "-n", stage.namespace, "--type=merge", "-p",
+                  '{"spec": {"head": {"standby": 0}}}')
+    stage.wait_for("no spare head pod", lambda: not spare_pods(stage), timeout=120)
 
 
 def replica_state(stage: RealOmniStage) -> dict[str, dict[str, Any]]:
@@ -82,8 +107,11 @@ def kill_head_under_stream(stage: RealOmniStage, replicas: int, kill=kill_head_p
             i += 1
             time.sleep(0.3)  # bounded: while the head is down each request fails at once
             yield f"stream #{i}", client.body(model, "audio" if i % 2 else "text", 70 + i % 4, max_tokens=16)
+    routes: list[tuple[float, str | None]] = []  # (time.time(), the head IP a request was sent to)
+
     def base() -> str:  # no head pod for a moment after its deletion: a closed port, as a Service without endpoints
         ip = stage.head.ip()
+        routes.append((time.time(), ip))
         return f"http://{ip}:8000" if ip else "http://127.0.0.1:9"
     sender = threading.Thread(target=client.run_many, args=(base, payloads(), 2),
                               kwargs={"on_result": results.append, "timeout": REQUEST_BOUND + 30})
@@ -111,7 +139,14 @@ def kill_head_under_stream(stage: RealOmniStage, replicas: int, kill=kill_head_p
     sender.join(REQUEST_BOUND + 60)
     lost = [r for r in results if r.status is None or not r.complete]
     slow = [r for r in results if r.seconds > REQUEST_BOUND]
-    return {"marks": marks, "results": results, "lost": lost, "slow": slow, "t0": t0}
+    return {"marks": marks, "results": results, "lost": lost, "slow": slow, "t0": t0, "wall0": wall0,
+            "routes": routes}
+
+
+def sent_to(run: dict[str, Any], r: client.Result) -> str | None:
+    """The head IP a request of the stream went to (the last route picked at or before its send)."""
+    picked = [ip for t, ip in run["routes"] if t <= r.started + 0.05]
+    return picked[-1] if picked else None
 
 
 def print_run(title: str, run: dict[str, Any], before: dict, after: dict) -> None:
@@ -130,7 +165,42 @@ def print_run(title: str, run: dict[str, Any], before: dict, after: dict) -> Non
         print(f"  {len(rs):4d} x {kind:<40} e.g. {rs[0].line()}")
 
 
+def test_a_spare_head_takes_over_a_head_process_kill_and_the_dead_head_is_the_next_spare(stage, wait_for):
+    """SIGKILL of the serving head's main process with a Ready spare head: the Services move to the
+    spare (role labels), the first request after the kill is served by it, both replicas re-attach to
+    it without a reload, and the dead head, its engine loaded again in the same pod, is the next
+    spare. Fails on the code before spec.head.standby (no spare: the first request waits for the
+    head's reload) and on a replica engine that waits at the old address while the restarted head
+    loads (reattach_engine.lost)."""
+    spare = wait_for("a Ready spare head", lambda: ready_spare(stage), timeout=HEAD_READY_TIMEOUT)
+    dead = stage.head.pod()["metadata"]["name"]
+    spare_ip = next(p["status"].get("podIP") for p in spare_pods(stage) if p["metadata"]["name"] == spare)
+    before = replica_state(stage)
+    assert len(before) == 2 and all(s["cores"] for s in before.values()), before
+    run = kill_head_under_stream(stage, replicas=3)
+    after = replica_state(stage)
+    print_run(f"head main process SIGKILL with a Ready spare ({dead} -> {spare})", run, before, after)
+    assert stage.head.pod()["metadata"]["name"] == spare, "the Services did not move to the spare head"
+    assert "full" in run["marks"], f"never back to 3 serving engines: {run['marks']}"
+    first = min((r for r in run["results"] if r.complete and r.started > run["wall0"]), key=lambda r: r.started)
+    assert sent_to(run, first) == spare_ip, f"the first request served after the kill went to {sent_to(run, first)}"
+    assert {p: s["uid"] for p, s in after.items()} == {p: s["uid"] for p, s in before.items()}, "a replica pod was replaced"
+    for pod, s in before.items():
+        assert after[pod]["restarts"] == s["restarts"], f"{pod}'s container restarted"
+        assert after[pod]["cores"] == s["cores"], f"{pod}'s engine core is another process"
+        assert after[pod]["loads"] == s["loads"], f"{pod} loaded its model again"
+    assert run["slow"] == [], "a request hung past its bound"
+    t0 = time.monotonic()
+    again = wait_for("the dead head a Ready spare again", lambda: ready_spare(stage), timeout=HEAD_READY_TIMEOUT)
+    print(f"  {again} is a Ready spare again {time.monotonic() - t0 + run['marks']['full']:.0f} s after the kill")
+    assert again == dead, f"the next spare is {again}, not the dead head's pod {dead} (its engine reloaded in place)"
+    audio = client.body(client.served_model(stage.base()), "audio", 91)
+    rows = [send_attributed(stage, audio, f"seed audio after the take-over #{i + 1}") for i in range(3)]
+    assert all(r.complete for r, _ in rows), [r.line() for r, _ in rows]
+
+
 def test_a_head_process_kill_costs_no_replica_reload(stage):
+    without_spare(stage)
     before = replica_state(stage)
     assert len(before) == 2 and all(s["cores"] for s in before.values()), before
     run = kill_head_under_stream(stage, replicas=3)
@@ -152,7 +222,8 @@ def test_a_head_process_kill_costs_no_replica_reload(stage):
 
 
 def delete_head_pod(stage: RealOmniStage) -> None:
-    stage.kubectl("delete", "pod", f"{NAME}-head", "-n", stage.namespace, "--grace-period=0", "--force")
+    stage.kubectl("delete", "pod", stage.head.pod()["metadata"]["name"], "-n", stage.namespace,
+                  "--grace-period=0", "--force")
 
 
 @pytest.mark.full
@@ -160,6 +231,7 @@ def test_a_head_pod_deleted_costs_no_replica_reload(stage):
     """The head pod deleted (`kubectl delete pod --grace-period=0 --force`): the operator makes a new
     one, which may get another address; the replicas find it through the master Service's name (the
     runtime writes it into /etc/hosts, as cluster DNS would answer) and re-attach."""
+    without_spare(stage)
     before = replica_state(stage)
     old_ip = stage.head.ip()
     run = kill_head_under_stream(stage, replicas=3, kill=delete_head_pod)
