@@ -176,12 +176,14 @@ bench: setup
 # request the new replica serves, split into its phases; then (bench_standby.py) kubectl scale to the
 # first request the new capacity serves with a warm standby and without, side by side, and a standby's
 # memory; then (bench_speech_transport.py) the speech pipeline over shared memory and over NIXL side
-# by side: start-up, memory, and each request split by stage. Printed, not asserted.
+# by side: start-up, memory, and each request split by stage; then (test_head_failure.py, the pod deletion
+# included) a head's death with a spare head and without, side by side, and a spare's memory. Printed, not asserted.
 .PHONY: bench-real
 bench-real: setup real-engine-env
 	$(PY) -m pytest tests/cluster/real/bench_cache_price.py -s
 	$(PY) -m pytest tests/cluster/real/bench_standby.py -s
 	$(PY) -m pytest tests/cluster/real/bench_speech_transport.py -s
+	$(PY) -m pytest tests/cluster/real/test_head_failure.py -s
 
 # bench-fleet: the operator at 1, 50, 200 and 1,000 OmniStages on its own local control plane
 # (/tmp/omnistage-fleet, other ports; simulated H200 nodes added as needed): RSS, CPU and API

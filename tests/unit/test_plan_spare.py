@@ -209,3 +209,4 @@ def test_spec_head_standby_is_0_or_1_and_needs_dynamic_membership(spec, words):
         validate_omnistage(omnistage(2, **spec))
     [(field, message)] = err.value.problems
     assert field == "spec.head.standby" and words in message
+

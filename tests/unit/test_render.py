@@ -2,10 +2,11 @@
 
 import base64
 import copy
+import re
 
 import pytest
 import yaml
-from omnistage.names import A_HEAD_UID, A_TEMPLATE_HASH, ROLE_STANDBY
+from omnistage.names import A_HEAD_UID, A_TEMPLATE_HASH, ROLE_SPARE_HEAD, ROLE_STANDBY
 from omnistage.render import render_children, render_head_pod, render_replica_pod, selector, target_from
 
 from .conftest import SAMPLE
@@ -124,7 +125,7 @@ def selects(expression: str, labels: dict[str, str]) -> bool:
             return labels.get(k) not in values.rstrip(")").split(",")
         k, v = t.split("=")
         return labels.get(k) == v
-    return all(term(t) for t in expression.split(","))
+    return all(term(t) for t in re.split(r",(?![^()]*\))", expression))
 
 
 def test_selector_matches_head_and_replicas_only():
@@ -137,7 +138,8 @@ def test_selector_matches_head_and_replicas_only():
     standby = render_replica_pod(t, 1, HEAD_IP, HEAD_UID, role=ROLE_STANDBY)
     assert standby["metadata"]["annotations"][A_TEMPLATE_HASH] == \
         children.replicas[0]["metadata"]["annotations"][A_TEMPLATE_HASH]  # its role is not in its hash
-    for other in [standby, children.configmap, children.api_service, children.secret]:
+    spare = render_head_pod(t, "qwen3-omni-head-abcdef", ROLE_SPARE_HEAD)  # spec.head.standby's
+    for other in [standby, spare, children.configmap, children.api_service, children.secret]:
         assert not selects(selector(t), other["metadata"]["labels"])
 
 

@@ -24,6 +24,7 @@ from ..names import (
     L_ROLE,
     MANAGED_BY,
     ROLE_POOL,
+    ROLE_SPARE_HEAD,
     ROLE_STANDBY,
 )
 
@@ -94,10 +95,11 @@ def selector_labels(t: Target, role: str | None = None, pool: str | None = None)
 
 def selector(t: Target) -> str:
     """The scale subresource's selector: every stage-0 engine pod, head included, as spec.replicas counts
-    (standbys are not: an HPA averaging over their idle engines would under-count the load)."""
+    (standbys and a spare head are not: an HPA averaging over their idle engines would under-count the
+    load)."""
     pairs = [f"{k}={v}" for k, v in sorted(selector_labels(t).items())]
     # "notin", not "!=": kubectl scale parses the selector into a LabelSelector, which has no "!=".
-    return ",".join([*pairs, f"{L_ROLE} notin ({ROLE_STANDBY})"])
+    return ",".join([*pairs, f"{L_ROLE} notin ({ROLE_SPARE_HEAD},{ROLE_STANDBY})"])
 
 
 def pool_selector(t: Target, pool: str) -> str:
