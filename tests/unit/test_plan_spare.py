@@ -202,6 +202,9 @@ def test_an_unwanted_spare_is_deleted(obj, why):
 @pytest.mark.parametrize("spec, words", [
     ({"head": {"standby": 2}}, "less than or equal to 1"),
     ({"head": {"standby": 1}, "membership": "static"}, "spec.head.standby needs spec.membership dynamic"),
+    ({"head": {"standby": 1}, "pipeline": "qwen3_omni_moe", "stages": [{"id": 1, "name": "talker"},
+                                                                         {"id": 2, "name": "code2wav"}]},
+     "spec.head.standby needs a single-stage pipeline"),
 ])
 def test_spec_head_standby_is_0_or_1_and_needs_dynamic_membership(spec, words):
     assert validate_omnistage(omnistage(2, head={"standby": 1})).head.standby == 1

@@ -239,10 +239,15 @@ def test_node_drain_evicts_through_the_budget_and_loses_nothing(stage, kubectl):
 
 
 @pytest.mark.full
-def test_head_container_killed_kubelet_restarts_it_and_replicas_roll(stage, kubectl):
+def test_head_container_killed_kubelet_restarts_it_and_replicas_re_attach(stage, kubectl):
+    """Under a real kubelet and cluster DNS: the replica pod outlives its head's container (patch
+    `reattach`: the same pod and engine core registers with the restarted head, no model reload).
+    Before issue 39 the operator rolled it (a new pod, a reload)."""
     head = stage.head_name()
     before = stage.pod(head)["status"]["containerStatuses"][0]["restartCount"]
     [old_replica] = stage.replica_pods()
+    replica_uid = stage.pod(old_replica)["metadata"]["uid"]
+    loads = stage.logs(old_replica).count("Loading weights took") + stage.logs(old_replica).count("Model loading took")
     node = stage.pod(head)["spec"]["nodeName"]
     t0 = time.monotonic()
     # SIGKILL to the container's main process from its node (what the OOM killer does; from inside the
@@ -255,6 +260,10 @@ def test_head_container_killed_kubelet_restarts_it_and_replicas_roll(stage, kube
     stage.wait_serving(2, "the head serving again with a joined replica", timeout=HEAD_READY_TIMEOUT)
     FIGURES["head container killed -> serving with 2 again"] = time.monotonic() - t0
     print(f"\n[kind] head on {node} restarted by its kubelet; replicas before {old_replica}, after {stage.replica_pods()}")
+    assert stage.replica_pods() == [old_replica] and stage.pod(old_replica)["metadata"]["uid"] == replica_uid, \
+        "the replica pod was replaced"
+    logs = stage.logs(old_replica)
+    assert logs.count("Loading weights took") + logs.count("Model loading took") == loads, "the replica reloaded"
     model = client.served_model(stage.base())
     results = client.run_many(stage.base(), [(f"after head restart #{i}", client.body(model, "audio", 9 + i))
                                              for i in range(4)], 2)
