@@ -109,9 +109,10 @@ def test_a_ready_spare_takes_over_when_the_head_restarted():
     s, h = spare(t), dead_head(t)
     actions, status, _ = plan(t, observed(t, obj, h, [s]), AT)
     assert roles(actions) == {pods.name(s): names.ROLE_HEAD, "qwen3-omni-head": names.ROLE_SPARE_HEAD}
-    # The Services move first: the spare turns head before the dead head leaves them.
-    order = [a.name for a in of(actions, SetRole)]
-    assert order == [pods.name(s), "qwen3-omni-head"]
+    # When it took over is written before the Services move (a pass that reads the new head reads it
+    # too), and the spare turns head before the dead head leaves them (never no head).
+    order = [(type(a).__name__, a.name) for a in actions if isinstance(a, SetRole | Annotate)]
+    assert order == [("Annotate", pods.name(s)), ("SetRole", pods.name(s)), ("SetRole", "qwen3-omni-head")]
     assert [a.annotations for a in of(actions, Annotate) if a.name == pods.name(s)] == [
         {names.A_SERVING_SINCE: AT}]
     # Nothing is made or rolled: no new head, no new spare (the restarting head is the next), and the

@@ -64,8 +64,10 @@ def take_over(p: Pass) -> None:
     if why is None:
         return
     assert spare is not None
-    p.actions += [SetRole(pods.name(spare), pods.uid(spare), ROLE_HEAD),
-                  Annotate(pods.name(spare), {A_SERVING_SINCE: p.at})]
+    # The time first: a pass that sees the spare labelled head sees when it took over too (the watch
+    # delivers the two patches in order), so its replicas' bound is never counted from its old Ready.
+    p.actions += [Annotate(pods.name(spare), {A_SERVING_SINCE: p.at}),
+                  SetRole(pods.name(spare), pods.uid(spare), ROLE_HEAD)]
     old = "the head pod"
     if head is not None:  # out of the Services even on its way out (two serving heads read as a head change)
         old = pods.name(head)
