@@ -365,7 +365,8 @@ def converged(kubectl: Callable[..., Any], namespace: str, name: str, replicas: 
         return None
     obj = json.loads(proc.stdout)
     st = obj.get("status") or {}
-    pods = engine_pods(kubectl, namespace, name)
+    # What spec.replicas counts: not a spare head (spec.head.standby), which serves nothing.
+    pods = [p for p in engine_pods(kubectl, namespace, name) if p["metadata"]["labels"].get(L_ROLE) != "spare-head"]
     if not (all(is_true(obj, ctype) for ctype in ("Ready", *also))
             and st.get("observedGeneration") == obj["metadata"]["generation"]
             and st.get("registeredReplicas") == replicas and st.get("replicas") == replicas

@@ -249,13 +249,26 @@ def patch_pod_condition(namespace: str, name: str, uid: str, ctype: str, status:
     return with_kind(api_client().sanitize_for_serialization(pod), "Pod")
 
 
-def patch_pod_labels(namespace: str, name: str, uid: str, labels: dict[str, str | None]) -> dict[str, Any]:
+def patch_pod_labels(namespace: str, name: str, uid: str,
+                     labels: dict[str, str | None]) -> dict[str, Any] | None:
     """Labels of this incarnation of the pod only (a uid precondition: a same-name successor is not
-    touched)."""
-    pod = core().patch_namespaced_pod(name, namespace, {"metadata": {"labels": labels, "uid": uid}})
+    touched); None when it is gone (a dead head that a spare took over from may be, by then)."""
+    try:
+        pod = core().patch_namespaced_pod(name, namespace, {"metadata": {"labels": labels, "uid": uid}})
+    except ApiException as e:
+        if e.status in (404, 409):
+            return None
+        raise
     return with_kind(api_client().sanitize_for_serialization(pod), "Pod")
 
 
-def patch_pod_annotations(namespace: str, name: str, annotations: dict[str, str | None]) -> dict[str, Any]:
-    pod = core().patch_namespaced_pod(name, namespace, {"metadata": {"annotations": annotations}})
+def patch_pod_annotations(namespace: str, name: str,
+                          annotations: dict[str, str | None]) -> dict[str, Any] | None:
+    """None when the pod is gone (deleted since the pass read it: nothing left to annotate)."""
+    try:
+        pod = core().patch_namespaced_pod(name, namespace, {"metadata": {"annotations": annotations}})
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
     return with_kind(api_client().sanitize_for_serialization(pod), "Pod")
