@@ -66,7 +66,10 @@ PY
   uv=("$VENV/bin/uv" pip install --python "$VENV/bin/python")
   log "installing the dependencies (about 230 packages, several GB on a cold machine)"
   # Progress while uv works (minutes on a cold cache): the venv's size once a minute.
-  ( while sleep 60; do log "... $(du -sh "$VENV" 2>/dev/null | cut -f1) in $VENV"; done ) & ticker=$!
+  # (Its sleep is ended with it, so nothing holds this script's stderr open after it.)
+  ( s=""; trap 'kill "$s" 2>/dev/null; exit 0' TERM
+    while :; do sleep 60 & s=$!; wait "$s"; log "... $(du -sh "$VENV" 2>/dev/null | cut -f1) in $VENV"; done
+  ) & ticker=$!
   rc=0; "${uv[@]}" -r "$reqs" > "$WHEELS/uv-install$SUFFIX.log" 2>&1 || rc=$?
   kill "$ticker" 2>/dev/null || true
   tail -3 "$WHEELS/uv-install$SUFFIX.log" >&2
