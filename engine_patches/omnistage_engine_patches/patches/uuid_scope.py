@@ -143,6 +143,23 @@ def _mirror(private: dict, caller: dict, before: dict) -> None:
             caller[key] = value
 
 
+def upstream_writes_back(engine_cls: type) -> bool | None:
+    """Whether upstream's scoping writes the scoped UUIDs into the caller's prompt, found by running it:
+    on an engine built without `__init__` (`object.__new__`, as vllm-omni's own unit tests build one)
+    and a prompt whose one item is a UUID-only reference (nothing to hash). True: 0.30.0's write-back;
+    False: the caller's prompt is left as it was (vllm-omni 0.32 returns a scoped copy); None: it
+    could not run (then the source decides)."""
+    uuids = {"image": ["omnistage-probe"]}
+    prompt = {DATA_KEY: {"image": [None]}, UUIDS_KEY: uuids}
+    try:
+        probe = object.__new__(engine_cls)
+        engine_cls._ensure_stage_replica_mm_uuids(probe, prompt, stage_id=0, replica_id=0)
+    except Exception:  # another shape: the source check decides
+        logger.debug("running upstream's UUID scoping on a probe failed", exc_info=True)
+        return None
+    return prompt.get(UUIDS_KEY) is not uuids or uuids != {"image": ["omnistage-probe"]}
+
+
 def install() -> str | None:
     try:
         from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
@@ -167,7 +184,12 @@ def install() -> str | None:
         build_src = inspect.getsource(build)
     except (OSError, TypeError) as e:
         return f"cannot read the target source to check its shape ({e})"
-    if not _WRITE_BACK.search(ensure_src):
+    # Behaviour first: a write-back moved into a helper leaves no line to find in ensure's source.
+    writes_back = upstream_writes_back(AsyncOmniEngine)
+    if writes_back is False:
+        return UpstreamFixed("upstream no longer writes scoped UUIDs back into the prompt dict "
+                             "(its scoping, run on a probe, left the caller's prompt as it was)")
+    if writes_back is None and not _WRITE_BACK.search(ensure_src):
         return UpstreamFixed("upstream no longer writes scoped UUIDs back into the prompt dict")
     if "_scope_stage0_multimodal_cache_to_replica" not in build_src or "original_prompt" not in build_src:
         return "_build_add_request_message no longer scopes stage-0 UUIDs the way 0.30.0 does"
