@@ -83,7 +83,7 @@ CONTROLS = (
     Control("replica_metrics", ("test_replica_metrics.py",), 6),
     Control("mm_cache_metrics", ("test_replica_metrics.py",), 1),
     # Off: the head does not answer a ping, and the old head's input thread of an engine core never stops.
-    Control("reattach", ("test_reattach.py",), 2),
+    Control("reattach", ("test_reattach.py",), 3),
     # Off: upstream detaches a silent replica and shuts the head's own engine down; /live does not judge.
     # The leave test needs a replica listed silent, which only the patch publishes.
     # Slow: each regression test waits out three heartbeat timeouts for a state only the patch reaches.

@@ -158,7 +158,7 @@ def test_a_ping_never_reaches_the_registration_path(master):
     assert master._stage_routes == routes
 
 
-def test_a_head_pod_replaced_is_found_through_the_master_service(master, monkeypatch):
+def test_regression_a_head_pod_replaced_is_found_through_the_master_service(master, monkeypatch):
     """The registered address is silent (the old pod is gone); the master Service's name resolves to
     the new head pod, whose master answers "unknown to me, ready": that is where to re-attach. The
     name is resolved by the system resolver (cluster DNS in a pod), stood in here by getaddrinfo."""
