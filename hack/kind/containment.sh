@@ -47,6 +47,12 @@ up() {
     log "a dockerd runs without the loopback registry proxy: stop it first (containment.sh down)"; exit 1
   fi
   if ! $D info >/dev/null 2>&1; then
+    # A dockerd that died (the machine reused, a session ended) leaves containerd's pid file; when that
+    # pid now names another process, the next dockerd waits for "its" containerd and gives up after 60 s.
+    local cpid=/var/run/docker/containerd/containerd.pid
+    if [[ -f "$cpid" ]] && ! grep -q containerd "/proc/$(cat "$cpid")/comm" 2>/dev/null; then
+      log "removing a stale containerd pid file ($cpid: pid $(cat "$cpid") is no containerd)"; rm -f "$cpid"
+    fi
     log "starting dockerd (log $STATE/dockerd.log)"
     # dockerd itself pulls an image it does not have (a FROM, a `docker run`), resolving the registry
     # with the HOST's resolver: every image here is built locally, so its HTTP(S) goes to a proxy on
