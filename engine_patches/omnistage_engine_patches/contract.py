@@ -121,9 +121,12 @@ REATTACH = "reattach"
 #: vLLM's public (OpenAI) port serves an allow-list of routes: vllm-omni's /v1/omni/sleep and the
 #: other control routes are refused there.
 PUBLIC_ROUTES = "public_routes"
+#: An engine's scheduler stats are sent once more when it goes idle (vllm-omni throttles the last ones
+#: away, and the head's running/waiting gauges freeze at their busy values).
+IDLE_STATS = "idle_stats"
 PATCHES = (FRONTEND_CACHE, UUID_SCOPE, REPLICA_METRICS, MM_CACHE_METRICS, MEMBERSHIP, CONNECTOR_PORTS,
            REPLICA_AWARE_CACHE, REPLICA_AFFINITY, REGISTRATION_REPORT, ENGINE_LIVENESS, REATTACH,
-           PUBLIC_ROUTES)
+           PUBLIC_ROUTES, IDLE_STATS)
 #: The key a headless replica adds to the stage config it registers with (vllm-omni's
 #: ``register_stage_with_omni_master``): {patch name: outcome} in that replica's process. The head
 #: lists it as that member's ``"patches"`` in the membership listing (membership_routes' ``Replica``).

@@ -58,12 +58,11 @@ ENV_BIND, ENV_INSTANCE = "OMNISTAGE_REATTACH_BIND", "OMNISTAGE_REATTACH_INSTANCE
 #: The pod's own variable (the operator renders it): the master Service's DNS name, where a replica
 #: looks for its head once the address it registered with stopped answering (the head pod replaced).
 ENV_SERVICE = contract.MASTER_SERVICE_ENV
-MOVED_AFTER_S = 3.0  # the old address's silence before the Service is asked: an in-place restart keeps it
 MAX_CANDIDATES = 4  # addresses pinged per look (the Service lists one serving head; a surge, two)
 PING_PERIOD_S = 1.0
 PING_TIMEOUT_MS = 1000
 MAX_FAILURES = 10
-IO_JOIN_S = 6.0  # the output thread's PUSH sockets linger 4 s towards the dead head (vLLM's setting)
+IO_JOIN_S = 6.0  # bound on an old I/O thread's stop (its own loop ends within milliseconds)
 #: The sentinel's request object: the busy loop's dispatch (patches/reattach.py) runs `reattach` for it.
 SENTINEL = object()
 
@@ -143,17 +142,24 @@ def lost(answer: dict[str, Any] | None) -> bool:
 
 
 def moved_head(ctx: zmq.Context, att: Attachment) -> tuple[tuple[str, int], dict[str, Any]] | None:
-    """Where the head went when its pod was replaced (a new IP): the master Service's name
-    (ENV_SERVICE, NAME-master.NAMESPACE.svc: a headless Service that lists the serving head pod
-    whether Ready or not) resolved, and the first address whose head answers "ready, and this
-    replica is unknown to me" (a head that knows it is the one it is attached to)."""
+    """Where the head went: the master Service's name (ENV_SERVICE, NAME-master.NAMESPACE.svc, a
+    headless Service that lists the serving head pod whether Ready or not) resolved, and the first
+    address whose head answers "ready, and this replica is unknown to me".
+
+    Only when the Service no longer lists the address this replica is attached to: the operator
+    moved the Services (a spare took over, or the head pod was replaced with a new IP). While it
+    still lists it, the head there is the serving one (restarting in place, or slow): a blip never
+    moves a replica, and neither does a head change's surge (both heads are listed)."""
     if not att.service:
         return None
     try:
         infos = socket.getaddrinfo(att.service, att.master[1], type=socket.SOCK_STREAM)
     except OSError:
         return None  # no name service, or the Service lists no head yet
-    for ip in sorted({info[4][0] for info in infos} - {att.master[0]})[:MAX_CANDIDATES]:
+    listed = {info[4][0] for info in infos}
+    if att.master[0] in listed:
+        return None
+    for ip in sorted(listed)[:MAX_CANDIDATES]:
         candidate = dataclasses.replace(att, master=(ip, att.master[1]))
         answer = ping(ctx, candidate)
         if answer is not None and answer.get("state") == contract.REATTACH_UNKNOWN and answer.get("ready"):
@@ -163,21 +169,16 @@ def moved_head(ctx: zmq.Context, att: Attachment) -> tuple[tuple[str, int], dict
 
 def watch(engine: Any, att: Attachment, stop: threading.Event) -> None:
     ctx = zmq.Context()
-    silent_since: float | None = None
     try:
         while not stop.wait(PING_PERIOD_S):
             if att.pending:
                 continue
             answer = ping(ctx, att)
-            if not lost(answer):
-                silent_since = None
-            elif silent_since is None:
-                silent_since = time.monotonic()
-            elif time.monotonic() - silent_since >= MOVED_AFTER_S and (moved := moved_head(ctx, att)):
-                logger.warning("stage %d replica %d: no head serving at %s:%d for %.0f s; the master Service "
-                               "%s lists a ready head at %s:%d", att.stage, att.replica, *att.master,
-                               time.monotonic() - silent_since, att.service, *moved[0])
-                (att.master, answer), silent_since = moved, None
+            if lost(answer) and (moved := moved_head(ctx, att)):
+                logger.warning("stage %d replica %d: no head serving at %s:%d, and the master Service %s "
+                               "lists a ready head at %s:%d instead", att.stage, att.replica, *att.master,
+                               att.service, *moved[0])
+                att.master, answer = moved
             if should_reattach(att, answer):
                 logger.warning("stage %d replica %d: the head at %s:%d is a new process (boot %s) that does "
                                "not know this replica: re-attaching without reloading the model",
@@ -278,11 +279,20 @@ def _failed(att: Attachment, what: str) -> None:
 
 
 def _end_output_thread(engine: Any) -> None:
+    """vLLM's own end of the output thread (ENGINE_CORE_DEAD), waited for only until the thread has
+    taken it: from then on it reads no output, and its context's term waits out the PUSH sockets'
+    4 s linger towards the dead head's address (vLLM's setting) on that old thread, not here. The
+    engine is idle, so the sentinel is the only item left."""
     thread = getattr(engine, "output_thread", None)
-    if thread is not None and thread.is_alive():
-        engine.output_queue.put_nowait(type(engine).ENGINE_CORE_DEAD)
-        thread.join(IO_JOIN_S)
     _drain(engine.output_queue)
+    if thread is None or not thread.is_alive():
+        return
+    engine.output_queue.put_nowait(type(engine).ENGINE_CORE_DEAD)
+    deadline = time.monotonic() + IO_JOIN_S
+    while not engine.output_queue.empty() and thread.is_alive():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the old output thread did not take ENGINE_CORE_DEAD")
+        time.sleep(0.005)
 
 
 def _close_coord_client(att: Attachment) -> None:

@@ -89,6 +89,8 @@ CONTROLS = (
     # Slow: each regression test waits out three heartbeat timeouts for a state only the patch reaches.
     Control("engine_liveness", ("test_engine_liveness.py",), 4,
             also_fail=("test_a_leave_detaches_a_silent_replica",), slow=True),
+    # Off: the tick of the step that empties the scheduler is throttled to None.
+    Control("idle_stats", ("test_idle_stats.py",), 1),
     # Off: vLLM's app has no guard, so every route (/v1/omni/sleep first) answers on the public port.
     Control("public_routes", ("test_public_routes.py",), 4),
     # Off: fresh picks reach draining and unjoined replicas, a late attach stays, no drop is recorded,

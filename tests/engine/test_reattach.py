@@ -184,5 +184,11 @@ def test_regression_a_head_pod_replaced_is_found_through_the_master_service(mast
         assert reattach_engine.should_reattach(dataclasses.replace(att, master=found[0]), found[1])
         # No name to ask: the replica waits for its head at the old address (an in-place restart).
         assert reattach_engine.moved_head(ctx, dataclasses.replace(att, service=None)) is None
+        # The Service still lists the address it is attached to (a blip, or a head change's surge
+        # listing both heads): that head is the serving one, and the replica stays.
+        both = [(socket_module.AF_INET, socket_module.SOCK_STREAM, 6, "", (ip, master._port))
+                for ip in (gone, master._address)]
+        monkeypatch.setattr(reattach_engine.socket, "getaddrinfo", lambda *a, **k: both)
+        assert reattach_engine.moved_head(ctx, att) is None
     finally:
         ctx.term()

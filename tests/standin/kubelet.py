@@ -45,6 +45,7 @@ from tests.standin.lifecycle import Lifecycle
 from tests.standin.podstatus import PodStatus
 from tests.standin.podwatch import PodWatch
 from tests.standin.processes import (
+    FORCED_GRACE,
     REAL_GRACE_CAP,
     STOP_TIMEOUT,
     Proc,
@@ -94,6 +95,7 @@ class StandinRuntime(PodWatch, Containers, Lifecycle, PodStatus):
         self._zygote: zygote.Zygote | None = None  # stand-in mode: the fork server (tests/standin/zygote.py)
         self._zygote_said = False
         self._held_not_ready: set[str] = set()  # pod uids taken back from kwok's Ready before their start
+        self.force_deleted: set[str] = set()  # pod uids deleted with grace 0 (podwatch.py)
         self._dns: dict[str, str] = {}  # the master Service names this runtime wrote (cluster_dns.py)
 
     def log(self, msg: str) -> None:
@@ -250,7 +252,10 @@ class StandinRuntime(PodWatch, Containers, Lifecycle, PodStatus):
         for key, p in procs.items():
             pod = pods.get(key)
             reason = None
-            if pod is None:
+            if pod is None and p.uid in self.force_deleted:
+                reason = "pod force-deleted"
+                p.grace = p.pre_stop_grace = FORCED_GRACE  # the hook and SIGTERM share the kubelet's minimum
+            elif pod is None:
                 reason = "pod deleted"
             elif pod["metadata"]["uid"] != p.uid:
                 reason = "pod replaced (new UID)"

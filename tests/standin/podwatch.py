@@ -96,6 +96,8 @@ class PodWatch:
             return
         with self._lock:
             if kind == "DELETED":
+                if pod["metadata"].get("deletionGracePeriodSeconds") == 0:
+                    self.force_deleted.add(pod["metadata"]["uid"])
                 cur = self._pods.get(key)
                 if cur is not None and cur["metadata"]["uid"] == pod["metadata"]["uid"]:
                     del self._pods[key]

@@ -23,6 +23,9 @@ BACKOFF_FIRST, BACKOFF_BASE, BACKOFF_CAP = 1.0, 10.0, 60.0  # kubelet-like crash
 # Real mode: a deleted pod's engine gets its terminationGracePeriodSeconds after SIGTERM, as from a
 # kubelet, up to this bound (the operator drains before it deletes; vLLM's own shutdown is seconds).
 REAL_GRACE_CAP = 120.0
+# A force-deleted pod (`kubectl delete --grace-period=0 --force`): a kubelet raises the deletion's 0 to
+# its minimum grace (minimumGracePeriodInSeconds), which the preStop hook and SIGTERM share.
+FORCED_GRACE = 2.0
 # Real engines run below the operator, the API server and the tests on a 2-core machine.
 REAL_NICE = 10
 

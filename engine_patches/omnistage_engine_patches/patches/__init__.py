@@ -25,6 +25,7 @@ from . import (
     connector_ports,
     engine_liveness,
     frontend_cache,
+    idle_stats,
     membership,
     mm_cache_metrics,
     public_routes,
@@ -52,6 +53,7 @@ PATCHES = tuple(Patch(m.NAME, m.install) for m in (
     uuid_scope,  # defect 2: no replica-scoped UUID write-back into the caller's prompt
     replica_metrics,  # defect 3: metric series follow membership
     mm_cache_metrics,  # defect 3: the frontend's multimodal cache statistics
+    idle_stats,  # every engine core: the stats of the step that empties the scheduler are sent
     membership,  # the head's membership hooks behind the endpoint (membership_api)
     connector_ports,  # stages >= 1: connector ports without the replica term (one replica per pod)
     replica_aware_cache,  # cache mode replica-aware: tensors omitted per replica, after the pick

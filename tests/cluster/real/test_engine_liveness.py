@@ -20,6 +20,7 @@ restart, about 15 minutes on 2 cores. The engine tier's regression tests and the
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -181,6 +182,58 @@ def test_a_stall_of_the_head_s_engine_is_survived_and_status_follows_the_listing
         "the head's engine")
     assert any("silent" in r["head"] for r in tl.rows), "never listed silent: the stall did not pass the timeout"
     assert any(r["ready"] == 1 for r in tl.rows), "status never said the head's engine stopped serving"
+
+
+RUNNING = re.compile(r'^vllm:num_requests_running\{(?P<labels>[^}]*)\}\s+(?P<value>[0-9.e+]+)$', re.MULTILINE)
+
+
+def running_gauges(stage: RealOmniStage) -> dict[str, float]:
+    """The head's vllm:num_requests_running per stage-0 replica id (what an autoscaler reads)."""
+    out = {}
+    for m in RUNNING.finditer(stage.metrics()):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group("labels")))
+        if labels.get("stage") == "0" and "replica" in labels:
+            out[labels["replica"]] = float(m.group("value"))
+    return out
+
+
+def test_regression_the_running_gauge_reads_zero_after_a_stall_whose_requests_were_given_up(stage):
+    """Long requests run on the head's engine (its gauge says so), the engine stalls, every client
+    gives up (its timeout; vLLM aborts a request whose client went away), the engine resumes: with
+    nothing in flight the head's vllm:num_requests_running must read 0 for every replica. Fails
+    without patch idle_stats: vllm-omni throttles the stats of the step that emptied the scheduler,
+    an idle engine takes no later step, and the gauge keeps its busy value (issue 41 item 7)."""
+    cores = engine_cores(head_pid(stage))
+    model = client.served_model(stage.base())
+    gave_up: list[client.Result] = []
+    senders = [threading.Thread(target=lambda i=i: gave_up.append(client.chat(
+        stage.base(), client.body(model, "text", 90 + i, max_tokens=2000), f"long #{i}", timeout=20)))
+        for i in range(4)]
+    for t in senders:
+        t.start()
+    busy = stage.wait_for("the head's engine running a long request (its gauge)",
+                          lambda: (g := running_gauges(stage)).get("0", 0) >= 1 and g, timeout=30, interval=0.5)
+    for pid in cores:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        for t in senders:
+            t.join(60)
+    finally:
+        for pid in cores:
+            os.kill(pid, signal.SIGCONT)
+    stage.wait_for("the head's engine live again", lambda: any(
+        m.get("local") and m.get("coordinatorStatus") == "up" for m in stage0(stage.head.listing())),
+        timeout=120, interval=1)
+    t0 = time.monotonic()
+    try:  # a stats tick follows the step that emptied the scheduler: seconds, not 30
+        settled = stage.wait_for("every running gauge 0", lambda: all(v == 0 for v in running_gauges(stage).values()),
+                                 timeout=30, interval=1)
+    except TimeoutError:
+        settled = False
+    print(f"\n[real] gauges while busy: running {busy}; after the stall and {len(gave_up)} given-up requests "
+          f"({sum(1 for r in gave_up if not r.complete)} without an answer): {running_gauges(stage)} "
+          f"{time.monotonic() - t0:.1f} s after the engine was live again")
+    assert settled, f"the head's running gauge kept a busy value with nothing in flight: {running_gauges(stage)}"
 
 
 def test_a_stall_of_a_remote_replica_is_survived(stage):
