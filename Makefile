@@ -3,7 +3,7 @@ VENV ?= $(HOME)/.cache/omnistage/venv
 export OMNISTAGE_VENV := $(VENV)
 PY := $(VENV)/bin/python
 
-.PHONY: setup real-engine-env test test-full test-unit test-engine test-negative test-connector test-cluster test-real demo lint crd golden k8s-bins cluster-up cluster-down e2e-kind
+.PHONY: setup real-engine-env test test-full proofs test-unit test-engine test-negative test-connector test-cluster test-real demo lint crd golden k8s-bins cluster-up cluster-down e2e-kind
 
 setup:
 	bash hack/setup.sh
@@ -26,6 +26,12 @@ test: setup real-engine-env
 test-full: test
 	$(PY) -m pytest tests -m full --durations=10
 	$(MAKE) e2e-kind
+
+# The proofs make test leaves out (marked full), as CI runs them: one slice of tests/proofs.py
+# (make proofs SLICE=liveness; the kind slice runs in make e2e-kind).
+SLICE ?= liveness
+proofs: setup real-engine-env
+	$(PY) -m tests.proofs --slice $(SLICE)
 
 test-unit: setup
 	$(PY) -m pytest tests/unit

@@ -5,8 +5,8 @@ One cluster, one operator release, one OmniStage for the module, in this order: 
 what only a kubelet shows, scale up and down under load with the leader operator pod deleted during
 the scale-up, a replica pod deleted, a node drained through the budget, the head container killed,
 the head's engine stalled past its heartbeat timeout, a head change, `helm upgrade` while serving,
-`helm uninstall`. Those marked full (minutes of engine restarts each) run in `make e2e-kind`, not in
-CI (.ci/run says why).
+`helm uninstall`. Those marked full (minutes of engine restarts each) run in `make e2e-kind`, and in CI
+as the "kind" slice of tests/proofs.py (one slice per landing).
 Every step prints its figures; requests go through the head with a bounded stream and every one
 must get a complete answer where the operator could have finished it.
 """

@@ -17,7 +17,7 @@ omnistagepool --replicas=2`: the new pod listed by the head for stages 1 and 2, 
 request answered. The host's memory holds the head and two pool pods (~13 GB; the kind nodes have
 no memory limit, and the workers' 8 fake GPUs fit the three pods).
 
-Marked `full` (make e2e-kind, not CI's `-m "not full"`): the engines hold about 9 GB (13 GB with the
+Marked `full` (make e2e-kind; in CI the "kind" slice of tests/proofs.py): the engines hold about 9 GB (13 GB with the
 second pool pod), start about 90 s or more after kubectl apply (minutes on 2 cores), and an audio
 request takes 2-18 s on 2 cores.
 """

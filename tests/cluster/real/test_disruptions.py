@@ -38,8 +38,8 @@ from tests.cpu_engine import client
 from tests.standin.harness import remote_members
 
 NAME = "disrupt"
-# Marked full: about 25 minutes of replacement engines loading on 2 cores; `make test-full` runs them,
-# `make test` and CI do not (.ci/run says why; the kind tier's scale-down under load runs in CI).
+# Marked full: about 25 minutes of replacement engines loading on 2 cores, past make test's budget. CI
+# runs it as the "disruptions" slice of tests/proofs.py (one slice per landing); `make proofs SLICE=disruptions`.
 pytestmark = [pytest.mark.full, pytest.mark.timeout(HEAD_READY_TIMEOUT + JOIN_TIMEOUT + 600)]
 STREAM_CONCURRENCY = 2
 SETTLE_SECONDS = 10  # the stream keeps running this long after the disruption is over

@@ -12,8 +12,8 @@ stopped (it is the head's, not the engine's).
 
 One 2-replica OmniStage, brought up once; the tests run in file order and share it. Every status
 sample is printed next to the listing (the issue's timeline), with the requests lost and what each
-got. Marked full (make test-full): one OmniStage start plus a head restart and its replica's
-restart, about 15 minutes on 2 cores. The engine tier's regression tests and their negative control
+got. Marked full: one OmniStage start plus a head restart and its replica's restart, about 15
+minutes on 2 cores; CI runs it as the "liveness" slice of tests/proofs.py (one slice per landing). The engine tier's regression tests and their negative control
 (tests/engine/test_engine_liveness.py, engine_liveness off) run in make test and CI.
 """
 

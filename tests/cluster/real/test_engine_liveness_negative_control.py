@@ -6,7 +6,7 @@ engine for a departure and shuts it down, and nothing restarts an in-head engine
 
 Were the head's engine to serve again here, test_engine_liveness.py's stall test would prove
 nothing. Real: as there (vLLM 0.30.0 / vllm-omni 0.30.0 engine cores on the CPU, tiny model, random
-weights). One head, no replica: about 3 minutes. Marked full, like the module it controls.
+weights). One head, no replica: about 3 minutes. Marked full, like the module it controls (CI: the "liveness" slice of tests/proofs.py).
 """
 
 from __future__ import annotations

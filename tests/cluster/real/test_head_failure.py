@@ -15,7 +15,7 @@ serving again; replica pods recreated and engine reloads counted; the stream's r
 each got. The spare's take-over and the process kill without a spare run in `make test` and CI (one
 OmniStage start of four engines, about 6 minutes on 2 cores, the spare's take-over and the dead
 head's reload as the next spare, 3 more, and a head restart without a spare, 3 more); the head pod's
-deletion is marked full (`make test-full`), as is the negative control
+deletion is marked full (CI: the "head-failure" slice of tests/proofs.py), as is the negative control
 (test_head_failure_negative_control.py; the engine tier's control of the patch,
 tests/engine/test_reattach.py, runs in CI).
 """

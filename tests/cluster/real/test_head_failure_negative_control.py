@@ -5,7 +5,7 @@ rolls every replica: new pods, every engine loads its model again, full capacity
 
 Were the replicas kept here, test_head_failure.py would prove nothing. Real: as there (vLLM 0.30.0 /
 vllm-omni 0.30.0 engine cores on the CPU, tiny model, random weights). Marked full, like the module
-it controls; runs in `make test-full`.
+it controls; runs in CI as part of the "head-failure" slice of tests/proofs.py.
 """
 
 from __future__ import annotations

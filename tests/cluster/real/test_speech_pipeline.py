@@ -17,7 +17,7 @@ The tests run in file order on one pipeline: audio out, the listing, the pool sc
 stream, a pool pod SIGKILLed mid-request, the pool scaled down under a stream, then stage 0 and the
 pool scaled at once under the seed's repeated-media sequence.
 
-Marked `full` (make test-full): the engines hold about 9 GB (17 GB with a second pool pod and a stage-0
+Marked `full` (CI: the "speech" slice of tests/proofs.py, one slice per landing): the engines hold about 9 GB (17 GB with a second pool pod and a stage-0
 replica), the pipeline is ready about 90 s after kubectl apply, and an audio request takes 2-10 s on
 2 cores (talker max_tokens 40): the module runs for about 8 minutes, above `make test`'s budget.
 """

@@ -1,0 +1,97 @@
+"""The proofs `make test` leaves out (tests marked `full`: minutes of real engines restarting each),
+run by CI in slices: each landing runs one slice, chosen by its commit count, so every slice runs
+within len(SLICES) landings. A unit test (tests/unit/test_proofs.py) fails when a module with a
+`full` test is in no slice, so none runs nowhere.
+
+    python -m tests.proofs --landing N            run landing N's slice (.ci/run: N = git rev-list --count HEAD)
+    python -m tests.proofs --landing N --which    print its name only
+    python -m tests.proofs --slice NAME           run the named slice (make proofs SLICE=NAME)
+
+The kind slice runs inside `make e2e-kind` (.ci/run gives that run every test, not only those
+without the mark): a second kind cluster start would cost minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KIND = "kind"
+
+
+@dataclass(frozen=True)
+class Slice:
+    name: str
+    proves: str
+    modules: tuple[str, ...]  # pytest paths; their `full` tests run (a module's other tests run in make test)
+    minutes: int  # measured on 2 cores, warm
+
+
+SLICES = (
+    Slice("liveness", "a stalled head engine and a stalled remote replica under a stream lose nothing, "
+          "the running gauge reads 0 after, a killed engine heals; the patch's negative control",
+          ("tests/cluster/real/test_engine_liveness.py",
+           "tests/cluster/real/test_engine_liveness_negative_control.py"), 22),
+    Slice("speech", "audio out through an OmniStage and an OmniStagePool, a pool scale-up and scale-down "
+          "under a stream, a pool pod killed mid-request",
+          ("tests/cluster/real/test_speech_pipeline.py",), 12),
+    Slice("disruptions", "a replica template change, a replica pod deleted and an engine image change "
+          "under a stream lose nothing and keep two serving",
+          ("tests/cluster/real/test_disruptions.py",), 25),
+    Slice("head-failure", "a head pod deleted costs no replica reload; with patch reattach off the "
+          "replicas are rolled (the negative control)",
+          ("tests/cluster/real/test_head_failure.py",
+           "tests/cluster/real/test_head_failure_negative_control.py"), 20),
+    Slice(KIND, "under real kubelets: a replica pod deleted, a node drained, the head container killed "
+          "(replicas re-attach), a head engine stall; audio through the pools",
+          ("tests/cluster/kind/test_kind.py", "tests/cluster/kind/test_kind_speech.py"), 25),
+)
+
+
+def for_landing(landing: int) -> Slice:
+    return SLICES[landing % len(SLICES)]
+
+
+def by_name(name: str) -> Slice:
+    for s in SLICES:
+        if s.name == name:
+            return s
+    raise SystemExit(f"no proof slice {name!r}; the slices: {', '.join(s.name for s in SLICES)}")
+
+
+def run(s: Slice) -> int:
+    if s.name == KIND:
+        raise SystemExit("the kind slice runs inside make e2e-kind (PYTEST_ARGS without -m 'not full')")
+    print(f"[proofs] slice {s.name!r} (about {s.minutes} min): {s.proves}", flush=True)
+    t0 = time.monotonic()
+    code = subprocess.call([sys.executable, "-m", "pytest", "-m", "full", "--durations=10", *s.modules],
+                           cwd=ROOT, env=os.environ.copy())
+    print(f"[proofs] slice {s.name!r}: exit {code} after {time.monotonic() - t0:.0f} s", flush=True)
+    return code
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.proofs")
+    pick = ap.add_mutually_exclusive_group(required=True)
+    pick.add_argument("--landing", type=int)
+    pick.add_argument("--slice")
+    ap.add_argument("--which", action="store_true", help="print the slice's name and exit")
+    args = ap.parse_args(argv)
+    s = by_name(args.slice) if args.slice else for_landing(args.landing)
+    if args.which:
+        print(s.name)
+        return 0
+    if args.landing is not None:
+        print(f"[proofs] landing {args.landing}: slice {args.landing % len(SLICES) + 1} of {len(SLICES)}; "
+              f"every slice runs within {len(SLICES)} landings: {', '.join(x.name for x in SLICES)}", flush=True)
+    return run(s)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
