@@ -79,6 +79,11 @@ PY
   "${uv[@]}" --no-deps -e ./engine_patches -e ./tests/cpu_engine/cpu_platform 2>&1 | tail -1 >&2
   echo "$want" > "$stamp"
   log "environment installed in $(( $(date +%s) - t0 ))s; size $(du -sh "$VENV" | cut -f1)"
+elif ! grep -qF "'$PWD/engine_patches/" "$VENV"/lib/python3*/site-packages/__editable___omnistage_engine_patches_*finder.py 2>/dev/null; then
+  # Installed for another checkout (a clone elsewhere, a worktree): point the editable plugins here.
+  log "pointing the editable engine plugin and CPU platform at $PWD"
+  UV_CACHE_DIR="$CACHE/uv" "$VENV/bin/uv" pip install --python "$VENV/bin/python" --no-deps -q \
+    -e ./engine_patches -e ./tests/cpu_engine/cpu_platform >&2
 fi
 
 # The tiny models: each rebuilt when its builder changes.

@@ -20,8 +20,10 @@ caches from it.
 
 How: `OmniEngineBase._initialize_stages` is wrapped to publish the engine in a ContextVar for the
 duration of the call (the body, including `build_stage0_input_processor`, runs synchronously on
-the orchestrator thread). `MultiModalRegistry.processor_cache_from_config` (the only constructor
-`BaseRenderer.__init__` uses for its main processor) is wrapped to return
+the orchestrator thread). `processor_cache_from_config`, the only constructor `BaseRenderer.__init__`
+uses for its main processor (vLLM 0.30: a `MultiModalRegistry` method; vLLM 0.32: a function of
+`vllm/multimodal/cache/factories.py`, wrapped under the name `vllm/renderers/base.py` imported), is
+wrapped to return
 `processor_only_cache_from_config(...)` when, and only when, it is called for that engine's
 stage-0 config object (identity with `engine.stage_vllm_configs[0]`): any other renderer built in
 that window (none in 0.30.0) and every renderer built outside it keep vLLM's choice.
@@ -140,28 +142,75 @@ def _is_stage0_frontend_config(engine: Any, vllm_config: Any) -> bool:
     return bool(configs) and configs[0] is vllm_config
 
 
+def _stage0_cache(build: Any, vllm_config: Any, cache_type: Any, processor_only: Any) -> Any:
+    """The frontend cache for `vllm_config`: vLLM's own (`build()`) unless it is the stage-0 config
+    of the engine whose stages are being built, where the decision above picks it. `cache_type` and
+    `processor_only` are vLLM's `_get_cache_type` and `processor_only_cache_from_config` (a method of
+    the registry in vLLM 0.30, module functions from 0.32)."""
+    engine = _INITIALIZING_ENGINE.get()
+    if engine is None or not _is_stage0_frontend_config(engine, vllm_config):
+        return build()
+    setattr(engine, STAGE0_CACHE_DECIDED, True)
+    vllm_choice = cache_type(vllm_config)
+    chosen = choose_cache_type(vllm_choice, requested_mode(), stage0_needs_processor_only(engine))
+    replica_aware = chosen == _PROCESSOR_ONLY and requested_mode() == contract.CACHE_REPLICA_AWARE
+    replica_aware_cache.activate(
+        vllm_config.model_config.get_multimodal_config().mm_processor_cache_gb if replica_aware else None)
+    if chosen == vllm_choice:
+        return build()
+    logger.info("stage-0 frontend: %s cache replaced by %s (%s=%s, distributed=%s)", vllm_choice,
+                chosen or "no cache", contract.FRONTEND_CACHE_ENV, requested_mode(),
+                bool(getattr(engine, "single_stage_mode", False)))
+    if chosen is None:
+        return None  # what vLLM itself returns for a disabled cache
+    return processor_only(vllm_config)
+
+
+def _cache_constructor() -> tuple[Any, tuple[Target, ...]] | str:
+    """Where BaseRenderer gets its main processor's cache, and the targets to check there: vLLM 0.30's
+    `MultiModalRegistry.processor_cache_from_config` (a method), or vLLM 0.32's module function
+    `vllm.multimodal.cache.factories.processor_cache_from_config`, which `vllm/renderers/base.py`
+    imports by name (so the renderer module's name is the one to wrap)."""
+    from vllm.multimodal.registry import MultiModalRegistry
+    from vllm.renderers import base as renderer_base
+
+    if hasattr(MultiModalRegistry, "processor_cache_from_config"):
+        return MultiModalRegistry, (
+            Target(MultiModalRegistry, "processor_cache_from_config", ("self", "vllm_config")),
+            Target(MultiModalRegistry, "processor_only_cache_from_config"),
+            Target(MultiModalRegistry, "_get_cache_type"))
+    try:
+        from vllm.multimodal.cache import factories
+    except ImportError as e:
+        return f"target not importable ({e})"
+    if getattr(renderer_base, "processor_cache_from_config", None) is not factories.processor_cache_from_config:
+        return "vllm.renderers.base does not take its cache from factories.processor_cache_from_config"
+    return renderer_base, (
+        Target(renderer_base, "processor_cache_from_config", ("vllm_config",)),
+        Target(factories, "processor_only_cache_from_config"), Target(factories, "_get_cache_type"))
+
+
 def install() -> str | None:
     # Every check runs before anything is changed, so a None-or-reason answer never half-applies.
     try:
         from vllm.multimodal.cache import MultiModalProcessorOnlyCache  # noqa: F401
-        from vllm.multimodal.registry import MultiModalRegistry
         from vllm.renderers import base as renderer_base
         from vllm_omni.engine import omni_engine_base, stage_init_utils
         from vllm_omni.engine.omni_engine_base import OmniEngineBase
     except ImportError as e:  # not an engine image (or a layout we do not know): nothing to fix
         return f"target not importable ({e})"
+    found = _cache_constructor()
+    if isinstance(found, str):
+        return found
+    owner, (ctor, processor_only_ctor, cache_type_fn) = found
 
-    targets = (
-        Target(OmniEngineBase, "_initialize_stages", ("self", "stage_init_timeout")),
-        Target(MultiModalRegistry, "processor_cache_from_config", ("self", "vllm_config")),
-    )
+    targets = (Target(OmniEngineBase, "_initialize_stages", ("self", "stage_init_timeout")), ctor)
     wrapped = [is_ours(t.get(), NAME) for t in targets]
     if all(wrapped):
         return None  # already in place (e.g. this module was reloaded)
     if any(wrapped):
         return "only one of the two wrappers is in place: refusing to stack a second copy"
-    problem = shape_problem(*targets, Target(MultiModalRegistry, "processor_only_cache_from_config"),
-                            Target(MultiModalRegistry, "_get_cache_type"))
+    problem = shape_problem(*targets, processor_only_ctor, cache_type_fn)
     if problem:
         return problem
     init_stages = targets[0].get()
@@ -197,25 +246,15 @@ def install() -> str | None:
                          "processor_cache_from_config (upstream changed how it builds the frontend)")
         return result
 
-    @wrap(MultiModalRegistry, "processor_cache_from_config", NAME)
-    def processor_cache_from_config(original_cache_ctor: Any, self: Any, vllm_config: Any) -> Any:
-        engine = _INITIALIZING_ENGINE.get()
-        if engine is None or not _is_stage0_frontend_config(engine, vllm_config):
-            return original_cache_ctor(self, vllm_config)
-        setattr(engine, STAGE0_CACHE_DECIDED, True)
-        vllm_choice = self._get_cache_type(vllm_config)
-        chosen = choose_cache_type(vllm_choice, requested_mode(), stage0_needs_processor_only(engine))
-        replica_aware = chosen == _PROCESSOR_ONLY and requested_mode() == contract.CACHE_REPLICA_AWARE
-        replica_aware_cache.activate(
-            vllm_config.model_config.get_multimodal_config().mm_processor_cache_gb if replica_aware else None)
-        if chosen == vllm_choice:
-            return original_cache_ctor(self, vllm_config)
-        logger.info("stage-0 frontend: %s cache replaced by %s (%s=%s, distributed=%s)", vllm_choice,
-                    chosen or "no cache", contract.FRONTEND_CACHE_ENV, requested_mode(),
-                    bool(getattr(engine, "single_stage_mode", False)))
-        if chosen is None:
-            return None  # what vLLM itself returns for a disabled cache
-        return self.processor_only_cache_from_config(vllm_config)
+    if isinstance(owner, type):  # vLLM 0.30: the registry's methods
+        @wrap(owner, "processor_cache_from_config", NAME)
+        def processor_cache_from_config(original: Any, self: Any, vllm_config: Any) -> Any:
+            return _stage0_cache(lambda: original(self, vllm_config), vllm_config,
+                                 self._get_cache_type, self.processor_only_cache_from_config)
+    else:  # vLLM 0.32: the renderer module's name for the factory function
+        @wrap(owner, "processor_cache_from_config", NAME)
+        def processor_cache_from_config(original: Any, vllm_config: Any) -> Any:
+            return _stage0_cache(lambda: original(vllm_config), vllm_config,
+                                 cache_type_fn.get(), processor_only_ctor.get())
 
     return None
-
