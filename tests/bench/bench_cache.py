@@ -25,7 +25,7 @@ replicas, which is what vllm-omni 0.30.0 does without the plugin (no retry and n
 a miss: vllm-omni ignores `mm_cache_miss_hashes`). Its errors show that the error columns can see
 errors. `replica-aware` (opt-in, issue 11 section 2): the processor-only frontend built with the
 operator's `OMNISTAGE_FRONTEND_CACHE=replica-aware`; in its cells each replica sits behind a real
-head-side `StageEngineCoreClient` (conftest's `WireReplica`: constructor, ZMQ socket and EngineCore
+head-side `StageEngineCoreClient` (engine_stack's `WireReplica`: constructor, ZMQ socket and EngineCore
 process stood in), so the plugin strips per replica inside the client's real `add_request_async`,
 the client's own `MsgpackEncoder` encodes, and misses come back through its `get_output_async`
 (vLLM's `_handle_mm_cache_miss`). Its extra figures: the mirrors' memory, misses re-sent in full,
@@ -52,7 +52,7 @@ before). Each workload runs once with images and once with audio.
 Real (nothing mocked):
 * vLLM 0.30.0 and vllm-omni 0.30.0 code: the stage-0 frontend built by vllm-omni's
   `OmniEngineBase._initialize_stages` with this project's plugin loaded through vLLM's plugin
-  loader (tests/engine/conftest.py's `stage0_engine_builder`); requests take the
+  loader (tests/support/engine_stack.py's `stage0_engine_builder`); requests take the
   `/v1/chat/completions` path: `renderer.render_chat_async` (data-URL decoding, HF processing,
   hashing, the frontend cache) -> `AsyncOmniEngine._build_add_request_message` -> a real
   `StagePool` picks the replica (distributed mode: `pick` with vllm-omni's `RoundRobinBalancer` or
@@ -60,7 +60,7 @@ Real (nothing mocked):
   `MsgpackEncoder` encodes the `OmniEngineCoreRequest` -> the frames are copied into replica-owned
   buffers (the wire) -> vLLM's `MsgpackDecoder(OmniEngineCoreRequest)` (what a vllm-omni replica
   decodes) -> the replica's receiver cache from `engine_receiver_cache_from_config`
-  (conftest's `Replica`, fed `mm_features` as `EngineCore.preprocess_add_request` does);
+  (engine_stack's `Replica`, fed `mm_features` as `EngineCore.preprocess_add_request` does);
 * the cache classes (`MultiModalProcessorSenderCache`, `MultiModalProcessorOnlyCache`,
   `MultiModalReceiverCache`) and their size accounting;
 * the processors and item sizes: a 1000x1000 JPEG (1.0 megapixel) through the real
@@ -72,7 +72,7 @@ Real (nothing mocked):
   `Qwen2AudioForConditionalGeneration` processing). No weights, no downloads (offline hub).
 
 Stood in:
-* the stage runtime and the replicas' head-side clients (conftest's `InertStageRuntime` /
+* the stage runtime and the replicas' head-side clients (engine_stack's `InertStageRuntime` /
   `InertStageClient`: nothing launches an EngineCore); a replica is its decoder plus its
   receiver cache, in this process; no ZMQ socket is opened and no network is used at all;
 * the coordinator hub (`get_replicas_for_stage`) and the replicas' load: least-queue-length
@@ -133,9 +133,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # runnable as a script: `python tests/bench/bench_cache.py`
 
 # The engine tier's process environment (loopback only, offline hub, the plugin allow-list) is
-# set when its conftest is imported, before anything imports vLLM: import it first.
-from tests.engine import conftest as engine_tier
-from tests.support import tiny_models
+# set when engine_env is imported, before anything imports vLLM: import it first.
+from tests.support import engine_env, engine_stack, tiny_models
 
 MODES = ("lru", "lru-unpatched", "processor-only", "replica-aware", "disabled")
 REPLICAS = (1, 2, 4)
@@ -378,7 +377,7 @@ def build_frontend(model_dir: Path, mode: str) -> tuple[Any, Any]:
     with pytest.MonkeyPatch.context() as mp:
         if mode == contract.CACHE_REPLICA_AWARE:  # only an operator asks for it (opt-in)
             mp.setenv(contract.FRONTEND_CACHE_ENV, mode)
-        engine = engine_tier.stage0_engine_builder(mp)(vllm_config, replicas=1, distributed=distributed)
+        engine = engine_stack.stage0_engine_builder(mp)(vllm_config, replicas=1, distributed=distributed)
     got = type(engine.input_processor.renderer.mm_processor_cache).__name__
     if got != expected:
         raise SystemExit(f"{mode}: the stage-0 frontend holds {got}, expected {expected} "
@@ -593,7 +592,7 @@ async def route(pool: Any, policy: str, request_id: str, request: Any) -> int:
     route and tail, without the affinity wrapper); an affinity policy enters through the real,
     wrapped `StagePool.submit_initial`."""
     if policy.endswith(AFFINITY):
-        return await pool.submit_initial(request_id, engine_tier.stand_in_request_state(MAX_TOKENS), request)
+        return await pool.submit_initial(request_id, engine_stack.stand_in_request_state(MAX_TOKENS), request)
     rid = await pool.pick(request_id)
     await pool._llm_client(rid).add_request_async(request)
     return rid
@@ -601,7 +600,7 @@ async def route(pool: Any, policy: str, request_id: str, request: Any) -> int:
 
 async def run_replica_aware_cell(cell: Cell, fe: FrontendRun, truth: dict[int, Any], seed: int) -> Cell:
     """The replica-aware cell: each replica behind a real head-side `StageEngineCoreClient`
-    (conftest's `WireReplica`); the plugin's wrapper strips per replica before the client's own
+    (engine_stack's `WireReplica`); the plugin's wrapper strips per replica before the client's own
     `MsgpackEncoder` encodes; outputs (and misses) come back through `get_output_async`. An
     affinity cell routes through the real `StagePool.submit_initial` (the `replica_affinity`
     wrapper), with the orchestrator's output processor and request state stood in."""
@@ -612,9 +611,9 @@ async def run_replica_aware_cell(cell: Cell, fe: FrontendRun, truth: dict[int, A
     dispatch = replica_aware_cache.dispatch()
     if dispatch is None:
         raise SystemExit("replica-aware: the dispatch is not live (is the replica_aware_cache patch disabled?)")
-    replicas = {i: engine_tier.WireReplica(fe.vllm_config, i) for i in range(cell.replicas)}
+    replicas = {i: engine_stack.WireReplica(fe.vllm_config, i) for i in range(cell.replicas)}
     clients = [replicas[i].client for i in range(cell.replicas)]
-    pool = StagePool(0, clients, output_processor=engine_tier.StandInOutputProcessor(),
+    pool = StagePool(0, clients, output_processor=engine_stack.StandInOutputProcessor(),
                      stage_vllm_config=fe.vllm_config)
     hub = SimulatedHub([c.client_addresses["input_address"] for c in clients], fe.rendered, seed)
     pool.attach_hub(hub)
@@ -672,7 +671,7 @@ async def run_cell(cell: Cell, fe: FrontendRun, truth: dict[int, Any], seed: int
     from vllm_omni.engine import OmniEngineCoreRequest
     from vllm_omni.engine.stage_pool import StagePool
 
-    clients = [engine_tier.InertStageClient(i) for i in range(cell.replicas)]
+    clients = [engine_stack.InertStageClient(i) for i in range(cell.replicas)]
     pool = StagePool(0, clients, stage_vllm_config=fe.vllm_config)
     hub = None
     if cell.policy != "static":  # a distributed head: hub + the balancer --omni-lb-policy names
@@ -680,7 +679,7 @@ async def run_cell(cell: Cell, fe: FrontendRun, truth: dict[int, Any], seed: int
         pool.attach_hub(hub)
         pool.attach_load_balancer(balancer(cell.policy))
     random.seed(seed)  # LeastQueueLengthBalancer breaks ties with random.choice
-    replicas = {i: engine_tier.Replica(fe.vllm_config, i) for i in range(cell.replicas)}
+    replicas = {i: engine_stack.Replica(fe.vllm_config, i) for i in range(cell.replicas)}
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(OmniEngineCoreRequest)
     cell.per_replica = [0] * cell.replicas
     cell.cache_acct, cell.cache_held = fe.cache_acct, fe.cache_held
@@ -1026,8 +1025,8 @@ def main() -> int:
     args.modalities = [m for m in args.modalities.split(",") if m]
     args.long_modalities = [m for m in args.long_modalities.split(",") if m]
     wall0, cpu0 = START
-    if engine_tier.VLLM_OMNI_IMPORT_ERROR:
-        print(f"bench-cache needs vllm_omni 0.30.0 (make setup): {engine_tier.VLLM_OMNI_IMPORT_ERROR}")
+    if engine_env.VLLM_OMNI_IMPORT_ERROR:
+        print(f"bench-cache needs vllm_omni 0.30.0 (make setup): {engine_env.VLLM_OMNI_IMPORT_ERROR}")
         return 2
     from omnistage_engine_patches import contract
 
@@ -1036,11 +1035,11 @@ def main() -> int:
     import vllm.plugins
 
     vllm.plugins.load_general_plugins()
-    if not engine_tier.patch_applied("frontend_cache"):
+    if not engine_env.patch_applied("frontend_cache"):
         print("the frontend_cache patch is not applied (OMNISTAGE_DISABLE_PATCHES?): nothing to measure")
         return 2
     for name in (contract.REPLICA_AWARE_CACHE, contract.REPLICA_AFFINITY):
-        if not engine_tier.patch_applied(name):
+        if not engine_env.patch_applied(name):
             print(f"the {name} patch is not applied (OMNISTAGE_DISABLE_PATCHES?): the replica-aware mode "
                   "cannot be measured")
             return 2

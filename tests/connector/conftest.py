@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.loopback import LOOPBACK_ENV
+
 # Loopback only, no hub, no usage stats: for this process and the stage processes it starts.
-LOOPBACK_ENV = {"VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 os.environ.update(LOOPBACK_ENV)
 
 _HERE = Path(__file__).resolve().parent

@@ -46,7 +46,7 @@ from typing import Any
 import pytest
 from omnistage_engine_patches import contract
 
-from tests.connector.conftest import LOOPBACK_ENV
+from tests.support.loopback import LOOPBACK_ENV
 
 try:
     import nixl  # noqa: F401

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.connector.conftest import LOOPBACK_ENV
 from tests.connector.test_nixl_chain import pytestmark  # noqa: F401  (the same skips: vllm_omni, nixl)
+from tests.support.loopback import LOOPBACK_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST, BASE = "127.0.44.2", 43000

@@ -4,8 +4,8 @@ What runs: the operator's real rendering (spec -> effective cache mode, the depl
 stage-0 cache keys, the head's OMNISTAGE_FRONTEND_CACHE), then vllm-omni's real
 `OmniEngineBase._initialize_stages` -> `build_stage0_input_processor` -> vLLM renderer and cache on
 a tiny weightless Qwen2-VL / Qwen2 checkpoint (stand-ins: the stage runtime and the replicas'
-head-side clients, see conftest.py), then the plugin's real report read from that live renderer,
-then the operator's real CacheConsistent rule on that report.
+head-side clients, see tests/support/engine_stack.py), then the plugin's real report read from
+that live renderer, then the operator's real CacheConsistent rule on that report.
 
 Tests marked "regression" fail with the frontend patch off:
     OMNISTAGE_DISABLE_PATCHES=frontend_cache pytest tests/engine/test_engine_report.py

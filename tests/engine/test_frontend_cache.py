@@ -5,7 +5,7 @@ Everything here is the real vllm 0.30.0 / vllm-omni 0.30.0 code on the CPU:
 * the frontend is the stage-0 input processor and Omni renderer that vllm-omni's own
   `OmniEngineBase._initialize_stages` builds (via the `build_stage0_engine` fixture; the only
   stand-ins are the stage runtime, which would launch EngineCores on GPUs, and the replicas'
-  head-side clients; see conftest.py);
+  head-side clients; see tests/support/engine_stack.py);
 * requests take the `/v1/chat/completions` route: `renderer.render_chat_async` (multimodal
   processing and the frontend cache, before any replica is chosen), then
   `AsyncOmniEngine._build_add_request_message`, then the stage-0 `StagePool` picks a replica
@@ -50,7 +50,13 @@ from vllm.multimodal.cache import (
 from vllm.multimodal.registry import MultiModalRegistry
 from vllm.renderers.params import ChatParams
 
-from .conftest import InertStageClient, Replica, image_data_url, pixel_digest, stage0_engine_builder
+from tests.support.engine_stack import (
+    InertStageClient,
+    Replica,
+    image_data_url,
+    pixel_digest,
+    stage0_engine_builder,
+)
 
 PATCH = frontend_cache.NAME
 

@@ -52,7 +52,6 @@ from omnistage_engine_patches.patches import membership
 from omnistage_engine_patches.patches.membership import draining_of, held_of, state_of
 
 from tests.bench.bench_listing import fake_head
-from tests.engine.conftest import loopback_ip
 from tests.standin.engine import (
     HttpServerThread,
     StandinEngineClient,
@@ -62,6 +61,7 @@ from tests.standin.engine import (
     wait_quietly,
 )
 from tests.standin.replica import SimulatedReplica
+from tests.support.loopback import loopback_ip
 from tests.support.ports import free_port
 from tests.support.tiny_models import build_config_only_model
 

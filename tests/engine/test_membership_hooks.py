@@ -30,10 +30,11 @@ pytest.importorskip("vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run
 from omnistage_engine_patches import contract
 from omnistage_engine_patches.patches.membership import draining_of, held_of, state_of
 
-from tests.engine.conftest import loopback_ip, patch_applied
 from tests.engine.test_membership_api import bind_request, fresh_picks, start_replica
 from tests.standin.engine import build_vllm_config, standin_head, wait_quietly
 from tests.standin.replica import SimulatedReplica
+from tests.support.engine_env import patch_applied
+from tests.support.loopback import loopback_ip
 from tests.support.tiny_models import build_config_only_model
 
 pytestmark = pytest.mark.engine

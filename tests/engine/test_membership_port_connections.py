@@ -28,7 +28,7 @@ import pytest
 from omnistage_engine_patches import contract, membership_connections
 from omnistage_engine_patches.membership_server import serve_membership
 
-from tests.engine.conftest import loopback_ip
+from tests.support.loopback import loopback_ip
 
 TOKEN = "membership-port-token-for-tests"
 SHORT = 1.0  # HEADER_SECONDS and BODY_SECONDS here: the tests wait them out

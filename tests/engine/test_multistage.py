@@ -44,7 +44,6 @@ pytest.importorskip("vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run
 from omnistage_engine_patches import contract
 from omnistage_engine_patches.membership_ops import LiveHead, MembershipError
 
-from tests.engine.conftest import loopback_ip, patch_applied
 from tests.engine.test_membership_api import bind_request, fresh_picks
 from tests.standin.engine import (
     HttpServerThread,
@@ -59,6 +58,8 @@ from tests.standin.multistage import (
     qwen3_omni_like,
     stage_vllm_config,
 )
+from tests.support.engine_env import patch_applied
+from tests.support.loopback import loopback_ip
 from tests.support.ports import free_port
 from tests.support.tiny_models import build_config_only_model
 

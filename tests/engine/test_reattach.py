@@ -34,7 +34,7 @@ from omnistage_engine_patches.patches import reattach
 from vllm.v1.engine.core import EngineCoreProc
 from vllm_omni.engine import stage_engine_startup
 
-from tests.engine.conftest import loopback_ip
+from tests.support.loopback import loopback_ip
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.engine

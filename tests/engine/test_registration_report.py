@@ -40,7 +40,6 @@ from omnistage_engine_patches.membership_ops import LiveHead
 from omnistage_engine_patches.patches import registration_report
 from vllm_omni.engine import stage_engine_startup
 
-from tests.engine.conftest import loopback_ip, patch_applied
 from tests.standin.engine import StandinEngineClient, wait_quietly
 from tests.standin.multistage import (
     MultiStageOptions,
@@ -49,6 +48,8 @@ from tests.standin.multistage import (
     qwen3_omni_like,
     stage_vllm_config,
 )
+from tests.support.engine_env import patch_applied
+from tests.support.loopback import loopback_ip
 from tests.support.tiny_models import build_config_only_model
 
 pytestmark = pytest.mark.engine

@@ -8,7 +8,7 @@ wrappers; and here, the stage-0 `StagePool`'s real `submit_initial` (the wrapped
 robin), and its real bindings (`bind`, `_request_bindings`, and `release_binding`, which the
 orchestrator calls when a request finishes).
 
-Stood in: the EngineCore processes, ZMQ sockets and the clients' constructors (conftest's
+Stood in: the EngineCore processes, ZMQ sockets and the clients' constructors (engine_stack's
 `WireReplica`); the coordinator hub of a distributed head (`StandInHub`: every attached replica UP,
 queue length 0, as a freshly heartbeating hub shows them); the orchestrator's output processor and
 request state, which `submit_initial` only hands on (`StandInOutputProcessor`, `REQ_STATE`); and,
@@ -40,7 +40,8 @@ from omnistage_engine_patches.patches import replica_affinity, replica_aware_cac
 from vllm_omni.distributed.omni_coordinator.load_balancer import RoundRobinBalancer
 from vllm_omni.engine.stage_pool import StagePool
 
-from .conftest import InertStageClient, StandInOutputProcessor, stand_in_request_state
+from tests.support.engine_stack import InertStageClient, StandInOutputProcessor, stand_in_request_state
+
 from .test_replica_aware_cache import SEQUENCE_28, AwareDeployment, assert_clean, aware_deployment
 
 PATCH = replica_affinity.NAME

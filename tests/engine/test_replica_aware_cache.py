@@ -8,7 +8,7 @@ calls them), the head-side client class `StageEngineCoreClient` with its real `a
 (and the plugin's wrappers), vLLM's `MsgpackEncoder` / `MsgpackDecoder(OmniEngineCoreRequest)`,
 each replica's real `MultiModalReceiverCache` and vLLM's own miss answer
 (`EngineCoreProc._handle_mm_cache_miss`). Stood in: the EngineCore process, the client's ZMQ
-sockets and its constructor (conftest's `WireReplica`).
+sockets and its constructor (tests/support/engine_stack.py's `WireReplica`).
 
 Every scenario checks two figures: requests that failed (a cache-miss error reached the
 orchestrator) and stale requests (a feature the replica fed its encoder differs from the tensor
@@ -39,7 +39,8 @@ from vllm.multimodal.cache import MultiModalCache, MultiModalProcessorOnlyCache
 from vllm.renderers.params import ChatParams
 from vllm.v1.engine import FinishReason
 
-from .conftest import WireReplica, pixel_digest, stage0_engine_builder
+from tests.support.engine_stack import WireReplica, pixel_digest, stage0_engine_builder
+
 from .test_frontend_cache import chat_messages
 
 PATCH = replica_aware_cache.NAME

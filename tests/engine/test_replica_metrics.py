@@ -7,7 +7,7 @@ stats on (``OmniPrometheusStatLogger`` in prometheus_client's default registry),
 register and heartbeat through vllm-omni's own client code (``register_stage_with_omni_master``,
 ``create_stage_coord_client``). The frontend test renders real chat requests with vllm-omni's
 stage-0 input processor and renderer for a tiny Qwen2-VL checkpoint (config, tokenizer and
-image-processor files, no weights; see conftest.py).
+image-processor files, no weights; see tests/support/tiny_models.py).
 
 Stood in (no GPU, no weights): the EngineCore processes. Each replica's head-side client is
 ``tests.standin.engine.StandinStageClient``, which emits real ``EngineCoreOutputs`` carrying a
@@ -37,9 +37,10 @@ from prometheus_client import REGISTRY
 
 from tests.standin.engine import build_vllm_config, standin_head, wait_quietly
 from tests.standin.replica import SimulatedReplica
+from tests.support.engine_env import patch_applied
+from tests.support.engine_stack import image_data_url
+from tests.support.loopback import loopback_ip
 from tests.support.tiny_models import build_config_only_model
-
-from .conftest import image_data_url, loopback_ip, patch_applied
 
 pytestmark = pytest.mark.engine
 

@@ -39,9 +39,8 @@ from omnistage_engine_patches.patches import uuid_scope
 from vllm.multimodal.hasher import MultiModalHasher
 from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
 
+from tests.support.engine_stack import Replica, make_image, pixel_digest, stage0_engine_builder
 from tests.support.tiny_models import IMAGE_PROMPT
-
-from .conftest import Replica, make_image, pixel_digest, stage0_engine_builder
 
 PATCH = uuid_scope.NAME
 

@@ -66,7 +66,7 @@ class StandinStageClient:
     ``SchedulerStats`` batch every ``stats_interval`` seconds (real ``EngineCoreOutputs``), so
     the orchestrator's real stats path runs for every attached replica.
 
-    The engine tier's ``InertStageClient`` (tests/engine/conftest.py) is the other stand-in for
+    The engine tier's ``InertStageClient`` (tests/support/engine_stack.py) is the other stand-in for
     the same upstream class: attributes only, for engines whose stage pools are built and never
     run. This one is live.
     """

@@ -7,8 +7,8 @@ Not here: tests/cpu_engine/tiny_omni.py, the Qwen2.5-Omni thinker that real engi
 random weights and its own tokenizer (Omni's special tokens), runs as a script in the real-engine
 environment, and hack/real-engine-env.sh rebuilds the cached model when that one file changes.
 
-transformers and tokenizers are imported by the builders, not here, so that the engine tier's
-conftest can import this module before it has set the environment vLLM reads at import.
+transformers and tokenizers are imported by the builders, not here, so that importing this module
+reads nothing before the environment vLLM reads at import is set (tests/support/engine_env.py).
 """
 
 from __future__ import annotations
