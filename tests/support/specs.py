@@ -1,4 +1,5 @@
-"""Changed copies of an OmniStage document, for tests that vary the committed sample one field at a time."""
+"""Changed copies of an OmniStage document, for tests that vary the committed sample one field at a time,
+and the check that validation refuses a copy for exactly one reason."""
 
 from __future__ import annotations
 
@@ -19,3 +20,16 @@ def with_spec_changes(doc: Mapping[str, Any], changes: Mapping[str, Any], sep: s
             node = node.setdefault(key, {})
         node[last] = value
     return out
+
+
+def refused_exactly(obj: dict, field: str, words: str) -> None:
+    """validate_omnistage finds exactly one problem in `obj`, at `field`, its message holding `words`,
+    and names the field where the InvalidSpec condition and Event will."""
+    import pytest
+    from omnistage.api.validation import InvalidSpec, validate_omnistage
+
+    with pytest.raises(InvalidSpec) as err:
+        validate_omnistage(obj)
+    assert [f for f, _ in err.value.problems] == [field], err.value.problems
+    assert words in err.value.problems[0][1]
+    assert field in str(err.value)

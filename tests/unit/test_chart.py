@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from .conftest import ROOT, hack_script
+from tests.support.repo import ROOT, hack_script
 
 CHART = ROOT / "charts" / "omnistage-operator"
 NS = "omnistage-system"

@@ -5,7 +5,7 @@ import sys
 
 import yaml
 
-from .conftest import ROOT
+from tests.support.repo import ROOT
 
 
 def omnistage(*args, stdin=None):

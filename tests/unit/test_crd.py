@@ -5,7 +5,7 @@ import pytest
 import yaml
 from omnistage.api.crd import build_crd, build_pool_crd, crd_yaml
 
-from .conftest import ROOT
+from tests.support.repo import ROOT
 
 CRD_PATH = ROOT / "crds/omnistage.serving.omnistage.io.yaml"
 

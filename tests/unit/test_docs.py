@@ -25,8 +25,7 @@ from omnistage.api.docs import KUBERNETES_TYPES, reference_markdown
 from omnistage.api.statuses import MemberState
 
 from tests.gpu.support import ENGINE_IMAGE_ENV, SETTINGS
-
-from .conftest import ROOT
+from tests.support.repo import ROOT
 
 DOCS = ROOT / "docs"
 REFERENCE = DOCS / "reference.md"

@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.ports import free_port
-
-from .conftest import ROOT, hack_script
+from tests.support.repo import ROOT, hack_script
 
 SCRIPT = ROOT / "hack" / "gpu-repro.py"
 

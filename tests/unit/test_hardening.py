@@ -13,7 +13,8 @@ from omnistage.render import render_head_pod, render_replica_pod, target_from
 from omnistage.render.common import Pool
 from omnistage.render.pods import render_pool_pod
 
-from .conftest import ROOT
+from tests.support.repo import ROOT
+
 from .test_podtemplate import HEAD_IP, HEAD_UID, stage_with
 
 HARDENED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}

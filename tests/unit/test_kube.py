@@ -19,7 +19,7 @@ from omnistage.render import (
 from omnistage.runtime import drift
 from omnistage.runtime.kube import request_kind
 
-from .conftest import SAMPLE
+from tests.support.repo import SAMPLE
 
 H = "https://127.0.0.1:6443"
 

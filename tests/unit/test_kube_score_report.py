@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .conftest import ROOT, hack_script
+from tests.support.repo import ROOT, hack_script
 
 JUDGED = ROOT / "hack" / "kube-score-judged.txt"
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from .conftest import ROOT
+from tests.support.repo import ROOT
 
 OPERATOR = ROOT / "operator" / "omnistage"
 PURE_LAYERS = ("api", "render", "control")

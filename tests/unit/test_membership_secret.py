@@ -15,7 +15,8 @@ from omnistage.control.plan import mounts_membership_secret, plan
 from omnistage.render import render_secret, target_from
 from omnistage.runtime import handlers, memory, reconcile
 
-from .conftest import SAMPLE
+from tests.support.repo import SAMPLE
+
 from .test_plan import AT, cond, head, replica, situation
 
 UID = "ost-uid"

@@ -4,7 +4,7 @@ The failure message names the largest modules, so that whoever is stopped here s
 
 from __future__ import annotations
 
-from .conftest import ROOT
+from tests.support.repo import ROOT
 
 CEILING = 400
 PRODUCT = (ROOT / "operator" / "omnistage", ROOT / "engine_patches" / "omnistage_engine_patches")

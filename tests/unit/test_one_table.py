@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from .conftest import ROOT
+from tests.support.repo import ROOT
 
 OPERATOR = ROOT / "operator" / "omnistage"
 

@@ -33,8 +33,7 @@ from omnistage.render import render_head_pod, render_replica_pod, target_from
 from omnistage_engine_patches import contract
 
 from tests.support.patches import apply_merge_patch
-
-from .conftest import SAMPLE
+from tests.support.repo import SAMPLE
 
 HEAD_IP, HEAD_UID, BOOT = "127.77.0.10", "head-uid", "boot-1"
 AT = "2026-11-30T12:00:00Z"

@@ -14,7 +14,8 @@ from omnistage.runtime import act as act_module
 from omnistage.runtime import credentials
 from omnistage_engine_patches import contract
 
-from .conftest import SAMPLE
+from tests.support.repo import SAMPLE
+
 from .test_plan import HEAD_IP, HEAD_UID, replica
 
 MASTER = "master-token"

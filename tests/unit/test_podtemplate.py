@@ -15,7 +15,9 @@ from omnistage.api.validation import SPEC_RULES, validate_omnistage
 from omnistage.names import A_TEMPLATE_HASH
 from omnistage.render import render_head_pod, render_replica_pod, target_from
 
-from .conftest import ROOT, SAMPLE, hack_script, refused_exactly
+from tests.support.repo import ROOT, SAMPLE, hack_script
+from tests.support.specs import refused_exactly
+
 from .test_cli import omnistage
 
 HEAD_IP, HEAD_UID = "127.77.0.10", "uid-1"

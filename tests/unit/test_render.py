@@ -9,7 +9,7 @@ import yaml
 from omnistage.names import A_HEAD_UID, A_TEMPLATE_HASH, ROLE_SPARE_HEAD, ROLE_STANDBY
 from omnistage.render import render_children, render_head_pod, render_replica_pod, selector, target_from
 
-from .conftest import SAMPLE
+from tests.support.repo import SAMPLE
 
 HEAD_IP, HEAD_UID = "127.77.0.10", "uid-1"
 

@@ -9,7 +9,7 @@ from omnistage.cli import runnable_pools
 from omnistage.render import render_children, target_from
 from omnistage.yamlio import dump_all
 
-from .conftest import ROOT
+from tests.support.repo import ROOT
 
 SCENARIOS = sorted(p.stem for p in (ROOT / "tests/unit/scenarios").glob("*.yaml"))
 GOLDEN = ROOT / "tests/unit/golden"

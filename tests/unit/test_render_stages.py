@@ -16,7 +16,7 @@ from omnistage.known_pipelines import SHIPPED_DEPLOY
 from omnistage.render import render_deploy_config, target_from
 from omnistage.render.stages import NIXL, transport_note
 
-from .conftest import ROOT, SAMPLE
+from tests.support.repo import ROOT, SAMPLE
 
 GOLDEN = ROOT / "tests/unit/golden"
 PIPELINE = "qwen3_omni_moe"

@@ -18,9 +18,9 @@ from omnistage.render.common import Pool
 from omnistage.render.pods import render_pool_pod
 from pydantic import ValidationError
 
-from tests.support.specs import with_spec_changes
+from tests.support.repo import ROOT, SAMPLE
+from tests.support.specs import refused_exactly, with_spec_changes
 
-from .conftest import ROOT, SAMPLE, refused_exactly
 from .test_cli import omnistage
 
 ALLOWED_ENV = security.ALLOWED_HOST_PATHS_ENV

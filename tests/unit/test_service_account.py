@@ -12,7 +12,8 @@ import yaml
 from omnistage.api import security
 from omnistage.api.validation import InvalidSpec, validate_omnistage
 
-from .conftest import ROOT, SAMPLE
+from tests.support.repo import ROOT, SAMPLE
+
 from .test_security import pod
 
 # The install's contract with the operator (manifests/base/deployment.yaml), spelled out so that this

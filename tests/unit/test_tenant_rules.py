@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 from omnistage.api.validation import InvalidSpec, validate_omnistage
 
-from .conftest import refused_exactly
+from tests.support.specs import refused_exactly
+
 from .test_podtemplate import GPU, pods
 from .test_security import MEMBERSHIP, _enforced_by, container, pod, spec, volumes
 

@@ -4,9 +4,8 @@ import pytest
 import yaml
 from omnistage.api.validation import InvalidSpec, validate_omnistage
 
-from tests.support.specs import with_spec_changes
-
-from .conftest import ROOT, SAMPLE, refused_exactly
+from tests.support.repo import ROOT, SAMPLE
+from tests.support.specs import refused_exactly, with_spec_changes
 
 
 def with_spec(**changes):
