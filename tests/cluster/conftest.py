@@ -25,7 +25,6 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 import shutil
 import subprocess
 import time
@@ -39,6 +38,7 @@ import pytest
 
 from tests.standin.harness import TESTS_PROBE_HEADS_EVERY, OperatorProcess
 from tests.standin.runtime import StandinRuntime
+from tests.support.cluster import OPERATOR_SA, container_env, create_test_namespace
 from tests.support.kubectl import Kubectl, cached_binary, k8s_bin_dir
 from tests.support.waits import wait_for as _wait_for
 
@@ -49,9 +49,8 @@ CRD_FILE = ROOT / "crds" / "omnistage.serving.omnistage.io.yaml"
 CRD_NAME = "omnistages.serving.omnistage.io"
 POOL_CRD_NAME = "omnistagepools.serving.omnistage.io"
 MANIFESTS = ROOT / "manifests"
-# The namespace and ServiceAccount the install manifests use (manifests/base).
+# The namespace the install manifests use (manifests/base).
 MANIFEST_NAMESPACE = "omnistage-system"
-OPERATOR_SA = "omnistage-operator"
 
 USE_EXISTING = os.environ.get("OMNISTAGE_USE_EXISTING_CLUSTER") == "1"
 KEEP = os.environ.get("OMNISTAGE_KEEP_CLUSTER") == "1"
@@ -62,25 +61,6 @@ CLUSTER_DIR = Path(os.environ.get("OMNISTAGE_CLUSTER_DIR", "/tmp/omnistage-clust
 BUILD_TIMEOUT = 90 * 60
 CLUSTER_UP_TIMEOUT = 10 * 60
 CLUSTER_DOWN_TIMEOUT = 2 * 60
-
-
-# The downward API's fields an operator run on this machine answers itself: its "pod IP" is loopback
-# (the Deployment binds /metrics and the probes to $(POD_IP): OMNISTAGE_BIND_ADDRESS).
-LOCAL_FIELDS = {"status.podIP": "127.0.0.1", "spec.serviceAccountName": OPERATOR_SA}
-
-
-def _container_env(container: dict[str, Any]) -> dict[str, str]:
-    """The container's environment as its pod would have it, for a process run here: values, the
-    downward API fields of LOCAL_FIELDS, and $(VAR) expanded from earlier variables as the kubelet
-    does. Other valueFrom entries are left out (POD_NAMESPACE, POD_NAME: the harness sets its own)."""
-    out: dict[str, str] = {}
-    for e in container.get("env") or []:
-        field = ((e.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
-        if "value" in e:
-            out[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: out.get(m[1], m[0]), e["value"])
-        elif field in LOCAL_FIELDS:
-            out[e["name"]] = LOCAL_FIELDS[field]
-    return out
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -261,18 +241,6 @@ def _wait_for_garbage_collector(kubectl: Kubectl) -> None:
         kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found")
 
 
-def create_test_namespace(kubectl: Kubectl, title: str) -> str:
-    """A new namespace named after `title` (t-..., what the tests' operators watch), ready for pods."""
-    stem = re.sub(r"[^a-z0-9-]+", "-", title.lower()).strip("-")[:40].strip("-")
-    name = f"t-{stem}-{uuid.uuid4().hex[:5]}"
-    kubectl("create", "namespace", name)
-    kubectl("label", "namespace", name, "omnistage.io/test=true")
-    # Pods are refused until the controller manager has created the namespace's default ServiceAccount.
-    _wait_for(f"default ServiceAccount in {name}", lambda: kubectl(
-        "get", "serviceaccount", "default", "-n", name, check=False).returncode == 0, timeout=60)
-    return name
-
-
 @pytest.fixture
 def namespace(request: pytest.FixtureRequest, kubectl: Kubectl) -> Iterator[str]:
     """A fresh namespace per test; deleted afterwards (the namespace controller removes its contents)."""
@@ -429,7 +397,7 @@ def operator_identity(kubectl: Kubectl, kustomize, service_account_kubeconfig,
         rendered = kustomize(_OVERLAYS[overlay])
         deployment = next(d for d in rendered if d["kind"] == "Deployment" and d["metadata"]["name"] == OPERATOR_SA)
         container = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "operator")
-        env = _container_env(container)
+        env = container_env(container)
         objects = []
         for doc in rendered:
             if doc["kind"] not in _IDENTITY_KINDS:

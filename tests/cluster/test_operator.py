@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.cluster.conftest import create_test_namespace
 from tests.standin.harness import (
     A_HEAD_UID,
     L_COMPONENT,
@@ -38,6 +37,7 @@ from tests.standin.harness import (
 from tests.standin.harness import (
     engine_pods as _engine_pods,
 )
+from tests.support.cluster import create_test_namespace
 from tests.support.specs import with_spec_changes
 from tests.support.status import condition, is_true
 

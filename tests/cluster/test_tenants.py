@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.cluster.conftest import _container_env
 from tests.standin.harness import TESTS_PROBE_HEADS_EVERY, OperatorProcess, converged
 from tests.standin.runtime import StandinRuntime
+from tests.support.cluster import container_env
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAY = ROOT / "manifests" / "overlays" / "namespaced"
@@ -71,7 +71,7 @@ def test_two_namespaced_tenants_coexist_and_one_uninstalls_alone(
                         input=_as_list(objs))
                 dep = next(d for d in objs if d["kind"] == "Deployment")
                 pod = dep["spec"]["template"]["spec"]
-                env = _container_env(pod["containers"][0])  # as the kubelet would: $(POD_IP) is loopback here
+                env = container_env(pod["containers"][0])  # as the kubelet would: $(POD_IP) is loopback here
                 sa = pod["serviceAccountName"]
                 wait_for(f"ServiceAccount {ns}/{sa}", lambda ns=ns, sa=sa: kubectl(
                     "get", "serviceaccount", sa, "-n", ns, check=False).returncode == 0, timeout=60)

@@ -19,7 +19,7 @@ MANIFESTS = ROOT / "manifests"
 SAMPLE = MANIFESTS / "samples" / "omnistage.yaml"
 SPEECH_SAMPLE = MANIFESTS / "samples" / "qwen3-omni-speech.yaml"
 MULTISTAGE_RUNS = {"0": (), "1": ("network", "sameNode"), "network": ("network",)}
-# What manifests/base installs (tests/cluster/conftest.py uses the same names).
+# What manifests/base installs (tests/support/cluster.py and tests/cluster/conftest.py use the same names).
 OPERATOR_NAMESPACE = "omnistage-system"
 OPERATOR_NAME = "omnistage-operator"
 OPERATOR_CONTAINER = "operator"

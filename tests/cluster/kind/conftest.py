@@ -20,28 +20,16 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.cluster.kind.kindstage import (
-    ENGINE_IMAGE,
-    ENGINE_VENV,
-    MODEL_DIR,
-    OPERATOR_IMAGE,
-    SPEECH_MODEL_DIR,
-    python_prefix,
-)
+from tests.cluster.kind.kindstage import CHART, OPERATOR_IMAGE, OPERATOR_NS, RELEASE, helm_values
 from tests.cluster.live_output import pytest_runtest_call, pytest_runtest_setup, pytest_runtest_teardown  # noqa: F401
 
 KIND_CLUSTER = os.environ.get("OMNISTAGE_KIND_CLUSTER")
 if not KIND_CLUSTER:
     collect_ignore_glob = ["test_*.py"]
 
-ROOT = Path(__file__).resolve().parents[3]
-CHART = ROOT / "charts" / "omnistage-operator"
-RELEASE, OPERATOR_NS = "omnistage-operator", "omnistage-system"
-HEAD_READY_TIMEOUT = 25 * 60
 
 
 # Live output: the tier's printed progress and figures are its report (tests/cluster/live_output.py).
@@ -51,17 +39,6 @@ HEAD_READY_TIMEOUT = 25 * 60
 def standin():
     """No runtime of ours: the kubelets run the pods."""
     return
-
-
-def helm_values() -> list[str]:
-    """The chart's values for this tier. allowedHostPaths: the node directories kind_omnistage mounts
-    (the engine venv and its interpreter, the models), which the operator refuses unless its
-    administrator allows them (docs/security.md)."""
-    repo, tag = OPERATOR_IMAGE.rsplit(":", 1)
-    allowed = f"{ENGINE_VENV},{python_prefix()},{MODEL_DIR},{SPEECH_MODEL_DIR}"
-    return ["--set", f"image.repository={repo}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
-            "--set", f"engineImage={ENGINE_IMAGE}", "--set", "replicaCount=2",
-            "--set", f"allowedHostPaths={{{allowed}}}"]
 
 
 @pytest.fixture(scope="module")

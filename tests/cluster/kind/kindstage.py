@@ -1,6 +1,7 @@
 """The kind tier's OmniStage: the real-engine tier's RealOmniStage, read through the API server and
 `kubectl port-forward` only (no runtime of ours: the kubelets run the pods), and the manifest that
-runs the tiny model on the kind workers' CPU engine image (hack/kind/images.py)."""
+runs the tiny model on the kind workers' CPU engine image (hack/kind/images.py); the chart and the
+values the tier installs it with."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ ENGINE_VENV = "/opt/omnistage-engine"                         # hack/kind/up.sh 
 MODEL_DIR = "/opt/omnistage-models/tiny-omni"
 SPEECH_MODEL_DIR = "/opt/omnistage-models/tiny-qwen3-omni"
 DOCKER = "/usr/bin/docker"                                   # the kind nodes are its containers
+ROOT = Path(__file__).resolve().parents[3]
+CHART = ROOT / "charts" / "omnistage-operator"
+RELEASE, OPERATOR_NS = "omnistage-operator", "omnistage-system"
+HEAD_READY_TIMEOUT = 25 * 60
 
 
 def python_prefix() -> str:
@@ -34,6 +39,17 @@ def python_prefix() -> str:
     cfg = (CPU_VENV / "pyvenv.cfg").read_text().splitlines()
     home = next(line.split("=", 1)[1].strip() for line in cfg if line.startswith("home"))
     return str(Path(home).parent)
+
+
+def helm_values() -> list[str]:
+    """The chart's values for this tier. allowedHostPaths: the node directories kind_omnistage mounts
+    (the engine venv and its interpreter, the models), which the operator refuses unless its
+    administrator allows them (docs/security.md)."""
+    repo, tag = OPERATOR_IMAGE.rsplit(":", 1)
+    allowed = f"{ENGINE_VENV},{python_prefix()},{MODEL_DIR},{SPEECH_MODEL_DIR}"
+    return ["--set", f"image.repository={repo}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
+            "--set", f"engineImage={ENGINE_IMAGE}", "--set", "replicaCount=2",
+            "--set", f"allowedHostPaths={{{allowed}}}"]
 
 
 def kind_omnistage(name: str, replicas: int) -> dict[str, Any]:

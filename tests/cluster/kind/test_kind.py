@@ -22,8 +22,18 @@ import time
 import pytest
 from omnistage_engine_patches import contract
 
-from tests.cluster.kind.conftest import CHART, HEAD_READY_TIMEOUT, OPERATOR_NS, RELEASE, helm_values
-from tests.cluster.kind.kindstage import DOCKER, KindOmniStage, kind_omnistage, sh, stream
+from tests.cluster.kind.kindstage import (
+    CHART,
+    DOCKER,
+    HEAD_READY_TIMEOUT,
+    OPERATOR_NS,
+    RELEASE,
+    KindOmniStage,
+    helm_values,
+    kind_omnistage,
+    sh,
+    stream,
+)
 from tests.cluster.real.realstage import send_attributed
 from tests.cpu_engine import client
 from tests.standin.harness import MEMBERSHIP_PATH, http_get, remote_members, service_addresses

@@ -31,8 +31,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from tests.cluster.kind.conftest import HEAD_READY_TIMEOUT
-from tests.cluster.kind.kindstage import DOCKER, SPEECH_MODEL_DIR, KindOmniStage, on_kind
+from tests.cluster.kind.kindstage import DOCKER, HEAD_READY_TIMEOUT, SPEECH_MODEL_DIR, KindOmniStage, on_kind
 from tests.cluster.real.test_speech_pipeline import (
     NAME,
     POOL,
