@@ -30,7 +30,7 @@ A_EFFECTIVE_CACHE_MODE = f"{GROUP}/effective-cache-mode"  # on the ConfigMap
 A_HEAD_UID = f"{GROUP}/head-uid"
 # The head container's restartCount when a replica or pool pod was made: a higher count now means the
 # engine it registered with is gone (replicas never register again). Read from the pods, never from
-# status, which an OmniStage editor may write (issue 27).
+# status, which an OmniStage editor may write.
 A_HEAD_RESTARTS = f"{GROUP}/head-restarts"
 # The `reattach` patch outcome a replica's engine reported (control/reattach.py): "applied" means it
 # outlives a restart of its head's engine and registers with the new one, so it is not rolled.

@@ -1,6 +1,6 @@
 """The kinds of an OmniStage's children that the operator keeps as rendered, once: the informer watches
-each (runtime/informer.py), the client applies each (runtime/drift.py), the plan ensures each with the
-fields it owns (control/plan.py), and the install's ClusterRole grants each (a unit test reads
+each (runtime/informer.py), the client applies each (runtime/drift.py), the decision ensures each with
+the fields it owns (control/children.py), and the install's ClusterRole grants each (a unit test reads
 manifests/base/rbac.yaml against this table). Pods and the membership Secret are not here: the
 operator creates and deletes pods one by one, and reads and creates the Secret by name."""
 

@@ -2,8 +2,8 @@
 
 The operator names children after them (NAME-master, NAME-replica-12, POOL-3...) and writes the
 names into label values, and the API server refuses any of those past its limit: a 64-character
-pool name once gave a PodDisruptionBudget selector the API server refused, and every pass of the
-OmniStage failed (issue 27). This module is the one table of every name and label value derived
+pool name would give a PodDisruptionBudget selector the API server refuses, and every pass of the
+OmniStage would fail. This module is the one table of every name and label value derived
 from either name, with its longest suffix and the limit Kubernetes puts on it; the longest name
 allowed is the tightest row's. The CRDs refuse a longer name (a CEL rule on metadata.name, crd.py)
 and so does the operator (validation.py; control/pools.py for a pool), with the same message.
@@ -12,7 +12,7 @@ a new child or a longer suffix in render/ fails it.
 
 The same table says which names two objects of a namespace would both write (collisions): an
 OmniStage named X-master would apply X's master Service, one named X-replica-3 the Secret of X's third
-replica (issue 40 item 10). control/collisions.py refuses the newer of the two.
+replica. control/collisions.py refuses the newer of the two.
 """
 
 from __future__ import annotations

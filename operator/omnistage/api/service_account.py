@@ -1,4 +1,4 @@
-"""The operator's own ServiceAccount, which no engine pod may run as (issue 40 item 5).
+"""The operator's own ServiceAccount, which no engine pod may run as.
 
 A ServiceAccount is a namespace's: an engine pod in the operator's namespace (the namespaced install
 watches it) that names the operator's ServiceAccount, or leaves the name unset where the operator runs

@@ -1,4 +1,4 @@
-"""Names another object of the namespace needs (issue 40 item 10): the operator names children after
+"""Names another object of the namespace needs: the operator names children after
 their OmniStage or OmniStagePool, and two names can give the same child. An OmniStage named X-master
 would apply X's master Service (its own OpenAI Service) and take X's traffic; one named X-replica-3
 would create the Secret X-replica-3-membership, X's third replica's credential, and X's scale to 4

@@ -1,4 +1,4 @@
-"""A head change without an outage: blue/green within spec.rollout (issue 19, item 5).
+"""A head change without an outage: blue/green within spec.rollout.
 
 A change that reaches the head pod (engine image, spec.template, engine settings) cannot roll the
 head in place without stopping service: its replicas are bound to it (they never register again)
@@ -117,7 +117,7 @@ def begin(p: Pass) -> None:
 
 
 def _in_place(p: Pass, why: str, reason: Reason) -> None:
-    """Today's path, said first: the head is deleted on the pass after the one whose status says so."""
+    """The head replaced in place, said first: deleted on the pass after the one whose status says so."""
     p.change.in_place = (reason, why)
     before = condition(p.previous, Type.ROLLOUT_SURGE)
     if before.get("reason") != reason or before.get("status") != "False":

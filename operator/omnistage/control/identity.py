@@ -1,5 +1,5 @@
 """Which engine pods are an OmniStage's, what each is, and the labels the operator wrote on it
-(issue 27 item 5: find pods by ownerReference uid, not by label).
+(pods are found by ownerReference uid, not by label).
 
 A pod is the OmniStage's when its controller ownerReference names the OmniStage's uid
 (runtime/informer.py stores pods by that reference, whatever their labels say). A pod that carries

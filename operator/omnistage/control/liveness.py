@@ -1,4 +1,4 @@
-"""What the head says about each engine's liveness, and what the pass does with it (issue 26).
+"""What the head says about each engine's liveness, and what the pass does with it.
 
 The head's membership listing is the truth: a member is *live* when it is attached and its
 heartbeats are on time (``contract.is_live``), *silent* when they stopped past the heartbeat

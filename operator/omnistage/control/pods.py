@@ -153,7 +153,7 @@ def answers(head: dict[str, Any]) -> bool:
     """The head's app answers: Ready, or its engine container started (the kubelet's startup probe
     passed, and it stays so until a restart) and runs. What the operator reads a head on: its
     readiness (/health) is 503 while no live engine serves a stage, and a head whose engines are all
-    silent must still be read, to say why and to join a replica that would serve (issue 26)."""
+    silent must still be read, to say why and to join a replica that would serve."""
     if ready(head):
         return True
     if terminating(head) or terminal(head):

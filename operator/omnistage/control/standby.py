@@ -1,4 +1,4 @@
-"""Warm standbys (spec.standby of the OmniStage and of each OmniStagePool, issue 30): replica or pool
+"""Warm standbys (spec.standby of the OmniStage and of each OmniStagePool): replica or pool
 pods kept started, every stage registered with the head and attached, but not joined, so the head holds
 them unroutable (contract.ROUTE_JOINED_ONLY_ENV). A scale-up joins one at once instead of waiting a
 cold start.

@@ -193,7 +193,7 @@ class Pass:
 
     def head_serves(self) -> bool:
         """The head pod is Ready and, where it keeps a membership, its own engine is live: a head
-        whose engine is silent or gone is no serving replica (issue 26), whatever its pod says.
+        whose engine is silent or gone is no serving replica, whatever its pod says.
         Unread membership trusts the pod's Ready, as serves(unread=True) does."""
         if not self.head_staying() or not pods.ready(self.head):
             return False

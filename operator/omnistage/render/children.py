@@ -1,5 +1,6 @@
 """Every child of an OmniStage at once, for `omnistage render` (and the golden files). The reconcile
-renders each child where the step that owns it decides (control/plan.py), not through this set."""
+renders each child in the step of control/ that owns it (the ConfigMap, Services, NetworkPolicy and
+budgets in control/children.py, the pods where they are created), not through this set."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Pure: it starts from vllm-omni's shipped deploy YAML of the pipeline, kept in kn
 hack/gen-known-pipelines.py (the operator's image does not carry vllm-omni, and a render must not read
 files), and changes only what running the stages in their own pods needs:
 
-* stage 0 is today's stage-0 entry (stage0.stage0_deploy: the head's GPUs, engine keys, cache keys);
+* stage 0 is the single-stage head's entry (stage0.stage0_deploy: the head's GPUs, engine keys, cache keys);
 * every remote stage gets `num_replicas: 1` (the head waits at startup for exactly one registered
   replica of it; more join later through registration), `devices` numbered from 0 (its pod's own
   GPUs; the shipped "1" assumes one host with two GPUs) and its spec.stages[i].engine settings;

@@ -65,7 +65,7 @@ def namespace_going(err: ApiException) -> bool:
 # One act step spends at most this long on its head's joins and leaves, and dials no head again that
 # did not answer: the rest waits for the next pass (its status says so). So a head that hangs or
 # answers each call just within its timeout holds a reconcile worker for a bounded time whatever
-# the number of replicas (before: a timeout per join), within the pass's deadline (handlers.QUEUE).
+# the number of replicas (not a timeout per join), within the pass's deadline (handlers.QUEUE).
 HEAD_SECONDS_PER_PASS = 30.0
 
 

@@ -1,4 +1,4 @@
-"""Each replica and pool pod's own membership credential (issue 27 item 6): Secret POD-membership,
+"""Each replica and pool pod's own membership credential: Secret POD-membership,
 holding contract.pod_credential(the master token, the pod's name), which the pod's preStop hook
 presents to make itself leave, and nothing else. Written just before the pod (act's CreatePod), and
 again before a pod that is still mounting it (someone deleted it: the pod would wait in FailedMount).

@@ -1,12 +1,12 @@
 """The operator's Events, aggregated the way client-go's correlator does, without patching any.
 
 A pass that finds the same problem says the same thing: a pod the API server refuses (quota,
-admission) made one `CreateRefused` Event per pass before, about 720 an hour per refused pod, each a
+admission) would make one `CreateRefused` Event per pass, about 720 an hour per refused pod, each a
 new object in etcd. client-go's EventCorrelator keys an Event on its object, type, reason and
 message and PATCHes the first one's count and lastTimestamp on every repeat. That needs `patch` on
-events, which issue 9 removed on purpose: with it the operator could rewrite any Event in every
-namespace it watches (a cluster-wide grant by default), other controllers' included, and hide what
-they said. So the count is kept here and carried by the next Event the operator creates instead:
+events, which the operator is denied on purpose: with it the operator could rewrite any Event in
+every namespace it watches (a cluster-wide grant by default), other controllers' included, and hide
+what they said. So the count is kept here and carried by the next Event the operator creates instead:
 
 * the first occurrence of a key is posted (count 1);
 * a repeat is posted only when its count enters a new power of two (2, 4, 8, ...), or when the last

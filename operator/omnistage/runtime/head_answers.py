@@ -1,4 +1,4 @@
-"""What the operator keeps of a head's answer, read within a memory budget (issue 40 item 2).
+"""What the operator keeps of a head's answer, read within a memory budget.
 
 A head's image is the tenant's, so its answers are untrusted. `json.loads` turns a few MiB of small
 JSON values into about 25 times as many bytes of Python objects, and the operator keeps each head's

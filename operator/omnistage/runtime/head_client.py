@@ -12,8 +12,8 @@ unreachable head costs at most about CONNECT_SECONDS x attempts + the backoff pe
 What a head answers is untrusted (its image is the tenant's). Each exchange (connect, status line,
 headers, chunk framing, body) ends by one deadline, CONNECT_SECONDS + its timeout after it began,
 and reads at most its answer's bytes: the head's connections are `_BoundedSocket`s, which hold
-every read to the calling thread's `_Exchange` (a per-read timeout alone let a head drip one byte
-every 2 s into a status line or a header for as long as it liked: issue 40 item 1). The body is
+every read to the calling thread's `_Exchange` (a per-read timeout alone would let a head drip one
+byte every 2 s into a status line or a header for as long as it liked). The body is
 then parsed within a memory budget and cut down to what the decision reads (head_answers). An
 answer over a bound is no answer: HeadAnswerRefused, which status names."""
 

@@ -325,7 +325,7 @@ class ClusterState:
         # Pools are indexed by the OmniStage they name: its pass decides for their pods and status.
         self.pools = Informer(api.POOL_KIND, _custom_lister(api.POOL_PLURAL), None,
                               lambda o: (o.get("spec") or {}).get("omniStage"), significant=_new_generation)
-        # Engine pods by their controller ownerReference, not by label (issue 27 item 5): a pod whose
+        # Engine pods by their controller ownerReference, not by label: a pod whose
         # labels someone removed is still the OmniStage's (observe restores them), and one that carries
         # them without the reference is not. No selector can say that, so every pod of the scope is
         # watched and only those an OmniStage controls are kept.

@@ -1,6 +1,6 @@
 """What the operator holds in process memory per OmniStage, and the one forget() that drops it when
 the OmniStage is gone: the lock, the token and the rest are held here; each other store (the heads'
-answers in headview, the drains in act, the Event counts, the metric series) registers its own
+answers in headview, the drains in drains.py, the Event counts, the metric series) registers its own
 forget, so this module imports none of them. None of it is state the cluster lacks: after a restart each piece
 is rebuilt (the token read again, the head asked again, a `leaving` pod's leave issued again), so
 an operator restart converges. Kept apart from the pass so that what a pass remembers is listed

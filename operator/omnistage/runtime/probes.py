@@ -53,7 +53,7 @@ class Checks:
     synced: Callable[[], bool]
     omnistages: Callable[
         [], int
-    ]  # OmniStages with a status this replica observed (the old kopf probe's figure)
+    ]  # OmniStages with a status this replica observed
     loop: asyncio.AbstractEventLoop | None = None  # kopf's, once its startup handlers ran (handlers.py)
     threads: tuple[threading.Thread, ...] = ()  # threads the operator cannot work without
     pools: tuple[Progress, ...] = ()  # the worker pools' progress (handlers.py: passes, probes, drains)
