@@ -157,9 +157,10 @@ demo:
 demo-down:
 	OMNISTAGE_VENV=$(VENV) bash hack/demo.sh down
 
-# Benchmarks (tests/bench/): figures printed, nothing asserted.
+# Benchmarks (tests/bench/): figures printed, nothing asserted; the figures taken: docs/bench/.
 # bench-cache: the price of the processor-only (and the opt-in replica-aware) stage-0 cache on the engine tier (real vLLM / vllm-omni
-# request path, no cluster, a few minutes on 2 cores); the plot and tables go to /tmp/omnistage-bench.
+# request path, no cluster, a few minutes on 2 cores); the plot and tables go to /tmp/omnistage-bench
+# (figures: docs/bench/cache-price.md).
 .PHONY: bench-cache bench
 bench-cache: setup
 	$(PY) tests/bench/bench_cache.py
@@ -195,7 +196,7 @@ bench-real: setup real-engine-env
 # bench-fleet: the operator at 1, 50, 200 and 1,000 OmniStages on its own local control plane
 # (/tmp/omnistage-fleet, other ports; simulated H200 nodes added as needed): RSS, CPU and API
 # requests per minute at rest, scale reaction, reconvergence after a restart, and the same with 10%
-# of the heads unreachable. FLEET_ARGS="--n 1,50 --window 30" for a shorter run.
+# of the heads unreachable (figures: docs/bench/fleet.md). FLEET_ARGS="--n 1,50 --window 30" for a shorter run.
 FLEET_ARGS ?=
 .PHONY: bench-fleet
 bench-fleet: setup

@@ -164,7 +164,7 @@ def judge(control: Control, outcomes: dict[str, dict[str, object]], seconds: flo
 
 
 # Controls side by side: their time is mostly waiting (heartbeat timeouts, polls), so two on the
-# 2-core machine take about half as long as one after the other (measured: see README's time table).
+# 2-core machine take about half as long as one after the other.
 JOBS = max(1, int(os.environ.get("OMNISTAGE_NEGATIVE_JOBS", "2")))
 _print_lock = threading.Lock()
 

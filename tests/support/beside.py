@@ -1,4 +1,4 @@
-"""A run of its own beside make test's pytest run (issue 28): a command in a process of its own, its
+"""A run of its own beside make test's pytest run: a command in a process of its own, its
 output in a log, started when the run reaches it and waited for at the run's end. Two run so:
 
 * the unit tier, from the run's start: it is CPU work only, and the stand-in cluster tier first in the
@@ -7,7 +7,7 @@ output in a log, started when the run reaches it and waited for at the run's end
   they mostly wait on heartbeat timeouts and polls.
 
 tests/conftest.py starts them, prints the part of each log from `marker` on (its table) and fails the
-run when one failed. Measured side by side against one after the other: docs/design.md.
+run when one failed. Measured side by side against one after the other: docs/bench/test-time.md.
 """
 
 from __future__ import annotations
