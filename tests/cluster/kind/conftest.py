@@ -43,7 +43,7 @@ def standin():
 
 @pytest.fixture(scope="module")
 def operator(helm, kubectl, wait_for) -> Iterator[dict]:
-    """`helm install` of the chart from this checkout, as the README's install page says; the fixture
+    """`helm install` of the chart from this checkout, as docs/install.md says; the fixture
     yields the timings. The release is uninstalled by the last test (it checks what that leaves)."""
     t0 = time.monotonic()
     helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--create-namespace",
