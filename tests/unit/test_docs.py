@@ -6,7 +6,9 @@
 * membership-and-metrics.md names every operator metric;
 * every variable the GPU tier and hack/gpu-repro.py read is documented in docs/gpu-tests.md and in
   the Makefile's comments above `test-gpu`;
-* README.md and docs/ link only inside the repository, to files and anchors that exist.
+* README.md and docs/ link only inside the repository, to files and anchors that exist;
+* README.md stays a page a newcomer reads in minutes (at most README_LINES lines), and each benchmark
+  page (docs/bench/) opens with its headline figure.
 """
 
 from __future__ import annotations
@@ -280,7 +282,9 @@ def _anchors(path) -> set[str]:
     return found | set(re.findall(r'<a id="([^"]+)"></a>', text))
 
 
-MARKDOWN = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+BENCH = DOCS / "bench"
+MARKDOWN = [ROOT / "README.md", *sorted(DOCS.glob("*.md")), *sorted(BENCH.glob("*.md"))]
+README_LINES = 160
 
 
 @pytest.mark.parametrize("page", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
@@ -304,6 +308,38 @@ def test_readme_points_to_the_guide_and_the_index_is_complete():
     assert "## Documentation" in readme and "(docs/README.md)" in readme and "(docs/design.md)" in readme
     assert readme.startswith("# omnistage-operator\n\n```bash\nmake demo")
     index = (DOCS / "README.md").read_text()
-    for page in sorted(DOCS.glob("*.md")):
+    for page in [*sorted(DOCS.glob("*.md")), *sorted(BENCH.glob("*.md"))]:
         if page.name != "README.md":
-            assert f"]({page.name})" in index, f"docs/README.md does not list {page.name}"
+            link = page.relative_to(DOCS).as_posix()
+            assert f"]({link})" in index, f"docs/README.md does not list {link}"
+
+
+def test_the_readme_is_short():
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= README_LINES, (
+        f"README.md has {lines} lines, over {README_LINES}: move the detail to a page of docs/ and link it"
+    )
+
+
+HEADLINE = re.compile(r"\*\*.*\d", flags=re.DOTALL)  # opens in bold, and says a figure
+
+
+def headline(text: str) -> str:
+    """The first paragraph after a page's title."""
+    body = text.split("\n", 1)[1] if text.startswith("# ") else ""
+    return body.strip().split("\n\n", 1)[0]
+
+
+def test_the_headline_reader_sees_a_figure():
+    """Negative control for the test below: a page that opens with its method has no headline."""
+    assert HEADLINE.match(headline("# P\n\n**0 errors in 40 requests.** More.\n\n## How"))
+    assert not HEADLINE.match(headline("# P\n\n`make bench` runs 40 requests.\n\n## Results"))
+    assert headline("no title\n\n**1**") == ""
+
+
+@pytest.mark.parametrize("page", sorted(BENCH.glob("*.md")), ids=lambda p: p.name)
+def test_a_benchmark_page_opens_with_its_headline_figure(page):
+    first = headline(page.read_text())
+    assert HEADLINE.match(first), (
+        f"docs/bench/{page.name}: the paragraph under the title must open in bold with the headline figure"
+    )
