@@ -22,9 +22,8 @@ import pytest
 pytest.importorskip("vllm_omni", reason="engine tier needs vllm_omni 0.30.0 (run hack/setup.sh)")
 
 from tests.standin.engine import build_vllm_config
+from tests.support.engine_env import patch_applied
 from tests.support.tiny_models import build_config_only_model
-
-from .conftest import patch_applied
 
 pytestmark = pytest.mark.engine
 BLOCK = 16
