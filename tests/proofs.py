@@ -3,7 +3,7 @@ run by CI in slices: each landing runs one slice, chosen by its commit count, so
 within len(SLICES) landings. A unit test (tests/unit/test_proofs.py) fails when a module with a
 `full` test is in no slice, so none runs nowhere.
 
-    python -m tests.proofs --landing N            run landing N's slice (.ci/run: N = git rev-list --count HEAD)
+    python -m tests.proofs --landing N            run landing N's slice (.ci/run: git rev-list --count HEAD)
     python -m tests.proofs --landing N --which    print its name only
     python -m tests.proofs --slice NAME           run the named slice (make proofs SLICE=NAME)
 
@@ -89,7 +89,8 @@ def main(argv: list[str]) -> int:
         return 0
     if args.landing is not None:
         print(f"[proofs] landing {args.landing}: slice {args.landing % len(SLICES) + 1} of {len(SLICES)}; "
-              f"every slice runs within {len(SLICES)} landings: {', '.join(x.name for x in SLICES)}", flush=True)
+              f"every slice runs within {len(SLICES)} landings: {', '.join(x.name for x in SLICES)}",
+              flush=True)
     return run(s)
 
 

@@ -13,7 +13,8 @@ FULL = re.compile(r"pytest\.mark\.full\b")
 
 
 def test_every_module_with_a_full_test_is_in_a_slice():
-    full = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if FULL.search(p.read_text())}
+    full = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+            if FULL.search(p.read_text())}
     sliced = [m for s in proofs.SLICES for m in s.modules]
     assert full, "no test is marked full: the scan is broken"
     assert sorted(full - set(sliced)) == [], "a module with a full test runs in no CI slice"

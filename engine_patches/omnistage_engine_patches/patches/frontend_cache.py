@@ -183,7 +183,8 @@ def _cache_constructor() -> tuple[Any, tuple[Target, ...]] | str:
         from vllm.multimodal.cache import factories
     except ImportError as e:
         return f"target not importable ({e})"
-    if getattr(renderer_base, "processor_cache_from_config", None) is not factories.processor_cache_from_config:
+    named = getattr(renderer_base, "processor_cache_from_config", None)
+    if named is not factories.processor_cache_from_config:
         return "vllm.renderers.base does not take its cache from factories.processor_cache_from_config"
     return renderer_base, (
         Target(renderer_base, "processor_cache_from_config", ("vllm_config",)),
