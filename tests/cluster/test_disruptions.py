@@ -70,6 +70,7 @@ class Floor:
         self.kubectl, self.namespace, self.standin = kubectl, namespace, standin
         self.head = HeadEndpoint(kubectl, namespace, NAME)
         self.min_serving: int | None = None
+        self.at_min: list[tuple] = []  # what the head listed at the lowest sample: a failure names it
         self.lies: list[str] = []
         self.unanswered = 0  # samples the head did not answer (not counted)
 
@@ -100,7 +101,10 @@ class Floor:
                 self.lies.append(f"{name} Ready (joined condition True) but not joined at the head; the head "
                                  f"listed (replica, pod, state, coordinator) {seen}")
         serving = min(_serving(first), _serving(last))
-        self.min_serving = serving if self.min_serving is None else min(self.min_serving, serving)
+        if self.min_serving is None or serving < self.min_serving:
+            self.min_serving = serving
+            self.at_min = [(m.get("replicaId"), m.get("pod"), m.get("state"), m.get("coordinatorStatus"))
+                           for lst in (first, last) for m in stage0(lst)]
         return serving
 
 
@@ -163,7 +167,7 @@ def test_a_template_change_surges_and_serving_never_drops(kubectl, wait_for, nam
     wait_for("every replica replaced", rolled, timeout=READY_TIMEOUT, interval=0.5)
     print(f"roll: {time.monotonic() - t0:.0f}s, serving floor {floor.min_serving}/3")
     assert floor.lies == [], floor.lies
-    assert floor.min_serving == 3, f"serving fell to {floor.min_serving} of 3 during the roll"
+    assert floor.min_serving == 3, f"serving fell to {floor.min_serving} of 3 during the roll: {floor.at_min}"
     obj = wait_ready(kubectl, wait_for, namespace, 3)
     assert engine_pods(kubectl, namespace, role="head")[0]["metadata"]["uid"] == head_uid
     rollout = next(c for c in obj["status"]["conditions"] if c["type"] == "RolloutSurge")
@@ -209,7 +213,7 @@ def test_a_node_drain_evicts_replicas_one_at_a_time_through_the_budget(kubectl, 
             drain.kill()
     print(f"drain of {node}: {time.monotonic() - t0:.0f}s, serving floor {floor.min_serving}/4")
     assert floor.lies == [], floor.lies
-    assert floor.min_serving >= 3, f"serving fell to {floor.min_serving} of 4 during the drain"
+    assert floor.min_serving >= 3, f"serving fell to {floor.min_serving} of 4 during the drain: {floor.at_min}"
     assert "would violate" in out or by_node[node] == 1, "the budget never held an eviction back"
     # Each evicted replica drained: by the operator (Event Disrupted, when its pass saw the pod
     # Terminating) or by its preStop hook's leave (kwok removes an evicted pod at once, so the
