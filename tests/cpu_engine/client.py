@@ -84,7 +84,8 @@ def body(model: str, kind: str, seed: int, max_tokens: int = MAX_TOKENS) -> dict
 
 @dataclass
 class Result:
-    """One request's outcome. `complete` is what "not lost" means: HTTP 200 with a finished choice."""
+    """One request's outcome. `complete`: HTTP 200 with a finished choice. When a request is lost (no
+    complete answer, or one past its bound) is said once, in tests/support/stream.py."""
 
     label: str
     status: int | None          # HTTP status; None when no answer came (connection refused/reset, timeout)
@@ -94,6 +95,7 @@ class Result:
     started: float = 0.0        # time.time() at the send
     prompt_tokens: int | None = None
     body: dict | None = field(default=None, repr=False)  # the decoded answer (the speech tier reads its audio)
+    base: str = ""              # where it was sent (a stream through a Service: which head)
 
     @property
     def complete(self) -> bool:
@@ -144,16 +146,16 @@ def chat(base: str, payload: dict, label: str, timeout: float = REQUEST_TIMEOUT)
             out = json.load(r)
             choice = out["choices"][0]
             return Result(label, r.status, choice.get("finish_reason"), time.monotonic() - t0, started=started,
-                          prompt_tokens=(out.get("usage") or {}).get("prompt_tokens"), body=out)
+                          prompt_tokens=(out.get("usage") or {}).get("prompt_tokens"), body=out, base=base)
     except urllib.error.HTTPError as err:
         text = err.read().decode(errors="replace")
         try:
             text = json.loads(text).get("error", {}).get("message", text)
         except (ValueError, AttributeError):
             pass
-        return Result(label, err.code, None, time.monotonic() - t0, text, started)
+        return Result(label, err.code, None, time.monotonic() - t0, text, started, base=base)
     except (urllib.error.URLError, OSError, TimeoutError) as err:  # refused, reset, timed out: no answer
-        return Result(label, None, None, time.monotonic() - t0, f"{type(err).__name__}: {err}", started)
+        return Result(label, None, None, time.monotonic() - t0, f"{type(err).__name__}: {err}", started, base=base)
 
 
 def run_many(base: str | Callable[[], str], payloads: Iterable[tuple[str, dict]], concurrency: int,
