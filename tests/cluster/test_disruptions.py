@@ -16,7 +16,6 @@ import time
 from typing import Any
 
 import pytest
-from omnistage_engine_patches import contract
 
 from tests.cluster.test_operator import (
     NAME,
@@ -28,7 +27,7 @@ from tests.cluster.test_operator import (
     sample,
     wait_ready,
 )
-from tests.standin.harness import HeadEndpoint, remote_members, service_addresses, stage0
+from tests.standin.harness import HeadEndpoint, remote_members, service_addresses, serving_at_head, stage0
 from tests.standin.replica import LOAD_KNOB
 
 pytestmark = pytest.mark.usefixtures("operator_log_on_failure")
@@ -51,20 +50,9 @@ def _joined_at_head(listing: dict[str, Any] | None) -> set[str] | None:
     return None if listing is None else {m["pod"] for m in remote_members(listing) if m.get("pod")}
 
 
-def _serving(listing: dict[str, Any] | None) -> int | None:
-    """The engines serving behind the head: its own while it lists it live (contract.is_live: attached,
-    heartbeats on time; read, never assumed, so a floor of 1 can fail), and the replica pods joined at
-    it. None when the head did not answer."""
-    joined = _joined_at_head(listing)
-    if joined is None:
-        return None
-    own = any(m.get("local") and contract.is_live(m) for m in stage0(listing))
-    return int(own) + len(joined)
-
-
 class Floor:
-    """Samples the serving engines (_serving) and every replica pod's Ready while a disruption runs;
-    each sample checks that a Ready replica pod is one the head routes to."""
+    """Samples the serving engines (harness.serving_at_head) and every replica pod's Ready while a
+    disruption runs; each sample checks that a Ready replica pod is one the head routes to."""
 
     def __init__(self, kubectl, namespace: str, standin=None):
         self.kubectl, self.namespace, self.standin = kubectl, namespace, standin
@@ -100,7 +88,7 @@ class Floor:
                         for lst in (first, last) for m in stage0(lst)]
                 self.lies.append(f"{name} Ready (joined condition True) but not joined at the head; the head "
                                  f"listed (replica, pod, state, coordinator) {seen}")
-        serving = min(_serving(first), _serving(last))
+        serving = min(serving_at_head(first), serving_at_head(last))
         if self.min_serving is None or serving < self.min_serving:
             self.min_serving = serving
             self.at_min = [(m.get("replicaId"), m.get("pod"), m.get("state"), m.get("coordinatorStatus"))
@@ -254,7 +242,7 @@ def test_a_head_change_moves_the_service_to_a_successor_without_an_outage(kubect
     def done() -> bool:
         eps = _service_endpoints(kubectl, namespace)
         fewest["endpoints"] = min(fewest["endpoints"], len(eps))
-        serving = _serving(head.listing())  # the head the Services select: the successor once they moved
+        serving = serving_at_head(head.listing())  # the head the Services select: the successor once they moved
         if serving is not None:
             fewest["serving"] = serving if fewest["serving"] is None else min(fewest["serving"], serving)
         now = engine_pods(kubectl, namespace, include_terminating=True)

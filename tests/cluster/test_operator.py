@@ -133,7 +133,9 @@ def wait_left(wait_for, head: HeadEndpoint, member: dict[str, Any]) -> dict[str,
     a replica the engine dropped by itself, on DOWN or heartbeat timeout, is recorded otherwise)."""
     rec = wait_for(f"the head to record a leave for {member['pod']} (replica {member['replicaId']})",
                    lambda: left_at_head(head.listing(include_all=True), member["replicaId"]), timeout=60)
-    print("leave record:", rec)
+    answer = head.leave_record(member["replicaId"])  # what the head answered the operator's leave
+    print("leave record:", rec, "; the leave's answer:", answer)
+    assert answer is not None and answer.get("replicaId") == member["replicaId"] and "drained" in answer, answer
     return rec
 
 

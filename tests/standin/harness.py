@@ -188,6 +188,21 @@ def http_get(url: str, token: str | None = None, timeout: float = 5) -> str | No
         return None
 
 
+def http_post(url: str, body: dict[str, Any], token: str, timeout: float = 30) -> dict[str, Any] | None:
+    """POST `body` as JSON to a loopback URL; the decoded 2xx answer, None when nothing answers 2xx.
+    Refuses any other host."""
+    host = urllib.parse.urlparse(url).hostname or ""
+    if host != "localhost" and not is_loopback(host):
+        raise ValueError(f"refusing to dial {url}: only 127.0.0.0/8 (network rule)")
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with _OPENER.open(req, timeout=timeout) as resp:
+            return json.loads(resp.read() or b"{}")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
 def membership_port(obj: dict[str, Any]) -> int:
     """An OmniStage's spec.engine.membershipPort (the CRD defaults it in every stored object)."""
     return int(((obj.get("spec") or {}).get("engine") or {}).get("membershipPort") or contract.DEFAULT_MEMBERSHIP_PORT)
@@ -260,6 +275,21 @@ class HeadEndpoint:
                 return None
         return json.loads(body) if body else None
 
+    def leave_record(self, replica_id: int, stage: int = 0) -> dict[str, Any] | None:
+        """The head's record of a replica's leave, as it answered the operator (drained, inFlightAtDetach,
+        waitedSeconds, detached): read by asking for the leave again, which the head answers with the
+        record it kept (alreadyLeft) and nothing else. Asked only once the listing shows the replica left
+        (a departure is never undone), so the POST is never a leave; None before, or with no answer."""
+        if left_at_head(self.listing(include_all=True), replica_id) is None:
+            return None
+        with self._base() as base:
+            if base is None:
+                return None
+            answer = http_post(base + contract.LEAVE_PATH,
+                               {"stage": stage, "replicaId": replica_id, "drainTimeoutSeconds": 0}, self.token())
+        assert answer is None or answer.get("alreadyLeft") is True, f"the POST made replica {replica_id} leave: {answer}"
+        return answer
+
     def metrics(self) -> str | None:
         with self._base(self.http_port) as base:
             return http_get(base + "/metrics", timeout=5) if base else None
@@ -304,6 +334,16 @@ def port_forward(kubectl: Callable[..., Any], namespace: str, target: str, port:
 
 def stage0(listing: dict[str, Any] | None) -> list[dict[str, Any]]:
     return list(((listing or {}).get("stages") or {}).get("0") or [])
+
+
+def serving_at_head(listing: dict[str, Any] | None) -> int | None:
+    """The stage-0 engines serving behind a head, from its listing: its own while it lists it live
+    (contract.is_live: attached, heartbeats on time; read, never assumed, so a floor of 1 can fail) and
+    the replica pods joined at it. None when the head did not answer."""
+    if listing is None:
+        return None
+    own = any(m.get("local") and contract.is_live(m) for m in stage0(listing))
+    return int(own) + len([m for m in remote_members(listing) if m.get("pod")])
 
 
 def remote_members(listing: dict[str, Any] | None) -> list[dict[str, Any]]:
