@@ -9,11 +9,12 @@ import json
 import os
 import random
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import psutil
 import yaml
@@ -165,6 +166,37 @@ class RealOmniStage:
             if ns == self.namespace and (role is None or p.role == role) and p.log_path.exists():
                 out[pod] = p.log_path.read_text(errors="replace")
         return out
+
+
+class MemberWatch:
+    """The head's listing entry of one stage-0 replica (by replica id), sampled every `interval` seconds in
+    the background while the `with` body runs: (seconds since the start, state, inFlight) per answer."""
+
+    def __init__(self, stage: RealOmniStage, replica_id: int, interval: float = 0.2) -> None:
+        self.stage, self.replica_id, self.interval = stage, replica_id, interval
+        self.samples: list[tuple[float, str | None, int | None]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"watch-replica-{replica_id}", daemon=True)
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        while not self._stop.is_set():
+            m = next((m for m in stage0(self.stage.head.listing()) if m.get("replicaId") == self.replica_id), None)
+            if m is not None:
+                self.samples.append((time.monotonic() - t0, m.get("state"), m.get("inFlight")))
+            self._stop.wait(self.interval)
+
+    def most_in_flight(self, state: str) -> int:
+        """The most requests in flight on it at a sample that listed it in `state` (-1: never so listed)."""
+        return max((n or 0 for _, st, n in self.samples if st == state), default=-1)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
 
 
 def pod_pss_gib(stage: RealOmniStage, pod: str) -> float | None:
