@@ -3,10 +3,11 @@ head while (a) the replica pods' template changes and (c) `kubectl delete pod` t
 
 One 2-replica OmniStage (the head and one replica) of the tiny model, brought up once; the tests
 run in file order and share it. For each disruption a stream of short requests runs at concurrency
-2 through the head, and the table says: requests sent, lost (no answer at all: refused, reset, timed
-out), errored (an answer that is not a finished one: HTTP >= 400 or finish_reason error), the
-fewest replicas the head routed to during the run (joined at the head, the head's own included)
-and how long the disruption took. Asserted: 0 lost, 0 errored, and the serving floor.
+2 through the head (tests/support/stream.py), and the table says: requests sent, lost (no complete
+answer, or one past its bound: the stream's one definition), the fewest engines serving behind the
+head during the run (read from its listing: its own engine while listed live, and the replica pods
+joined at it; harness.serving_at_head) and how long the disruption took. Asserted: 0 lost, and the
+serving floor.
 
 (a') changes spec.engine.image, which reaches the head: the head change runs blue/green (a new head
 beside the old one, the Services moved once it serves, the old set drained). In real mode the image
@@ -35,7 +36,8 @@ import pytest
 
 from tests.cluster.real.realstage import HEAD_READY_TIMEOUT, JOIN_TIMEOUT, RealOmniStage, tiny_omnistage
 from tests.cpu_engine import client
-from tests.standin.harness import remote_members
+from tests.standin.harness import serving_at_head, stage0
+from tests.support.stream import Stream, requests
 
 NAME = "disrupt"
 # Marked full: about 25 minutes of replacement engines loading on 2 cores, past make test's budget. CI
@@ -53,57 +55,45 @@ def stage(kubectl, operator, standin, real_namespace, wait_for) -> Any:
     s.wait_serving(2, "the head and its replica joined (real engine start-up)", timeout=HEAD_READY_TIMEOUT + JOIN_TIMEOUT)
     yield s
     print("\n[real] disruptions under a request stream")
-    print(f"  {'disruption':<40} {'sent':>5} {'lost':>5} {'errored':>8} {'min serving':>12} {'took':>8}")
+    print(f"  {'disruption':<40} {'sent':>5} {'lost':>5} {'min serving':>12} {'took':>8}")
     for f in FIGURES:
-        print(f"  {f['what']:<40} {f['sent']:>5} {f['lost']:>5} {f['errored']:>8} {f['floor']:>12} {f['took']:>7.0f}s")
+        print(f"  {f['what']:<40} {f['sent']:>5} {f['lost']:>5} {f['floor']!s:>12} {f['took']:>7.0f}s")
 
 
 def _run(stage: RealOmniStage, what: str, disrupt, settled, base=None) -> dict[str, Any]:
     """Stream while `disrupt()` runs and until `settled()`; the figures, printed and kept. `base`:
     where each request goes (default: the head's pod IP)."""
-    results: list[client.Result] = []
     model = client.served_model(stage.base())
-    floor = {"min": None}
-    stop, enough = threading.Event(), threading.Event()
-
-    def payloads():
-        i = 0
-        while not enough.is_set():  # run_many takes the next one as each answer comes
-            i += 1
-            yield f"{what[:12]} #{i}", client.body(model, "audio", 60 + i % 4, max_tokens=32)
-
-    def send() -> None:
-        results.extend(client.run_many(base or stage.base(), payloads(), STREAM_CONCURRENCY))
+    floor: dict[str, Any] = {"min": None, "at": []}  # the fewest serving, and what the head listed then
+    stop = threading.Event()
 
     def sample() -> None:
         while not stop.is_set():
             listing = stage.head.listing()
-            if listing is not None:
-                serving = 1 + len([m for m in remote_members(listing) if m.get("pod")])
-                floor["min"] = serving if floor["min"] is None else min(floor["min"], serving)
+            serving = serving_at_head(listing)
+            if serving is not None and (floor["min"] is None or serving < floor["min"]):
+                floor["min"] = serving
+                floor["at"] = [(m.get("replicaId"), m.get("pod"), m.get("state"), m.get("coordinatorStatus"))
+                               for m in stage0(listing)]
             stop.wait(0.5)
 
-    sender, sampler = threading.Thread(target=send), threading.Thread(target=sample)
-    sender.start()
-    sampler.start()
-    time.sleep(5)  # requests in flight before the disruption
-    t0 = time.monotonic()
-    disrupt()
-    stage.wait_for(f"{what}: settled", settled, timeout=HEAD_READY_TIMEOUT + JOIN_TIMEOUT, interval=2)
-    took = time.monotonic() - t0
-    time.sleep(SETTLE_SECONDS)
-    enough.set()
-    sender.join(300)
+    sampler = threading.Thread(target=sample)
+    payloads = requests(model, seed0=60, max_tokens=32, label=what[:12])
+    with Stream(base or stage.base(), payloads, STREAM_CONCURRENCY) as load:
+        sampler.start()
+        time.sleep(5)  # requests in flight before the disruption
+        t0 = time.monotonic()
+        disrupt()
+        stage.wait_for(f"{what}: settled", settled, timeout=HEAD_READY_TIMEOUT + JOIN_TIMEOUT, interval=2)
+        took = time.monotonic() - t0
+        time.sleep(SETTLE_SECONDS)
     stop.set()
     sampler.join(30)
-    lost = [r for r in results if r.status is None]
-    errored = [r for r in results if r.status is not None and not r.complete]
-    figures = {"what": what, "sent": len(results), "lost": len(lost), "errored": len(errored),
-               "floor": floor["min"], "took": took}
+    figures = {"what": what, "sent": len(load.results), "lost": len(load.lost()), "floor": floor["min"],
+               "took": took, "finished": load.finished, "at floor": floor["at"]}
     FIGURES.append(figures)
-    print(f"\n[real] {what}: {figures}")
-    for r in lost + errored:
-        print(f"  {r.line()}")
+    print(f"\n[real] {what}: {load.summary()}; fewest serving {floor['min']}, listed then {floor['at']}")
+    print(load.table(load.lost()))
     return figures
 
 
@@ -121,8 +111,8 @@ def test_a_replica_template_change_loses_nothing_and_keeps_two_serving(stage):
         return bool(now) and not (now & before) and st.get("registeredReplicas") == 2 and st.get("readyReplicas") == 2
 
     f = _run(stage, "(a) replica template change", disrupt, settled)
-    assert f["lost"] == 0 and f["errored"] == 0, f
-    assert f["floor"] == 2, f"serving fell to {f['floor']} of 2: the roll did not surge"
+    assert f["finished"] and f["sent"] and f["lost"] == 0, f
+    assert f["floor"] == 2, f"serving fell to {f['floor']} of 2: the roll did not surge: {f['at floor']}"
 
 
 def test_kubectl_delete_pod_of_a_replica_loses_nothing(stage):
@@ -138,8 +128,9 @@ def test_kubectl_delete_pod_of_a_replica_loses_nothing(stage):
             and stage.kubectl("get", "pod", victim, "-n", stage.namespace, check=False).returncode != 0
 
     f = _run(stage, "(c) kubectl delete pod of a replica", disrupt, settled)
-    assert f["lost"] == 0 and f["errored"] == 0, f
-    assert f["floor"] >= 1, f
+    assert f["finished"] and f["sent"] and f["lost"] == 0, f
+    assert f["floor"] is not None, "the head never answered its listing"
+    assert f["floor"] >= 1, f"nothing served behind the head at a sample: {f['at floor']}"
 
 
 def test_an_engine_image_change_hands_over_to_a_new_head_and_loses_nothing(stage):
@@ -165,5 +156,6 @@ def test_an_engine_image_change_hands_over_to_a_new_head_and_loses_nothing(stage
     f = _run(stage, "(a') engine image change (head replaced)", disrupt, settled, base=stage.service_base)
     new_head = stage.head.pod()
     assert new_head["metadata"]["name"] != old_head["metadata"]["name"], new_head["metadata"]["name"]
-    assert f["lost"] == 0 and f["errored"] == 0, f
-    assert f["floor"] >= 1, f
+    assert f["finished"] and f["sent"] and f["lost"] == 0, f
+    assert f["floor"] is not None, "the head behind the Service never answered its listing"
+    assert f["floor"] >= 1, f"nothing served behind the Service at a sample: {f['at floor']}"
