@@ -25,6 +25,7 @@ import pytest
 
 from tests.cluster.real.realstage import HEAD_READY_TIMEOUT, RealOmniStage, tiny_omnistage, watch_join
 from tests.cpu_engine import client
+from tests.support.stream import Stream
 
 REQUESTS = 48
 ROUNDS = 3
@@ -36,8 +37,8 @@ def _run(stage: RealOmniStage, new_media: bool, seed0: int, n: int) -> list[floa
     model = client.served_model(stage.base())
     payloads = [(f"#{i}", client.body(model, "audio", seed0 + (i if new_media else i % 8))) for i in range(n)]
     t0 = time.monotonic()
-    results = client.run_many(stage.base(), payloads, CONCURRENCY)
-    errors = sum(not r.complete for r in results)
+    load = Stream(stage.base(), payloads, CONCURRENCY).run()
+    results, errors = load.results, len(load.lost())
     return [time.monotonic() - t0, errors, *(r.seconds for r in results)]
 
 

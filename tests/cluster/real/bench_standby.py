@@ -43,6 +43,7 @@ from tests.cluster.real.realstage import (
 from tests.cpu_engine import client
 from tests.support import external_metrics
 from tests.support.ports import free_port
+from tests.support.stream import Stream
 
 NAME = "bench-standby"
 PROBES = 12  # rounds of two requests at once (the head picks a replica for each) until the new capacity served one
@@ -244,7 +245,8 @@ def _burst(stage: RealOmniStage, title: str) -> dict[str, Any]:
     watcher = threading.Thread(target=watch, args=(stop,), daemon=True)
     watcher.start()
     payloads = ((f"burst #{i}", client.body(model, "audio", 600 + i % 4, max_tokens=8)) for i in range(5000))
-    results = client.run_many(stage.base(), payloads, BURST_CONCURRENCY, deadline=t0 + BURST_SECONDS)
+    burst = Stream(stage.base(), payloads, BURST_CONCURRENCY, seconds=BURST_SECONDS).run()
+    results = burst.results
     stop.set()
     watcher.join()
     start_wall = min(r.started for r in results)
@@ -257,7 +259,7 @@ def _burst(stage: RealOmniStage, title: str) -> dict[str, Any]:
     if not bad or max(bad) < max(p95s):  # recovered within the burst (and stayed so)
         marks["p95 recovered"] = (max(bad) + 1) * WINDOW if bad else 0.0
     return {"baseline p95": baseline, "p95s": p95s, "marks": marks,
-            "requests": len(results), "lost": sum(not r.complete for r in results), "peak": peak[0]}
+            "requests": len(results), "lost": len(burst.lost()), "peak": peak[0]}
 
 
 def test_a_burst_under_the_hpa_with_and_without_a_standby(kubectl, operator, standin, real_namespace, wait_for,

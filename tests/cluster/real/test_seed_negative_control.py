@@ -32,6 +32,7 @@ from tests.cluster.real.realstage import (
     tiny_omnistage,
 )
 from tests.cpu_engine import client
+from tests.support.stream import Stream
 
 NAME = "tiny-unpatched"
 DISABLED = "frontend_cache,membership"
@@ -91,8 +92,8 @@ def test_seed_load_64_reproduced_without_the_fix(stage):
     model = client.served_model(stage.base())
     payloads = [(f"unpatched load seed={60 + i % 8} #{i + 1}", client.body(model, "audio", 60 + i % 8))
                 for i in range(64)]
-    results = client.run_many(stage.base(), payloads, concurrency=8, deadline=time.monotonic() + 600)
-    errors = [r for r in results if not r.complete]
+    load = Stream(stage.base(), payloads, concurrency=8).run()
+    results, errors = load.results, load.lost()
     print(f"\n[real] unpatched: 64 requests at concurrency 8: {len(errors)} errors "
           f"({sorted({(r.status, r.error[:40]) for r in errors})})")
     assert len(results) == 64

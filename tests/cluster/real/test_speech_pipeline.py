@@ -31,10 +31,9 @@ import os
 import re
 import subprocess
 import sysconfig
-import threading
 import time
 import wave
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,8 @@ from tests.cluster.real.realstage import HEAD_READY_TIMEOUT, SPEECH_MODEL_NAME, 
 from tests.cluster.test_multistage import at_head, departed, get_pool, pool_pods
 from tests.cpu_engine import client
 from tests.standin.realpod import EngineImage
+from tests.support import stream as support_stream
+from tests.support.stream import Stream
 
 NAME, POOL = "speech", "speech-pool"
 # sameNode: shared memory between the stages. network: NIXL over UCX on loopback, without chunk
@@ -198,34 +199,24 @@ def wait_pipeline(s: RealOmniStage, t0: float, timeout: float) -> None:
 
 
 def stream(stage: RealOmniStage, label: str, payloads: Iterable[tuple[str, dict]], seconds: float = 1500,
-           concurrency: int = STREAM_CONCURRENCY) -> tuple[threading.Thread, list[client.Result]]:
-    """A bounded stream of speech requests through the head in the background (STREAM_CONCURRENCY
-    workers; the payload iterable bounds the count, `seconds` the time)."""
-    results: list[client.Result] = []  # filled as the answers come: len() is how many came so far
-
-    def kept(r: client.Result) -> None:
-        results.append(r)
-        print(f"[speech] {label}: {r.line()} audio={with_audio(r)}", flush=True)
-
-    t = threading.Thread(target=lambda: client.run_many(
-        stage.base(), payloads, concurrency, deadline=time.monotonic() + seconds, on_result=kept,
-        timeout=REQUEST_TIMEOUT))
-    t.start()
-    return t, results
+           concurrency: int = STREAM_CONCURRENCY, pace: float = 0.0) -> Stream:
+    """A bounded stream of speech requests through the head, started (tests/support/stream.py: lost is no
+    answer with its audio, or one past REQUEST_TIMEOUT); each answer printed as it comes. The payloads
+    bound the count, `seconds` the time; `pace`: seconds between an answer and the next request."""
+    return Stream(stage.base(), payloads, concurrency, bound=REQUEST_TIMEOUT, seconds=seconds, pace=pace,
+                  complete=with_audio, on_result=lambda r: print(f"[speech] {label}: {r.line()} audio={with_audio(r)}",
+                                                                 flush=True)).start()
 
 
-def until(stop: threading.Event, limit: int, kind: str, seed0: int, model: str,
-          pause: float = 0) -> Iterable[tuple[str, dict]]:
-    """Requests until `stop` is set, at most `limit` (the stream's bound); `pause` seconds before each
-    one after the first (with one worker: between an answer and the next request)."""
+def speech_requests(limit: int, kind: str, seed0: int, model: str) -> Iterator[tuple[str, dict]]:
+    """At most `limit` requests (the stream's bound), three media seeds in turn."""
     for i in range(limit):
-        if stop.is_set() or (i and pause and stop.wait(pause)):
-            return
         yield f"{kind} seed={seed0 + i % 3} #{i + 1}", speech_body(kind, seed0 + i % 3, model)
 
 
 def lost(results: list[client.Result]) -> list[client.Result]:
-    return [r for r in results if not with_audio(r)]
+    """The stream's definition (tests/support/stream.py), with audio as a complete answer."""
+    return support_stream.lost(results, REQUEST_TIMEOUT, with_audio)
 
 
 @pytest.fixture(scope="module")
@@ -284,12 +275,12 @@ def test_pool_scale_up_under_a_stream_the_new_talker_serves_and_nothing_is_lost(
     """`kubectl scale omnistagepool --replicas=2` while a bounded stream runs: once the new pod is
     listed for stages 1 and 2, the head's per-replica counts show its talker serving, and every
     request of the stream got its audio."""
-    stop = threading.Event()
     # Paced: on 2 cores the new pod's start-up shares the cores with the serving stages. Back to back
     # (and with idle workers still spinning, before the CPU plugin stopped it) it had not registered
     # after 11 minutes (31 requests, all with audio); with a pause it starts while requests keep
     # coming. A GPU node gives the new pod its own accelerator.
-    t, results = stream(stage, "scale-up", until(stop, 60, "audio", 100, stage.model, pause=SCALE_UP_PAUSE))
+    load = stream(stage, "scale-up", speech_requests(60, "audio", 100, stage.model), pace=SCALE_UP_PAUSE)
+    results = load.results
     time.sleep(5)
     base = stage.base()
     before = talkers_served(base)
@@ -309,15 +300,14 @@ def test_pool_scale_up_under_a_stream_the_new_talker_serves_and_nothing_is_lost(
 
     stage.wait_for("the new talker served a request", both_served, timeout=600, interval=2)
     stage.timings["pool 1->2 under a stream: new talker served"] = time.monotonic() - t0
-    stop.set()
-    t.join(REQUEST_TIMEOUT * 2)
+    load.stop()
     after = talkers_served(base)
     per_talker = {r: after[r] - before.get(r, 0) for r in after}
     print(f"\n[speech] pool 1 -> 2 under a stream: {len(results)} requests ({joined_at} before the new pod was "
-          f"listed), {len(lost(results))} without audio; talker requests per stage-1 replica {per_talker}; "
+          f"listed), {len(lost(results))} lost; talker requests per stage-1 replica {per_talker}; "
           f"new talker serving {stage.timings['pool 1->2 under a stream: new talker served']:.0f}s after the scale")
-    assert not t.is_alive() and results, "the stream did not finish"
-    assert not lost(results), client.table(lost(results))
+    assert load.finished and results, f"the stream did not finish: {load.summary()}"
+    assert not load.lost(), load.table(load.lost())
     assert len([r for r, n in per_talker.items() if n > 0]) == 2, per_talker
 
 
@@ -328,22 +318,16 @@ def test_pool_pod_sigkill_mid_request_errors_cleanly_then_the_live_one_serves(st
     pods = sorted(p["metadata"]["name"] for p in pool_pods(stage.kubectl, stage.namespace, POOL))
     assert len(pods) == 2, pods
     victim = pods[-1]
-    results: list[client.Result] = []
-    threads = [threading.Thread(target=lambda i=i: results.append(client.chat(
-        stage.base(), speech_body("audio", 120 + i, stage.model), f"in flight #{i + 1}", timeout=REQUEST_TIMEOUT)))
-        for i in range(4)]
-    for th in threads:
-        th.start()
+    in_flight = Stream(stage.base(), [(f"in flight #{i + 1}", speech_body("audio", 120 + i, stage.model))
+                                      for i in range(4)], concurrency=4, bound=KILL_ANSWER_BOUND).start()
     time.sleep(8)  # the thinker's 8 tokens are done: the requests are at the talkers
-    t_kill = time.monotonic()
+    t_kill, kill_wall = time.monotonic(), time.time()
     print(f"[speech] SIGKILL {victim} pid {standin.kill(stage.namespace, victim)} with 4 requests in flight")
-    for th in threads:
-        th.join(REQUEST_TIMEOUT + 20)
-    kill_wall = time.time() - (time.monotonic() - t_kill)
+    results = in_flight.wait().results
     print("\n[speech] requests in flight at the kill")
     for r in sorted(results, key=lambda r: r.label):
         print(f"  {r.line()} audio={with_audio(r)} answered {r.started + r.seconds - kill_wall:+.1f}s after the kill")
-    assert len(results) == 4 and not any(th.is_alive() for th in threads), "a request hung"
+    assert in_flight.finished and len(results) == 4, f"a request hung: {in_flight.summary()}"
     for r in results:
         assert with_audio(r) or r.status is None or r.status >= 400, f"an HTTP 200 without audio: {r.line()}"
         # An answer, not the client's own timeout: a request the dead talker held must not hang.
@@ -364,10 +348,10 @@ def test_pool_pod_sigkill_mid_request_errors_cleanly_then_the_live_one_serves(st
 def test_pool_scale_down_under_a_stream_loses_nothing(stage):
     """`kubectl scale omnistagepool --replicas=1` under a bounded stream: the leaving pod is drained
     for both stages (the head's record: left), and every request got its audio."""
-    stop = threading.Event()
     # Two at a time: nothing starts here, so the engines have the cores; requests are in flight on
     # both talkers when the leave comes.
-    t, results = stream(stage, "scale-down", until(stop, 30, "audio", 140, stage.model), concurrency=2)
+    load = stream(stage, "scale-down", speech_requests(30, "audio", 140, stage.model), concurrency=2)
+    results = load.results
     time.sleep(20)
     leaving = max(p["metadata"]["name"] for p in pool_pods(stage.kubectl, stage.namespace, POOL))  # newest first
     t0 = time.monotonic()
@@ -376,14 +360,13 @@ def test_pool_scale_down_under_a_stream_loses_nothing(stage):
         "get", "pod", leaving, "-n", stage.namespace, check=False).returncode != 0, timeout=600, interval=1)
     stage.timings["pool 2->1 under a stream: pod gone"] = time.monotonic() - t0
     time.sleep(20)  # requests keep coming after the leave: the remaining talker takes them
-    stop.set()
-    t.join(REQUEST_TIMEOUT * 2)
+    load.stop()
     record = departed(stage.head.listing(include_all=True), leaving)
-    print(f"\n[speech] pool 2 -> 1 under a stream: {len(results)} requests, {len(lost(results))} without audio; "
+    print(f"\n[speech] pool 2 -> 1 under a stream: {len(results)} requests, {len(lost(results))} lost; "
           f"{leaving} gone {stage.timings['pool 2->1 under a stream: pod gone']:.0f}s after the scale; "
           f"the head's record: {record}")
-    assert not t.is_alive() and results, "the stream did not finish"
-    assert not lost(results), client.table(lost(results))
+    assert load.finished and results, f"the stream did not finish: {load.summary()}"
+    assert not load.lost(), load.table(load.lost())
     assert record == {1: "left", 2: "left"}, record
 
 
@@ -402,13 +385,13 @@ def test_stage0_and_pool_scaled_at_once_the_seed_sequence_has_no_error(stage):
     before0, before1 = stage.served_by(), talkers_served(base)
     sequence = [(f"seed audio=11 #{i + 1}", speech_body("audio", 11, stage.model)) for i in range(3)]
     sequence += [(f"repeat audio={150 + i % 3} #{i + 1}", speech_body("audio", 150 + i % 3, stage.model)) for i in range(9)]
-    results = [client.chat(stage.base(), p, label, timeout=REQUEST_TIMEOUT) for label, p in sequence]
+    results = Stream(stage.base(), sequence, concurrency=1, bound=REQUEST_TIMEOUT, complete=with_audio).run().results
     after0, after1 = stage.served_by(), talkers_served(base)
     per0 = {r: after0[r] - before0.get(r, 0) for r in after0}
     per1 = {r: after1[r] - before1.get(r, 0) for r in after1}
     print(client.table(results))
     print(f"[speech] seed sequence on 2 stage-0 replicas and 2 talkers: {len(results)} requests, "
-          f"{len(lost(results))} without audio; per stage-0 replica {per0}, per talker {per1}")
+          f"{len(lost(results))} lost; per stage-0 replica {per0}, per talker {per1}")
     assert not lost(results), client.table(lost(results))
     assert len([r for r, n in per0.items() if n > 0]) == 2, per0
     assert len([r for r, n in per1.items() if n > 0]) == 2, per1
