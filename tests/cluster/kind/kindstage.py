@@ -19,6 +19,8 @@ from omnistage_engine_patches import contract
 from tests.cluster.real.realstage import CPU_VENV, RealOmniStage, tiny_omnistage
 from tests.cpu_engine import client
 from tests.standin.harness import PortForward
+from tests.support import stream as support_stream
+from tests.support.stream import Stream
 
 ENGINE_IMAGE = "omnistage-local/omnistage-engine-cpu:dev"     # hack/kind/images.py
 OPERATOR_IMAGE = "omnistage-local/omnistage-operator:dev"
@@ -180,31 +182,19 @@ class KindOmniStage(RealOmniStage):
 
 @contextlib.contextmanager
 def stream(stage: KindOmniStage, requests: int, concurrency: int = 2, seconds: float = 600,
-           max_tokens: int = 32) -> Iterator[list[client.Result]]:
-    """A bounded stream of requests through the head while the body runs; on exit, waits for what is in
-    flight (bounded in count and time) and leaves every result in the yielded list."""
+           max_tokens: int = 32) -> Iterator[Stream]:
+    """A bounded stream of requests (tests/support/stream.py) through the head the Service selects while
+    the body runs; on exit, a moment more of it, then no new request and a wait for those in flight (each
+    bounded by its client timeout). The stream's results and lost requests: the yielded Stream's."""
     model = client.served_model(stage.base())
-    payloads = [(f"stream #{i + 1}", client.body(model, "audio", 70 + i % 4, max_tokens=max_tokens))
-                for i in range(requests)]
-    results: list[client.Result] = []
-    stop = threading.Event()
-
-    def paced() -> Iterator[tuple[str, dict]]:
-        for p in payloads:
-            if stop.is_set():
-                return
-            yield p
-
-    t = threading.Thread(target=lambda: results.extend(
-        # stage.base, asked per request: the head the Service selects now (a head change moves it).
-        client.run_many(stage.base, paced(), concurrency, deadline=time.monotonic() + seconds)), daemon=True)
-    t.start()
+    # stage.base, asked per request: the head the Service selects now (a head change moves it).
+    s = Stream(stage.base, support_stream.requests(model, seed0=70, max_tokens=max_tokens, limit=requests),
+               concurrency, seconds=seconds).start()
     try:
-        yield results
+        yield s
     finally:
-        time.sleep(3)
-        stop.set()
-        t.join(seconds)
+        time.sleep(3)  # requests keep coming a moment after the body: they meet what it left
+        s.stop()
 
 
 def sh(*cmd: str) -> str:

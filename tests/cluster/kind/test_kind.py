@@ -36,7 +36,8 @@ from tests.cluster.kind.kindstage import (
 )
 from tests.cluster.real.realstage import send_attributed
 from tests.cpu_engine import client
-from tests.standin.harness import MEMBERSHIP_PATH, http_get, remote_members, service_addresses
+from tests.standin.harness import MEMBERSHIP_PATH, http_get, service_addresses, stage0
+from tests.support.stream import Stream
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(HEAD_READY_TIMEOUT + 600)]
 NAME = "tiny"
@@ -139,7 +140,7 @@ def test_scale_up_and_down_under_load_with_the_leader_deleted(stage, kubectl, wa
     """`kubectl scale` 2 -> 3 and the leader operator pod deleted right after it (the other replica
     takes the Lease and finishes the join), then 3 -> 2, while a bounded stream of requests runs
     through the head: every request gets a complete answer."""
-    with stream(stage, requests=400, concurrency=2, seconds=1200) as results:
+    with stream(stage, requests=400, concurrency=2, seconds=1200) as load:
         old = leader(kubectl)
         t0 = stage.scale(3)
         kubectl("delete", "pod", old, "-n", OPERATOR_NS, "--wait=false")
@@ -152,10 +153,10 @@ def test_scale_up_and_down_under_load_with_the_leader_deleted(stage, kubectl, wa
         stage.wait_for("scale 3 -> 2: a replica pod gone", lambda: len(stage.replica_pods()) == 1
                        and stage.get()["status"].get("replicas") == 2, timeout=300, interval=1)
         FIGURES["kubectl scale 3->2 -> pod gone"] = time.monotonic() - t1
-    lost = [r for r in results if not r.complete]
-    print(f"\n[kind] scale 2->3->2 under load, leader {old} deleted during the scale-up: {len(results)} requests, "
-          f"{len(lost)} without a complete answer (the newest replica was {newest})")
-    assert results and not lost, client.table(lost)
+    print(f"\n[kind] scale 2->3->2 under load, leader {old} deleted during the scale-up: {load.summary()} "
+          f"(the newest replica was {newest})")
+    assert load.finished and load.results, load.summary()
+    assert not load.lost(), load.table(load.lost())
 
 
 @pytest.mark.full
@@ -169,8 +170,8 @@ def test_replica_pod_deleted_is_replaced_and_rejoins(stage):
     stage.wait_for(f"a replacement for {victim} joined", replaced, timeout=HEAD_READY_TIMEOUT, interval=3)
     FIGURES["kubectl delete pod (replica) -> replacement joined"] = time.monotonic() - t0
     model = client.served_model(stage.base())
-    results = client.run_many(stage.base(), [(f"after #{i}", client.body(model, "audio", 5 + i)) for i in range(4)], 2)
-    assert all(r.complete for r in results), client.table(results)
+    after = Stream(stage.base(), [(f"after #{i}", client.body(model, "audio", 5 + i)) for i in range(4)], 2).run()
+    assert after.finished and len(after.results) == 4 and not after.lost(), after.table()
 
 
 @pytest.mark.full
@@ -204,15 +205,15 @@ def test_node_drain_evicts_through_the_budget_and_loses_nothing(stage, kubectl):
     uids = {stage.pod(p)["metadata"]["uid"] for p in before}  # names come back after a scale-down
     token = stage.head.token()
     floor: list[int] = []
-    with stream(stage, requests=1500, concurrency=2, seconds=HEAD_READY_TIMEOUT) as results:
+    with stream(stage, requests=1500, concurrency=2, seconds=HEAD_READY_TIMEOUT) as load:
         stop = threading.Event()
 
         def sample() -> None:  # the head's own listing: what it routes to, not what the operator says
             while not stop.is_set():
                 body = http_get(stage.membership_base() + MEMBERSHIP_PATH, token=token, timeout=5)
-                if body:
-                    floor.append(1 + len([m for m in remote_members(json.loads(body)) if m.get("pod")
-                                          and m.get("state") == contract.ATTACHED and not m.get("draining")]))
+                if body:  # the head's own engine and the replica pods, each while listed live (not draining)
+                    floor.append(sum(1 for m in stage0(json.loads(body))
+                                     if contract.is_live(m) and (m.get("local") or m.get("pod"))))
                 stop.wait(1)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -231,13 +232,11 @@ def test_node_drain_evicts_through_the_budget_and_loses_nothing(stage, kubectl):
         sampler.join(10)
     refusals = (drain.stdout + drain.stderr).count("disruption budget")
     after = stage.replica_pods()
-    lost = [r for r in results if r.status is None]
-    errored = [r for r in results if r.status is not None and not r.complete]
     print(f"\n[kind] kubectl drain {node}: replicas {before} -> {after} on "
           f"{sorted({stage.pod(p)['spec']['nodeName'] for p in after})}; evictions refused by the budget "
-          f"{refusals}x; {len(results)} requests, {len(lost)} lost, {len(errored)} errored; "
-          f"head routed to >= {min(floor) if floor else None} ({len(floor)} samples)")
-    assert results and not lost and not errored, client.table(lost + errored)
+          f"{refusals}x; {load.summary()}; head routed to >= {min(floor) if floor else None} ({len(floor)} samples)")
+    assert load.finished and load.results, load.summary()
+    assert not load.lost(), load.table(load.lost())
     assert refusals >= 1, f"the budget never refused an eviction:\n{drain.stdout}{drain.stderr}"
     assert floor and min(floor) >= 2, f"serving fell to {min(floor) if floor else None}"
     assert not {stage.pod(p)["metadata"]["uid"] for p in after} & uids, "every drained replica was replaced"
@@ -275,9 +274,9 @@ def test_head_container_killed_kubelet_restarts_it_and_replicas_re_attach(stage,
     logs = stage.logs(old_replica)
     assert logs.count("Loading weights took") + logs.count("Model loading took") == loads, "the replica reloaded"
     model = client.served_model(stage.base())
-    results = client.run_many(stage.base(), [(f"after head restart #{i}", client.body(model, "audio", 9 + i))
-                                             for i in range(4)], 2)
-    assert all(r.complete for r in results), client.table(results)
+    after = Stream(stage.base(), [(f"after head restart #{i}", client.body(model, "audio", 9 + i))
+                                  for i in range(4)], 2).run()
+    assert after.finished and len(after.results) == 4 and not after.lost(), after.table()
 
 
 def _head_engine_cores() -> list[int]:
@@ -307,7 +306,7 @@ def test_a_stall_of_the_head_s_engine_is_survived_under_a_kubelet(stage):
     cores = _head_engine_cores()
     assert cores, "no StageEngineCoreProc of the head's replica 0 on this machine"
     samples = []
-    with stream(stage, requests=200, concurrency=2, seconds=900) as results:
+    with stream(stage, requests=200, concurrency=2, seconds=900) as load:
         time.sleep(5)
         t0 = time.monotonic()
         for pid in cores:
@@ -320,13 +319,12 @@ def test_a_stall_of_the_head_s_engine_is_survived_under_a_kubelet(stage):
         stage.wait_for("the head's engine serving again", lambda: stage.get()["status"].get("readyReplicas") == 2,
                        timeout=300, interval=1)
         FIGURES["head engine stalled 45 s: SIGCONT -> serving with 2 again"] = time.monotonic() - t0 - 45
-    lost = [r for r in results if not r.complete]
-    print(f"\n[kind] head engine stalled 45 s: readyReplicas every 5 s {samples}; {len(results)} requests, "
-          f"{len(lost)} without a complete answer")
+    print(f"\n[kind] head engine stalled 45 s: readyReplicas every 5 s {samples}; {load.summary()}")
     assert all(os.path.exists(f"/proc/{pid}") for pid in cores), "the stalled engine was killed"
     assert stage.pod(head)["status"]["containerStatuses"][0]["restartCount"] == restarts, "the head was restarted"
     assert 1 in samples, "status never stopped counting the stalled engine"
-    assert results and not lost, client.table(lost)
+    assert load.finished and load.results, load.summary()
+    assert not load.lost(), load.table(load.lost())
 
 
 @pytest.mark.full
@@ -345,7 +343,7 @@ def test_a_head_change_hands_over_to_a_new_head_and_loses_nothing(stage, kubectl
     template = manifest["spec"]["template"]
     template.setdefault("metadata", {}).setdefault("annotations", {})["omnistage-e2e/generation"] = "2"
     no_endpoint: list[float] = []
-    with stream(stage, requests=600, concurrency=2, seconds=3 * HEAD_READY_TIMEOUT) as results:
+    with stream(stage, requests=600, concurrency=2, seconds=3 * HEAD_READY_TIMEOUT) as load:
         t0 = time.monotonic()
         kubectl("patch", "omnistage", NAME, "-n", stage.namespace, "--type=merge", "-p",
                 json.dumps({"spec": {"template": template}}))
@@ -361,12 +359,11 @@ def test_a_head_change_hands_over_to_a_new_head_and_loses_nothing(stage, kubectl
         wait_for("the new head and its replica serving, the old set gone", handed_over,
                  timeout=3 * HEAD_READY_TIMEOUT, interval=2)
         FIGURES["head change (template) -> new head and replica serving"] = time.monotonic() - t0
-    lost = [r for r in results if r.status is None]
-    errored = [r for r in results if r.status is not None and not r.complete]
-    print(f"\n[kind] head change {old_head} -> {stage.head_name()}: {len(results)} requests, {len(lost)} lost, "
-          f"{len(errored)} errored; samples without a Ready endpoint: {len(no_endpoint)}")
+    print(f"\n[kind] head change {old_head} -> {stage.head_name()}: {load.summary()}; samples without a Ready "
+          f"endpoint: {len(no_endpoint)}")
     assert stage.head_name() != old_head
-    assert results and not lost and not errored, client.table(lost + errored)
+    assert load.finished and load.results, load.summary()
+    assert not load.lost(), load.table(load.lost())
     assert not no_endpoint, f"the Service had no Ready endpoint at {no_endpoint}"
 
 
@@ -377,7 +374,7 @@ def test_helm_upgrade_while_serving(stage, helm, kubectl, wait_for):
     # A replica the scale-down removed may still be Terminating (its preStop drain): wait it out first.
     wait_for("no engine pod terminating", lambda: len(engine_pods()) == 1 + len(stage.replica_pods()), timeout=300)
     engine_uids = engine_pods()
-    with stream(stage, requests=200, concurrency=2, seconds=600) as results:
+    with stream(stage, requests=200, concurrency=2, seconds=600) as load:
         t0 = time.monotonic()
         helm("upgrade", RELEASE, str(CHART), "--namespace", OPERATOR_NS, *helm_values(),
              "--set", "podAnnotations.omnistage-e2e/upgraded=yes", "--wait", "--timeout", "5m", timeout=360)
@@ -385,11 +382,11 @@ def test_helm_upgrade_while_serving(stage, helm, kubectl, wait_for):
         wait_for("a leader after the upgrade", lambda: leader(kubectl), timeout=180)
         time.sleep(20)  # a reconcile pass of the new leader while requests flow
     after = engine_pods()
-    lost = [r for r in results if not r.complete]
-    print(f"\n[kind] helm upgrade while serving: {len(results)} requests, {len(lost)} incomplete; engine pods "
+    print(f"\n[kind] helm upgrade while serving: {load.summary()}; engine pods "
           f"{'unchanged' if after == engine_uids else 'CHANGED'}")
     assert after == engine_uids, "an operator upgrade must not replace engine pods"
-    assert results and not lost, client.table(lost)
+    assert load.finished and load.results, load.summary()
+    assert not load.lost(), load.table(load.lost())
 
 
 def test_helm_uninstall_keeps_serving_and_the_crds(stage, helm, kubectl, wait_for):
@@ -397,8 +394,8 @@ def test_helm_uninstall_keeps_serving_and_the_crds(stage, helm, kubectl, wait_fo
     wait_for("the operator pods gone", lambda: not operator_pods(kubectl), timeout=180)
     crds = [c["metadata"]["name"] for c in kubectl.json("get", "crds")["items"] if "omnistage" in c["metadata"]["name"]]
     model = client.served_model(stage.base())
-    results = client.run_many(stage.base(), [(f"no operator #{i}", client.body(model, "audio", 20 + i)) for i in range(4)], 2)
-    print(f"\n[kind] helm uninstall: CRDs kept {crds}; requests without an operator: "
-          f"{sum(r.complete for r in results)}/{len(results)} complete")
+    without = Stream(stage.base(), [(f"no operator #{i}", client.body(model, "audio", 20 + i)) for i in range(4)], 2).run()
+    print(f"\n[kind] helm uninstall: CRDs kept {crds}; requests without an operator: {without.summary()}")
     assert "omnistages.serving.omnistage.io" in crds, "helm keeps CRDs from crds/ on uninstall"
-    assert all(r.complete for r in results), "serving does not depend on the operator being up"
+    assert without.finished and len(without.results) == 4 and not without.lost(), \
+        f"serving does not depend on the operator being up:\n{without.table()}"
