@@ -32,6 +32,7 @@ from tests.support.loopback import loopback_ip
 
 TOKEN = "membership-port-token-for-tests"
 SHORT = 1.0  # HEADER_SECONDS and BODY_SECONDS here: the tests wait them out
+DRIPS = int((SHORT + 3) / 0.2)  # a dripped header's bytes, one every 0.2 s: past SHORT, the server must close it
 ATTACKER = "127.0.0.1"  # the brief's: half-open connections from 127.0.0.1
 
 
@@ -117,8 +118,13 @@ def test_half_open_connections_from_one_peer_do_not_lock_the_operator_out(port, 
             assert not set(gone) & set(socks[:cap]), "the cap keeps the first, closes the newcomers"
         assert len(gone) >= 80 - cap
         assert operator_call(host, p, loopback_ip()) == 200
-        assert len(wait_closed(socks, 80, header_seconds + 5)) == 80, "half-open connections outlive HEADER_SECONDS"
-        assert time.monotonic() - t0 < header_seconds + 5
+        # Counted, with a margin: a server without a header deadline (before issue 40) never closes them,
+        # so the count fails however long the wait; the 5 s past HEADER_SECONDS are only room for a loaded
+        # 2-core machine to run the server's loop late (its closes are due by then at the latest).
+        gone = wait_closed(socks, 80, header_seconds + 5)
+        print(f"\n[membership port] {len(gone)} of 80 half-open connections closed {time.monotonic() - t0:.1f}s "
+              f"after the first (HEADER_SECONDS {header_seconds:.0f})")
+        assert len(gone) == 80, "half-open connections outlive HEADER_SECONDS"
 
 
 def test_many_hostile_peers_cannot_crowd_the_operator_out(port, monkeypatch):
@@ -151,18 +157,23 @@ def test_dripped_headers_and_bodies_are_closed_on_time(port):
     host, p = port
     src = loopback_ip()
     drip = _raw(host, p, src, b"GET " + contract.ENGINE_PATH.encode() + b" HTTP/1.1\r\n")
-    start = time.monotonic()
+    start, dripped = time.monotonic(), 0
     with held([drip]):
-        for _ in range(int((SHORT + 3) / 0.2)):
+        # Counted in drips, not timed: a header timeout that each byte restarts (the defect) never fires
+        # while a byte comes every 0.2 s, so the connection outlives all DRIPS. They span SHORT + 3 s at
+        # least (a loaded machine only spaces them further): room for the server's loop to close it late.
+        for _ in range(DRIPS):
             try:
                 drip.sendall(b"X")
             except OSError:
                 break
+            dripped += 1
             if closed([drip]):
                 break
             time.sleep(0.2)
-        assert closed([drip]), f"a dripped header held its connection {time.monotonic() - start:.1f}s"
-        assert time.monotonic() - start < SHORT + 2
+        print(f"\n[membership port] a dripped header closed after {dripped} bytes, "
+              f"{time.monotonic() - start:.1f}s (HEADER_SECONDS {SHORT:.0f})")
+        assert closed([drip]), f"a dripped header held its connection through {dripped} bytes"
     body = json.dumps({"stage": 0, "replicaId": 3}).encode()
     head = (f"POST {contract.LEAVE_PATH} HTTP/1.1\r\nHost: h\r\nAuthorization: Bearer {TOKEN}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
