@@ -21,7 +21,7 @@ import yaml
 
 from tests.cpu_engine import client
 from tests.standin import realpod
-from tests.standin.harness import HeadEndpoint, service_addresses, stage0
+from tests.standin.harness import MEMBERSHIP_PATH, HeadEndpoint, http_get, service_addresses, stage0
 from tests.standin.realpod import EngineImage
 from tests.standin.runtime import StandinRuntime
 
@@ -179,9 +179,14 @@ class MemberWatch:
         self._thread = threading.Thread(target=self._run, name=f"watch-replica-{replica_id}", daemon=True)
 
     def _run(self) -> None:
+        # The head's address and token once (a kubectl per sample would load the 2 cores the engines need).
+        head = self.stage.head
+        url, token = f"http://{head.ip()}:{head.membership_port}{MEMBERSHIP_PATH}", head.token()
         t0 = time.monotonic()
         while not self._stop.is_set():
-            m = next((m for m in stage0(self.stage.head.listing()) if m.get("replicaId") == self.replica_id), None)
+            body = http_get(url, token=token, timeout=5)
+            m = next((m for m in stage0(json.loads(body) if body else None)
+                      if m.get("replicaId") == self.replica_id), None)
             if m is not None:
                 self.samples.append((time.monotonic() - t0, m.get("state"), m.get("inFlight")))
             self._stop.wait(self.interval)
