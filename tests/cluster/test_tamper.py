@@ -169,6 +169,22 @@ def test_a_tampered_child_is_restored_while_the_spec_is_invalid(kubectl, wait_fo
     assert condition(get_stage(kubectl, namespace), "Ready")["reason"] == "InvalidSpec"
 
 
+def test_a_spec_invalid_from_its_first_pass_comes_to_rest(kubectl, wait_for, namespace, operator, tmp_path):
+    """An OmniStage whose spec the operator refused before any valid spec was seen never rested: the
+    resync gave it a full pass every second for as long as it stayed invalid (CI, 2026-12-07: the test
+    above timed out waiting for QUIET s without a pass, when its patch came before the valid spec's
+    first rest). Its edit and its children's drift are watched; nothing else needs a pass."""
+    apply(kubectl, namespace, tmp_path, sample(**{"gpu.product": "NVIDIA-B200", "modelVolume": {
+        "mountPath": "/models", "hostPath": {"path": "/srv/models"}}}))
+    wait_for("Ready=False reason InvalidSpec", lambda: (c := condition(get_stage(kubectl, namespace), "Ready"))
+             .get("reason") == "InvalidSpec" and c, timeout=60)
+    passes = _settled(wait_for, operator, namespace)
+    time.sleep(2 * QUIET)
+    more = _passes(operator, namespace) - passes
+    print(f"[tamper] passes of the invalid spec at rest over {2 * QUIET:.0f}s: {more}")
+    assert more == 0, f"{more} passes of an invalid spec nothing changed"
+
+
 # Kubernetes' own label and annotation keys on a Service (issue 40 item 11): kube-proxy drops a Service
 # labelled service.kubernetes.io/service-proxy-name (an outage: its ClusterIP answers nothing), and
 # topology-mode reroutes it. Before, the operator compared only the labels it renders: others' stayed.

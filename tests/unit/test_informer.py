@@ -127,3 +127,27 @@ def test_a_listed_omnistage_is_queued_at_once_when_asked():
         inf.on_change = lambda ns, name, changes=changes: changes.append((ns, name))
         assert inf._list("ns") == "9" and inf.get("ns", "b") is not None
         assert changes == want
+
+
+def test_a_child_is_queued_for_what_the_operator_renders_not_for_its_status():
+    """The disruption controller rewrites a PodDisruptionBudget's status whenever a replica's readiness
+    or the selector changes: each was a pass (the tamper test counted 4 passes for one restore)."""
+    from omnistage.runtime.informer import ClusterState
+
+    changes: list = []
+    inf = ClusterState().children["PodDisruptionBudget"]
+    inf.on_change = lambda ns, name: changes.append(name)
+
+    def pdb(rv: int, selector: dict, healthy: int = 0) -> dict:
+        return {"kind": "PodDisruptionBudget",
+                "metadata": {"name": "s1-replicas", "namespace": "ns", "resourceVersion": str(rv),
+                             "labels": {"serving.omnistage.io/omnistage": "s1"}},
+                "spec": {"selector": {"matchLabels": selector}}, "status": {"currentHealthy": healthy}}
+
+    inf._event("ADDED", pdb(1, {"role": "replica"}))
+    inf._event("MODIFIED", pdb(2, {"role": "replica"}, healthy=1))  # the disruption controller
+    inf._event("MODIFIED", pdb(3, {"role": "replica", "tamper": "x"}, healthy=1))  # someone's edit
+    inf.wrote(pdb(4, {"role": "replica"}, healthy=1))  # the operator's restore, answered
+    inf._event("MODIFIED", pdb(4, {"role": "replica"}, healthy=1))  # and its watch event
+    inf._event("DELETED", pdb(5, {"role": "replica"}))
+    assert changes == ["s1", "s1", "s1"]

@@ -23,6 +23,7 @@ from omnistage.render import render_children, target_from
 from omnistage.render.network import render_pod_credential
 from omnistage.render.pods import render_head_pod, render_pool_pod, render_replica_pod
 from omnistage.runtime import reconcile as reconcile_module
+from omnistage.runtime.act import Acted
 
 from .test_plan import AT, cond, omnistage
 from .test_plan_pools import STAGES, observe, pool_obj
@@ -173,7 +174,7 @@ def test_the_runtime_refuses_before_it_writes_the_membership_secret(monkeypatch)
 
     monkeypatch.setattr(reconcile_module, "ensure_token", no_token)
     acted = []
-    monkeypatch.setattr(reconcile_module.act_step, "act", lambda ns, actions, *a, **kw: acted.extend(actions))
+    monkeypatch.setattr(reconcile_module.act_step, "act", lambda ns, actions, *a, **kw: acted.extend(actions) or Acted([], []))
     status = reconcile_module._reconcile(newer, lambda *e: None)
     assert [a.reason for a in acted] == [Reason.NAME_COLLISION]
     assert cond(status, Type.READY)["reason"] == Reason.NAME_COLLISION

@@ -277,6 +277,25 @@ def _new_generation(old: dict[str, Any] | None, new: dict[str, Any]) -> bool:
     return old is None or old["metadata"].get("generation") != new["metadata"].get("generation")
 
 
+# What the API server and other controllers write on a child without changing what the operator
+# renders: the disruption controller rewrites a PodDisruptionBudget's status each time a replica turns
+# Ready or a selector changes, and every write bumps resourceVersion and managedFields.
+_NOT_RENDERED = ("status",)
+_NOT_RENDERED_META = ("resourceVersion", "managedFields")
+
+
+def _rendered_part(obj: dict[str, Any]) -> dict[str, Any]:
+    meta = {k: v for k, v in obj["metadata"].items() if k not in _NOT_RENDERED_META}
+    return {**{k: v for k, v in obj.items() if k not in _NOT_RENDERED}, "metadata": meta}
+
+
+def _rendered_changed(old: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    """A child's status-only writes are not worth a pass (a PodDisruptionBudget's status changes with
+    every replica's readiness: a pass each, for nothing); a change to anything the operator renders
+    or restores is, and so is the operator's own write whose watch event shows something else."""
+    return old is None or _rendered_part(old) != _rendered_part(new)
+
+
 def _core_lister(namespaced: str, cluster: str):
     def pick(scope: str | None):
         c = kube.core()
@@ -331,7 +350,8 @@ class ClusterState:
         # watched and only those an OmniStage controls are kept.
         self.pods = Informer("Pod", _core_lister("list_namespaced_pod", "list_pod_for_all_namespaces"), None,
                              _omnistage_controller, trim=_trim_pod, owned_only=True)
-        self.children = {c.kind: Informer(c.kind, _child_lister(c), OWNED, _label(L_OMNISTAGE))
+        self.children = {c.kind: Informer(c.kind, _child_lister(c), OWNED, _label(L_OMNISTAGE),
+                                          significant=_rendered_changed)
                          for c in CHILD_KINDS}
         self.started = False
 

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Emit", "observe", "reconcile"]
 
 SYNC_TIMEOUT = 60.0  # s a pass waits for the watches' first listing (operator start, new leader)
+INVALID = "invalid spec"  # the fingerprint of an invalid spec at rest: no valid reading equals it
 
 
 def reconcile(namespace: str, name: str, emit: Emit | None,
@@ -124,9 +125,18 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
         # its membership Secret (which could be that object's replica's credential). An invalid spec
         # keeps the children its last valid spec rendered (last_valid).
         pools_named = tuple(STATE.pools.owned(meta["namespace"], meta["name"]))
-        decided = plan(t, Observed(obj, pools=pools_named, neighbours=neighbours,
-                                   last_valid=_last_valid(obj) if isinstance(t, InvalidSpec) else None))
-        act_step.act(meta["namespace"], decided.actions, None, emit, meta["name"])
+        observed = Observed(obj, pools=pools_named, neighbours=neighbours,
+                            last_valid=_last_valid(obj) if isinstance(t, InvalidSpec) else None)
+        decided = plan(t, observed)
+        acted = act_step.act(meta["namespace"], decided.actions, None, emit, meta["name"])
+        # An invalid spec at rest waits for its edit (a new generation) or a child's drift, both watched:
+        # without a rest of its own the resync gave it a full pass every second, for as long as it
+        # stayed invalid. A refused name is not rested: the object that holds it may go, unwatched.
+        if isinstance(t, InvalidSpec) and _rests(obj, observed, decided, tuple(acted.problems),
+                                                  tuple(acted.refused)):
+            memory.RESTING[(meta["namespace"], meta["name"])] = memory.Resting((INVALID,), None, False)
+        else:
+            memory.RESTING.pop((meta["namespace"], meta["name"]), None)
         return decided.status
     memory.LAST_VALID[(t.namespace, t.name)] = obj
     # token
