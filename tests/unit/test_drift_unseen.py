@@ -194,7 +194,8 @@ def test_a_pass_of_an_invalid_spec_applies_the_last_valid_children(monkeypatch):
     # Its last valid pass (raising=False: the store is new, and the code before it kept nothing).
     monkeypatch.setattr(memory, "LAST_VALID", {(t.namespace, t.name): o.obj}, raising=False)
     acted = []
-    monkeypatch.setattr(reconcile.act_step, "act", lambda ns, actions, *a, **kw: acted.extend(actions) or Acted([], []))
+    monkeypatch.setattr(reconcile.act_step, "act", 
+                        lambda ns, actions, *a, **kw: acted.extend(actions) or Acted([], []))
     reconcile._reconcile(bad, lambda *e: None)
     assert [a.obj["metadata"]["name"] for a in acted if isinstance(a, EnsureChild)] == [
         f"{t.name}-config", t.name, f"{t.name}-master", f"{t.name}-head-engine", f"{t.name}-replicas"]

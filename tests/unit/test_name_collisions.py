@@ -174,7 +174,8 @@ def test_the_runtime_refuses_before_it_writes_the_membership_secret(monkeypatch)
 
     monkeypatch.setattr(reconcile_module, "ensure_token", no_token)
     acted = []
-    monkeypatch.setattr(reconcile_module.act_step, "act", lambda ns, actions, *a, **kw: acted.extend(actions) or Acted([], []))
+    monkeypatch.setattr(reconcile_module.act_step, "act", 
+                        lambda ns, actions, *a, **kw: acted.extend(actions) or Acted([], []))
     status = reconcile_module._reconcile(newer, lambda *e: None)
     assert [a.reason for a in acted] == [Reason.NAME_COLLISION]
     assert cond(status, Type.READY)["reason"] == Reason.NAME_COLLISION
