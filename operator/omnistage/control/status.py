@@ -8,7 +8,8 @@ no longer counted, a replica it retires is Leaving.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from omnistage_engine_patches import contract
@@ -46,28 +47,19 @@ def omnistage_status(p: Pass, generation: int | None, at: str) -> dict[str, Any]
     # stage-0 replicas: what spec.replicas and the scale selector count; the standbys beside them
     live, standbys = standby.split(p, p.live(None))
     head_staying = p.head_staying()
-    engine_pods = ([head] if head_staying else []) + live
-    # Serving as the head lists it: a head whose own engine is silent or gone is not counted.
-    ready_pods = ([head] if p.head_serves() else []) + [r for r in live if p.serves(r, unread=True)]
     updated = (1 if pods.template_hash(head) == pods.template_hash(p.want_head) else 0) + sum(
         1 for r in live if pods.template_hash(r) == pods.template_hash(p.want_replica(pods.index(r)))
         and pods.head_uid(r) == pods.uid(head)) if head_staying else 0
     members = _members(p, live + standbys)
-    joined = sum(1 for m in members if m.state == MemberState.JOINED)
-    if t.distributed:
-        head_registered = (mm := p.head_engine()) is not None and contract.is_live(mm)
-    else:
-        head_registered = head_staying and pods.ready(head)  # one replica inside the head: nothing to sync
-    stages = stage_rows(p)
-    conds = _conditions(p, engine_pods, ready_pods, joined, head_registered, stages)
+    facts = _facts(p, live, sum(1 for m in members if m.state == MemberState.JOINED), stage_rows(p))
     same_head = head is not None and (previous.get("head") or {}).get("uid") == pods.uid(head)
     return dump(
         statuses.OmniStageStatus(
             **present(
                 observed_generation=generation,
-                replicas=len(engine_pods),
-                ready_replicas=len(ready_pods),
-                registered_replicas=(1 if head_registered else 0) + joined,
+                replicas=len(facts.engine_pods),
+                ready_replicas=len(facts.ready_pods),
+                registered_replicas=facts.registered,
                 standby_replicas=len(standbys),
                 ready_standby_replicas=sum(1 for s in standbys if standby.warm(p, s)),
                 updated_replicas=updated,
@@ -81,10 +73,10 @@ def omnistage_status(p: Pass, generation: int | None, at: str) -> dict[str, Any]
                 members=members,
                 stages=[
                     statuses.StageStatus(**{k: v for k, v in row.items() if k != "patchProblem"})
-                    for row in stages
+                    for row in facts.stages
                 ]
                 or None,
-                conditions=merge(previous.get("conditions", []), conds, generation, at),
+                conditions=merge(previous.get("conditions", []), _conditions(p, facts), generation, at),
             )
         )
     )
@@ -123,104 +115,160 @@ def _members(p: Pass, live: list[dict[str, Any]]) -> list[statuses.MemberStatus]
     return out
 
 
-def _conditions(p: Pass, engine_pods: list[dict[str, Any]], ready_pods: list[dict[str, Any]], joined: int,
-                head_registered: bool, stages: list[dict[str, Any]]) -> list[Cond]:
-    t, head = p.t, p.head
-    live = standby.split(p, p.live(None))[0]
-    head_ready = p.head_serves()
-    head_engine = liveness.head_engine_problem(p)
+@dataclass(frozen=True)
+class Facts:
+    """What more than one condition reads, worked out once per pass."""
+    engine_pods: list[dict[str, Any]]  # the staying head and the stage-0 replicas (status.replicas)
+    ready_pods: list[dict[str, Any]]  # of those, the ones serving as the head lists them
+    stages: list[dict[str, Any]]  # stage_rows
+    head_ready: bool  # p.head_serves()
+    registered: int  # the head (its engine registered) and the joined replicas
+    replicas_ready: int  # stage-0 replica pods serving
+    replicas_available: bool  # every replica pod spec.replicas asks for is there and serving
+    problem: str | None  # what keeps the membership from syncing, in its own words
+    read: bool  # the membership was read (a static set has none to read)
+    synced: bool
+
+
+def _facts(p: Pass, live: list[dict[str, Any]], joined: int, stages: list[dict[str, Any]]) -> Facts:
+    """The Facts of a pass: `live` its stage-0 replicas (no standbys), `joined` how many are joined."""
+    t, head, staying, head_ready = p.t, p.head, p.head_staying(), p.head_serves()
+    if t.distributed:
+        head_registered = (mm := p.head_engine()) is not None and contract.is_live(mm)
+    else:  # one replica inside the head: nothing to sync
+        head_registered = staying and pods.ready(head)
     kept = standby.held(p)  # the standbys' registrations: unjoined on purpose
     others = [mm for mm in p.members() if not contract.is_head_local(mm, pods.ip(head)) and mm.get("state")
               != contract.LEFT and mm.get("replicaId") not in kept] if t.distributed else []
     problem = p.membership_problem or p.scale_held or (p.o.problems[0] if p.o.problems else None)
-    desired = t.spec.replicas
-    replica_desired = t.replica_pods
     replicas_ready = sum(1 for r in live if p.serves(r, unread=True))  # a replica pod is Ready once joined
     # Synced: every replica whose engine runs is joined (their Ready follows the join).
     running = sum(1 for r in live if pods.containers_ready(r) and not pods.annotation(r, A_LEAVING)
                   and pods.uid(r) not in p.handled)
     read = p.listing is not None or not t.distributed
-    synced = read and problem is None and joined == running and head_registered and len(others) == joined
-    every_pod = engine_pods + [r for r in p.live() if pods.pool(r) is not None]
-    unschedulable = [f"{pods.name(x)}: {pods.unschedulable(x)}" for x in every_pod if pods.unschedulable(x)]
-    exited = [
-        f"{pods.name(x)}: engine exited ({x['status'].get('phase')})" for x in every_pod if pods.terminal(x)
-    ]
-    refused = [f"the API server refused {why}" for why in p.o.refused[:MOST_REFUSED]] + (
-        [f"and {len(p.o.refused) - MOST_REFUSED} more children"] if len(p.o.refused) > MOST_REFUSED else [])
-    replicas_available = replicas_ready == replica_desired and len(live) == replica_desired
-    registered = (1 if head_registered else 0) + joined
-    verdict = p.verdict
-    conds = [
-        Cond(
-            Type.CONFIG_RENDERED,
-            True,
-            Reason.RENDERED,
-            f"effective stage-0 cache mode {t.cache.mode}: {t.cache.reason}"
-            + (f"; {note}" if (note := transport_note(t)) else ""),
-        ),
-        Cond(
-            Type.HEAD_READY,
-            head_ready,
-            head_engine[0]
-            if head_engine
-            else (
-                Reason.HEAD_READY
-                if head_ready
-                else (Reason.HEAD_PENDING if p.head_staying() else Reason.NO_HEAD)
-            ),
-            head_engine[1] if head_engine else (f"head pod {pods.name(head)}" if head else "no head pod"),
-        ),
-        Cond(
-            Type.REPLICAS_AVAILABLE,
-            replicas_available,
-            Reason.ALL_AVAILABLE if replicas_ready == replica_desired else Reason.UNAVAILABLE,
-            f"{replicas_ready}/{replica_desired} replica pods serving",
-        ),
-        Cond(
-            Type.MEMBERSHIP_SYNCED,
-            synced,
-            Reason.SYNCED
-            if synced
-            else Reason.SCALE_DOWN_HELD
-            if problem and problem == p.scale_held
-            else Reason.HEAD_ANSWER_REFUSED
-            if problem and problem == p.o.answer_refused
-            else Reason.NOT_SYNCED,
-            problem or (f"{registered}/{desired} replicas registered" if read else "membership not read yet"),
-        ),
-        Cond(Type.CACHE_CONSISTENT, verdict.consistent, verdict.reason, verdict.message),
-        Cond(
-            Type.REPLICA_FAILURE,
-            bool(refused or unschedulable or exited),
-            Reason.CHILD_REFUSED
-            if refused
-            else Reason.UNSCHEDULABLE
-            if unschedulable
-            else Reason.ENGINE_EXITED
-            if exited
-            else Reason.NO_FAILURE,
-            "; ".join(refused + unschedulable + exited),
-        ),
-    ]
-    conds.append(rollout_condition(p))
-    stages_ready = all(row["registered"] == row["desired"] == row["ready"] and row["desired"] > 0
-                       and not row.get("patchProblem") for row in stages)
-    if t.spec.stages:
-        conds += stage_conditions(p, stages)
-    progressing = bool(p.progressing) or len(engine_pods) != desired or len(ready_pods) != desired \
-        or any(row["ready"] != row["desired"] for row in stages)
-    conds.append(
-        Cond(
-            Type.PROGRESSING,
-            progressing,
-            ",".join(sorted(set(p.progressing))) or (Reason.CONVERGING if progressing else Reason.STABLE),
-            f"{len(engine_pods)}/{desired} engine pods, {len(ready_pods)} ready"
-            + "".join(f"; stage {row['id']}: {row['ready']}/{row['desired']} pods ready" for row in stages),
-        )
+    return Facts(
+        engine_pods=([head] if staying else []) + live,
+        # Serving as the head lists it: a head whose own engine is silent or gone is not counted.
+        ready_pods=([head] if head_ready else []) + [r for r in live if p.serves(r, unread=True)],
+        stages=stages, head_ready=head_ready, registered=(1 if head_registered else 0) + joined,
+        replicas_ready=replicas_ready, problem=problem, read=read,
+        replicas_available=replicas_ready == t.replica_pods and len(live) == t.replica_pods,
+        synced=read and problem is None and joined == running and head_registered and len(others) == joined,
     )
-    conds.append(ready(head_ready, replicas_available, synced, verdict.consistent, stages_ready))
-    return conds
+
+
+def _config_rendered(p: Pass, f: Facts) -> list[Cond]:
+    """ConfigRendered: the spec rendered into a config; says the effective stage-0 cache mode and why."""
+    message = f"effective stage-0 cache mode {p.t.cache.mode}: {p.t.cache.reason}"
+    if note := transport_note(p.t):
+        message += f"; {note}"
+    return [Cond(Type.CONFIG_RENDERED, True, Reason.RENDERED, message)]
+
+
+def _head_ready(p: Pass, f: Facts) -> list[Cond]:
+    """HeadReady: the head pod is Ready and, where it keeps a membership, its own engine is live."""
+    engine = liveness.head_engine_problem(p)
+    if engine:
+        return [Cond(Type.HEAD_READY, f.head_ready, engine[0], engine[1])]
+    if f.head_ready:
+        reason = Reason.HEAD_READY
+    elif p.head_staying():
+        reason = Reason.HEAD_PENDING
+    else:
+        reason = Reason.NO_HEAD
+    message = f"head pod {pods.name(p.head)}" if p.head else "no head pod"
+    return [Cond(Type.HEAD_READY, f.head_ready, reason, message)]
+
+
+def _replicas_available(p: Pass, f: Facts) -> list[Cond]:
+    """ReplicasAvailable: every stage-0 replica pod spec.replicas asks for exists and serves."""
+    desired = p.t.replica_pods
+    reason = Reason.ALL_AVAILABLE if f.replicas_ready == desired else Reason.UNAVAILABLE
+    return [Cond(Type.REPLICAS_AVAILABLE, f.replicas_available, reason,
+                 f"{f.replicas_ready}/{desired} replica pods serving")]
+
+
+def _membership_synced(p: Pass, f: Facts) -> list[Cond]:
+    """MembershipSynced: the head has registered its own engine and joined every replica whose engine runs."""
+    if f.synced:
+        reason = Reason.SYNCED
+    elif f.problem and f.problem == p.scale_held:
+        reason = Reason.SCALE_DOWN_HELD
+    elif f.problem and f.problem == p.o.answer_refused:
+        reason = Reason.HEAD_ANSWER_REFUSED
+    else:
+        reason = Reason.NOT_SYNCED
+    message = f.problem or (f"{f.registered}/{p.t.spec.replicas} replicas registered" if f.read
+                            else "membership not read yet")
+    return [Cond(Type.MEMBERSHIP_SYNCED, f.synced, reason, message)]
+
+
+def _cache_consistent(p: Pass, f: Facts) -> list[Cond]:
+    """CacheConsistent: the engines' cache settings agree (the pass's verdict, in its own words)."""
+    return [Cond(Type.CACHE_CONSISTENT, p.verdict.consistent, p.verdict.reason, p.verdict.message)]
+
+
+def _replica_failure(p: Pass, f: Facts) -> list[Cond]:
+    """ReplicaFailure: the API server refused a child, or a pod cannot be scheduled or its engine exited."""
+    every_pod = f.engine_pods + [r for r in p.live() if pods.pool(r) is not None]
+    unschedulable = [f"{pods.name(x)}: {pods.unschedulable(x)}" for x in every_pod if pods.unschedulable(x)]
+    exited = [f"{pods.name(x)}: engine exited ({x['status'].get('phase')})"
+              for x in every_pod if pods.terminal(x)]
+    refused = [f"the API server refused {why}" for why in p.o.refused[:MOST_REFUSED]]
+    if len(p.o.refused) > MOST_REFUSED:
+        refused.append(f"and {len(p.o.refused) - MOST_REFUSED} more children")
+    if refused:
+        reason = Reason.CHILD_REFUSED
+    elif unschedulable:
+        reason = Reason.UNSCHEDULABLE
+    elif exited:
+        reason = Reason.ENGINE_EXITED
+    else:
+        reason = Reason.NO_FAILURE
+    return [Cond(Type.REPLICA_FAILURE, bool(refused or unschedulable or exited), reason,
+                 "; ".join(refused + unschedulable + exited))]
+
+
+def _rollout_surge(p: Pass, f: Facts) -> list[Cond]:
+    """RolloutSurge: whether a roll in progress can create its replacements first (rollout_condition)."""
+    return [rollout_condition(p)]
+
+
+def _stages(p: Pass, f: Facts) -> list[Cond]:
+    """StagesCovered and StagesReady, with spec.stages only (stage_conditions)."""
+    return stage_conditions(p, f.stages) if p.t.spec.stages else []
+
+
+def _progressing(p: Pass, f: Facts) -> list[Cond]:
+    """Progressing: the pass changes pods, or some are missing or not Ready (reason: what the pass does)."""
+    desired = p.t.spec.replicas
+    progressing = bool(p.progressing) or len(f.engine_pods) != desired or len(f.ready_pods) != desired \
+        or any(row["ready"] != row["desired"] for row in f.stages)
+    reason = ",".join(sorted(set(p.progressing)))
+    if not reason:
+        reason = Reason.CONVERGING if progressing else Reason.STABLE
+    message = f"{len(f.engine_pods)}/{desired} engine pods, {len(f.ready_pods)} ready" + "".join(
+        f"; stage {row['id']}: {row['ready']}/{row['desired']} pods ready" for row in f.stages)
+    return [Cond(Type.PROGRESSING, progressing, reason, message)]
+
+
+def _ready(p: Pass, f: Facts) -> list[Cond]:
+    """Ready: the head, the replicas, the membership, the engine cache and every stage all are."""
+    stages_ready = all(row["registered"] == row["desired"] == row["ready"] and row["desired"] > 0
+                       and not row.get("patchProblem") for row in f.stages)
+    return [ready(f.head_ready, f.replicas_available, f.synced, p.verdict.consistent, stages_ready)]
+
+
+# The conditions a pass sets, in the order it sets them (merge lists them in Type's order).
+CONDITIONS: tuple[Callable[[Pass, Facts], list[Cond]], ...] = (
+    _config_rendered, _head_ready, _replicas_available, _membership_synced, _cache_consistent,
+    _replica_failure, _rollout_surge, _stages, _progressing, _ready,
+)
+
+
+def _conditions(p: Pass, f: Facts) -> list[Cond]:
+    """The conditions this pass sets (merge keeps the others as they were)."""
+    return [c for condition in CONDITIONS for c in condition(p, f)]
 
 
 def failed_status(previous: dict[str, Any], generation: int | None, why: str, at: str) -> dict[str, Any]:
