@@ -252,7 +252,9 @@ class StandinRuntime(PodWatch, Containers, Lifecycle, PodStatus):
         for key, p in procs.items():
             pod = pods.get(key)
             reason = None
-            if pod is None and p.uid in self.force_deleted:
+            # Force-deleted first: the pod's successor of the same name (new UID) may already be in the
+            # store, and a kubelet gives the old one the forced minimum either way.
+            if (pod is None or pod["metadata"]["uid"] != p.uid) and p.uid in self.force_deleted:
                 reason = "pod force-deleted"
                 p.grace = p.pre_stop_grace = FORCED_GRACE  # the hook and SIGTERM share the kubelet's minimum
             elif pod is None:

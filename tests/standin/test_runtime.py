@@ -251,6 +251,39 @@ def test_a_deleted_pod_s_pre_stop_hook_runs_before_sigterm(tmp_path):
     assert [e["action"] for e in rt.events][:3] == ["prestop", "prestopped", "stop"]
 
 
+def test_a_force_deleted_pod_gets_the_forced_grace_even_when_its_successor_is_already_there(tmp_path, monkeypatch):
+    """`kubectl delete pod --grace-period=0 --force` of a head the operator re-creates at once under the
+    same name: the supervisor may first see the successor (a new UID), not the pod gone. A kubelet gives
+    the old container the forced minimum either way; before, the runtime read it as a replacement and
+    ran the full pre-stop hook and grace (15 s + 2 s of the old head still answering at its address)."""
+    import subprocess
+    import sys
+    import time
+
+    rt = runtime.StandinRuntime(kubeconfig="unused", quiet=True, state_dir=tmp_path, probes=False)
+    p = processes.Proc(namespace="ns", pod="x-head", uid="u1", role="head", ip="127.77.1.5", argv=[],
+                       log_path=tmp_path / "log", restart_policy="Always")
+    p.popen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    p.grace = p.pre_stop_grace = 30
+    stopped: list = []
+    monkeypatch.setattr(rt, "_terminate",
+                        lambda proc, reason: stopped.append((reason, proc.grace, proc.pre_stop_grace)))
+    monkeypatch.setattr(rt, "_not_started_yet", lambda *a, **k: None)
+    successor = _pod("head", [])
+    successor["metadata"]["uid"] = "u2"
+    rt._pods[p.key], rt._procs[p.key] = successor, p
+    rt.force_deleted.add("u1")
+    try:
+        rt._supervise_once()
+        deadline = time.monotonic() + 10
+        while not stopped and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stopped == [("pod force-deleted", processes.FORCED_GRACE, processes.FORCED_GRACE)], stopped
+    finally:
+        p.popen.kill()
+        p.popen.wait(10)
+
+
 # The "container" of the test below: a leader that starts a child holding a port in its own process
 # group (as vLLM's engine core does) and a grandchild that left the group with setsid, then waits.
 _TREE = r"""

@@ -114,9 +114,12 @@ def kill_head_process(stage: RealOmniStage) -> None:
     os.kill(head_pid(stage), signal.SIGKILL)
 
 
-def kill_head_under_stream(stage: RealOmniStage, replicas: int, kill=kill_head_process) -> dict[str, Any]:
+def kill_head_under_stream(stage: RealOmniStage, replicas: int, kill=kill_head_process,
+                           new_pod: bool = False) -> dict[str, Any]:
     """`kill` the head 5 s into a stream at concurrency 2 (default: SIGKILL of its main process); the
-    timeline of the way back."""
+    timeline of the way back. With `new_pod` (the head pod deleted) /health counts only once a head pod
+    other than the killed one passed its readiness probe: the old pod's process may still answer during
+    its grace, at the same address (the runtime may give the new pod the old one's)."""
     model = client.served_model(stage.base())
     results: list[client.Result] = []
     stop = threading.Event()
@@ -137,13 +140,23 @@ def kill_head_under_stream(stage: RealOmniStage, replicas: int, kill=kill_head_p
                               kwargs={"on_result": results.append, "timeout": REQUEST_BOUND + 30})
     sender.start()
     time.sleep(5)
+    killed_uid = (stage.head.pod() or {}).get("metadata", {}).get("uid") if new_pod else None
+
+    def new_head_healthy() -> bool:
+        if new_pod:  # the new pod's own process answered its probe (ContainersReady), not the old one's
+            pod = stage.head.pod() or {}
+            probed = any(c.get("type") == "ContainersReady" and c.get("status") == "True"
+                         for c in (pod.get("status") or {}).get("conditions") or [])
+            if pod.get("metadata", {}).get("uid") in (None, killed_uid) or not probed:
+                return False
+        return client.healthy(base())
     t0, wall0 = time.monotonic(), time.time()
     kill(stage)
     marks: dict[str, float] = {}
     deadline = t0 + HEAD_READY_TIMEOUT + JOIN_TIMEOUT
     while len(marks) < 3 and time.monotonic() < deadline:
         now = time.monotonic() - t0
-        if "health" not in marks and client.healthy(base()):
+        if "health" not in marks and new_head_healthy():
             marks["health"] = now
         # r.started is wall time: the first request *sent* after the kill that came back complete.
         after = [r for r in list(results) if r.complete and r.started > wall0]
@@ -260,7 +273,7 @@ def test_a_head_pod_deleted_costs_no_replica_reload(stage):
     without_spare(stage)
     before = replica_state(stage)
     old_ip = stage.head.ip()
-    run = kill_head_under_stream(stage, replicas=3, kill=delete_head_pod)
+    run = kill_head_under_stream(stage, replicas=3, kill=delete_head_pod, new_pod=True)
     after = replica_state(stage)
     print_run(f"head pod deleted (address {old_ip} -> {stage.head.ip()}), patch reattach on", run, before, after)
     assert "full" in run["marks"], f"never back to 3 serving engines: {run['marks']}"
