@@ -26,6 +26,7 @@ from omnistage_engine_patches import contract
 
 from tests.cluster.real.realstage import (
     CACHE_MISS,
+    CPU_VENV,
     HEAD_READY_TIMEOUT,
     JOIN_TIMEOUT,
     MemberWatch,
@@ -73,7 +74,8 @@ def test_rendered_command_runs_and_reports_live_engine(stage, standin):
     """The runtime executed the head pod's own command, and status.engine is the live engine's report."""
     head = standin.process(stage.namespace, f"{NAME}-head")
     assert head is not None and head.alive()
-    assert head.argv[0].endswith("/venv-cpu/bin/vllm") and head.argv[1:2] == ["serve"] and "--omni" in head.argv, \
+    # The engine "image" is the venv OMNISTAGE_CPU_VENV names (default venv-cpu: 0.30; venv-cpu-0.32: 0.32).
+    assert head.argv[0] == str(CPU_VENV / "bin" / "vllm") and head.argv[1:2] == ["serve"] and "--omni" in head.argv, \
         head.argv
     report = stage.report()
     status = stage.get()["status"]
