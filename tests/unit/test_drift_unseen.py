@@ -123,7 +123,8 @@ def test_replacing_says_why(monkeypatch):
     monkeypatch.setattr(act_module.drift, "apply", lambda *a: applied)
     monkeypatch.setattr(act_module.STATE, "wrote", lambda o: None)
     events = []
-    act_module.act("serving", [EnsureChild(obj, OWNED["ConfigMap"])], None, lambda *e: events.append(e), "o")
+    act_module.act("serving", [EnsureChild(obj, OWNED["ConfigMap"], "ConfigRendered")], None,
+                   lambda *e: events.append(e), "o")
     [(etype, reason, message)] = events
     assert etype == "Normal" and reason == "ConfigRendered"
     name = obj["metadata"]["name"]

@@ -149,7 +149,8 @@ def test_a_pass_dials_a_silent_head_once(heads, monkeypatch):
     monkeypatch.setattr(act_module.head_client, "join", counted)
     t0 = time.monotonic()
     acted = act_module.act(
-        "ns", [Join(f"r-{i}", f"10.0.0.{i}") for i in range(10)], hung, lambda *e: None, "s"
+        "ns", [Join(f"r-{i}", f"u{i}", f"10.0.0.{i}", (0,), "joined") for i in range(10)], hung,
+        lambda *e: None, "s"
     )
     print(f"\n[hung head] 10 joins against a hung head: {len(joins)} dialled, {time.monotonic() - t0:.1f}s")
     assert joins == ["r-0"], f"the pass dialled the silent head for {joins}"
@@ -165,7 +166,8 @@ def test_a_pass_stops_dialling_a_slow_head_after_its_budget(monkeypatch):
         time.sleep(0.2)
         return {"replicaId": len(calls)}
     monkeypatch.setattr(act_module.head_client, "join", slow_join)
-    acted = act_module.act("ns", [Join(f"r-{i}", "ip") for i in range(6)], HeadClient("127.0.0.1", 9, "t"),
+    acted = act_module.act("ns", [Join(f"r-{i}", f"u{i}", "ip", (0,), "joined") for i in range(6)],
+                           HeadClient("127.0.0.1", 9, "t"),
                            lambda *e: None, "s")
     assert calls == ["r-0", "r-1"]
     assert len(acted.problems) == 4 and all("spent its" in p for p in acted.problems)

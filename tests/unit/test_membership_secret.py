@@ -11,8 +11,9 @@ import copy
 import pytest
 from omnistage.api.conditions import Reason, Type
 from omnistage.control.actions import BesideServing, CreatePod, DeletePod, EnsureChild, OnSuccessor, PostEvent
-from omnistage.control.plan import mounts_membership_secret, plan
+from omnistage.control.plan import plan
 from omnistage.render import render_secret, target_from
+from omnistage.runtime import act as act_module
 from omnistage.runtime import handlers, memory, reconcile
 
 from tests.support.repo import SAMPLE
@@ -121,18 +122,37 @@ def test_a_planted_secret_is_refused_even_with_the_token_held(monkeypatch):
 
 # ----- the plan: when a pass reads the Secret, and what a refused one holds --------------------------------
 
-def test_the_secret_is_read_only_when_a_pod_is_about_to_mount_it():
+def test_the_secret_is_read_only_when_a_pod_is_about_to_mount_it(monkeypatch):
+    """A pod scheduled and mounting its volumes is seen by the pass (reconcile._mounting); a pod the
+    decision creates is made sure of by act, once per step, just before the first one."""
     t, o = situation(3)
-    assert not mounts_membership_secret(plan(t, o, AT).actions, o)  # at rest: no request
-    t, gone = situation(3, pods_=lambda t: [replica(t, 1)])  # a replica pod was deleted: it is re-created
-    assert mounts_membership_secret(plan(t, gone, AT).actions, gone)
+    assert not reconcile._mounting(o)  # at rest: no request
     starting = replica(t, 2, ready=False, phase="Pending")  # scheduled, its kubelet mounting volumes
     t, o = situation(3, pods_=lambda t: [replica(t, 1), starting])
-    assert mounts_membership_secret([], o)
+    assert reconcile._mounting(o)
     unscheduled = {**starting, "spec": {}}
     t, o = situation(3, pods_=lambda t: [replica(t, 1), unscheduled])
-    assert not mounts_membership_secret([], o)
-    assert mounts_membership_secret([OnSuccessor((CreatePod({}, "r", "m"),))], o)
+    assert not reconcile._mounting(o)
+
+    created, checks = [], []
+    monkeypatch.setattr(act_module.kube, "create",
+                        lambda obj: (created.append(obj["metadata"]["name"]) or obj, True))
+    monkeypatch.setattr(act_module.credentials, "ensure", lambda pod, token, emit: None)
+    monkeypatch.setattr(act_module.STATE, "wrote", lambda obj: None)
+
+    def membership(why=None):
+        return lambda: checks.append(why) or ("held-token", why)
+
+    pod = lambda n: {"kind": "Pod", "metadata": {"name": n}}
+    act_module.act("serving", [PostEvent("Normal", "r", "m")], None, lambda *e: None, "o",
+                   membership=membership())
+    assert checks == []  # no pod created: no request
+    act_module.act("serving", [CreatePod(pod("a"), "r", "m"), OnSuccessor((CreatePod(pod("b"), "r", "m"),))],
+                   None, lambda *e: None, "o", membership=membership())
+    assert checks == [None] and created == ["a", "b"]  # once for the step, the successor's set included
+    acted = act_module.act("serving", [CreatePod(pod("c"), "r", "m")], None, lambda *e: None, "o",
+                           membership=membership("not this OmniStage's"))
+    assert created == ["a", "b"] and acted.problems == ["pod c not created: not this OmniStage's"]
 
 
 def test_a_refused_secret_creates_and_deletes_nothing_and_says_so_once():

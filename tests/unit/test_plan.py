@@ -143,6 +143,13 @@ def of(actions, kind):
     return [a for a in actions if isinstance(a, kind)]
 
 
+def join_of(n: int, ip: str, mark: bool = True) -> Join:
+    """The Join a pass decides for replica n, with the Event wording control decides."""
+    name = f"qwen3-omni-replica-{n}"
+    said = f"replica pod {name} joined the engine as replica {{replica}}"
+    return Join(name, f"uid-r{n}", ip, (0,), said, mark)
+
+
 def changes(actions):
     return [a for a in actions if not isinstance(a, PostEvent | EnsureChild)]
 
@@ -333,7 +340,7 @@ def test_joins_are_held_while_cache_consistent_is_false():
 def test_ready_unjoined_replicas_join_once_cache_consistent():
     t, o = situation(3, members=lambda rs: [member(rs[0], 1)])
     actions, status, _ = plan(t, o, AT)
-    assert of(actions, Join) == [Join("qwen3-omni-replica-2", "127.77.0.12")]
+    assert of(actions, Join) == [join_of(2, "127.77.0.12")]
     assert cond(status, Type.CACHE_CONSISTENT)["reason"] == Reason.CONSISTENT
 
 
@@ -606,7 +613,7 @@ def test_a_loading_replica_is_pending_and_counts_nowhere():
     t, o = situation(3, pods_=lambda t: [replica(t, 1), loading(t, 2)], members=lambda rs: [member(rs[0], 1)])
     actions, status, _ = plan(t, o, AT)
     # Its container runs, so a join is tried (the head refuses until it registered); it is not marked.
-    assert of(actions, Join) == [Join("qwen3-omni-replica-2", "127.77.0.12")]
+    assert of(actions, Join) == [join_of(2, "127.77.0.12")]
     assert [m["state"] for m in status["members"]] == ["Joined", "Pending"]
     assert status["readyReplicas"] == 2 and status["registeredReplicas"] == 2
     assert cond(status, Type.REPLICAS_AVAILABLE)["message"] == "1/2 replica pods serving"
@@ -616,8 +623,7 @@ def test_a_registered_replica_is_joined_and_marked_serving_in_one_pass():
     t, o = situation(3, pods_=lambda t: [replica(t, 1), loading(t, 2)],
                      members=lambda rs: [member(rs[0], 1), registered(rs[1], 2)])
     actions, status, _ = plan(t, o, AT)
-    assert changes(actions) == [Join("qwen3-omni-replica-2", "127.77.0.12"),
-                                MarkJoined("qwen3-omni-replica-2", "uid-r2", True)]
+    assert changes(actions) == [join_of(2, "127.77.0.12")]  # marked joined when it lands
     assert [m["state"] for m in status["members"]] == ["Joined", "Joining"]
 
 
@@ -657,8 +663,7 @@ def test_a_new_pod_under_a_joined_name_is_not_joined_until_it_joins():
         member(rs[0], 1), {"replicaId": 2, "pod": "qwen3-omni-replica-2", "host": "127.77.0.12",
                            "state": contract.DRAINING}, registered(rs[1], 5)])
     actions, status, _ = plan(t, o, AT)
-    assert changes(actions) == [Join("qwen3-omni-replica-2", "127.77.0.99"),
-                                MarkJoined("qwen3-omni-replica-2", "uid-r2", True)]
+    assert changes(actions) == [join_of(2, "127.77.0.99")]
     assert [m["state"] for m in status["members"]] == ["Joined", "Joining"]
     assert status["readyReplicas"] == 2
 
@@ -743,5 +748,4 @@ def test_a_pod_ready_by_kwok_s_word_alone_is_not_counted_or_rolled_on():
     assert of(actions, StartLeave) == []
     # Its word taken back before the join is tried (the head refuses it until the replica registered).
     assert [a for a in changes(actions) if getattr(a, "pod", None) == "qwen3-omni-replica-3"] == [
-        MarkJoined("qwen3-omni-replica-3", "uid-r3", False), Join("qwen3-omni-replica-3", "127.77.0.13"),
-        MarkJoined("qwen3-omni-replica-3", "uid-r3", True)]
+        MarkJoined("qwen3-omni-replica-3", "uid-r3", False), join_of(3, "127.77.0.13")]

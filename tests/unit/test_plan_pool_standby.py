@@ -92,7 +92,7 @@ def test_a_pool_scale_up_joins_the_standby_first_for_each_stage_and_refills_it()
     t, o, _, [sb] = at(replicas=2)
     actions, _, _ = plan(t, o, AT)
     assert [(a.name, a.role) for a in of(actions, SetRole)] == [(pods.name(sb), names.ROLE_POOL)]
-    assert sorted(j.stage for j in of(actions, Join) if j.pod == pods.name(sb)) == [1, 2]
+    assert [j.stages for j in of(actions, Join) if j.pod == pods.name(sb)] == [(1, 2)]
     # The new capacity is the standby: the one pod created refills the pool's standby count.
     assert created(actions) == [(f"{POOL}-3", names.ROLE_STANDBY, names.COMPONENT_POOL)]
 

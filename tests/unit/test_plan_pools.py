@@ -175,7 +175,8 @@ def test_every_stage_of_a_ready_pool_pod_is_joined_and_the_initial_slot_by_its_i
     }
     o = observe(obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], by_stage=by_stage)
     actions, status, _ = plan(t, o, AT)
-    assert of(actions, Join) == [Join("speech-1", "127.77.1.1", 1), Join("speech-1", "127.77.1.1", 2)]
+    assert [(a.pod, a.ip, a.stages, a.said) for a in of(actions, Join)] == [
+        ("speech-1", "127.77.1.1", (1, 2), "pool pod speech-1 joined stage {stage} as replica {replica}")]
     assert status["stages"][0]["registered"] == 0
 
 
@@ -188,7 +189,7 @@ def test_stage_joins_do_not_wait_for_the_stage0_cache_verdict():
         obj, t, replicas=[replica(t, 1)], pool_pods=pp, pools=[pool], stage0=[], by_stage={}, report=bad
     )
     actions, _, _ = plan(t, o, AT)
-    assert of(actions, Join) == [Join("speech-1", "127.77.1.1", 1), Join("speech-1", "127.77.1.1", 2)]
+    assert [(a.pod, a.ip, a.stages) for a in of(actions, Join)] == [("speech-1", "127.77.1.1", (1, 2))]
 
 
 def test_scale_down_drains_every_stage_of_the_newest_pool_pod():

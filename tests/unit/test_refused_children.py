@@ -58,7 +58,8 @@ def test_a_refused_child_is_an_event_and_the_children_after_it_are_applied(clust
     long_words = "Service \"o-master\" is invalid: " + "spec.ports[0]: Invalid value " * 40
     cluster["refuse"]["o-master"] = api_error(422, long_words)
     events = []
-    acted = act("ns", [EnsureChild(c, ("spec",)) for c in CHILDREN], None, lambda *e: events.append(e), "o")
+    ensure = [EnsureChild(c, ("spec",), "ChildSynced") for c in CHILDREN]
+    acted = act("ns", ensure, None, lambda *e: events.append(e), "o")
     assert cluster["applied"] == ["o-config", "o", "o-head-engine"]
     [why] = acted.refused
     assert why.startswith('Service o-master: 422 Service "o-master" is invalid') and why.endswith("...")
@@ -70,7 +71,8 @@ def test_a_refused_child_is_an_event_and_the_children_after_it_are_applied(clust
 @pytest.mark.parametrize("status", [404, 409, 403])
 def test_any_api_error_of_a_child_is_recorded_not_raised(cluster, status):
     cluster["refuse"]["o"] = api_error(status, "namespaces \"ns\" not found" if status == 404 else "no")
-    acted = act("ns", [EnsureChild(c, ("spec",)) for c in CHILDREN], None, lambda *e: None, "o")
+    acted = act("ns", [EnsureChild(c, ("spec",), "ChildSynced") for c in CHILDREN], None,
+                lambda *e: None, "o")
     assert [w.split(":")[0] for w in acted.refused] == ["Service o"] and len(cluster["applied"]) == 3
 
 
@@ -79,7 +81,7 @@ def test_a_terminating_namespace_still_stops_the_pass(cluster):
     err.body += " being terminated"
     cluster["refuse"]["o-config"] = err
     with pytest.raises(ApiException):
-        act("ns", [EnsureChild(c, ("spec",)) for c in CHILDREN], None, lambda *e: None, "o")
+        act("ns", [EnsureChild(c, ("spec",), "ChildSynced") for c in CHILDREN], None, lambda *e: None, "o")
 
 
 def test_a_refused_pod_is_a_refused_child_too(monkeypatch, cluster):
@@ -87,7 +89,7 @@ def test_a_refused_pod_is_a_refused_child_too(monkeypatch, cluster):
         raise api_error(409, "object is being deleted: pods \"o-head\" already exists")
     monkeypatch.setattr(act_module.kube, "create", create)
     acted = act("ns", [CreatePod(child("Pod", "o-head"), "CreatedHead", "created {pod}"),
-                       EnsureChild(CHILDREN[0], ("data",))], None, lambda *e: None, "o")
+                       EnsureChild(CHILDREN[0], ("data",), "ConfigRendered")], None, lambda *e: None, "o")
     assert (
         acted.refused
         == acted.problems

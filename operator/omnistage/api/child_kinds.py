@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .conditions import EventReason
+
 
 @dataclass(frozen=True)
 class ChildKind:
@@ -25,6 +27,8 @@ class ChildKind:
     #: refuses every later change, its `immutable` included, for good. drift.apply deletes such a
     #: child and creates it again (Kubernetes allows nothing else), so its kind needs `delete` too.
     frozen_by: tuple[str, ...] = ()
+    #: The Event's reason when the operator created or restored one.
+    synced_reason: str = EventReason.CHILD_SYNCED
 
     @property
     def verbs(self) -> frozenset[str]:
@@ -34,7 +38,7 @@ class ChildKind:
 
 CHILD_KINDS = (
     ChildKind("ConfigMap", "", "configmaps", "config_map", ("data", "binaryData", "immutable"),
-              frozen_by=("immutable",)),
+              frozen_by=("immutable",), synced_reason=EventReason.CONFIG_RENDERED),
     ChildKind("Service", "", "services", "service", ("spec",)),
     ChildKind("NetworkPolicy", "networking.k8s.io", "networkpolicies", "network_policy", ("spec",)),
     ChildKind("PodDisruptionBudget", "policy", "poddisruptionbudgets", "pod_disruption_budget", ("spec",)),

@@ -34,6 +34,7 @@ class EnsureChild:
     Kubernetes' own keys (runtime/drift.py; an Event when it changed)."""
     obj: dict[str, Any]
     compare: tuple[str, ...]
+    reason: str  # the Event's when it was created or restored (api/child_kinds.py, per kind)
 
 
 @dataclass(frozen=True)
@@ -90,16 +91,20 @@ class LeaveDeparted:
 
 @dataclass(frozen=True)
 class Join:
+    """Join the pod's stages the head has not acknowledged, in order, until one fails; then, when
+    `mark`, set its joined condition True (MarkJoined), only if every one landed."""
     pod: str
+    uid: str
     ip: str
-    stage: int = 0
+    stages: tuple[int, ...]
+    said: str  # the Event per stage joined: "{stage}" and "{replica}" (the id the head gave) filled in
+    mark: bool = False
 
 
 @dataclass(frozen=True)
 class MarkJoined:
     """Set the pod's joined condition (names.C_JOINED, its readiness gate): True once the head routes
-    to every replica the pod runs, False when it leaves or the head lost it. A True placed after
-    this pass's joins of the pod is skipped when one of them failed."""
+    to every replica the pod runs, False when it leaves or the head lost it."""
     pod: str
     uid: str
     joined: bool

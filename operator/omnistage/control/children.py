@@ -23,4 +23,5 @@ def ensure(p: Pass) -> None:
     ]
     for child in (render_configmap(t), render_api_service(t), render_master_service(t),
                   render_network_policy(t), *budgets):
-        p.actions.append(EnsureChild(child, BY_KIND[child["kind"]].owned_fields))
+        kind = BY_KIND[child["kind"]]
+        p.actions.append(EnsureChild(child, kind.owned_fields, kind.synced_reason))

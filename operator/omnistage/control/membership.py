@@ -36,7 +36,7 @@ def sync(p: Pass) -> None:
                 or pods.uid(pod) in p.handled or p.standby(pod) \
                 or pods.uid(pod) in p.reattaching:  # a standby stays unjoined: unroutable
             continue
-        joins = []
+        joins: list[int] = []
         for stage in pods.stage_ids(pod):
             if p.joined(pod, stage):
                 continue
@@ -46,17 +46,19 @@ def sync(p: Pass) -> None:
                 p.membership_problem = (
                     f"{name} is not joined: {Type.CACHE_CONSISTENT} is False ({p.verdict.reason})"
                 )
-                joins = None
+                joins = []
                 break
-            joins.append(Join(name, pods.ip(pod), stage))
-        if joins and pods.gated(pod) and pods.joined_condition(pod):
+            joins.append(stage)
+        if not joins:
+            continue
+        if pods.gated(pod) and pods.joined_condition(pod):
             # Not joined, yet its condition says so (kwok's start-up True, a stale word): the
             # truth first, in case the join is refused.
             p.actions.append(MarkJoined(name, pods.uid(pod), False))
-        p.actions.extend(joins or [])
-        if joins and pods.gated(pod):
-            # Ready at once when every join lands (act skips this when one is refused).
-            p.actions.append(MarkJoined(name, pods.uid(pod), True))
+        said = (f"pool pod {name} joined stage {{stage}} as replica {{replica}}" if pods.pool(pod)
+                else f"replica pod {name} joined the engine as replica {{replica}}")
+        # Ready at once when every join lands.
+        p.actions.append(Join(name, pods.uid(pod), pods.ip(pod), tuple(joins), said, mark=pods.gated(pod)))
 
 
 def drain_disrupted(p: Pass) -> None:

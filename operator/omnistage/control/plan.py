@@ -31,7 +31,6 @@ from . import (
     identity,
     liveness,
     membership,
-    pods,
     pool_status,
     rollout,
     spare,
@@ -39,7 +38,7 @@ from . import (
     standby,
     status,
 )
-from .actions import Action, BesideServing, CreatePod, Observed, PostEvent
+from .actions import Action, Observed, PostEvent
 from .state import Pass
 
 
@@ -167,18 +166,3 @@ def _secret_refused(t: Target, o: Observed, generation: int | None, at: str) -> 
         {**p.previous, "conditions": merge(p.previous.get("conditions", []), conds, generation, at)},
         {},
     )
-
-
-def mounts_membership_secret(actions: list[Action], o: Observed) -> bool:
-    """An engine pod is about to mount the membership Secret: these actions create one, or one is
-    scheduled and not started. Only then does a pass read the Secret (RBAC gives the operator no
-    watch on Secrets, and a read every pass would cost a request at rest): a deleted Secret is
-    re-created before a pod needs it, and running pods keep the copy their kubelet mounted."""
-    def creates(acts: list[Action] | tuple[Action, ...]) -> bool:
-        return any(
-            isinstance(a, CreatePod) or (isinstance(a, BesideServing) and creates(a.actions)) for a in acts
-        )
-
-    seen = [o.head, *o.spares, *o.replicas,
-            *((o.beside.head, *o.beside.replicas) if o.beside is not None else ())]
-    return creates(actions) or any(pod is not None and pods.mounting(pod) for pod in seen)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kubernetes.client.exceptions import ApiException
@@ -28,9 +30,6 @@ from .head_client import HeadClient, HeadRefused, HeadUnreachable
 from .informer import STATE
 
 log = logging.getLogger(__name__)
-
-
-
 
 
 class Acted(NamedTuple):
@@ -93,138 +92,218 @@ class HeadTime:
 
 
 def act(namespace: str, planned: list[Action], client: HeadClient | None, emit: EmitFn, owner: str,
-        drains: Drains = DRAINS, beside: HeadClient | None = None, token: str | None = None) -> Acted:
-    """Execute in order; return what could not be done that status should say. A child the API server
-    refuses (a 422 Invalid, a quota's 403, a 404, a 409) is said in a Warning Event and in the result,
-    and the actions after it still run: one refused child does not stop the others.
+        drains: Drains = DRAINS, beside: HeadClient | None = None, token: str | None = None,
+        membership: Membership | None = None) -> Acted:
+    """Execute in order, each action by its executor (EXECUTORS); return what could not be done that
+    status should say. A child the API server refuses (a 422 Invalid, a quota's 403, a 404, a 409)
+    is said in a Warning Event and in the result, and the actions after it still run: one refused
+    child does not stop the others.
     `client`: the serving head's client. `beside`: during a head change, the client of the head beside
     it (the successor or the predecessor), for the actions its set decided (OnSuccessor, OnPredecessor).
     `token`: the OmniStage's membership token, which each replica or pool pod's credential is
-    derived from (written before the pod: credentials.py)."""
-    problems: list[str] = []
-    children: list[str] = []  # refused by the API server
-    refused: set[str] = set()  # pods whose join failed in this run: not marked joined
-    head_time = HeadTime()  # this head's calls in this run (the head beside it has its own)
+    derived from (written before the pod: credentials.py). `membership`: makes sure of the membership
+    Secret before the first pod that mounts it (reconcile.ensure_token, read=True)."""
+    run = Run(namespace, owner, client, beside, emit, drains, SecretCheck(membership, token))
     for a in planned:
-        if isinstance(a, actions.PostEvent):
-            emit(a.type, a.reason, a.message)
-        elif isinstance(a, actions.EnsureChild):
-            meta, kind = a.obj["metadata"], a.obj["kind"]
-            try:
-                done = drift.apply(a.obj, a.compare, STATE.of(kind).get(meta["namespace"], meta["name"]))
-            except ApiException as err:
-                if namespace_going(err):
-                    raise
-                why = refusal(kind, meta["name"], err)
-                emit("Warning", Reason.CHILD_REFUSED, f"the API server refused {why}")
-                children.append(why)
-                continue
-            if done.result != "unchanged":
-                STATE.wrote(done.obj)
-                emit(
-                    "Normal",
-                    EventReason.CONFIG_RENDERED if kind == "ConfigMap" else EventReason.CHILD_SYNCED,
-                    f"{kind} {meta['name']} {done.result}" + _differed(done.drift, "it had ")
-                    + (REPLACED if done.result == "replaced" else ""),
-                )
-            if done.left:
-                emit(
-                    "Warning",
-                    EventReason.CHILD_SYNCED,
-                    f"{kind} {meta['name']} still differs from what the operator renders after a restore"
-                    + _differed(done.left, "")
-                    + ": the API server, a mutating webhook or another controller "
-                    "writes it; the operator leaves it until it changes again",
-                )
-        elif isinstance(a, actions.CreatePod):
-            why = credentials.ensure(a.obj, token, emit)
-            if why is not None:
-                problems.append(why)
-                continue
-            try:
-                pod, created = kube.create(a.obj)
-            except ApiException as err:
-                if namespace_going(err):
-                    raise
-                # Refused by admission (e.g. Pod Security refusing sameNode's hostPath /dev/shm) or a
-                # quota: no later pass will do better until someone acts, so say it where people look.
-                why = refusal("Pod", a.obj["metadata"]["name"], err)
-                emit("Warning", EventReason.CREATE_REFUSED, f"the API server refused {why}")
-                problems.append(why)
-                children.append(why)
-                continue
-            STATE.wrote(pod)
-            if created:
-                emit("Normal", a.reason, a.message.format(pod=pod["metadata"]["name"]))
-        elif isinstance(a, actions.DeletePod):
-            STATE.wrote(kube.delete_pod(namespace, a.name, uid=a.uid))
-            drains.forget(namespace, owner, a.uid)
-            if a.reason:
-                emit("Normal", a.reason, a.message)
-        elif isinstance(a, actions.Annotate):
-            STATE.wrote(kube.patch_pod_annotations(namespace, a.name, a.annotations))
-        elif isinstance(a, actions.BesideServing):
-            beside_acted = act(namespace, list(a.actions), beside, emit, owner, drains, token=token)
-            problems += beside_acted.problems
-            children += beside_acted.refused
-        elif isinstance(a, actions.SetRole):
-            STATE.wrote(kube.patch_pod_labels(namespace, a.name, a.uid, {L_ROLE: a.role}))
-        elif isinstance(a, actions.RestoreLabels):
-            STATE.wrote(kube.patch_pod_labels(namespace, a.name, a.uid, dict(a.labels)))
-        elif isinstance(a, actions.StartLeave):
-            if client is not None:
-                drains.start(namespace, owner, client, a, emit)
-        elif isinstance(a, actions.LeaveDeparted):
-            who = f"replica {a.replica_id}" + (f" of stage {a.stage}" if a.stage else "")
-            if (later := head_time.later()) is not None:
-                problems.append(f"leave for departed {who} waits for the next pass: {later}")
-                continue
-            try:
-                with head_time:
-                    head_client.leave(client, a.replica_id, 0, a.stage)
-                emit("Normal", EventReason.LEFT, f"{who} ({a.who}) left: its pod is gone")
-            except (HeadUnreachable, HeadRefused) as err:
-                problems.append(f"leave for departed {who} failed: {err}")
-        elif isinstance(a, actions.Join):
-            if (later := head_time.later()) is not None:
-                refused.add(a.pod)
-                problems.append(f"join for {a.pod} waits for the next pass: {later}")
-                continue
-            try:
-                with head_time:
-                    ack = head_client.join(client, a.pod, a.ip, a.stage)
-                kind = (
-                    f"pool pod {a.pod} joined stage {a.stage}"
-                    if a.stage
-                    else f"replica pod {a.pod} joined the engine"
-                )
-                emit("Normal", EventReason.JOINED, f"{kind} as replica {ack.get('replicaId')}")
-            except HeadRefused as err:
-                refused.add(a.pod)
-                # Not registered, not attached, or the newest registration from this IP is a detached
-                # predecessor (kwok reuses pod IPs): wait. A replica whose engine really died fails
-                # its pod, and the failed pod is replaced by a later pass.
-                problems.append(f"{a.pod} has not joined yet: {err.explain()}")
-            except HeadUnreachable as err:
-                refused.add(a.pod)
-                problems.append(f"join for {a.pod} failed: {err}")
-        elif isinstance(a, actions.MarkJoined):
-            if a.joined and a.pod in refused:
-                continue
-            pod = kube.patch_pod_condition(
-                namespace,
-                a.pod,
-                a.uid,
-                C_JOINED,
-                a.joined,
-                PodReason.JOINED if a.joined else PodReason.NOT_JOINED,
-                "the head routes to it" if a.joined else "the head does not route to it",
-            )
-            if pod is not None:
-                STATE.wrote(pod)
-        else:  # pragma: no cover - a new action type without an executor is a programming error
+        executor = EXECUTORS.get(type(a))
+        if executor is None:  # pragma: no cover - a programming error (tests/unit/test_act_executors.py)
             raise TypeError(f"no executor for {a!r}")
-    return Acted(problems, children)
+        executor(run, a)
+    return Acted(run.problems, run.children)
+
+
+Membership = Callable[[], tuple[str | None, str | None]]  # -> (the token, why the Secret is refused)
+
+
+@dataclass
+class SecretCheck:
+    """The membership Secret, made sure of once per act step, before the first pod that mounts it:
+    (reconcile.ensure_token, read=True): re-created when it was deleted, refused when it is not the
+    OmniStage's. Shared by the serving set's run and the one beside it."""
+
+    ensure: Membership | None
+    token: str | None
+    refused: str | None = None
+    done: bool = False
+
+    def before_mounting(self) -> str | None:
+        """Why no pod may be created, else None."""
+        if self.ensure is not None and not self.done:
+            self.done = True
+            token, self.refused = self.ensure()
+            self.token = token if token is not None else self.token
+        return self.refused
+
+
+@dataclass
+class Run:
+    """One act step on one head: what its executors need, and what they could not do."""
+
+    namespace: str
+    owner: str  # the OmniStage's name
+    client: HeadClient | None
+    beside: HeadClient | None
+    emit: EmitFn
+    drains: Drains
+    secret: SecretCheck
+    problems: list[str] = field(default_factory=list)
+    children: list[str] = field(default_factory=list)  # refused by the API server
+    head_time: HeadTime = field(default_factory=lambda: HeadTime())
+
+    def refuse(self, kind: str, name: str, err: ApiException) -> str:
+        """The API server refused a child: said in the result; a terminating namespace stops the pass."""
+        if namespace_going(err):
+            raise err
+        why = refusal(kind, name, err)
+        self.children.append(why)
+        return why
+
+
+def _post_event(run: Run, a: actions.PostEvent) -> None:
+    run.emit(a.type, a.reason, a.message)
+
+
+def _ensure_child(run: Run, a: actions.EnsureChild) -> None:
+    meta, kind = a.obj["metadata"], a.obj["kind"]
+    try:
+        done = drift.apply(a.obj, a.compare, STATE.of(kind).get(meta["namespace"], meta["name"]))
+    except ApiException as err:
+        why = run.refuse(kind, meta["name"], err)
+        run.emit("Warning", Reason.CHILD_REFUSED, f"the API server refused {why}")
+        return
+    if done.result != "unchanged":
+        STATE.wrote(done.obj)
+        run.emit("Normal", a.reason, f"{kind} {meta['name']} {done.result}" + _differed(done.drift, "it had ")
+                 + (REPLACED if done.result == "replaced" else ""))
+    if done.left:
+        run.emit(
+            "Warning",
+            EventReason.CHILD_SYNCED,
+            f"{kind} {meta['name']} still differs from what the operator renders after a restore"
+            + _differed(done.left, "")
+            + ": the API server, a mutating webhook or another controller "
+            "writes it; the operator leaves it until it changes again",
+        )
+
+
+def _create_pod(run: Run, a: actions.CreatePod) -> None:
+    why = run.secret.before_mounting()
+    if why is not None:
+        run.problems.append(f"pod {a.obj['metadata']['name']} not created: {why}")
+        return
+    why = credentials.ensure(a.obj, run.secret.token, run.emit)
+    if why is not None:
+        run.problems.append(why)
+        return
+    try:
+        pod, created = kube.create(a.obj)
+    except ApiException as err:
+        # Refused by admission (e.g. Pod Security refusing sameNode's hostPath /dev/shm) or a quota:
+        # no later pass will do better until someone acts, so say it where people look.
+        why = run.refuse("Pod", a.obj["metadata"]["name"], err)
+        run.emit("Warning", EventReason.CREATE_REFUSED, f"the API server refused {why}")
+        run.problems.append(why)
+        return
+    STATE.wrote(pod)
+    if created:
+        run.emit("Normal", a.reason, a.message.format(pod=pod["metadata"]["name"]))
+
+
+def _delete_pod(run: Run, a: actions.DeletePod) -> None:
+    STATE.wrote(kube.delete_pod(run.namespace, a.name, uid=a.uid))
+    run.drains.forget(run.namespace, run.owner, a.uid)
+    if a.reason:
+        run.emit("Normal", a.reason, a.message)
+
+
+def _annotate(run: Run, a: actions.Annotate) -> None:
+    STATE.wrote(kube.patch_pod_annotations(run.namespace, a.name, a.annotations))
+
+
+def _set_role(run: Run, a: actions.SetRole) -> None:
+    STATE.wrote(kube.patch_pod_labels(run.namespace, a.name, a.uid, {L_ROLE: a.role}))
+
+
+def _restore_labels(run: Run, a: actions.RestoreLabels) -> None:
+    STATE.wrote(kube.patch_pod_labels(run.namespace, a.name, a.uid, dict(a.labels)))
+
+
+def _beside_serving(run: Run, a: actions.BesideServing) -> None:
+    """The set beside the serving one: its own head answers its calls, with its own time."""
+    beside = Run(run.namespace, run.owner, run.beside, None, run.emit, run.drains, run.secret)
+    for b in a.actions:
+        EXECUTORS[type(b)](beside, b)
+    run.problems += beside.problems
+    run.children += beside.children
+
+
+def _start_leave(run: Run, a: actions.StartLeave) -> None:
+    if run.client is not None:
+        run.drains.start(run.namespace, run.owner, run.client, a, run.emit)
+
+
+def _leave_departed(run: Run, a: actions.LeaveDeparted) -> None:
+    who = f"replica {a.replica_id}" + (f" of stage {a.stage}" if a.stage else "")
+    if (later := run.head_time.later()) is not None:
+        run.problems.append(f"leave for departed {who} waits for the next pass: {later}")
+        return
+    try:
+        with run.head_time:
+            head_client.leave(run.client, a.replica_id, 0, a.stage)
+        run.emit("Normal", EventReason.LEFT, f"{who} ({a.who}) left: its pod is gone")
+    except (HeadUnreachable, HeadRefused) as err:
+        run.problems.append(f"leave for departed {who} failed: {err}")
+
+
+def _join(run: Run, a: actions.Join) -> None:
+    """Each stage's join in turn; the joined condition True only when every one landed."""
+    for stage in a.stages:
+        if (later := run.head_time.later()) is not None:
+            run.problems.append(f"join for {a.pod} waits for the next pass: {later}")
+            return
+        try:
+            with run.head_time:
+                ack = head_client.join(run.client, a.pod, a.ip, stage)
+        except HeadRefused as err:
+            # Not registered, not attached, or the newest registration from this IP is a detached
+            # predecessor (kwok reuses pod IPs): wait. A replica whose engine really died fails its
+            # pod, and the failed pod is replaced by a later pass.
+            run.problems.append(f"{a.pod} has not joined yet: {err.explain()}")
+            return
+        except HeadUnreachable as err:
+            run.problems.append(f"join for {a.pod} failed: {err}")
+            return
+        run.emit("Normal", EventReason.JOINED, a.said.format(stage=stage, replica=ack.get("replicaId")))
+    if a.mark:
+        _mark_joined(run, actions.MarkJoined(a.pod, a.uid, True))
+
+
+def _mark_joined(run: Run, a: actions.MarkJoined) -> None:
+    pod = kube.patch_pod_condition(
+        run.namespace, a.pod, a.uid, C_JOINED, a.joined,
+        PodReason.JOINED if a.joined else PodReason.NOT_JOINED,
+        "the head routes to it" if a.joined else "the head does not route to it",
+    )
+    if pod is not None:
+        STATE.wrote(pod)
+
+
+# One executor per action type (control/actions.py): a new type without one fails a unit test.
+EXECUTORS: dict[type, Callable[[Run, Any], None]] = {
+    actions.PostEvent: _post_event,
+    actions.EnsureChild: _ensure_child,
+    actions.CreatePod: _create_pod,
+    actions.DeletePod: _delete_pod,
+    actions.Annotate: _annotate,
+    actions.SetRole: _set_role,
+    actions.RestoreLabels: _restore_labels,
+    actions.OnSuccessor: _beside_serving,
+    actions.OnPredecessor: _beside_serving,
+    actions.StartLeave: _start_leave,
+    actions.LeaveDeparted: _leave_departed,
+    actions.Join: _join,
+    actions.MarkJoined: _mark_joined,
+}
 
 
 def write_pool_statuses(namespace: str, statuses: dict[str, dict[str, Any]]) -> None:

@@ -1,6 +1,6 @@
 """The one idempotent reconcile pass, a straight line as KubeRay's RayCluster reads: ensure the
-token, observe, decide (pure: control/plan.py), act (act.py), describe (the status: the decision's,
-told what act could not do; read again only when _status_needs_a_fresh_read).
+token, observe, decide once (pure: control/plan.py), act (act.py), describe (the status: the
+decision's, told what act could not do; what only a new read can show is the next pass's).
 
 What the API server holds is read from the watch-fed store (informer.STATE), never re-read: a pass
 talks to the API server only to write, and to read the membership Secret (which no watch may see)
@@ -27,7 +27,7 @@ from ..api.conditions import EventReason, Reason, timestamp
 from ..api.validation import InvalidSpec
 from ..control import collisions, identity, pods, pools
 from ..control.actions import Action, EnsureChild, Observed, PostEvent
-from ..control.plan import Plan, decision, described, mounts_membership_secret, plan
+from ..control.plan import Plan, decision, described, plan
 from ..control.pool_status import pool_status
 from ..control.status import failed_status
 from ..names import HEAD_ROLES, REPLICA_ROLES, ROLE_POOL, ROLE_SPARE_HEAD
@@ -112,8 +112,7 @@ def _orphaned_pools(namespace: str, name: str) -> None:
 
 
 def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
-    """token -> observe -> decide -> act -> describe, each once; a second read only when
-    _status_needs_a_fresh_read."""
+    """token -> observe -> decide -> act -> describe, each once."""
     try:
         t: Target | InvalidSpec = target_from(obj)
     except InvalidSpec as err:
@@ -147,29 +146,40 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
     rest = memory.RESTING.get(key)
     if rest is not None and rest.fingerprint == fingerprint:
         return obj.get("status") or {}  # nothing read changed since a pass that found it at rest
-    # decide; the membership Secret is made sure of only when an engine pod is about to mount it
-    d = decision(t, observed)
+    # The credentials of replica and pool pods that are mounting their volumes, and the membership
+    # Secret they mount too (re-created if it was deleted); a pod the decision creates has both made
+    # sure of by act, just before it (membership below).
     mounting: list[str] = []
-    if secret_refused is None and mounts_membership_secret(d.plan.actions, observed):
-        token, secret_refused = ensure_token(t, emit, read=True)  # re-created if it was deleted
+    if secret_refused is None and _mounting(observed):
+        token, secret_refused = ensure_token(t, emit, read=True)
         if secret_refused is not None:
             observed = replace(observed, secret_refused=secret_refused)
-            d = decision(t, observed)
-        else:  # and the credentials of the replica and pool pods mounting theirs
+        else:
             mounting = credentials.ensure_mounting(_engine_pods(observed), token, emit)
+    # decide
+    d = decision(t, observed)
     # act
-    acted = act_step.act(t.namespace, d.plan.actions, client, emit, t.name, beside=beside_client, token=token)
+    acted = act_step.act(t.namespace, d.plan.actions, client, emit, t.name, beside=beside_client, token=token,
+                         membership=lambda: _membership(t, emit))
     problems, refused = tuple(mounting + acted.problems), tuple(acted.refused)
     if _rests(obj, observed, d.plan, problems, refused):
         memory.RESTING[key] = memory.Resting(fingerprint, client, t.distributed)
     else:
         memory.RESTING.pop(key, None)
-    # describe
-    if _status_needs_a_fresh_read(d.plan.actions):
-        d = decision(t, observe(obj, t, token, secret_refused)[0])  # its actions are the next pass's
+    # describe: the decision, told what act could not do. What only a new read can show (a created
+    # pod's uid, the replica id a join got) is the next pass's, which the changed pods start anyway.
     result = described(d, problems, refused)
     act_step.write_pool_statuses(t.namespace, result.pools)
     return result.status
+
+
+def _membership(t: Target, emit: Emit) -> tuple[str | None, str | None]:
+    """act's check of the membership Secret before the first pod it creates (ensure_token, read=True).
+    A refused one is read again by the next pass, whose decision then creates and deletes nothing."""
+    token, why = ensure_token(t, emit, read=True)
+    if why is not None:
+        memory.TOKENS.recheck(t.namespace, t.name)
+    return token, why
 
 
 def _last_valid(obj: dict[str, Any]) -> Target | None:
@@ -196,22 +206,12 @@ def _rests(obj: dict[str, Any], observed: Observed, decided: Plan, problems: tup
             and observed.secret_refused is None)
 
 
-def _status_needs_a_fresh_read(actions: list[Action]) -> bool:
-    """The act step wrote pods or a head's membership (or started a drain): status says what is true
-    after the pass, and what these writes leave is known only by reading it (a created pod's uid and
-    phase, the replica id and epoch a join got, the pods the head now lists). The decision made on
-    that read describes the status; its actions are left for the next pass, which the changed pods
-    trigger anyway. Any other pass (events, children, nothing) is described by its own decision, told
-    what act could not do, and costs no request."""
-    return _changes(actions)
-
-
 def ensure_token(t: Target, emit: Emit, read: bool = False) -> tuple[str | None, str | None]:
     """(the membership token the head client needs, None), or (what is held or None, why the Secret
     is refused). Held, else read from the Secret, which is created when missing (the one write a
-    pass makes before it plans). `read`: an engine pod is about to mount it (plan.mounts_membership_
-    secret), so it is read even when the token is held, and re-created from the held token when it
-    was deleted (a pod would wait in FailedMount); so is it on each full resync (memory.TOKENS.
+    pass makes before it plans). `read`: an engine pod is about to mount it (_mounting, or act
+    about to create one), so it is read even when the token is held, and re-created from the held
+    token when it was deleted (a pod would wait in FailedMount); so is it on each full resync (memory.TOKENS.
     recheck): no event says it was deleted, and an operator restarted without it would make a new
     token, which the running head refuses. A Secret of that name is adopted only when its
     ownerReferences name this OmniStage's uid: someone else's would give the engines a token the
@@ -337,6 +337,16 @@ def _observe_set(obj: dict[str, Any], t: Target, token: str | None, head: dict[s
 def _engine_pods(o: Observed) -> list[dict[str, Any]]:
     """The replica and pool pods of the serving set and of the one beside it."""
     return [*o.replicas, *(o.beside.replicas if o.beside is not None else ())]
+
+
+def _mounting(o: Observed) -> bool:
+    """An engine pod is scheduled and still mounting its volumes, the membership Secret among them.
+    Only then, and before act creates a pod (act.SecretCheck), does a pass read the Secret (RBAC gives
+    the operator no watch on Secrets, and a read every pass would cost a request at rest): a deleted
+    Secret is re-created before a pod needs it, and running pods keep the copy their kubelet mounted."""
+    beside = (o.beside.head, *o.beside.replicas) if o.beside is not None else ()
+    seen = [o.head, *o.spares, *o.replicas, *beside]
+    return any(pod is not None and pods.mounting(pod) for pod in seen)
 
 
 def _rv(obj: dict[str, Any] | None) -> str | None:
