@@ -1,14 +1,31 @@
 """The kinds of an OmniStage's children that the operator keeps as rendered, once: the informer watches
-each (runtime/informer.py), the client applies each (runtime/drift.py), the decision ensures each with
-the fields it owns (control/children.py), and the install's ClusterRole grants each (a unit test reads
+each (runtime/informer.py), the client applies each and knows its server's defaults (runtime/drift.py),
+the decision ensures each with the fields it owns (control/children.py, with its renderer), and the
+install's ClusterRole grants each (a unit test reads
 manifests/base/rbac.yaml against this table). Pods and the membership Secret are not here: the
 operator creates and deletes pods one by one, and reads and creates the Secret by name."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from .conditions import EventReason
+
+
+class _Assigned:
+    """A value the API server assigns (a Service's clusterIP): any value is the server's."""
+
+    def __repr__(self) -> str:
+        return "ASSIGNED"
+
+
+ASSIGNED = _Assigned()
+
+
+def _port_of(item: dict[str, Any]) -> Any:
+    return item.get("port")
 
 
 @dataclass(frozen=True)
@@ -29,6 +46,15 @@ class ChildKind:
     frozen_by: tuple[str, ...] = ()
     #: The Event's reason when the operator created or restored one.
     synced_reason: str = EventReason.CHILD_SYNCED
+    #: What the API server adds to one the operator renders: the field's path (a list's items "[]")
+    #: -> its default, ASSIGNED (any value), or a function of the object holding it (a Service port's
+    #: targetPort defaults to its port). Any other field the operator did not render is drift
+    #: (runtime/drift.py), and so is one of these with another value: a Service made NodePort,
+    #: sessionAffinity ClientIP, a selector or a NetworkPolicy peer with one more key
+    #: (`namespaceSelector: {}` admits every namespace). Read from Kubernetes 1.36
+    #: (tests/unit/test_kube.py holds its answers); a default a later server adds is restored once,
+    #: then left (drift.UNRESTORABLE) and said in a Warning.
+    server_defaults: Mapping[tuple[str, ...], Any] = field(default_factory=dict, hash=False)
 
     @property
     def verbs(self) -> frozenset[str]:
@@ -39,8 +65,18 @@ class ChildKind:
 CHILD_KINDS = (
     ChildKind("ConfigMap", "", "configmaps", "config_map", ("data", "binaryData", "immutable"),
               frozen_by=("immutable",), synced_reason=EventReason.CONFIG_RENDERED),
-    ChildKind("Service", "", "services", "service", ("spec",)),
-    ChildKind("NetworkPolicy", "networking.k8s.io", "networkpolicies", "network_policy", ("spec",)),
+    ChildKind("Service", "", "services", "service", ("spec",), server_defaults={
+        ("spec", "type"): "ClusterIP", ("spec", "sessionAffinity"): "None",
+        ("spec", "internalTrafficPolicy"): "Cluster",
+        ("spec", "clusterIP"): ASSIGNED, ("spec", "clusterIPs"): ASSIGNED,
+        ("spec", "ipFamilies"): ASSIGNED, ("spec", "ipFamilyPolicy"): ASSIGNED,
+        ("spec", "ports", "[]", "protocol"): "TCP", ("spec", "ports", "[]", "targetPort"): _port_of,
+    }),
+    ChildKind("NetworkPolicy", "networking.k8s.io", "networkpolicies", "network_policy", ("spec",),
+              server_defaults={
+                  ("spec", "policyTypes"): ["Ingress"],
+                  ("spec", "ingress", "[]", "ports", "[]", "protocol"): "TCP",
+              }),
     ChildKind("PodDisruptionBudget", "policy", "poddisruptionbudgets", "pod_disruption_budget", ("spec",)),
 )
 BY_KIND = {c.kind: c for c in CHILD_KINDS}

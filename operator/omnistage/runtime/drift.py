@@ -1,6 +1,6 @@
 """A child the operator owns, as rendered: created by server-side apply, compared whole with the
 watch-fed copy, and restored exactly when it drifted (runtime/act.py applies each EnsureChild here).
-What the API server adds by default is not drift (SERVER_DEFAULTS); a label or annotation in
+What the API server adds by default is not drift (ChildKind.server_defaults); a label or annotation in
 Kubernetes' own prefixes that it did not render is (child_kinds.reserved_key), and is removed; a
 child frozen by a field no write may undo (a ConfigMap made immutable) is deleted and created again;
 what a restore cannot put back is left and said once (UNRESTORABLE)."""
@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from kubernetes.client.exceptions import ApiException
 
-from ..api.child_kinds import BY_KIND, reserved_key
+from ..api.child_kinds import ASSIGNED, BY_KIND, reserved_key
 from ..names import FIELD_MANAGER
 from .kube import group_api, with_kind
 
@@ -27,43 +27,6 @@ def _applier(kind: str):
 def _deleter(kind: str):
     return getattr(group_api(BY_KIND[kind].group), f"delete_namespaced_{BY_KIND[kind].client_name}")
 
-
-class _Assigned:
-    """A value the API server assigns (a Service's clusterIP): any value is the server's."""
-
-    def __repr__(self) -> str:
-        return "ASSIGNED"
-
-
-ASSIGNED = _Assigned()
-
-
-def _port_of(item: dict[str, Any]) -> Any:
-    return item.get("port")
-
-
-# What the API server adds to a child the operator renders, by kind: the field's path (a list's items
-# "[]") -> its default, ASSIGNED (any value), or a function of the object holding it (a Service port's
-# targetPort defaults to its port). Any other field the operator did not render is drift, and so is
-# one of these with another value: a Service made NodePort, sessionAffinity ClientIP, a selector or a
-# NetworkPolicy peer with one more key (`namespaceSelector: {}` admits every namespace). Read from
-# Kubernetes 1.36 (tests/unit/test_kube.py holds its answers); a default a later server adds is
-# restored once, then left (UNRESTORABLE) and said in a Warning.
-SERVER_DEFAULTS: dict[str, dict[tuple[str, ...], Any]] = {
-    "Service": {
-        ("spec", "type"): "ClusterIP", ("spec", "sessionAffinity"): "None",
-        ("spec", "internalTrafficPolicy"): "Cluster",
-        ("spec", "clusterIP"): ASSIGNED, ("spec", "clusterIPs"): ASSIGNED,
-        ("spec", "ipFamilies"): ASSIGNED, ("spec", "ipFamilyPolicy"): ASSIGNED,
-        ("spec", "ports", "[]", "protocol"): "TCP", ("spec", "ports", "[]", "targetPort"): _port_of,
-    },
-    "NetworkPolicy": {
-        ("spec", "policyTypes"): ["Ingress"],
-        ("spec", "ingress", "[]", "ports", "[]", "protocol"): "TCP",
-    },
-    "PodDisruptionBudget": {},
-    "ConfigMap": {},
-}
 
 # (kind, namespace, name) -> what a restore left as it was (the API server or a webhook puts it back):
 # the same drift again is not worth another request (nor a loop: each write is a watch event).
@@ -154,7 +117,7 @@ def restore_ops(obj: dict[str, Any], existing: dict[str, Any],
     server assigned there (a Service's clusterIP: immutable; defaults left out are the server's to
     fill), and each reserved label or annotation the operator did not render removed. [] when
     nothing of that differs."""
-    defaults = SERVER_DEFAULTS.get(obj["kind"], {})
+    defaults = BY_KIND[obj["kind"]].server_defaults
     ops = []
     for field in compare:
         if not _field_drift(obj, existing, field, defaults):
@@ -177,10 +140,10 @@ def _pointer(key: str) -> str:
 def drifted(obj: dict[str, Any], existing: dict[str, Any], compare: tuple[str, ...]) -> list[str]:
     """How `existing` differs from the rendered child `obj`, one "path: what" each; [] when it holds
     the rendered `compare` fields exactly, beside only what the API server defaults there
-    (SERVER_DEFAULTS), and the rendered labels and annotations among its own: others may add theirs,
+    (ChildKind.server_defaults), and the rendered labels and annotations among its own: others may add theirs,
     but not in Kubernetes' own prefixes (child_kinds.reserved_key: kube-proxy drops a Service
     labelled `service.kubernetes.io/service-proxy-name`)."""
-    defaults = SERVER_DEFAULTS.get(obj["kind"], {})
+    defaults = BY_KIND[obj["kind"]].server_defaults
     out: list[str] = []
     for field in compare:
         out += _field_drift(obj, existing, field, defaults)
