@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 from omnistage.runtime import leader
-from omnistage.runtime.leader import ACQUIRE, CREATE, RENEW, WAIT, Elector, Timing, decide, leading
+from omnistage.runtime.leader import ACQUIRE, CREATE, RENEW, WAIT, Elector, Timing, leading, lease_action
 
 
 def lease(holder: str | None, version: str = "1", duration: int = 15) -> dict:
@@ -26,8 +26,8 @@ def lease(holder: str | None, version: str = "1", duration: int = 15) -> dict:
     (lease(None), 10, 10, ACQUIRE),                # released by a clean shutdown
     (lease(""), 10, 10, ACQUIRE),
 ])
-def test_decide(record, observed_at, now, want):
-    assert decide("me", record, observed_at, now) == want
+def test_lease_action(record, observed_at, now, want):
+    assert lease_action("me", record, observed_at, now) == want
 
 
 @pytest.mark.parametrize("renewed_at, now, want", [

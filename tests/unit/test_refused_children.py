@@ -14,7 +14,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 from omnistage.api.conditions import Reason, Type
 from omnistage.control.actions import CreatePod, EnsureChild
-from omnistage.control.plan import decision, described, plan
+from omnistage.control.plan import decision, plan, plan_with_report
 from omnistage.runtime import act as act_module
 from omnistage.runtime import reconcile as reconcile_module
 from omnistage.runtime.act import API_MESSAGE_LIMIT, act
@@ -119,9 +119,9 @@ def test_status_says_which_children_were_refused():
 ])
 def test_a_pass_describes_its_own_decision_with_what_act_could_not_do(problems, refused):
     """reconcile describes a pass that wrote no pod with the decision it acted on, told act's report
-    (plan.described), instead of observing and deciding again: the same status a second plan said."""
+    (plan.plan_with_report), instead of observing and deciding again: the same status a second plan said."""
     for t, o in (situation(3), situation(2, pods_=lambda t: []), situation(4)):
-        assert described(decision(t, o, AT), problems, refused) == plan(
+        assert plan_with_report(decision(t, o, AT), problems, refused) == plan(
             t, replace(o, problems=problems, refused=refused), AT)
 
 

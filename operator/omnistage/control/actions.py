@@ -165,7 +165,7 @@ class Observed:
     # listing are None then, and status says this instead of "unreachable".
     answer_refused: str | None = None
     drains: Mapping[str, str] = field(default_factory=dict)  # pod uid -> DRAIN_* (act's drain executor)
-    # What this pass's act step could not do, for its status (plan.described): joins refused, ...; and
+    # What this pass's act step could not do, for its status (plan.plan_with_report): joins refused, ...; and
     # the children the API server refused in that step, with its words.
     problems: tuple[str, ...] = ()
     refused: tuple[str, ...] = ()

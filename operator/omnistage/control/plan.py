@@ -50,7 +50,7 @@ class Plan(NamedTuple):
 
 class Decision(NamedTuple):
     """plan()'s answer and the steps' state its status describes: a pass describes it again, told what
-    its act step could not do (described), instead of deciding again."""
+    its act step could not do (plan_with_report), instead of deciding again."""
     plan: Plan
     made: Pass | None  # None: an invalid spec or a refused Secret (their status reads no act report)
 
@@ -71,12 +71,12 @@ def decision(t: Target | InvalidSpec, o: Observed, at: str | None = None) -> Dec
         return Decision(_invalid(taken, o, generation, at), None)
     if o.secret_refused:
         return Decision(_secret_refused(t, o, generation, at), None)
-    p = decide(t, o, at)
+    p = decided_pass(t, o, at)
     made = Plan(p.actions, status.omnistage_status(p, generation, at), pool_status.pool_statuses(p, at))
     return Decision(made, p)
 
 
-def described(d: Decision, problems: tuple[str, ...], refused: tuple[str, ...]) -> Plan:
+def plan_with_report(d: Decision, problems: tuple[str, ...], refused: tuple[str, ...]) -> Plan:
     """The decision's plan, its status told what the act step could not do (`problems`, the children
     the API server `refused`: what status reads as Observed.problems and .refused). The steps do not
     read them, so the decision stands as made: only its status is written again."""
@@ -119,7 +119,7 @@ BESIDE_SERVING_STEPS: tuple[Callable[[Pass], None], ...] = (
 )
 
 
-def decide(t: Target, o: Observed, at: str | None = None) -> Pass:
+def decided_pass(t: Target, o: Observed, at: str | None = None) -> Pass:
     p = Pass(t, o, at or timestamp())
     for step in SERVING_STEPS:
         step(p)

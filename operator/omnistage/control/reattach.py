@@ -5,7 +5,7 @@ through the master Service), registers again and handshakes without loading its 
 lists it as a fresh registration from the pod's address, which membership.sync joins like any
 other. Pure.
 
-Three answers for a replica made for another head pod or before the head's last restart (`decide`):
+Three answers for a replica made for another head pod or before the head's last restart (`fate`):
 - REJOINED: the new head lists a registration from its address: its `head-uid` and `head-restarts`
   annotations are brought up to date, and from then on it is an ordinary replica (sync joins it);
 - WAITING: it reported `reattach: applied` and the head has been Ready (a spare head: serving, since
@@ -49,7 +49,7 @@ def remember(p: Pass, pod: dict[str, Any]) -> None:
         p.actions.append(Annotate(pods.name(pod), {A_REATTACH: outcome}))
 
 
-def decide(p: Pass, pod: dict[str, Any]) -> str:
+def fate(p: Pass, pod: dict[str, Any]) -> str:
     if pods.pool(pod) is not None or pods.annotation(pod, A_REATTACH) != contract.APPLIED \
             or p.o.beside is not None:  # a planned head change drains the old set its own way
         return ROLL

@@ -1,4 +1,4 @@
-"""Which engine pods go and which are made, as steps of a pass (plan.decide runs them in this
+"""Which engine pods go and which are made, as steps of a pass (plan.decided_pass runs them in this
 order): retire_stale (pods of another head incarnation, a finished process, a deleted pool, or a
 retirement decided earlier), roll (outdated templates, within spec.rollout; standbys first) and
 scale (to each group's desired count, plus a roll's surge; stage 0 joins its standbys first and keeps
@@ -97,7 +97,7 @@ def retire_stale(p: Pass) -> None:
             # the head's boot id).
             what = ("the head pod was replaced" if pods.head_uid(r) != head_uid
                     else f"restartCount {made_at} -> {head_restarts}")
-            if (verdict := reattach.decide(p, r)) == reattach.REJOINED:
+            if (verdict := reattach.fate(p, r)) == reattach.REJOINED:
                 reattach.rejoined(p, r)
                 p.emit("Normal", Progress.REATTACHED, f"replica pod {pods.name(r)} re-attached to the new "
                        f"head engine ({what}) without a new pod")

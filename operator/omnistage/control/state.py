@@ -68,8 +68,19 @@ def outdated(p: Pass) -> bool:
 
 
 class Pass:
-    """One pass's working state: the observation plus what the steps decided so far. Once decide()
-    returns it is the decision that status.py describes."""
+    """One pass's working state: the observation plus what the steps decided so far. Once decided_pass()
+    returns it is the decision that status.py describes.
+
+    Its liveness predicates, each narrower than the one before it:
+    - of the head pod: head_staying (not terminating, not deleted by this pass) > head_live (and has
+      an IP) > head_talks (and a client exists and it answers: Ready or started; the only head whose
+      answers the plan reads) ; head_serves: Ready and, where it keeps a membership, its own engine
+      live (head_engine: that engine's member);
+    - of a replica or pool pod: live() (the pods not going away) > joined (the head lists it under
+      its name) > engine_live (and attached, heartbeats on time) ; serves: Ready and engine_live for
+      every stage it runs; standby: its role, as this pass leaves it, says standby;
+    - of the set: holds_outdated_head (a head change runs or waits to run in place).
+    """
 
     def __init__(self, t: Target, o: Observed, at: str, want_head: dict[str, Any] | None = None):
         self.t, self.o, self.previous = t, o, o.obj.get("status") or {}

@@ -17,7 +17,7 @@ not the resync thread (handlers.py). This follows client-go's leaderelection ins
   renewal; RENEW_DEADLINE < LEASE_DURATION, so a leader cut off from the API server stops acting at
   least LEASE_DURATION - RENEW_DEADLINE before anybody else may start.
 
-`decide` and `leading` are the pure rules (tests/unit/test_leader.py); `Elector` applies them with
+`lease_action` and `leading` are the pure rules (tests/unit/test_leader.py); `Elector` applies them with
 kube.py's Lease calls (read, create, replace, watch). While `is_leading()` is False the operator
 does nothing (handlers.py checks it before every reconcile and in the resync loop); its probe still
 answers, so it stays Ready.
@@ -68,7 +68,7 @@ class Timing:
             raise ValueError(f"need renew_period < renew_deadline < duration, got {self}")
 
 
-def decide(me: str, lease: dict[str, Any] | None, observed_at: float, now: float) -> str:
+def lease_action(me: str, lease: dict[str, Any] | None, observed_at: float, now: float) -> str:
     """What to do with the Lease as read now (pure).
 
     lease: the Lease object (None: there is none); observed_at: local monotonic time at which this
@@ -153,7 +153,7 @@ class Elector:
             if not self._fresh:
                 self.observe(self.client.read_lease(self.namespace, self.name), started)
             lease, self._fresh = self._known, False
-            action = decide(self.identity, lease, self._seen[1], started)
+            action = lease_action(self.identity, lease, self._seen[1], started)
             if action == WAIT:
                 if (lease or {}).get("spec", {}).get("holderIdentity") != self.identity:
                     self._renewed_at = None

@@ -27,7 +27,7 @@ from ..api.conditions import EventReason, Reason, timestamp
 from ..api.validation import InvalidSpec
 from ..control import collisions, identity, pods, pools
 from ..control.actions import Action, EnsureChild, Observed, PostEvent
-from ..control.plan import Plan, decision, described, plan
+from ..control.plan import Plan, decision, plan, plan_with_report
 from ..control.pool_status import pool_status
 from ..control.status import failed_status
 from ..names import HEAD_ROLES, REPLICA_ROLES, ROLE_POOL, ROLE_SPARE_HEAD
@@ -168,7 +168,7 @@ def _reconcile(obj: dict[str, Any], emit: Emit) -> dict[str, Any]:
         memory.RESTING.pop(key, None)
     # describe: the decision, told what act could not do. What only a new read can show (a created
     # pod's uid, the replica id a join got) is the next pass's, which the changed pods start anyway.
-    result = described(d, problems, refused)
+    result = plan_with_report(d, problems, refused)
     act_step.write_pool_statuses(t.namespace, result.pools)
     return result.status
 
