@@ -183,6 +183,17 @@ def wait(what: str, check, engines: list[Engine], timeout: float = START_TIMEOUT
         time.sleep(every)
 
 
+def served(base: str) -> dict[str, int]:
+    try:
+        return client.served_by(client.get(base + "/metrics"))
+    except (OSError, urllib.error.URLError):
+        return {}
+
+
+def misses(e: Engine) -> int:
+    return e.log_path.read_text(errors="replace").count(CACHE_MISS)
+
+
 # ---- one run -------------------------------------------------------------------------------------
 
 @dataclass
@@ -191,8 +202,10 @@ class Outcome:
     patches: str
     versions: str = ""
     frontend: str = ""
+    retry_on: str = "same"
     results: list[client.Result] = field(default_factory=list)
-    retries: list[tuple[int, client.Result]] = field(default_factory=list)
+    where: list[str] = field(default_factory=list)  # the engine of each first answer (or of its miss)
+    retries: list[tuple[int, client.Result, str]] = field(default_factory=list)
     served_by: dict[str, int] = field(default_factory=dict)
     misses_logged: dict[str, int] = field(default_factory=dict)
     start_seconds: float = 0.0
@@ -239,8 +252,8 @@ def engines_of(version: str, patches: str, work: Path) -> Iterator[tuple[Engine,
             e.stop()
 
 
-def one_run(version: str, patches: str, work: Path, retries: int) -> Outcome:
-    out = Outcome(version, patches)
+def one_run(version: str, patches: str, work: Path, retries: int, retry_on: str) -> Outcome:
+    out = Outcome(version, patches, retry_on=retry_on)
     log(f"==== vLLM {version}, plugin {patches}: a head and one headless replica ====")
     with engines_of(version, patches, work) as (head, replica, token, _objs):
         t0 = time.monotonic()
@@ -277,38 +290,57 @@ def one_run(version: str, patches: str, work: Path, retries: int) -> Outcome:
             outcomes = {n: p.get("outcome") for n, p in (report.get("patches") or {}).items()}
             log(f"engine report: {out.versions}, frontend {report.get('frontendCache')}, patches {outcomes}")
         model = client.served_model(base)
+        engines = {"0": head, "1": replica}  # stage-0 replica ids as the head's /metrics labels them
+
+        def send(payload: dict, label: str) -> tuple[client.Result, str]:
+            """The answer, and the engine that served it (its success counter moved) or logged its miss."""
+            before = (served(base), {k: misses(e) for k, e in engines.items()})
+            r = client.chat(base, payload, label)
+            after = (served(base), {k: misses(e) for k, e in engines.items()})
+            moved = [k for k in engines if after[0].get(k, 0) > before[0].get(k, 0)] \
+                or [k for k in engines if after[1][k] > before[1][k]]
+            where = "+".join(engines[k].name for k in moved) or "?"
+            log(f"{r.line()}  [{Outcome.kind(r)}] on the {where}")
+            return r, where
+
         for i, clip in enumerate(SEQUENCE_28):
             payload = client.body(model, "audio", AUDIO_SEED0 + clip)
-            r = client.chat(base, payload, f"#{i + 1:<2} clip {clip}")
+            r, where = send(payload, f"#{i + 1:<2} clip {clip}")
             out.results.append(r)
-            log(f"{r.line()}  [{Outcome.kind(r)}]")
+            out.where.append(where)
             for k in range(retries if not r.complete else 0):
-                again = client.chat(base, payload, f"#{i + 1:<2} clip {clip} retry {k + 1}")
-                out.retries.append((i, again))
-                log(f"{again.line()}  [{Outcome.kind(again)}]")
+                if retry_on == "same":  # round-robin: a request without media first, the retry after it
+                    send(client.body(model, "text", 0), f"#{i + 1:<2} text between")
+                again, where = send(payload, f"#{i + 1:<2} clip {clip} retry {k + 1}")
+                out.retries.append((i, again, where))
                 if again.complete:
                     break
         with contextlib.suppress(OSError, urllib.error.URLError):
             out.served_by = client.served_by(client.get(base + "/metrics"))
         time.sleep(1)
-        out.misses_logged = {e.name: e.log_path.read_text(errors="replace").count(CACHE_MISS)
-                             for e in (head, replica)}
+        out.misses_logged = {e.name: misses(e) for e in (head, replica)}
     return out
 
 
 def summary(o: Outcome) -> list[str]:
     if o.error:
         return [f"vLLM {o.version} plugin {o.patches}: did not run: {o.error}"]
-    first, again = o.counts(o.results), o.counts([r for _, r in o.retries])
+    first, again = o.counts(o.results), o.counts([r for _, r, _ in o.retries])
     failed = len(o.results) - first["200 complete"]
-    recovered = len({i for i, r in o.retries if r.complete})
+    recovered = len({i for i, r, _ in o.retries if r.complete})
+    failed_on = {e: sum(1 for r, w in zip(o.results, o.where, strict=True) if not r.complete and w == e)
+                 for e in sorted(set(o.where))}
+    retried_on = {e: sum(1 for _, _, w in o.retries if w == e) for e in sorted({w for _, _, w in o.retries})}
+    on = {"same": "on the engine that failed (a request without media between)",
+          "next": "at once"}[o.retry_on]
     def counted(c: dict[str, int]) -> str:
         return ", ".join(f"{k}: {v}" for k, v in c.items())
 
     return [(f"vLLM {o.version} plugin {o.patches} ({o.versions}; frontend {o.frontend}; up and joined in "
              f"{o.start_seconds:.0f}s)"),
             f"  first answers of {len(o.results)}: {counted(first)}",
-            (f"  failed {failed} of {len(o.results)}; {len(o.retries)} retries: {counted(again)}; "
+            f"  failed {failed} of {len(o.results)}, by engine: {failed_on}",
+            (f"  retried {on}: {len(o.retries)} retries ({retried_on}): {counted(again)}; "
              f"a retry succeeded for {recovered} of {failed}"),
             (f"  finished per stage-0 replica (head /metrics): {o.served_by}; misses the engines logged "
              f"('{CACHE_MISS}'): {o.misses_logged}")]
@@ -319,6 +351,9 @@ def main() -> int:
     ap.add_argument("--versions", nargs="+", default=["0.32", "0.30"], choices=sorted(VENVS))
     ap.add_argument("--patches", nargs="+", default=["off", "on"], choices=["off", "on"])
     ap.add_argument("--retries", type=int, default=1, help="retries of a request without a complete answer")
+    ap.add_argument("--retry-on", choices=["same", "next"], default="same",
+                    help="same: a request without media first, so round-robin sends the retry to the engine "
+                         "that failed (does the frontend resend the tensor?); next: at once (the other one)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/omnistage-seed"))
     args = ap.parse_args()
     os.environ.setdefault("TMPDIR", "/tmp")
@@ -326,7 +361,7 @@ def main() -> int:
     for version in args.versions:
         for patches in args.patches:
             try:
-                o = one_run(version, patches, args.work, args.retries)
+                o = one_run(version, patches, args.work, args.retries, args.retry_on)
             except (RuntimeError, TimeoutError, OSError) as err:
                 what = str(err).splitlines()[0] if str(err) else type(err).__name__
                 o = Outcome(version, patches, error=what)
