@@ -68,3 +68,17 @@ def test_a_pass_at_rest_decides_nothing(pass_of):
     o = replace(o, obj={**o.obj, "status": pass_of.status})
     assert pass_of(o)[0] == 1  # at rest: remembered
     assert pass_of(o)[0] == 0  # the same reading again: the decision is known
+
+
+def test_each_step_returns_its_actions():
+    """The steps return what they decide (plan.decided_pass adds it to the pass in order); the Pass
+    holds no helper that adds an action behind a step's back."""
+    import inspect
+
+    from omnistage.control import plan as plan_module
+    from omnistage.control.state import Pass
+
+    for step in (*plan_module.SERVING_STEPS, *plan_module.BESIDE_SERVING_STEPS, plan_module.headswap.finish):
+        returns = inspect.signature(step).return_annotation  # a string: the modules defer annotations
+        assert returns == "list[Action]", f"{step.__module__}.{step.__name__} returns {returns}"
+    assert not [name for name, _ in inspect.getmembers(Pass, inspect.isfunction) if name in ("emit", "delete")]

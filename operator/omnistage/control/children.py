@@ -11,11 +11,12 @@ from ..render import (
     render_master_service,
     render_network_policy,
 )
-from .actions import EnsureChild
+from .actions import Action, EnsureChild
 from .state import Pass
 
 
-def ensure(p: Pass) -> None:
+def ensure(p: Pass) -> list[Action]:
+    acts: list[Action] = []
     t = p.t
     budgets = [
         render_disruption_budget(t),
@@ -24,4 +25,5 @@ def ensure(p: Pass) -> None:
     for child in (render_configmap(t), render_api_service(t), render_master_service(t),
                   render_network_policy(t), *budgets):
         kind = BY_KIND[child["kind"]]
-        p.actions.append(EnsureChild(child, kind.owned_fields, kind.synced_reason))
+        acts.append(EnsureChild(child, kind.owned_fields, kind.synced_reason))
+    return acts

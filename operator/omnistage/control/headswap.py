@@ -34,7 +34,7 @@ from ..names import ROLE_HEAD, ROLE_NEXT_HEAD, ROLE_OLD_HEAD
 from ..render import render_head_pod
 from ..render.pods import head_pod_name
 from . import pods
-from .actions import CreatePod, OnPredecessor, OnSuccessor, SetRole
+from .actions import Action, CreatePod, OnPredecessor, OnSuccessor, PostEvent, SetRole
 from .state import Pass, Phase, Swap, outdated
 
 
@@ -50,63 +50,64 @@ def in_place_why(p: Pass) -> str | None:
     return None
 
 
-def begin(p: Pass) -> None:
+def begin(p: Pass) -> list[Action]:
     """Before the serving set's steps: start, follow or give up a head change (p.change)."""
+    acts: list[Action] = []
     t, head, beside = p.t, p.head, p.o.beside
     beside_head = beside.head if beside is not None else None  # the successor, or the predecessor
     if beside_head is None:
         if head is None or pods.terminating(head) or pods.terminal(head) or not outdated(p):
-            return
+            return acts
         why = in_place_why(p)
         if why is not None:
-            _in_place(p, why, Reason.HEAD_IN_PLACE)
-            return
+            acts += _in_place(p, why, Reason.HEAD_IN_PLACE)
+            return acts
         name = head_pod_name(t, pods.template_hash(p.want_head))
-        p.actions.append(
+        acts.append(
             CreatePod(
                 render_head_pod(t, name, ROLE_NEXT_HEAD),
                 EventReason.CREATED_HEAD,
                 f"created head pod {{pod}} beside {pods.name(head)}: the Services move to it once it serves",
             )
         )
-        p.emit(
+        acts.append(PostEvent(
             "Normal",
             Progress.SURGING_HEAD,
             f"head pod {pods.name(head)}'s template changed: starting {name} "
             f"beside it (spec.rollout.maxSurge {t.spec.rollout.max_surge})",
-        )
+        ))
         p.progressing.append(Progress.SURGING_HEAD)
         p.change.keep_head = True
-        return
+        return acts
     # The set beside is a pass of its own; its head is compared with the same rendered template.
     q = Pass(t, beside, p.at, want_head=p.want_head)
     q.change.names_held, p.change.names_held = p.o.replicas, beside.replicas  # replica names are shared
     if pods.role(beside_head) in (ROLE_OLD_HEAD, ROLE_HEAD):  # the predecessor: the Services moved to p's
         if pods.role(beside_head) == ROLE_HEAD:  # the move was cut off between its two patches: finish it
-            p.actions.append(SetRole(pods.name(beside_head), pods.uid(beside_head), ROLE_OLD_HEAD))
+            acts.append(SetRole(pods.name(beside_head), pods.uid(beside_head), ROLE_OLD_HEAD))
         _draining(p, q)
-        return
+        return acts
     successor = beside_head  # ROLE_NEXT_HEAD
     if head is None or pods.terminating(head) or pods.terminal(head):
         # Nothing serves to hand over from (the old head died, or was replaced in place): the
         # successor is the head now.
-        p.actions.append(SetRole(pods.name(successor), pods.uid(successor), ROLE_HEAD))
+        acts.append(SetRole(pods.name(successor), pods.uid(successor), ROLE_HEAD))
         p.change.create_head = False
-        return
+        return acts
     stuck = pods.unschedulable(successor)
     if stuck and not pods.terminating(successor):
         # The successor takes the old head's GPU: the old head is deleted (on the pass after the one
         # whose status says so) and the successor, scheduled then, is promoted as above.
-        _in_place(p, f"no node can take the successor head ({pods.name(successor)}: {stuck})",
+        acts += _in_place(p, f"no node can take the successor head ({pods.name(successor)}: {stuck})",
                   Reason.NO_CAPACITY_FOR_SURGE)
-        return
+        return acts
     p.change.keep_head = True
     if pods.terminating(successor):
-        return  # given up (its template changed again): the next pass starts a new one
+        return acts  # given up (its template changed again): the next pass starts a new one
     if pods.template_hash(successor) != pods.template_hash(p.want_head):
-        p.delete(successor, Progress.SURGING_HEAD, f"deleted head pod {pods.name(successor)}: the template "
-                 "changed again before it served")
-        return
+        acts.append(p.deletion(successor, Progress.SURGING_HEAD, f"deleted head pod {pods.name(successor)}: "
+                               "the template changed again before it served"))
+        return acts
     desired = t.replica_pods
     q.change.replica_target = min(desired, t.spec.rollout.max_surge - 1)
     # The standbys come up beside the successor (they are bound to the head they registered with); the
@@ -114,20 +115,23 @@ def begin(p: Pass) -> None:
     p.change.standby_target = 0
     p.change.swap = Swap(Phase.SURGING, successor=q, first=q.change.replica_target)
     p.progressing.append(Progress.SURGING_HEAD)
+    return acts
 
 
-def _in_place(p: Pass, why: str, reason: Reason) -> None:
+def _in_place(p: Pass, why: str, reason: Reason) -> list[Action]:
     """The head replaced in place, said first: deleted on the pass after the one whose status says so."""
+    acts: list[Action] = []
     p.change.in_place = (reason, why)
     before = condition(p.previous, Type.ROLLOUT_SURGE)
     if before.get("reason") != reason or before.get("status") != "False":
-        p.emit(
+        acts.append(PostEvent(
             "Warning",
             reason,
             f"replacing head pod {pods.name(p.head)} in place: {why}. Serving stops until "
             "the new head and its replicas are up",
-        )
+        ))
         p.change.keep_head = True
+    return acts
 
 
 def _draining(p: Pass, predecessor: Pass) -> None:
@@ -142,31 +146,34 @@ def _draining(p: Pass, predecessor: Pass) -> None:
     p.progressing.append(Progress.MOVED_SERVICE)
 
 
-def finish(p: Pass) -> None:
+def finish(p: Pass) -> list[Action]:
     """After both sets' steps (plan.py runs the one beside the serving set): its actions wrapped for
     act, then the Services' move (surging) or the predecessor's deletion (draining)."""
+    acts: list[Action] = []
     swap = p.change.swap
     beside = swap.beside
     if beside.actions:
         wrap = OnSuccessor if swap.phase == Phase.SURGING else OnPredecessor
-        p.actions.append(wrap(tuple(beside.actions)))
+        acts.append(wrap(tuple(beside.actions)))
         beside.actions = []
     successor, predecessor = swap.successor, swap.predecessor
     if successor is not None and serves(successor, swap.first):
         joined = sum(1 for r in successor.live(None) if successor.serves(r))
-        p.actions += [SetRole(pods.name(successor.head), pods.uid(successor.head), ROLE_HEAD),
-                      SetRole(pods.name(p.head), pods.uid(p.head), ROLE_OLD_HEAD)]
-        p.emit("Normal", Progress.MOVED_SERVICE, f"Services moved from head pod {pods.name(p.head)} to "
-               f"{pods.name(successor.head)} ({joined} of its replicas joined); draining {pods.name(p.head)} "
-               f"and its {len(p.live(None))} replicas")
+        acts += [SetRole(pods.name(successor.head), pods.uid(successor.head), ROLE_HEAD),
+                 SetRole(pods.name(p.head), pods.uid(p.head), ROLE_OLD_HEAD),
+                 PostEvent("Normal", Progress.MOVED_SERVICE,
+                           f"Services moved from head pod {pods.name(p.head)} to {pods.name(successor.head)} "
+                           f"({joined} of its replicas joined); draining {pods.name(p.head)} and its "
+                           f"{len(p.live(None))} replicas")]
         p.progressing.append(Progress.MOVED_SERVICE)
     elif predecessor is not None and not predecessor.o.replicas and not pods.terminating(predecessor.head):
-        p.delete(
+        acts.append(p.deletion(
             predecessor.head,
             Progress.RETIRED_HEAD,
             f"deleted head pod {pods.name(predecessor.head)}: the Services moved to "
             f"{pods.name(p.head) if p.head else 'its successor'} and its replicas left",
-        )
+        ))
+    return acts
 
 
 def serves(successor: Pass, first: int) -> bool:

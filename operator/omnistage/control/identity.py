@@ -45,7 +45,7 @@ from ..names import (
 from ..render.common import Target, labels
 from ..render.pods import head_pod_name, render_head_pod, replica_pod_name
 from . import pods
-from .actions import DeletePod, RestoreLabels, Stray
+from .actions import Action, DeletePod, PostEvent, RestoreLabels, Stray
 
 if TYPE_CHECKING:
     from .state import Pass
@@ -150,15 +150,18 @@ def restore_head_roles(t: Target, heads: list[dict[str, Any]]) -> dict[str, str]
     return out
 
 
-def restore(p: Pass) -> None:
+def restore(p: Pass) -> list[Action]:
     """The plan's first step on pods: the strays' labels written back (before anything this pass
     selects by them), the untrusted deleted. Said once: the written pod goes into the store."""
+    acts: list[Action] = []
     for stray in p.o.strays:
         name = pods.name(stray.pod)
         if stray.labels is not None:
-            p.actions.append(RestoreLabels(name, pods.uid(stray.pod), stray.labels))
-            p.emit("Warning", EventReason.LABELS_RESTORED, f"pod {name}: {stray.why}; the operator's labels "
-                   "are written back (its Services and disruption budgets select by them)")
+            acts.append(RestoreLabels(name, pods.uid(stray.pod), stray.labels))
+            acts.append(PostEvent("Warning", EventReason.LABELS_RESTORED,
+                                  f"pod {name}: {stray.why}; the operator's labels are written back (its "
+                                  "Services and disruption budgets select by them)"))
         elif not pods.terminating(stray.pod):
-            p.emit("Warning", EventReason.STRAY_POD, f"deleted pod {name}: {stray.why}")
-            p.actions.append(DeletePod(name, pods.uid(stray.pod)))
+            acts.append(PostEvent("Warning", EventReason.STRAY_POD, f"deleted pod {name}: {stray.why}"))
+            acts.append(DeletePod(name, pods.uid(stray.pod)))
+    return acts

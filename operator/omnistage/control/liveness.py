@@ -20,6 +20,7 @@ from ..api.conditions import EventReason, Reason, Type
 from ..api.conditions import get as condition
 from ..api.statuses import MemberState
 from . import pods
+from .actions import Action, PostEvent
 
 if TYPE_CHECKING:
     from .state import Pass
@@ -85,33 +86,35 @@ def keep_one_live(p: Pass, victims: list[dict[str, Any]]) -> list[dict[str, Any]
     return [v for v in victims if v is not kept]
 
 
-def announce(p: Pass) -> None:
+def announce(p: Pass) -> list[Action]:
     """Warnings when an engine goes silent, the head's own engine is lost or a scale-down is held;
     a Normal Event when an engine's heartbeats resume. Once per change: against the last status."""
+    acts: list[Action] = []
     before = {m.get("pod"): m for m in p.previous.get("members") or []}
     for r in p.live(None):
         name, was = pods.name(r), before.get(pods.name(r), {}).get("state")
         mm = silent(p, r)
         if mm is not None and was != MemberState.SILENT:
-            p.emit(
+            acts.append(PostEvent(
                 "Warning",
                 EventReason.ENGINE_SILENT,
                 f"replica pod {name} (stage-0 replica {mm.get('replicaId')}): no heartbeat past the "
                 "heartbeat timeout; the head routes nothing to it until its heartbeats resume",
-            )
+            ))
         elif mm is None and was == MemberState.SILENT and p.serves(r):
-            p.emit(
+            acts.append(PostEvent(
                 "Normal", EventReason.ENGINE_RESUMED, f"replica pod {name}: heartbeats resumed, serving again"
-            )
+            ))
     problem = head_engine_problem(p)
     head_before = condition(p.previous, Type.HEAD_READY)
     if problem is not None and head_before.get("reason") != problem[0]:
-        p.emit("Warning", problem[0], problem[1])
+        acts.append(PostEvent("Warning", problem[0], problem[1]))
     elif problem is None and head_before.get("reason") == Reason.HEAD_ENGINE_SILENT and p.head_serves():
-        p.emit(
+        acts.append(PostEvent(
             "Normal",
             EventReason.ENGINE_RESUMED,
             f"head pod {pods.name(p.head)}: its own engine's heartbeats resumed, serving again",
-        )
+        ))
     if p.scale_held and condition(p.previous, Type.MEMBERSHIP_SYNCED).get("message") != p.scale_held:
-        p.emit("Warning", Reason.SCALE_DOWN_HELD, p.scale_held)
+        acts.append(PostEvent("Warning", Reason.SCALE_DOWN_HELD, p.scale_held))
+    return acts

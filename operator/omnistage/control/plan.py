@@ -87,8 +87,10 @@ def plan_with_report(d: Decision, problems: tuple[str, ...], refused: tuple[str,
     return d.plan._replace(status=status.omnistage_status(p, p.o.obj["metadata"].get("generation"), p.at))
 
 
-# The steps, in dependency order, each a function of the pass's state. The serving set's:
-SERVING_STEPS: tuple[Callable[[Pass], None], ...] = (
+# The steps, in dependency order, each a function of the pass's state that returns its actions (and
+# records in the Pass what the later steps read: the pods it retires, the roles it gives). The
+# serving set's:
+SERVING_STEPS: tuple[Callable[[Pass], list[Action]], ...] = (
     children.ensure,
     identity.restore,
     spare.take_over,
@@ -108,7 +110,7 @@ SERVING_STEPS: tuple[Callable[[Pass], None], ...] = (
 )
 # The steps of the set beside the serving one while a head change runs (the successor's or the predecessor's:
 # headswap.begin makes it): its membership and its replicas.
-BESIDE_SERVING_STEPS: tuple[Callable[[Pass], None], ...] = (
+BESIDE_SERVING_STEPS: tuple[Callable[[Pass], list[Action]], ...] = (
     head.engine_report,
     head.membership_read,
     rollout.retire_stale,
@@ -122,11 +124,12 @@ BESIDE_SERVING_STEPS: tuple[Callable[[Pass], None], ...] = (
 def decided_pass(t: Target, o: Observed, at: str | None = None) -> Pass:
     p = Pass(t, o, at or timestamp())
     for step in SERVING_STEPS:
-        step(p)
+        p.actions += step(p)
     if p.change.swap is not None:
+        beside = p.change.swap.beside
         for step in BESIDE_SERVING_STEPS:
-            step(p.change.swap.beside)
-        headswap.finish(p)
+            beside.actions += step(beside)
+        p.actions += headswap.finish(p)
     return p
 
 
@@ -138,9 +141,7 @@ def _invalid(err: InvalidSpec, o: Observed, generation: int | None, at: str) -> 
     message = str(err)
     actions: list[Action] = []
     if o.last_valid is not None:
-        kept = Pass(o.last_valid, o, at)
-        children.ensure(kept)
-        actions += kept.actions
+        actions += children.ensure(Pass(o.last_valid, o, at))
     if condition(previous, Type.CONFIG_RENDERED).get("message") != message:
         actions.append(PostEvent("Warning", err.reason, message))
     conds = [Cond(Type.CONFIG_RENDERED, False, err.reason, message),
@@ -155,14 +156,14 @@ def _secret_refused(t: Target, o: Observed, generation: int | None, at: str) -> 
     token the operator did not issue. Loses nothing: the children are kept as rendered, running pods
     stay as they are, and nothing is created or deleted until the Secret is deleted or renamed."""
     p = Pass(t, o, at)
-    children.ensure(p)
+    actions = children.ensure(p)
     message = o.secret_refused or ""
     if condition(p.previous, Type.MEMBERSHIP_SYNCED).get("message") != message:
-        p.emit("Warning", Reason.NOT_SYNCED, message)
+        actions.append(PostEvent("Warning", Reason.NOT_SYNCED, message))
     conds = [Cond(Type.MEMBERSHIP_SYNCED, False, Reason.NOT_SYNCED, message),
              Cond(Type.READY, False, Reason.WAITING, f"waiting for {Type.MEMBERSHIP_SYNCED}: {message}")]
     return Plan(
-        p.actions,
+        actions,
         {**p.previous, "conditions": merge(p.previous.get("conditions", []), conds, generation, at)},
         {},
     )

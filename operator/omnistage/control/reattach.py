@@ -23,7 +23,7 @@ from omnistage_engine_patches import contract
 
 from ..names import A_HEAD_RESTARTS, A_HEAD_UID, A_REATTACH
 from . import pods
-from .actions import Annotate, MarkJoined
+from .actions import Action, Annotate, MarkJoined
 
 if TYPE_CHECKING:
     from .state import Pass
@@ -41,12 +41,14 @@ def reported(p: Pass, pod: dict[str, Any]) -> str | None:
     return outcome if isinstance(outcome, str) else None
 
 
-def remember(p: Pass, pod: dict[str, Any]) -> None:
+def remember(p: Pass, pod: dict[str, Any]) -> list[Action]:
     """Keep on the pod what its engine reported: after a head restart the new head's listing does
     not know the pod until it re-attached, and this is what says whether to wait for it."""
+    acts: list[Action] = []
     outcome = reported(p, pod)
     if outcome is not None and outcome != pods.annotation(pod, A_REATTACH):
-        p.actions.append(Annotate(pods.name(pod), {A_REATTACH: outcome}))
+        acts.append(Annotate(pods.name(pod), {A_REATTACH: outcome}))
+    return acts
 
 
 def fate(p: Pass, pod: dict[str, Any]) -> str:
@@ -65,14 +67,16 @@ def fate(p: Pass, pod: dict[str, Any]) -> str:
     return WAITING if waited < REATTACH_SECONDS else ROLL
 
 
-def wait(p: Pass, pod: dict[str, Any]) -> None:
+def wait(p: Pass, pod: dict[str, Any]) -> list[Action]:
     """Not serving until it registered again: NotReady meanwhile, and no join tried (there is no
     registration to join yet)."""
+    acts: list[Action] = []
     p.reattaching.add(pods.uid(pod))
     if pods.gated(pod) and pods.joined_condition(pod):
-        p.actions.append(MarkJoined(pods.name(pod), pods.uid(pod), False))
+        acts.append(MarkJoined(pods.name(pod), pods.uid(pod), False))
+    return acts
 
 
-def rejoined(p: Pass, pod: dict[str, Any]) -> None:
-    p.actions.append(Annotate(pods.name(pod), {A_HEAD_RESTARTS: str(pods.restarts(p.head)),
-                                                A_HEAD_UID: pods.uid(p.head)}))
+def rejoined(p: Pass, pod: dict[str, Any]) -> list[Action]:
+    return [Annotate(pods.name(pod), {A_HEAD_RESTARTS: str(pods.restarts(p.head)),
+                                      A_HEAD_UID: pods.uid(p.head)})]

@@ -19,7 +19,7 @@ from ..api.conditions import EventReason, Progress
 from ..names import A_LEAVING
 from ..render.common import Pool
 from . import liveness, pods, reattach, standby
-from .actions import DRAIN_DONE, DRAIN_FAILED, Annotate, CreatePod, MarkJoined, StartLeave
+from .actions import DRAIN_DONE, DRAIN_FAILED, Action, Annotate, CreatePod, MarkJoined, PostEvent, StartLeave
 
 if TYPE_CHECKING:
     from .state import Pass
@@ -35,19 +35,20 @@ _WHY = {
 }
 
 
-def retire(p: Pass, pod: dict[str, Any], drain_seconds: int, reason: str, why: str) -> None:
+def retire(p: Pass, pod: dict[str, Any], drain_seconds: int, reason: str, why: str) -> list[Action]:
     """Tell the engine first, then delete: the engine stops routing to the replica and drains it,
     so no request is cut off by the pod's deletion. The drain is started here and finished on a
     later pass (the `leaving` annotation records the decision across passes and restarts)."""
+    acts: list[Action] = []
     uid = pods.uid(pod)
     if uid in p.handled or uid in p.gone:
-        return
+        return acts
     p.handled.add(uid)
     if pods.annotation(pod, A_LEAVING) is None:
-        p.actions.append(Annotate(pods.name(pod), {A_LEAVING: reason}))
+        acts.append(Annotate(pods.name(pod), {A_LEAVING: reason}))
     if pods.gated(pod) and pods.joined_condition(pod):
         # NotReady before the head stops routing to it (mark_joined leaves it alone from now on).
-        p.actions.append(MarkJoined(pods.name(pod), uid, False))
+        acts.append(MarkJoined(pods.name(pod), uid, False))
     p.progressing.append(reason)
     members = [(stage, p.member_of(pod, stage)) for stage in pods.stage_ids(pod)]
     leaves = tuple((stage, mm["replicaId"]) for stage, mm in members
@@ -55,29 +56,31 @@ def retire(p: Pass, pod: dict[str, Any], drain_seconds: int, reason: str, why: s
     drain = p.o.drains.get(uid)
     if leaves and p.head_talks() and drain not in (DRAIN_DONE, DRAIN_FAILED):
         if drain is None:  # not started, or started by an operator that has since restarted
-            p.actions.append(StartLeave(pods.name(pod), uid, leaves, drain_seconds))
-        return  # DRAIN_RUNNING: the pod stays until the head let every stage's replica go
+            acts.append(StartLeave(pods.name(pod), uid, leaves, drain_seconds))
+        return acts  # DRAIN_RUNNING: the pod stays until the head let every stage's replica go
     # Left, never joined, or the head cannot be told (its heartbeat timeout detaches it).
     kind = "pool pod" if pods.pool(pod) else "standby pod" if p.standby(pod) else "replica pod"
-    p.delete(pod, reason, f"deleted {kind} {pods.name(pod)}: {why}")
+    acts.append(p.deletion(pod, reason, f"deleted {kind} {pods.name(pod)}: {why}"))
+    return acts
 
 
-def retire_stale(p: Pass) -> None:
+def retire_stale(p: Pass) -> list[Action]:
     """Replicas of another head incarnation or a finished process go at once (replicas whose
     template changed are roll()'s)."""
+    acts: list[Action] = []
     if not p.head_live():
-        return
+        return acts
     head_uid, head_restarts = pods.uid(p.head), pods.restarts(p.head)
     rolled, waiting = [], []
     for r in p.live():
         drain = p.drain_of(r)
         if (why := pods.malformed(r)) is not None:
-            retire(p, r, 0, Progress.REPLACED_REPLICA, why)
+            acts += retire(p, r, 0, Progress.REPLACED_REPLICA, why)
         elif pods.annotation(r, A_LEAVING) is not None:
             # A retirement decided earlier (this operator or one before a restart) is finished,
             # whatever happened to the spec since.
             reason = pods.annotation(r, A_LEAVING) or Progress.SCALED_DOWN
-            retire(
+            acts += retire(
                 p,
                 r,
                 drain
@@ -87,7 +90,7 @@ def retire_stale(p: Pass) -> None:
                 _why(p, reason, r),
             )
         elif pods.pool(r) is not None and pods.pool(r) not in p.pool_of:
-            retire(p, r, drain, Progress.POOL_DELETED, _why(p, Progress.POOL_DELETED, r))
+            acts += retire(p, r, drain, Progress.POOL_DELETED, _why(p, Progress.POOL_DELETED, r))
         elif (made_at := pods.head_restarts(r)) is not None and (
                 pods.head_uid(r) != head_uid or head_restarts > made_at):
             # Made for another head pod, or before the head's container restarted: a new engine. A
@@ -98,24 +101,25 @@ def retire_stale(p: Pass) -> None:
             what = ("the head pod was replaced" if pods.head_uid(r) != head_uid
                     else f"restartCount {made_at} -> {head_restarts}")
             if (verdict := reattach.fate(p, r)) == reattach.REJOINED:
-                reattach.rejoined(p, r)
-                p.emit("Normal", Progress.REATTACHED, f"replica pod {pods.name(r)} re-attached to the new "
-                       f"head engine ({what}) without a new pod")
+                acts += reattach.rejoined(p, r)
+                acts.append(PostEvent("Normal", Progress.REATTACHED, f"replica pod {pods.name(r)} "
+                                      f"re-attached to the new head engine ({what}) without a new pod"))
             elif verdict == reattach.WAITING:
                 waiting.append(pods.name(r))
-                reattach.wait(p, r)
+                acts += reattach.wait(p, r)
             elif pods.head_uid(r) != head_uid:
-                retire(p, r, 0, Progress.ROLLED_REPLICA, "it belongs to a previous head")
+                acts += retire(p, r, 0, Progress.ROLLED_REPLICA, "it belongs to a previous head")
             else:
                 rolled.append(what)
                 p.head_restarted = True
-                retire(p, r, 0, Progress.ROLLED_REPLICA, "its head's engine restarted")
+                acts += retire(p, r, 0, Progress.ROLLED_REPLICA, "its head's engine restarted")
         elif pods.terminal(r):
-            retire(p, r, 0, Progress.REPLACED_REPLICA, f"its engine exited ({r['status'].get('phase')})")
+            acts += retire(p, r, 0, Progress.REPLACED_REPLICA,
+                           f"its engine exited ({r['status'].get('phase')})")
         elif (mm := liveness.detached(p, r)) is not None:
             # The head dropped its engine (it said DOWN or died, or was silent for the coordinator's
             # 600 s) while the pod lives: replicas never register again, so a new pod does.
-            retire(
+            acts += retire(
                 p,
                 r,
                 0,
@@ -125,8 +129,8 @@ def retire_stale(p: Pass) -> None:
             )
         elif standby.hold_failed(p, r):
             why = "it is a standby the head still routes to and its hold failed: a new standby replaces it"
-            p.emit("Warning", Progress.REPLACED_REPLICA, f"standby pod {pods.name(r)}: {why}")
-            retire(p, r, p.drain_of(r), Progress.REPLACED_REPLICA, why)
+            acts.append(PostEvent("Warning", Progress.REPLACED_REPLICA, f"standby pod {pods.name(r)}: {why}"))
+            acts += retire(p, r, p.drain_of(r), Progress.REPLACED_REPLICA, why)
         elif p.standby(r) and (mm := standby.detached(p, r) or standby.silent(p, r)) is not None:
             # Nothing is routed to a standby, so nothing waits for it to resume: a new pod is the
             # quickest way back to a standby a scale-up can join.
@@ -134,25 +138,26 @@ def retire_stale(p: Pass) -> None:
             why = (f"it is a standby and the head {what} (stage {mm.get('stage', 0)} replica "
                    f"{mm.get('replicaId')}, registered, never joined): a new standby replaces it")
             # Said once: from the next pass on it is leaving (the branch above).
-            p.emit("Warning", Progress.REPLACED_REPLICA, f"standby pod {pods.name(r)}: {why}")
-            retire(p, r, 0, Progress.REPLACED_REPLICA, why)
+            acts.append(PostEvent("Warning", Progress.REPLACED_REPLICA, f"standby pod {pods.name(r)}: {why}"))
+            acts += retire(p, r, 0, Progress.REPLACED_REPLICA, why)
         elif p.listing is not None and p.member_of(r) is not None and not pods.containers_ready(r):
             # Its container, not its Ready (that waits for the join): a replica the head
             # lists whose engine stopped answering.
-            retire(p, r, 0, Progress.REPLACED_REPLICA, "it turned NotReady")
+            acts += retire(p, r, 0, Progress.REPLACED_REPLICA, "it turned NotReady")
         else:
-            reattach.remember(p, r)
+            acts += reattach.remember(p, r)
     if waiting:
         p.progressing.append(Progress.REATTACHING)
         p.head_restarted = True
     if rolled:
-        p.emit(
+        acts.append(PostEvent(
             "Warning",
             Progress.HEAD_RESTARTED,
             f"head engine restarted ({rolled[0]}); rolling every replica"
             + (" and every pool pod" if p.t.spec.stages else "")
             + " bound to the engine before",
-        )
+        ))
+    return acts
 
 
 # -- rollouts: surge first, then drain (spec.rollout)
@@ -190,19 +195,20 @@ def surge_blocked(p: Pass, pool: Pool | None) -> str | None:
     return "; ".join(stuck) or None
 
 
-def roll(p: Pass) -> None:
+def roll(p: Pass) -> list[Action]:
     """Replace outdated pods within spec.rollout. Their replacements are created first (scale()
     allows surge() extra pods) and an outdated pod is drained only while at least desired -
     maxUnavailable others serve (Ready: joined). Outdated pods that serve nothing go first, at no
     cost. No GPU free for a surge pod: one pod at a time (its GPU goes to the replacement, and
     the next waits until that one joined)."""
+    acts: list[Action] = []
     if not p.head_live():
-        return
+        return acts
     r = p.t.spec.rollout
     for pool, desired in groups(p):
         old = outdated(p, pool)
         for s in [x for x in old if p.standby(x)]:  # they serve nothing: replaced first, all at once
-            retire(p, s, 0, Progress.ROLLING_REPLICA, "its pod template changed")
+            acts += retire(p, s, 0, Progress.ROLLING_REPLICA, "its pod template changed")
         old = [x for x in old if not p.standby(x)]
         if not old:
             continue
@@ -214,22 +220,26 @@ def roll(p: Pass) -> None:
                 if serving - 1 < floor:
                     break
                 serving -= 1
-            retire(p, x, p.drain_of(x), Progress.ROLLING_REPLICA, "its pod template changed")
+            acts += retire(p, x, p.drain_of(x), Progress.ROLLING_REPLICA, "its pod template changed")
+    return acts
 
 
-def scale(p: Pass) -> None:
+def scale(p: Pass) -> list[Action]:
+    acts: list[Action] = []
     t = p.t
-    _scale(p, None, p.replica_desired(), f"spec.replicas {t.spec.replicas}")
+    acts += _scale(p, None, p.replica_desired(), f"spec.replicas {t.spec.replicas}")
     for fitted in p.pools:
         if fitted.runs:  # a pool that cannot run keeps the pods it has (loses nothing) and gets no more
-            _scale(p, fitted.pool, fitted.pool.spec.replicas,
+            acts += _scale(p, fitted.pool, fitted.pool.spec.replicas,
                    f"OmniStagePool {fitted.name} spec.replicas {fitted.pool.spec.replicas}")
+    return acts
 
 
-def _scale(p: Pass, pool: Pool | None, desired: int, why: str) -> None:
+def _scale(p: Pass, pool: Pool | None, desired: int, why: str) -> list[Action]:
     """The group to `desired` pods (plus a roll's surge), its standbys (standby.py) beside: a scale-up
     joins them first, a scale-down keeps a victim as one while they are short, and the standbys are
     then trimmed or refilled to the group's spec.standby."""
+    acts: list[Action] = []
     name = pool.name if pool else None
     staying, standbys = standby.split(p, p.staying(name))
     want = desired + surge(p, pool)  # a roll's replacements, beyond desired until the outdated pods left
@@ -239,13 +249,14 @@ def _scale(p: Pass, pool: Pool | None, desired: int, why: str) -> None:
         if pool is None:
             victims = liveness.keep_one_live(p, victims)
         for victim in victims:
-            if standby.keep(p, victim, standbys):
+            if standby.keep(p, victim, standbys, acts):
                 continue
-            retire(p, victim, p.drain_of(victim), Progress.SCALED_DOWN, _why(p, Progress.SCALED_DOWN, victim))
+            acts += retire(p, victim, p.drain_of(victim), Progress.SCALED_DOWN,
+                           _why(p, Progress.SCALED_DOWN, victim))
     elif len(staying) < want:
-        new = want - len(staying) - standby.join(p, standbys, want - len(staying), why)
+        new = want - len(staying) - standby.join(p, standbys, want - len(staying), why, acts)
     for s in standby.surplus(p, standbys, name):
-        retire(p, s, 0, Progress.STANDBY_SCALED_DOWN, _why(p, Progress.STANDBY_SCALED_DOWN, s))
+        acts += retire(p, s, 0, Progress.STANDBY_SCALED_DOWN, _why(p, Progress.STANDBY_SCALED_DOWN, s))
     refill = max(0, p.standby_desired(name) - len(standbys))
     # Pool pods too are created once the head has an IP, not once it is Ready: the head turns Ready
     # only after one replica of each remote stage registered. Replicas first, then the standbys.
@@ -253,12 +264,13 @@ def _scale(p: Pass, pool: Pool | None, desired: int, why: str) -> None:
         every = [r for r in p.o.replicas + p.change.names_held if pods.pool(r) == name]
         for n, i in enumerate(pods.free_indices(every, new + refill)):
             if n >= new:
-                p.actions.append(standby.create(p, i, name))
+                acts.append(standby.create(p, i, name))
                 continue
             want_pod = p.want_pool_pod(pool, i) if pool else p.want_replica(i)
             kind = "pool pod" if pool else "replica pod"
-            p.actions.append(CreatePod(want_pod, EventReason.SCALED_UP, f"created {kind} {{pod}} ({why})"))
+            acts.append(CreatePod(want_pod, EventReason.SCALED_UP, f"created {kind} {{pod}} ({why})"))
             p.progressing.append(Progress.SCALING_UP)
+    return acts
 
 
 def _why(p: Pass, reason: str, pod: dict[str, Any]) -> str:

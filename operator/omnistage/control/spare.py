@@ -32,7 +32,7 @@ from ..names import A_SERVING_SINCE, ROLE_HEAD, ROLE_SPARE_HEAD
 from ..render import render_head_pod
 from ..render.pods import head_pod_name
 from . import pods
-from .actions import Annotate, CreatePod, SetRole
+from .actions import Action, Annotate, CreatePod, PostEvent, SetRole
 from .state import Pass, outdated
 
 
@@ -56,32 +56,35 @@ def usable(p: Pass, spare: dict[str, Any] | None) -> bool:
             and pods.template_hash(spare) == pods.template_hash(p.want_head))
 
 
-def take_over(p: Pass) -> None:
+def take_over(p: Pass) -> list[Action]:
+    acts: list[Action] = []
     spare, head = (p.o.spares or (None,))[0], p.head
     if p.t.spec.head.standby < 1 or p.o.beside is not None or not usable(p, spare):
-        return
+        return acts
     why = dead(head)
     if why is None:
-        return
+        return acts
     assert spare is not None
     # The time first: a pass that sees the spare labelled head sees when it took over too (the watch
     # delivers the two patches in order), so its replicas' bound is never counted from its old Ready.
-    p.actions += [Annotate(pods.name(spare), {A_SERVING_SINCE: p.at}),
+    acts += [Annotate(pods.name(spare), {A_SERVING_SINCE: p.at}),
                   SetRole(pods.name(spare), pods.uid(spare), ROLE_HEAD)]
     old = "the head pod"
     if head is not None:  # out of the Services even on its way out (two serving heads read as a head change)
         old = pods.name(head)
-        p.actions.append(SetRole(old, pods.uid(head), ROLE_SPARE_HEAD))
+        acts.append(SetRole(old, pods.uid(head), ROLE_SPARE_HEAD))
     reloads = head is not None and not pods.terminating(head) and not pods.terminal(head)
-    p.emit("Warning", Progress.SPARE_TOOK_OVER,
-           f"head pod {old}'s engine died ({why}): the Services moved to the spare head pod "
-           f"{pods.name(spare)}, whose engine was loaded; the replicas re-attach to it without reloading"
-           + (f"; {old} is the spare once its engine is loaded again" if reloads else ""))
+    acts.append(PostEvent("Warning", Progress.SPARE_TOOK_OVER,
+                          f"head pod {old}'s engine died ({why}): the Services moved to the spare head pod "
+                          f"{pods.name(spare)}, whose engine was loaded; the replicas re-attach to it "
+                          "without reloading"
+                          + (f"; {old} is the spare once its engine is loaded again" if reloads else "")))
     p.progressing.append(Progress.SPARE_TOOK_OVER)
     p.head, p.listing, p.report, p.serving_since = spare, None, None, p.at
     rest = tuple(s for s in p.o.spares if s is not spare)
     p.o = replace(p.o, head=spare, spares=((head,) if head is not None else ()) + rest,
                   head_addressable=False, listing=None, report=None, answer_refused=None)
+    return acts
 
 
 def unwanted(p: Pass, spare: dict[str, Any], first: bool) -> str | None:
@@ -99,17 +102,20 @@ def unwanted(p: Pass, spare: dict[str, Any], first: bool) -> str | None:
     return None
 
 
-def keep(p: Pass) -> None:
+def keep(p: Pass) -> list[Action]:
+    acts: list[Action] = []
     for i, spare in enumerate(p.o.spares):
         if not pods.terminating(spare) and (why := unwanted(p, spare, i == 0)) is not None:
-            p.delete(spare, Progress.SPARE_RETIRED, f"deleted spare head pod {pods.name(spare)}: {why}")
+            acts.append(p.deletion(spare, Progress.SPARE_RETIRED,
+                                   f"deleted spare head pod {pods.name(spare)}: {why}"))
     head = p.head
     if (p.t.spec.head.standby < 1 or p.o.spares or head is None or not p.head_staying() or outdated(p)
             or p.o.beside is not None or p.change.swap is not None):
-        return
+        return acts
     name = next(n for n in (head_pod_name(p.t), head_pod_name(p.t, pods.template_hash(p.want_head)))
                 if n != pods.name(head))
-    p.actions.append(CreatePod(render_head_pod(p.t, name, ROLE_SPARE_HEAD), EventReason.CREATED_SPARE_HEAD,
+    acts.append(CreatePod(render_head_pod(p.t, name, ROLE_SPARE_HEAD), EventReason.CREATED_SPARE_HEAD,
                                "created spare head pod {pod}: loaded and Ready, it takes the Services if "
                                f"head pod {pods.name(head)}'s engine dies"))
     p.progressing.append(Progress.CREATING_SPARE_HEAD)
+    return acts

@@ -30,7 +30,7 @@ from ..api.conditions import Progress
 from ..api.statuses import MemberState
 from ..names import A_LEAVING, L_ROLE, ROLE_POOL, ROLE_REPLICA, ROLE_STANDBY
 from . import pods
-from .actions import DRAIN_FAILED, CreatePod, MarkJoined, SetRole, StartLeave
+from .actions import DRAIN_FAILED, Action, CreatePod, MarkJoined, PostEvent, SetRole, StartLeave
 
 if TYPE_CHECKING:
     from .state import Pass
@@ -86,22 +86,23 @@ def _rank(p: Pass, pod: dict[str, Any]) -> tuple:
             pods.created(pod), pods.index(pod))
 
 
-def _relabel(p: Pass, pod: dict[str, Any], role: str) -> None:
+def _relabel(p: Pass, pod: dict[str, Any], role: str) -> list[Action]:
     p.roles[pods.uid(pod)] = role
-    p.actions.append(SetRole(pods.name(pod), pods.uid(pod), role))
+    return [SetRole(pods.name(pod), pods.uid(pod), role)]
 
 
-def join(p: Pass, standbys: list[dict[str, Any]], count: int, why: str) -> int:
+def join(p: Pass, standbys: list[dict[str, Any]], count: int, why: str, acts: list[Action]) -> int:
     """A scale-up short of `count` replicas turns up to that many standbys into replicas (membership.sync
-    joins them in this pass: a join only) and takes them out of `standbys`; returns how many."""
+    joins them in this pass: a join only) and takes them out of `standbys`; returns how many, its
+    actions added to `acts`."""
     chosen = sorted(standbys, key=lambda s: _rank(p, s))[:max(0, count)]
     for s in chosen:
         standbys.remove(s)
-        _relabel(p, s, ROLE_POOL if pods.pool(s) else ROLE_REPLICA)
+        acts += _relabel(p, s, ROLE_POOL if pods.pool(s) else ROLE_REPLICA)
         p.progressing.append(Progress.JOINED_STANDBY)
         state = "joins now" if warm(p, s) else "joins once its engine registered"
-        p.emit("Normal", Progress.JOINED_STANDBY, f"standby pod {pods.name(s)} {state} ({why}): "
-               "a new standby refills spec.standby")
+        acts.append(PostEvent("Normal", Progress.JOINED_STANDBY, f"standby pod {pods.name(s)} {state} "
+                              f"({why}): a new standby refills spec.standby"))
     return len(chosen)
 
 
@@ -122,27 +123,29 @@ def _keepable(p: Pass, pod: dict[str, Any]) -> bool:
     return never_joined(p, pod) or all(p.engine_live(pod, stage) for stage in pods.stage_ids(pod))
 
 
-def keep(p: Pass, victim: dict[str, Any], standbys: list[dict[str, Any]]) -> bool:
+def keep(p: Pass, victim: dict[str, Any], standbys: list[dict[str, Any]], acts: list[Action]) -> bool:
     """A scale-down victim becomes a standby while the standbys are short of spec.standby: its label
     now, and (hold, later in this pass) the head's hold if it was joined: nothing is lost, nothing
-    restarts."""
+    restarts. Its actions are added to `acts`."""
     pool = pods.pool(victim)
     if len(standbys) >= p.standby_desired(pool) or not _keepable(p, victim):
         return False
     was_joined = not never_joined(p, victim)
-    _relabel(p, victim, ROLE_STANDBY)
+    acts += _relabel(p, victim, ROLE_STANDBY)
     standbys.append(victim)
     p.progressing.append(Progress.KEPT_STANDBY)
     how = "drained and held unroutable by the head" if was_joined else "it never joined"
     whose = f"OmniStagePool {pool}" if pool else "spec.replicas"
-    p.emit("Normal", Progress.KEPT_STANDBY, f"{_kind(victim)} {pods.name(victim)} is kept as a standby "
-           f"({whose} {_replicas(p, pool)}, spec.standby {p.standby_desired(pool)}): {how}")
+    acts.append(PostEvent("Normal", Progress.KEPT_STANDBY,
+                          f"{_kind(victim)} {pods.name(victim)} is kept as a standby ({whose} "
+                          f"{_replicas(p, pool)}, spec.standby {p.standby_desired(pool)}): {how}"))
     return True
 
 
-def hold(p: Pass) -> None:
+def hold(p: Pass) -> list[Action]:
     """Every standby the head still lists joined under its name is held: NotReady first (its joined gate),
     then the head drains it and keeps it attached, unroutable, under no name (StartLeave with hold)."""
+    acts: list[Action] = []
     for s in p.live():
         uid = pods.uid(s)
         if not p.standby(s) or uid in p.handled or pods.annotation(s, A_LEAVING) is not None:
@@ -154,10 +157,11 @@ def hold(p: Pass) -> None:
             continue
         p.handled.add(uid)
         if pods.gated(s) and pods.joined_condition(s):
-            p.actions.append(MarkJoined(pods.name(s), uid, False))
+            acts.append(MarkJoined(pods.name(s), uid, False))
         if p.o.drains.get(uid) is None:  # running: wait; failed: rollout.retire_stale replaces it
-            p.actions.append(StartLeave(pods.name(s), uid, leaves, p.drain_of(s), hold=True))
+            acts.append(StartLeave(pods.name(s), uid, leaves, p.drain_of(s), hold=True))
         p.progressing.append(Progress.KEPT_STANDBY)
+    return acts
 
 
 def hold_failed(p: Pass, pod: dict[str, Any]) -> bool:

@@ -17,7 +17,7 @@ from ..render import render_head_pod, render_replica_pod
 from ..render.common import Pool, Target
 from ..render.pods import render_pool_pod
 from . import collisions, engine_truth, pods, pools
-from .actions import Action, DeletePod, Observed, PostEvent
+from .actions import Action, DeletePod, Observed
 
 # A pool pod's drain when its pool is gone (the pool's own setting went with it).
 DEFAULT_POOL_DRAIN = OmniStagePoolSpec.model_fields["drain_timeout_seconds"].default
@@ -108,9 +108,6 @@ class Pass:
         self.pool_of = {f.name: f for f in self.pools}
 
     # -- helpers
-    def emit(self, etype: str, reason: str, message: str) -> None:
-        self.actions.append(PostEvent(etype, reason, message))
-
     def want_replica(self, index: int) -> dict[str, Any]:
         if index not in self._want_replica:
             self._want_replica[index] = render_replica_pod(self.t, index, pods.ip(self.head) or "",
@@ -242,9 +239,10 @@ class Pass:
     def stage_ids(self) -> list[int]:
         return [0, *(s.id for s in self.t.spec.stages)]
 
-    def delete(self, pod: dict[str, Any], reason: str | None = None, message: str = "") -> None:
-        self.actions.append(DeletePod(pods.name(pod), pods.uid(pod), reason, message))
+    def deletion(self, pod: dict[str, Any], reason: str | None = None, message: str = "") -> DeletePod:
+        """The pod's delete, for the step to return; from now on the pass counts it gone."""
         self.gone.add(pods.uid(pod))
+        return DeletePod(pods.name(pod), pods.uid(pod), reason, message)
 
     def staying(self, pool: str | None) -> list[dict[str, Any]]:
         """Live pods of a pool (None: stage-0 replicas) not on their way out: what its replicas is
