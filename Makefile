@@ -193,6 +193,17 @@ bench-real: setup real-engine-env
 	$(PY) -m pytest tests/cluster/real/bench_speech_transport.py -s
 	$(PY) -m pytest tests/cluster/real/test_head_failure.py -s
 
+# bench-seed-versions: the seed's sequence (28 requests, repeated audio) over HTTP through a real head and
+# one joined headless replica, on vLLM/vllm-omni 0.32 and 0.30, the plugin off and on, one engine pair at a
+# time (hack/seed-on-version.py; figures: docs/engine-versions.md). About 25 minutes on 2 cores.
+# SEED_ARGS="--versions 0.32 --patches off" for one run. Printed, not asserted.
+SEED_ARGS ?=
+.PHONY: bench-seed-versions
+bench-seed-versions: setup
+	bash hack/real-engine-env.sh >/dev/null
+	OMNISTAGE_ENGINE_VERSION=0.32 bash hack/real-engine-env.sh >/dev/null
+	$(PY) hack/seed-on-version.py $(SEED_ARGS)
+
 # bench-fleet: the operator at 1, 50, 200 and 1,000 OmniStages on its own local control plane
 # (/tmp/omnistage-fleet, other ports; simulated H200 nodes added as needed): RSS, CPU and API
 # requests per minute at rest, scale reaction, reconvergence after a restart, and the same with 10%
