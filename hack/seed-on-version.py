@@ -10,13 +10,17 @@ this script renders the pods, starts the processes and, with the plugin on, join
 the head's membership port as the operator would (the head holds an unjoined replica unroutable).
 
 Then the seed's sequence (tests/engine/test_replica_aware_cache.py SEQUENCE_28: 28 chat requests,
-6 audio clips, fresh ones and repeats) one at a time through the head; a request without a complete
-answer is retried once, at once, with the same body (as a client would). The answers are counted:
-HTTP 200 complete, HTTP 200 with finish_reason "error", HTTP 503, HTTP 500, others; and the retries.
-The last lines print every run side by side.
+6 audio clips, fresh ones and repeats) one at a time through the head. A request without a complete
+answer is retried with the same body (--retries, default once): by default on the engine that failed
+(a request without media first, so round-robin sends the retry there: does the frontend now send the
+tensor?), with --retry-on next at once (round-robin: the other engine). Each answer is attributed to
+the engine whose success counter moved on the head's /metrics, or whose log got the miss line. The
+answers are counted: HTTP 200 complete, HTTP 200 with finish_reason "error", HTTP 503, HTTP 500,
+others; and the retries. The last lines print every run side by side.
 
     hack/seed-on-version.py                                   # 0.32 and 0.30, plugin off and on
     hack/seed-on-version.py --versions 0.32 --patches off on  # one version
+    hack/seed-on-version.py --patches off --retries 0         # the sequence alone, no retry
 
 Only one head and one replica run at a time (about 4.4 GB and 3.6 GB); each run stops its engines
 (their process groups) before the next starts, also on an error or Ctrl-C. Engine logs stay in
@@ -341,7 +345,7 @@ def summary(o: Outcome) -> list[str]:
             f"  first answers of {len(o.results)}: {counted(first)}",
             f"  failed {failed} of {len(o.results)}, by engine: {failed_on}",
             (f"  retried {on}: {len(o.retries)} retries ({retried_on}): {counted(again)}; "
-             f"a retry succeeded for {recovered} of {failed}"),
+             f"a retry succeeded for {recovered} of {failed}") if o.retries else "  not retried",
             (f"  finished per stage-0 replica (head /metrics): {o.served_by}; misses the engines logged "
              f"('{CACHE_MISS}'): {o.misses_logged}")]
 
