@@ -81,4 +81,5 @@ def test_each_step_returns_its_actions():
     for step in (*plan_module.SERVING_STEPS, *plan_module.BESIDE_SERVING_STEPS, plan_module.headswap.finish):
         returns = inspect.signature(step).return_annotation  # a string: the modules defer annotations
         assert returns == "list[Action]", f"{step.__module__}.{step.__name__} returns {returns}"
-    assert not [name for name, _ in inspect.getmembers(Pass, inspect.isfunction) if name in ("emit", "delete")]
+    helpers = {name for name, _ in inspect.getmembers(Pass, inspect.isfunction)}
+    assert not helpers & {"emit", "delete"}

@@ -49,6 +49,7 @@ def test_every_child_kind_is_granted_watched_applied_and_ensured():
     from omnistage.control.actions import EnsureChild, Observed
     from omnistage.control.plan import plan
     from omnistage.render import target_from
+    from omnistage.render.children import RENDERERS
     from omnistage.runtime.informer import ClusterState
 
     role = next(d for d in yaml.safe_load_all((ROOT / "manifests/base/rbac.yaml").read_text())
@@ -58,8 +59,10 @@ def test_every_child_kind_is_granted_watched_applied_and_ensured():
                    for v in r["verbs"]}
         assert c.verbs <= granted, f"{c.plural}: the ClusterRole grants {sorted(granted)}"
     assert list(ClusterState().children) == [c.kind for c in CHILD_KINDS]
+    assert list(RENDERERS) == [c.kind for c in CHILD_KINDS]  # each kind renders beside its row
     obj = copy.deepcopy(SAMPLE)
     obj["metadata"].update(namespace="serving", uid="ost-uid", generation=1)
     ensured = [a for a in plan(target_from(obj), Observed(obj=obj)).actions if isinstance(a, EnsureChild)]
     assert {a.obj["kind"] for a in ensured} == set(BY_KIND)
     assert [a.compare for a in ensured] == [BY_KIND[a.obj["kind"]].owned_fields for a in ensured]
+    assert [a.reason for a in ensured] == [BY_KIND[a.obj["kind"]].synced_reason for a in ensured]

@@ -1,10 +1,10 @@
-"""Every child of an OmniStage at once, for `omnistage render` (and the golden files). The reconcile
-renders each child in the step of control/ that owns it (the ConfigMap, Services, NetworkPolicy and
-budgets in control/children.py, the pods where they are created), not through this set."""
+"""Every child of an OmniStage at once, for `omnistage render` (and the golden files); and each kept
+child kind's renderer (RENDERERS, beside api/child_kinds.py's row of that kind), which the children
+step of control/ (control/children.py) ensures. The pods are rendered where they are created."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,16 @@ from .network import (
     render_secret,
 )
 from .pods import render_head_pod, render_pool_pod, render_replica_pod
+
+#: Each kind of api/child_kinds.CHILD_KINDS: every object of it an OmniStage has, from its target and the
+#: pools that run (a new kind is its row there and its renderer here; a unit test holds the two equal).
+RENDERERS: dict[str, Callable[[Target, Sequence[Pool]], list[dict[str, Any]]]] = {
+    "ConfigMap": lambda t, pools: [render_configmap(t)],
+    "Service": lambda t, pools: [render_api_service(t), render_master_service(t)],
+    "NetworkPolicy": lambda t, pools: [render_network_policy(t)],
+    "PodDisruptionBudget": lambda t, pools: [render_disruption_budget(t),
+                                             *(render_disruption_budget(t, pool) for pool in pools)],
+}
 
 
 @dataclass
