@@ -14,10 +14,11 @@ setup:
 real-engine-env:
 	bash hack/real-engine-env.sh >/dev/null
 
-# Every tier that can run here: unit, engine (CPU), cluster (local control plane started by the fixture)
-# and real engines (tests/cluster/real: the rendered pods' own vllm serve commands on the CPU); the
-# engine tier's negative controls (test-negative) run beside the tiers from the engine tier on. Without the runs marked `full` (disruptions
-# under a request stream, minutes of engine restarts each): `make test-full` adds them.
+# Every tier that can run here but the runs marked `full`: unit, engine (CPU), connector, cluster (local
+# control plane started by the fixture); the engine tier's negative controls (test-negative) run beside
+# the tiers from the engine tier on. The real-engine tier (tests/cluster/real: the rendered pods' own
+# vllm serve commands on the CPU, minutes of engine starts per module) is marked `full`: CI runs it one
+# slice of tests/proofs.py per landing, `make test-real` all of it, `make test-full` everything.
 test: setup real-engine-env
 	@OMNISTAGE_VENV=$(VENV) bash hack/demo.sh down-if-running
 	$(PY) -m pytest tests -m "not full" --durations=25 --negative-controls --unit-beside

@@ -1,7 +1,8 @@
-"""The proofs `make test` leaves out (tests marked `full`: minutes of real engines restarting each),
-run by CI in slices: each landing runs one slice, chosen by its commit count, so every slice runs
-within len(SLICES) landings. A unit test (tests/unit/test_proofs.py) fails when a module with a
-`full` test is in no slice, so none runs nowhere.
+"""The proofs `make test` leaves out (tests marked `full`: the real-engine tier, minutes of real
+engines starting and restarting each), run by CI in slices: each landing runs one slice, chosen by
+its commit count, so every slice runs within len(SLICES) landings. A unit test
+(tests/unit/test_proofs.py) fails when a module with a `full` test is in no slice, so none runs
+nowhere.
 
     python -m tests.proofs --landing N            run landing N's slice (.ci/run: git rev-list --count HEAD)
     python -m tests.proofs --landing N --which    print its name only
@@ -30,7 +31,7 @@ class Slice:
     name: str
     proves: str
     modules: tuple[str, ...]  # pytest paths; their `full` tests run (a module's other tests run in make test)
-    minutes: int  # measured on 2 cores, warm (2026-12-07: speech 21:20, disruptions 24:11)
+    minutes: int  # on 2 cores, warm (2026-12-07 measured: speech 21:20, disruptions 24:11; others estimated)
 
 
 SLICES = (
@@ -44,10 +45,17 @@ SLICES = (
     Slice("disruptions", "a replica template change, a replica pod deleted and an engine image change "
           "under a stream lose nothing (the template change keeps two serving throughout)",
           ("tests/cluster/real/test_disruptions.py",), 25),
-    Slice("head-failure", "a head pod deleted costs no replica reload; with patch reattach off the "
-          "replicas are rolled (the negative control)",
+    Slice("head-failure", "a spare head takes over a head process kill and the dead head is the next "
+          "spare; a head process kill and a head pod deleted cost no replica reload; with patch reattach "
+          "off the replicas are rolled (the negative control)",
           ("tests/cluster/real/test_head_failure.py",
-           "tests/cluster/real/test_head_failure_negative_control.py"), 20),
+           "tests/cluster/real/test_head_failure_negative_control.py"), 24),
+    Slice("serving", "the rendered command serves and reports its live engine, join by kubectl scale, the "
+          "seed's sequence and a load over HTTP with no error, a replica SIGKILL mid-request, a scale-down "
+          "under load, a standby held warm and joined in seconds; with the plugin's stage-0 fixes off the "
+          "seed's errors come back (the negative control)",
+          ("tests/cluster/real/test_real_engines.py",
+           "tests/cluster/real/test_seed_negative_control.py"), 12),
     Slice(KIND, "under real kubelets: a replica pod deleted, a node drained, the head container killed "
           "(replicas re-attach), a head engine stall; audio through the pools",
           ("tests/cluster/kind/test_kind.py", "tests/cluster/kind/test_kind_speech.py"), 25),

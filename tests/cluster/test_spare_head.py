@@ -44,6 +44,10 @@ def test_a_deleted_head_hands_the_services_to_the_spare_and_a_new_spare_follows(
     took = [e["message"] for e in events if e.get("reason") == "SpareTookOver"]
     assert took and spare in took[0], took
     # A new spare, and the replica serving again behind the new head (rolled: stand-ins do not re-attach).
+    # The status is written at the end of the take-over's pass, after the labels moved: until then it
+    # still names the old spare (CI, 2026-12-07, read it in that window).
+    wait_for("the status naming the spare as the head", lambda: ((get_stage(kubectl, namespace) or {}).get(
+        "status") or {}).get("head", {}).get("pod") == spare, timeout=60)
     new_spare = wait_for("a new Ready spare head", lambda: ready_spare(kubectl, namespace), timeout=180)
     assert new_spare == head["metadata"]["name"], "the new spare takes the name the dead head freed"
     wait_ready(kubectl, wait_for, namespace, 2)

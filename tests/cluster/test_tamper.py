@@ -182,7 +182,9 @@ def test_a_spec_invalid_from_its_first_pass_comes_to_rest(kubectl, wait_for, nam
     time.sleep(2 * QUIET)
     more = _passes(operator, namespace) - passes
     print(f"[tamper] passes of the invalid spec at rest over {2 * QUIET:.0f}s: {more}")
-    assert more == 0, f"{more} passes of an invalid spec nothing changed"
+    # At most the resync's one full pass of its period (handlers.FULL_RESYNC_SECONDS, 60 s) falls in
+    # the window (a CI run, 2026-12-07, failed this test asserting 0); the old code gave one every second.
+    assert more <= 1, f"{more} passes of an invalid spec nothing changed in {2 * QUIET:.0f}s"
 
 
 # Kubernetes' own label and annotation keys on a Service (issue 40 item 11): kube-proxy drops a Service

@@ -80,7 +80,7 @@ CONTROLS = (
             # Without the patch a caller's UUID is not scoped at all, so "scoped like any user UUID" fails.
             also_fail=("test_a_user_uuid_shaped_like_an_engine_key_is_the_users",)),
     # One module, two patches: the frontend's mm cache test guards mm_cache_metrics, the others replica_metrics.
-    Control("replica_metrics", ("test_replica_metrics.py",), 6),
+    Control("replica_metrics", ("test_replica_metrics.py",), 7),
     Control("mm_cache_metrics", ("test_replica_metrics.py",), 1),
     # Off: the head does not answer a ping, and the old head's input thread of an engine core never stops.
     Control("reattach", ("test_reattach.py",), 3),

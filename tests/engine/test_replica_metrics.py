@@ -199,6 +199,31 @@ def test_late_stats_batch_from_departed_replica_does_not_resurrect_series(text_c
         assert engine.is_alive()
 
 
+def test_stats_batch_from_a_standby_does_not_resurrect_series(text_config):
+    """Regression: a held replica (a standby from a scale-down) stays attached and keeps sending
+    idle stats ticks; the hold removed its series, and a tick after that records nowhere (CI saw its
+    zero-valued histograms come back between the hold and the next scrape). A join makes them again."""
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    with standin_head(text_config, loopback_ip(), stats_interval=None) as engine:
+        replica = join(engine, loopback_ip())
+        rid = replica.replica_id
+        try:
+            live = LiveHead.locate(engine)
+            held = asyncio.run(live.hold(0, replica_id=rid, drain_timeout=0))
+            assert held["held"] and held["metricsRegistered"] is False, held
+            batch = EngineCoreOutputs(outputs=[], scheduler_stats=SchedulerStats(num_running_reqs=0))
+            engine.on_loop(lambda: engine.orchestrator._process_llm_stage_outputs(0, rid, batch, set()))
+            assert replica_samples(str(rid)) == {}
+            assert (0, rid) not in engine.orchestrator._stage_replica_to_engine_idx
+            assert rid in engine.attached_replica_ids()
+            assert asyncio.run(live.join(0, "replica-b", replica.bind_ip))["held"] is False
+            assert replica_samples(str(rid)), "a join makes the series again"
+        finally:
+            replica.down()
+
+
 # ---- churn ---------------------------------------------------------------------------------
 
 

@@ -18,7 +18,8 @@ What the wrappers do (the bookkeeping is metric_series.py's):
       collides with a live index once an entry has been removed (``register_replica`` would raise
       ``ValueError`` inside output processing), so the stats path registers unknown-but-attached
       replicas itself before upstream's branch can run, and routes a late stats batch from an
-      already-detached replica to a sink instead of resurrecting its series.
+      already-detached replica, or from a standby (held: its series were removed), to a sink
+      instead of resurrecting its series.
 
 mm_cache_metrics wraps ``_init_metrics_state`` and ``_process_llm_stage_outputs`` too; neither
 depends on the order of the two wrappers (patches/__init__.py).
@@ -44,6 +45,7 @@ from .._patching import (
     wrap,
 )
 from ..metric_series import SINK_ENGINE_IDX, attached, register_replica_series, remove_replica_series
+from .membership import held_of
 
 logger = logging.getLogger("omnistage_engine_patches.replica_metrics")
 
@@ -101,12 +103,14 @@ def install() -> str | None:
         if self._stat_logger is not None:
             key = (stage_id, replica_id)
             if key not in self._stage_replica_to_engine_idx:
-                if attached(self.stage_pools[stage_id], replica_id):
+                pool = self.stage_pools[stage_id]
+                if attached(pool, replica_id) and replica_id not in held_of(pool):
                     # Register with our allocator so upstream's len()-based one never runs.
                     register_replica_series(self, stage_id, replica_id)
                 else:
-                    # Late batch from a replica that was detached while it was in flight: record
-                    # it nowhere rather than resurrecting the series we removed.
+                    # Late batch from a replica that was detached while it was in flight, or a
+                    # standby's idle tick (a hold removed its series; a join makes them again):
+                    # record it nowhere rather than resurrecting the series we removed.
                     self._stage_replica_to_engine_idx[key] = SINK_ENGINE_IDX
                     sink_key = key
         try:

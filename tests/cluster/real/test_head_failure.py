@@ -12,12 +12,11 @@ process tree first, as a container runtime's cgroup does). Mocked: nothing but t
 Figures printed (the "after" of the issue's table; the negative control module prints the "before"):
 seconds from the kill to the head's /health 200, to the first request served, to every replica
 serving again; replica pods recreated and engine reloads counted; the stream's requests with what
-each got. The spare's take-over and the process kill without a spare run in `make test` and CI (one
-OmniStage start of four engines, about 6 minutes on 2 cores, the spare's take-over and the dead
-head's reload as the next spare, 3 more, and a head restart without a spare, 3 more); the head pod's
-deletion is marked full (CI: the "head-failure" slice of tests/proofs.py), as is the negative control
-(test_head_failure_negative_control.py; the engine tier's control of the patch,
-tests/engine/test_reattach.py, runs in CI).
+each got. The module is marked full: CI runs it, with its negative control
+(test_head_failure_negative_control.py), in the "head-failure" slice of tests/proofs.py (one OmniStage
+start of four engines, about 6 minutes on 2 cores; the spare's take-over and the dead head's reload as
+the next spare, 3 more; a head restart without a spare, 3 more; the head pod's deletion). The engine
+tier's control of the patch (tests/engine/test_reattach.py) runs in make test.
 """
 
 from __future__ import annotations
@@ -44,7 +43,8 @@ from tests.standin.harness import stage0
 
 NAME = "headfail"
 REQUEST_BOUND = 120.0  # no request of the stream may take longer than this: a hang is a loss
-pytestmark = [pytest.mark.timeout(2 * (HEAD_READY_TIMEOUT + JOIN_TIMEOUT) + 900)]
+# Marked full: CI runs it in the proof slice "head-failure" (tests/proofs.py), make test-real here.
+pytestmark = [pytest.mark.full, pytest.mark.timeout(2 * (HEAD_READY_TIMEOUT + JOIN_TIMEOUT) + 900)]
 # What vLLM logs once per model load (gpu_model_runner / the CPU worker): a reload shows up as a new line.
 LOAD_MARKERS = ("Loading weights took", "Model loading took")
 # Every run's figures, printed side by side once the module is done (`make bench-real` runs all of them,
@@ -265,7 +265,6 @@ def delete_head_pod(stage: RealOmniStage) -> None:
                   "--grace-period=0", "--force")
 
 
-@pytest.mark.full
 def test_a_head_pod_deleted_costs_no_replica_reload(stage):
     """The head pod deleted (`kubectl delete pod --grace-period=0 --force`): the operator makes a new
     one, which may get another address; the replicas find it through the master Service's name (the

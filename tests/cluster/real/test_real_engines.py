@@ -43,7 +43,8 @@ from tests.standin.harness import stage0
 from tests.support.stream import Stream, requests
 
 NAME = "tiny"
-pytestmark = pytest.mark.timeout(HEAD_READY_TIMEOUT + 300)
+# Marked full: CI runs it in the proof slice "serving" (tests/proofs.py), make test-real here.
+pytestmark = [pytest.mark.full, pytest.mark.timeout(HEAD_READY_TIMEOUT + 300)]
 # Seconds from a replica's SIGKILL to the answer of each request that was in flight. Seen: the errors
 # ("stage replica disappeared") within 5 s, the answers the live replica finished (1024 tokens, sharing
 # 2 cores) within 36-73 s. Twice the slowest seen; a hang runs to the client's timeout and fails.

@@ -37,7 +37,8 @@ from tests.support.stream import Stream
 NAME = "tiny-unpatched"
 DISABLED = "frontend_cache,membership"
 ATTACHED = "[MembershipController] attached remote replica"
-pytestmark = pytest.mark.timeout(HEAD_READY_TIMEOUT + JOIN_TIMEOUT)
+# Marked full: CI runs it in the proof slice "serving" (tests/proofs.py), make test-real here.
+pytestmark = [pytest.mark.full, pytest.mark.timeout(HEAD_READY_TIMEOUT + JOIN_TIMEOUT)]
 
 
 @pytest.fixture(scope="module")
