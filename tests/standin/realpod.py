@@ -80,6 +80,12 @@ class EngineImage:
     models: dict[str, Path] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=lambda: dict(OFFLINE_ENV))
     extra_plugins: tuple[str, ...] = ()
+    #: Other images this machine provides, by the container's image reference (an engine upgrade: the
+    #: OmniStage's spec.engine.image moves to one of them). Every other reference runs this image.
+    others: dict[str, EngineImage] = field(default_factory=dict)
+
+    def for_reference(self, reference: str | None) -> EngineImage:
+        return self.others.get(reference or "", self)
 
 
 def cpu_engine_image(venv: Path, models: dict[str, Path]) -> EngineImage:
@@ -299,6 +305,7 @@ def pod_process(pod: dict[str, Any], lookup: Lookup, image: EngineImage, root: P
     is its TMPDIR (default root/tmp): keep it short, vLLM puts ZMQ ipc:// sockets there and a Unix
     socket path has at most 107 bytes."""
     c = engine_container(pod)
+    image = image.for_reference(c.get("image"))
     pod_ip = (pod.get("status") or {}).get("podIP") or ""
     if not c.get("command"):
         raise Refused("the engine container has no command: the real-mode runtime runs no image entrypoint")

@@ -143,3 +143,17 @@ def test_the_cpu_engine_image_imports_this_checkouts_plugins(tmp_path):
     assert (first[0] / "omnistage_engine_patches" / "__init__.py") == \
         root / "engine_patches" / "omnistage_engine_patches" / "__init__.py"
     assert (first[1] / "omnistage_cpu_platform" / "__init__.py").exists()
+
+
+def test_the_container_image_picks_the_engine_image(tmp_path):
+    """An engine upgrade walk: the pods of spec.engine.image "engine:next" run from the other image's
+    venv, every other reference from the default one."""
+    nxt = EngineImage(bin_dir=tmp_path / "next" / "bin", models={MODEL: Path("/models/tiny")})
+    (tmp_path / "next" / "bin").mkdir(parents=True)
+    (tmp_path / "next" / "bin" / "vllm").touch()
+    image = EngineImage(bin_dir=IMAGE.bin_dir, models=IMAGE.models, others={"engine:next": nxt})
+    for spec, bin_dir in (({}, IMAGE.bin_dir), ({"engine": {"image": "engine:next"}}, nxt.bin_dir)):
+        children = _children(**spec)
+        p = realpod.pod_process(_pod(children, "tiny-head", "127.77.1.5"), _lookup(children), image, tmp_path)
+        assert p.env["PATH"].split(":")[0] == str(bin_dir), spec
+    assert p.argv[0] == str(nxt.bin_dir / "vllm")

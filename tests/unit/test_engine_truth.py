@@ -215,3 +215,42 @@ def test_summary_shows_replica_aware():
         "replica-aware",
     )
     assert s["patches"]["replica_aware_cache"] == "applied"
+
+
+def _on(version: contract.EngineVersion) -> dict:
+    """The report a head of that supported version gives with the plugin (its outcomes from the table)."""
+    patches = {name: {"outcome": version.outcome(name), "reason": "table"} for name in contract.PATCHES}
+    return report("MultiModalProcessorOnlyCache", patches, vllmVersion=version.vllm,
+                  vllmOmniVersion=version.vllm_omni)
+
+
+@pytest.mark.parametrize("version", contract.ENGINE_VERSIONS, ids=str)
+def test_every_supported_version_serves_processor_only_replicated(version):
+    """A head of each row of contract.ENGINE_VERSIONS, with the outcomes the row says, is consistent
+    for processor-only with dynamic membership (the mode every elastic OmniStage runs), and named
+    supported; replica-aware is offered only where its patches apply."""
+    verdict = engine_truth.check("processor-only", True, _on(version))
+    assert verdict.reason == Reason.CONSISTENT, verdict.message
+    assert "not a version this operator supports" not in verdict.message
+    aware = engine_truth.check("replica-aware", True, {**_on(version), "frontendCache": {
+        "cacheClass": "MultiModalProcessorOnlyCache", "mode": contract.CACHE_REPLICA_AWARE}})
+    applies = version.outcome(contract.REPLICA_AWARE_CACHE) in contract.EFFECTIVE_OUTCOMES
+    assert (aware.reason == Reason.CONSISTENT) is applies, aware.message
+
+
+def test_an_untested_version_is_named_in_the_verdict():
+    untested = report("MultiModalProcessorOnlyCache", vllmVersion="0.34.0", vllmOmniVersion="0.34.0")
+    verdict = engine_truth.check("processor-only", True, untested)
+    assert verdict.reason == Reason.CONSISTENT  # the outcomes decide; the version is said
+    assert "vllm 0.34.0" in verdict.message and "not a version this operator supports" in verdict.message
+    assert "vllm 0.32.0 and vllm-omni 0.32.0rc1" in verdict.message
+    broken = engine_truth.check("processor-only", True, report("MultiModalProcessorSenderCache"))
+    assert engine_truth.SUPPORTED_VERSIONS in broken.message
+
+
+def test_the_version_table_names_real_patches_and_outcomes():
+    for version in contract.ENGINE_VERSIONS:
+        assert {p for p, _ in version.not_applied} <= set(contract.PATCHES), version
+        assert {o for _, o in version.not_applied} <= set(contract.OUTCOMES) - {contract.APPLIED}, version
+        assert contract.CACHE_CLASS_MODES[version.sender_cache_class] == contract.CACHE_LRU, version
+    assert len({(v.vllm, v.vllm_omni) for v in contract.ENGINE_VERSIONS}) == len(contract.ENGINE_VERSIONS)

