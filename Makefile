@@ -25,7 +25,7 @@ real-engine-envs: real-engine-env
 # slice of tests/proofs.py per landing, `make test-real` all of it, `make test-full` everything.
 test: setup real-engine-env
 	@OMNISTAGE_VENV=$(VENV) bash hack/demo.sh down-if-running
-	$(PY) -m pytest tests -m "not full" --durations=25 --negative-controls --unit-beside
+	$(PY) -m pytest tests -m "not full" --durations=25 --negative-controls --tiers-beside
 
 # make test, then the full runs of the real-engine tier, then the whole kind tier (make e2e-kind).
 test-full: test real-engine-envs

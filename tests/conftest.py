@@ -59,29 +59,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--negative-controls", action="store_true",
                      help="run the engine tier's negative controls beside this run (make test): started when "
                           "it reaches tests/engine, waited for at its end; a failed control fails the run")
-    parser.addoption("--unit-beside", action="store_true",
-                     help="run tests/unit in a process of its own beside this run, from its start (make test), "
-                          "instead of in it; a failure there fails the run")
+    parser.addoption("--tiers-beside", action="store_true",
+                     help="run the unit, stand-in and connector tiers (beside.TIERS_BESIDE) in a process of their "
+                          "own beside this run, from its start (make test), instead of in it; a failure there "
+                          "fails the run")
 
 
 # The runs beside this one (tests/support/beside.py), each with the tier whose first test starts it
 # (None: the run's start).
 _beside: list[tuple[Beside, str | None]] = []
 _finished: list[tuple[Beside, int, float, list[str]]] = []
+_BESIDE_DIRS = {Path(__file__).parent / t for t in beside.TIERS_BESIDE}
 
 
 def pytest_configure(config: pytest.Config) -> None:
     time.sleep = _counted_sleep  # modules that call time.sleep; a `from time import sleep` is not counted
     log = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-    if config.getoption("--unit-beside"):
-        _beside.append((beside.unit_tier(Path(f"/tmp/omnistage-tests/unit-beside-{log}")), None))
+    if config.getoption("--tiers-beside"):
+        _beside.append((beside.tiers(Path(f"/tmp/omnistage-tests/tiers-beside-{log}")), None))
     if config.getoption("--negative-controls"):
         _beside.append((beside.negative_controls(Path(f"/tmp/omnistage-tests/negative-controls-{log}")), "engine"))
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    if config.getoption("--unit-beside") and collection_path == Path(__file__).parent / "unit":
-        return True  # the unit tier runs beside
+    if config.getoption("--tiers-beside") and collection_path in _BESIDE_DIRS:
+        return True  # these tiers run beside
     return None
 
 

@@ -30,41 +30,57 @@ KIND = "kind"
 class Slice:
     name: str
     proves: str
-    modules: tuple[str, ...]  # pytest paths; their `full` tests run (a module's other tests run in make test)
-    minutes: int  # on 2 cores, warm (2026-12-07 measured: speech 21:20, disruptions 24:11; others estimated)
+    # pytest paths, a module or one test of it ("path::test"); their `full` tests run (a module's other
+    # tests run in make test)
+    modules: tuple[str, ...]
+    minutes: int  # on 2 cores, warm (docs/bench/test-time.md says which are measured)
     # The engine environment the slice's engines run (OMNISTAGE_ENGINE_VERSION of hack/real-engine-env.sh,
     # which builds it or finds it current; OMNISTAGE_CPU_VENV then names it). None: the default (0.30).
     engine_version: str | None = None
 
 
+LIVENESS = "tests/cluster/real/test_engine_liveness.py"
+DISRUPTIONS = "tests/cluster/real/test_disruptions.py"
+SERVING = ("tests/cluster/real/test_real_engines.py", "tests/cluster/real/test_seed_negative_control.py")
+
+# A slice is at most about 15 minutes where its modules allow (issue 41: CI within 45 minutes warm is
+# make test's 20, the kind tier's 10 and one slice), so a module and its negative control are two
+# slices, and the disruption runs are split by test (each starts from and ends at two serving).
 SLICES = (
     Slice("liveness", "a stalled head engine and a stalled remote replica under a stream lose nothing, "
-          "the running gauge reads 0 after, a killed engine heals; the patch's negative control",
-          ("tests/cluster/real/test_engine_liveness.py",
-           "tests/cluster/real/test_engine_liveness_negative_control.py"), 22),
+          "the running gauge reads 0 after, a killed engine heals",
+          (LIVENESS,), 15),
+    Slice("liveness-control", "with patch engine_liveness off a stall kills the head's engine (the "
+          "negative control)",
+          ("tests/cluster/real/test_engine_liveness_negative_control.py",), 8),
     Slice("speech", "audio out through an OmniStage and an OmniStagePool, a pool scale-up and scale-down "
           "under a stream, a pool pod killed mid-request",
           ("tests/cluster/real/test_speech_pipeline.py",), 22),
-    Slice("disruptions", "a replica template change, a replica pod deleted and an engine image change "
-          "under a stream lose nothing (the template change keeps two serving throughout)",
-          ("tests/cluster/real/test_disruptions.py",), 25),
+    Slice("disruptions-roll", "a replica template change (two serving throughout) and a replica pod "
+          "deleted under a stream lose nothing",
+          (f"{DISRUPTIONS}::test_a_replica_template_change_loses_nothing_and_keeps_two_serving",
+           f"{DISRUPTIONS}::test_kubectl_delete_pod_of_a_replica_loses_nothing"), 16),
+    Slice("disruptions-head", "an engine image change hands over to a new head under a stream and "
+          "loses nothing",
+          (f"{DISRUPTIONS}::test_an_engine_image_change_hands_over_to_a_new_head_and_loses_nothing",), 12),
     Slice("head-failure", "a spare head takes over a head process kill and the dead head is the next "
-          "spare; a head process kill and a head pod deleted cost no replica reload; with patch reattach "
-          "off the replicas are rolled (the negative control)",
-          ("tests/cluster/real/test_head_failure.py",
-           "tests/cluster/real/test_head_failure_negative_control.py"), 24),
+          "spare; a head process kill and a head pod deleted cost no replica reload",
+          ("tests/cluster/real/test_head_failure.py",), 15),
+    Slice("head-failure-control", "with patch reattach off a head process kill rolls every replica (the "
+          "negative control)",
+          ("tests/cluster/real/test_head_failure_negative_control.py",), 10),
     Slice("serving", "the rendered command serves and reports its live engine, join by kubectl scale, the "
           "seed's sequence and a load over HTTP with no error, a replica SIGKILL mid-request, a scale-down "
           "under load, a standby held warm and joined in seconds; with the plugin's stage-0 fixes off the "
           "seed's errors come back (the negative control)",
-          ("tests/cluster/real/test_real_engines.py",
-           "tests/cluster/real/test_seed_negative_control.py"), 12),
+          SERVING, 13),
     # The version matrix (issue 42): the serving core and its negative control again, on the next engine.
-    Slice("engine-0.32", "on vLLM 0.32.0 / vllm-omni 0.32.0rc1: the serving core as in 'serving' and the "
-          "seed's negative control (its misses answer 503); an OmniStage's engine image moved from 0.30 to "
-          "0.32 under a stream loses nothing and the new head reports the version table's outcomes",
-          ("tests/cluster/real/test_real_engines.py", "tests/cluster/real/test_seed_negative_control.py",
-           "tests/cluster/real/test_engine_upgrade.py"), 22, engine_version="0.32"),
+    Slice("serving-0.32", "on vLLM 0.32.0 / vllm-omni 0.32.0rc1: the serving core as in 'serving' and the "
+          "seed's negative control (its misses answer 503)",
+          SERVING, 11, engine_version="0.32"),
+    Slice("upgrade", "an OmniStage's engine image moved from 0.30 to 0.32 under a stream loses nothing and "
+          "the new head reports the version table's outcomes",
+          ("tests/cluster/real/test_engine_upgrade.py",), 11, engine_version="0.32"),
     Slice(KIND, "under real kubelets: a replica pod deleted, a node drained, the head container killed "
           "(replicas re-attach), a head engine stall; audio through the pools",
           ("tests/cluster/kind/test_kind.py", "tests/cluster/kind/test_kind_speech.py"), 25),

@@ -100,17 +100,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         lease_namespace=args.leader_election_namespace,
         lease_name=args.leader_election_id,
         probe_heads_every=args.probe_heads_every,
+        full_pass_every=args.full_pass_every,
     )
 
 
-def _probe_period(text: str) -> float:
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not 0.5 <= seconds <= 60:
-        raise argparse.ArgumentTypeError(f"{text!r}: give seconds from 0.5 to 60")
-    return seconds
+def _seconds_from(low: float, high: float):
+    def parse(text: str) -> float:
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = -1.0
+        if not low <= seconds <= high:
+            raise argparse.ArgumentTypeError(f"{text!r}: give seconds from {low:g} to {high:g}")
+        return seconds
+    return parse
+
+
+_probe_period = _seconds_from(0.5, 60)
+_full_pass_period = _seconds_from(10, 3600)
 
 
 def _host_paths(text: str) -> str:
@@ -168,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--probe-heads-every", type=_probe_period, default=5.0, metavar="SECONDS",
                      help="probe every head this often (default 5; 0.5 to 60): how soon a registration or a "
                      "restarted head engine is noticed, at one conditional GET per head each time")
+    run.add_argument("--full-pass-every", type=_full_pass_period, default=60.0, metavar="SECONDS",
+                     help="give every OmniStage a full pass this often (default 60; 10 to 3600): how soon a "
+                     "deleted membership Secret is re-created while no pod needs it, at one GET per "
+                     "OmniStage each time")
     run.add_argument(
         "--leader-election-namespace",
         help="namespace of the leader-election Lease (default: "

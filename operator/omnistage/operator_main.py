@@ -28,7 +28,8 @@ def bind_address(flag: str | None) -> str:
 def run(namespaces: list[str], metrics_port: int, probe_port: int, bind: str | None = None,
         engine_image: str | None = None, lease_namespace: str | None = None,
         lease_name: str = leader.LEASE_NAME, allowed_host_paths: str | None = None,
-        probe_heads_every: float = handlers.RESYNC_SECONDS) -> int:
+        probe_heads_every: float = handlers.RESYNC_SECONDS,
+        full_pass_every: float = handlers.FULL_RESYNC_SECONDS) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if engine_image:
         # The flag beats the environment; the reconcile loop reads the default from there
@@ -46,6 +47,7 @@ def run(namespaces: list[str], metrics_port: int, probe_port: int, bind: str | N
                                      ", ".join(host_paths) or "none")
     handlers.watch(namespaces)
     handlers.probe_every(probe_heads_every)
+    handlers.full_pass_every(full_pass_every)
     lease_namespace = lease_namespace or leader.default_namespace()
     elector, threads = None, ()
     if lease_namespace:

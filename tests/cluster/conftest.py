@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 
 from tests.standin.harness import TESTS_PROBE_HEADS_EVERY, OperatorProcess
+from tests.standin.kubelet import warm_fork_server
 from tests.standin.runtime import StandinRuntime
 from tests.support.cluster import OPERATOR_SA, container_env, create_test_namespace
 from tests.support.kubectl import Kubectl, cached_binary, k8s_bin_dir
@@ -456,6 +457,18 @@ def state_dir() -> Path:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def standin_fork_server(request: pytest.FixtureRequest) -> None:
+    """The stand-in engines' fork server, started with the session's first cluster test when the run
+    has stand-in cluster tests (tests/cluster itself, not kind/ or real/): its imports overlap the
+    cluster's start and the API tests, and the first module's pods fork from it (kubelet.py)."""
+    here = Path(__file__).resolve().parent
+    if any(Path(item.path).resolve().parent == here for item in request.session.items):
+        logs = Path(os.environ.get("OMNISTAGE_TEST_STATE", "/tmp/omnistage-tests"))
+        logs.mkdir(parents=True, exist_ok=True)
+        warm_fork_server(logs / f"zygote-{os.getpid()}.log")
+
+
 @pytest.fixture(scope="module")
 def kwok_nodes(kubectl) -> bool:
     """True when the GPU nodes are kwok's (no container runs on them): the stand-in runtime is needed."""
@@ -485,14 +498,22 @@ def operator_namespaces() -> list[str]:
 
 
 @pytest.fixture(scope="module")
+def operator_full_pass_every() -> float | None:
+    """How often the module's operator gives every OmniStage a full pass (None: the operator's 60 s).
+    A module whose tests wait for a full pass shortens it; modules that count passes keep the default."""
+    return None
+
+
+@pytest.fixture(scope="module")
 def operator(kubeconfig, kubectl, omnistage_crd, standin, state_dir, wait_for,
-             operator_identity, operator_namespaces) -> Iterator[OperatorProcess]:
+             operator_identity, operator_namespaces, operator_full_pass_every) -> Iterator[OperatorProcess]:
     # Least privilege, proven: the operator runs under its own ServiceAccount with the ClusterRole
     # of manifests/base (a TokenRequest token, conftest.py operator_identity) and the Deployment's
     # environment, never as the admin; a verb the manifests lack fails these tests.
     identity = operator_identity("base")
     op = OperatorProcess(identity.kubeconfig, state_dir / "operator.log", namespaces=operator_namespaces,
-                         env=identity.env, probe_heads_every=TESTS_PROBE_HEADS_EVERY)
+                         env=identity.env, probe_heads_every=TESTS_PROBE_HEADS_EVERY,
+                         full_pass_every=operator_full_pass_every)
     op.start()
     yield op
     # The operator must never hold a deleted namespace: OmniStages and pools carry no finalizer of its

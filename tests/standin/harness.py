@@ -73,12 +73,13 @@ class OperatorProcess:
 
     def __init__(self, kubeconfig: str | os.PathLike, log_path: Path, namespaces: list[str] | None = None,
                  metrics_port: int = 0, probe_port: int = 0, env: dict[str, str] | None = None,
-                 probe_heads_every: float | None = None):
+                 probe_heads_every: float | None = None, full_pass_every: float | None = None):
         self.kubeconfig = str(kubeconfig)
         self.log_path = Path(log_path)
         self.namespaces = list(namespaces or [])
         self.env = dict(env or {})
         self.probe_heads_every = probe_heads_every  # None: the operator's default
+        self.full_pass_every = full_pass_every  # None: the operator's default
         self.metrics_port = metrics_port or free_port()
         self.probe_port = probe_port or free_port()
         self.popen: subprocess.Popen | None = None
@@ -89,7 +90,8 @@ class OperatorProcess:
         ns = [a for n in self.namespaces for a in ("--namespace", n)]
         return [*omnistage_command(), "run", *ns, "--metrics-port", str(self.metrics_port),
                 "--probe-port", str(self.probe_port),
-                *(["--probe-heads-every", str(self.probe_heads_every)] if self.probe_heads_every else [])]
+                *(["--probe-heads-every", str(self.probe_heads_every)] if self.probe_heads_every else []),
+                *(["--full-pass-every", str(self.full_pass_every)] if self.full_pass_every else [])]
 
     def start(self, ready_timeout: float = 60) -> None:
         self.starts += 1

@@ -55,3 +55,10 @@ def test_run_refuses_a_head_probe_period_out_of_range_before_it_starts():
         out = omnistage("run", "--probe-heads-every", bad)
         assert out.returncode == 2, (bad, out.stderr)
         assert "--probe-heads-every" in out.stderr and "give seconds from 0.5 to 60" in out.stderr, out.stderr
+
+
+def test_run_refuses_a_full_pass_period_out_of_range_before_it_starts():
+    for bad in ("5", "3601", "soon"):
+        out = omnistage("run", "--full-pass-every", bad)
+        assert out.returncode == 2, (bad, out.stderr)
+        assert "--full-pass-every" in out.stderr and "give seconds from 10 to 3600" in out.stderr, out.stderr

@@ -46,6 +46,14 @@ def probe_every(seconds: float) -> None:
     RESYNC_SECONDS = seconds
 
 
+def full_pass_every(seconds: float) -> None:
+    """How often every OmniStage gets a full pass (operator_main.run, from `omnistage run
+    --full-pass-every`); before kopf starts. The full pass is what notices a deleted membership Secret
+    (no watch may see Secrets), at one GET per OmniStage per period."""
+    global FULL_RESYNC_SECONDS
+    FULL_RESYNC_SECONDS = seconds
+
+
 def _emitter(body):
     ref = {"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND,
            "metadata": {"name": body["metadata"]["name"], "namespace": body["metadata"]["namespace"],
