@@ -57,17 +57,16 @@ def _counted_sleep(seconds: float) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--negative-controls", action="store_true",
-                     help="run the engine tier's negative controls beside this run (make test): started when "
-                          "it reaches tests/engine, waited for at its end; a failed control fails the run")
+                     help="run the engine tier's negative controls beside this run (make test): started at "
+                          "its start, waited for at its end; a failed control fails the run")
     parser.addoption("--tiers-beside", action="store_true",
-                     help="run the unit, stand-in and connector tiers (beside.TIERS_BESIDE) in a process of their "
-                          "own beside this run, from its start (make test), instead of in it; a failure there "
-                          "fails the run")
+                     help="run the unit, stand-in, connector and engine tiers (beside.TIERS_BESIDE) in a process "
+                          "of their own beside this run, from its start (make test), instead of in it; a failure "
+                          "there fails the run")
 
 
-# The runs beside this one (tests/support/beside.py), each with the tier whose first test starts it
-# (None: the run's start).
-_beside: list[tuple[Beside, str | None]] = []
+# The runs beside this one (tests/support/beside.py), started when collection ends.
+_beside: list[Beside] = []
 _finished: list[tuple[Beside, int, float, list[str]]] = []
 _BESIDE_DIRS = {Path(__file__).parent / t for t in beside.TIERS_BESIDE}
 
@@ -76,9 +75,10 @@ def pytest_configure(config: pytest.Config) -> None:
     time.sleep = _counted_sleep  # modules that call time.sleep; a `from time import sleep` is not counted
     log = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     if config.getoption("--tiers-beside"):
-        _beside.append((beside.tiers(Path(f"/tmp/omnistage-tests/tiers-beside-{log}")), None))
+        _beside.append(beside.unit_tier(Path(f"/tmp/omnistage-tests/unit-beside-{log}")))
+        _beside.append(beside.engine_tiers(Path(f"/tmp/omnistage-tests/engine-tiers-beside-{log}")))
     if config.getoption("--negative-controls"):
-        _beside.append((beside.negative_controls(Path(f"/tmp/omnistage-tests/negative-controls-{log}")), "engine"))
+        _beside.append(beside.negative_controls(Path(f"/tmp/omnistage-tests/negative-controls-{log}")))
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -88,19 +88,12 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    for runner, at in _beside:
-        if at is None:
-            runner.start()
-
-
-def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
-    for runner, at in _beside:
-        if runner.proc is None and at == tier(nodeid):
-            runner.start()
+    for runner in _beside:
+        runner.start()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    for runner, _ in _beside:
+    for runner in _beside:
         code, waited, lines = runner.finish()
         _finished.append((runner, code, waited, lines))
         if code != 0:

@@ -1,11 +1,13 @@
 """A run of its own beside make test's pytest run: a command in a process of its own, its
 output in a log, started when the run reaches it and waited for at the run's end. Two run so:
 
-* the unit, stand-in and connector tiers, from the run's start: none needs the cluster, the unit tier
-  is CPU work only and the other two mostly wait (on processes they start: 68 s of the stand-in tier's
-  78 s of calls, 43 s of the connector tier's 44 s of set-up), and the stand-in cluster tier first in
-  the run leaves the two cores 40-45% idle (its stand-ins wait on the operator and the API server);
-* the engine tier's negative controls (tests/engine/negative_controls.py), from the engine tier on:
+* the unit tier, and the connector, engine and stand-in tiers one after the other (in the order they
+  had in the run: the engine tier's conftest sets the environment before anything imports vLLM), from
+  the run's start: none needs the cluster, and the stand-in cluster tier, which is then the run's own,
+  leaves the two cores 30-45% idle (its stand-ins wait on the operator and the API server). The unit
+  tier is CPU work only; the others mostly wait on processes they start (the stand-in tier 68 s of its
+  78 s of calls, the connector tier 43 s of its 44 s of set-up, the engine tier 138 s of its 302 s);
+* the engine tier's negative controls (tests/engine/negative_controls.py), from the run's start too:
   they mostly wait on heartbeat timeouts and polls.
 
 tests/conftest.py starts them, prints the part of each log from `marker` on (its table) and fails the
@@ -49,15 +51,26 @@ class Beside:
 
 
 def negative_controls(log: Path) -> Beside:
-    return Beside("the negative controls, run beside the tiers from the engine tier on",
+    return Beside("the negative controls, run beside the tiers from the run's start",
                   ["-m", "tests.engine.negative_controls"], log, "[negative controls]")
 
 
-#: The tiers that run beside make test's own run, from its start (the main run does not collect them).
-TIERS_BESIDE = ("unit", "standin", "connector")
+#: The tiers that run beside make test's own run, from its start (the main run does not collect them):
+#: the unit tier in a process of its own, the others in one.
+UNIT = ("unit",)
+ENGINE_TIERS = ("connector", "engine", "standin")
+TIERS_BESIDE = UNIT + ENGINE_TIERS
 
 
-def tiers(log: Path) -> Beside:
-    return Beside(f"the {', '.join(TIERS_BESIDE)} tiers, run beside the other tiers from the run's start",
-                  ["-m", "pytest", *(f"tests/{t}" for t in TIERS_BESIDE), "-q", "-p", "no:cacheprovider",
-                   "-m", "not full"], log, "where the time went, by tier")
+def _pytest(tiers: tuple[str, ...]) -> list[str]:
+    return ["-m", "pytest", *(f"tests/{t}" for t in tiers), "-q", "-p", "no:cacheprovider", "-m", "not full"]
+
+
+def unit_tier(log: Path) -> Beside:
+    return Beside("the unit tier, run beside the other tiers from the run's start", _pytest(UNIT), log,
+                  "where the time went, by tier")
+
+
+def engine_tiers(log: Path) -> Beside:
+    return Beside(f"the {', '.join(ENGINE_TIERS)} tiers, run beside the other tiers from the run's start",
+                  _pytest(ENGINE_TIERS), log, "where the time went, by tier")
